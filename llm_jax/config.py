@@ -1,0 +1,235 @@
+"""Model configuration: one frozen dataclass for every decoder family llm_jax runs.
+
+Families differ by switches on :class:`ModelConfig` (q/k/v bias, q/k norm, GeGLU, soft-capping, ...),
+never by a copy of the decoder. Converters (``llm_jax.weights``) translate each source format into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import jax.numpy as jnp
+
+
+class ConfigError(ValueError):
+    """An invalid or self-contradictory model configuration."""
+
+
+class AttentionImpl(enum.Enum):
+    """How attention is computed; chosen in exactly one place (``llm_jax.model.attention``)."""
+
+    XLA = "xla"  # plain jnp einsums, fused by XLA
+    PALLAS = "pallas"  # fused Pallas kernels (Triton on GPU, Mosaic on TPU, interpret mode on CPU)
+
+    @classmethod
+    def parse(cls, value: "AttentionImpl | str") -> "AttentionImpl":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in cls)
+            raise ConfigError(f"unknown attention implementation {value!r}; choose one of {choices}") from None
+
+
+class Activation(enum.Enum):
+    """The gate nonlinearity of the gated MLP: SwiGLU (Llama) or GeGLU with tanh-GELU (Gemma)."""
+
+    SILU = "silu"
+    GELU_TANH = "gelu_tanh"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DefaultRope:
+    """Plain RoPE: inverse frequencies ``theta ** (-2i / H)``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinearRope:
+    """Position interpolation: every inverse frequency divided by ``factor``."""
+
+    factor: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Llama3Rope:
+    """Llama 3.1 / 3.2 frequency-dependent scaling (``rope_type: llama3`` in Hugging Face configs)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+RopeScaling = DefaultRope | LinearRope | Llama3Rope
+
+
+def _dtype_name(dtype: Any) -> str:
+    return jnp.dtype(dtype).name
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape and behaviour of a decoder-only transformer.
+
+    Hashable, so it can be a static argument of jitted functions. Dtypes are stored as names
+    (``"float32"``, ``"bfloat16"``); use :attr:`param_jnp_dtype` / :attr:`compute_jnp_dtype`.
+    """
+
+    vocab_size: int  # V
+    d_model: int  # D
+    n_layers: int  # L
+    n_heads: int  # N
+    n_kv_heads: int  # K
+    head_dim: int  # H
+    d_ff: int  # F
+    max_seq_len: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling = DefaultRope()
+    tie_embeddings: bool = False
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    attention_impl: AttentionImpl = AttentionImpl.XLA
+
+    # Family switches (Llama defaults).
+    activation: Activation = Activation.SILU
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3: RMSNorm over H on q and k before RoPE
+    norm_weight_offset: float = 0.0  # Gemma: RMSNorm scales by (offset + w)
+    embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(D)
+    sandwich_norm: bool = False  # Gemma 2: extra norms after attention and after the MLP
+    query_pre_attn_scalar: float | None = None  # Gemma 2: scale = this ** -0.5 instead of H ** -0.5
+    attn_logit_softcap: float | None = None  # Gemma 2
+    final_logit_softcap: float | None = None  # Gemma 2
+    sliding_window: int | None = None  # Mistral / Gemma 2 local layers
+    # Per layer: True where the layer uses ``sliding_window``. None means every layer does (when a
+    # window is set). Gemma 2 alternates local and global layers.
+    sliding_layers: tuple[bool, ...] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
+        object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
+        object.__setattr__(self, "attention_impl", AttentionImpl.parse(self.attention_impl))
+        object.__setattr__(self, "activation", Activation(self.activation))
+        if self.sliding_layers is not None:
+            object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))
+        self._validate()
+
+    def _validate(self) -> None:
+        positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                    "max_seq_len")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
+                "(grouped-query attention shares each kv head among n_heads // n_kv_heads query heads)")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ConfigError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be positive or None, got {self.sliding_window}")
+        if self.sliding_layers is not None:
+            if len(self.sliding_layers) != self.n_layers:
+                raise ConfigError(
+                    f"sliding_layers has {len(self.sliding_layers)} entries but n_layers={self.n_layers}")
+            if any(self.sliding_layers) and self.sliding_window is None:
+                raise ConfigError("sliding_layers marks sliding layers but sliding_window is None")
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name} must be positive or None, got {value}")
+        match self.rope_scaling:
+            case DefaultRope():
+                pass
+            case LinearRope(factor=f) if f > 0:
+                pass
+            case Llama3Rope(factor=f, low_freq_factor=lo, high_freq_factor=hi,
+                            original_max_position_embeddings=orig) if f > 0 and 0 < lo < hi and orig > 0:
+                pass
+            case other:
+                raise ConfigError(f"invalid rope_scaling {other!r}")
+
+    # Derived values.
+    @property
+    def q_per_kv(self) -> int:
+        """G: query heads sharing one kv head."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def attn_scale(self) -> float:
+        scalar = self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim
+        return float(scalar) ** -0.5
+
+    @property
+    def param_jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def compute_jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.compute_dtype)
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """The sliding window of each layer (None: full causal attention)."""
+        if self.sliding_window is None:
+            return (None,) * self.n_layers
+        flags = self.sliding_layers if self.sliding_layers is not None else (True,) * self.n_layers
+        return tuple(self.sliding_window if f else None for f in flags)
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        D, F, V, H = self.d_model, self.d_ff, self.vocab_size, self.head_dim
+        attn = D * H * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * H * D
+        if self.qkv_bias:
+            attn += H * (self.n_heads + 2 * self.n_kv_heads)
+        norms = D * (4 if self.sandwich_norm else 2) + (2 * H if self.qk_norm else 0)
+        per_layer = attn + 3 * D * F + norms
+        head = 0 if self.tie_embeddings else V * D
+        return V * D + self.n_layers * per_layer + D + head
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # Serialisation (checkpoints store the config as versioned JSON).
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, enum.Enum):
+                value = value.value
+            elif field.name == "rope_scaling":
+                value = {"type": type(value).__name__, **dataclasses.asdict(value)}
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[field.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config fields {unknown}; known fields: {sorted(known)}")
+        rope = data.pop("rope_scaling", None)
+        if rope is not None:
+            rope = dict(rope)
+            kinds = {c.__name__: c for c in (DefaultRope, LinearRope, Llama3Rope)}
+            kind = rope.pop("type", "DefaultRope")
+            if kind not in kinds:
+                raise ConfigError(f"unknown rope_scaling type {kind!r}; choose one of {sorted(kinds)}")
+            data["rope_scaling"] = kinds[kind](**rope)
+        if data.get("sliding_layers") is not None:
+            data["sliding_layers"] = tuple(data["sliding_layers"])
+        return cls(**data)

@@ -1,0 +1,68 @@
+"""The KV cache: an immutable pytree of every layer's keys and values plus per-sequence lengths.
+
+Layout: ``k_LBSKH`` / ``v_LBSKH`` — layer, batch, cache slot, kv head, head dim. Slot s holds position s
+of its sequence (prompts are right-padded), and ``lengths_B[b]`` slots of row b are valid; slots past it
+hold stale values that attention masks out and later writes overwrite. Functions return a new cache;
+jitted callers donate the old one so XLA updates the buffers in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from llm_jax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k_LBSKH: jax.Array
+    v_LBSKH: jax.Array
+    lengths_B: jax.Array  # int32: valid slots per sequence
+
+    @property
+    def batch_size(self) -> int:
+        return self.k_LBSKH.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k_LBSKH.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_LBSKH.nbytes + self.v_LBSKH.nbytes + self.lengths_B.nbytes
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens (default dtype: compute)."""
+    if max_len > config.max_seq_len:
+        raise ValueError(f"cache max_len={max_len} exceeds the model's context of {config.max_seq_len} tokens")
+    if batch_size <= 0 or max_len <= 0:
+        raise ValueError(f"cache needs a positive batch_size and max_len, got {batch_size=} {max_len=}")
+    dtype = jnp.dtype(dtype or config.compute_dtype)
+    shape = (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim)
+    return KVCache(k_LBSKH=jnp.zeros(shape, dtype), v_LBSKH=jnp.zeros(shape, dtype),
+                   lengths_B=jnp.zeros((batch_size,), jnp.int32))
+
+
+def cache_bytes_per_token(config: ModelConfig, dtype=None) -> int:
+    """Bytes of K and V one token occupies across all layers."""
+    itemsize = jnp.dtype(dtype or config.compute_dtype).itemsize
+    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * itemsize
+
+
+def write_block(cache_LBSKH: jax.Array, layer: jax.Array, new_BTKH: jax.Array) -> jax.Array:
+    """Write a block of T tokens at slots [0, T) of every row (prefill)."""
+    zero = jnp.zeros((), jnp.int32)
+    return jax.lax.dynamic_update_slice(cache_LBSKH, new_BTKH[None].astype(cache_LBSKH.dtype),
+                                        (layer, zero, zero, zero, zero))
+
+
+def write_tokens(cache_LBSKH: jax.Array, layer: jax.Array, slots_BT: jax.Array, new_BTKH: jax.Array) -> jax.Array:
+    """Write token (b, t) at slot ``slots_BT[b, t]`` of ``layer``; out-of-range slots are dropped."""
+    B, T = slots_BT.shape
+    b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    return cache_LBSKH.at[layer, b_BT, slots_BT].set(new_BTKH.astype(cache_LBSKH.dtype), mode="drop")

@@ -1,0 +1,103 @@
+"""Grouped-query self-attention: projections, and the one place that picks how attention is computed.
+
+``Attention`` owns the projections (q/k/v/o, optional q/k/v bias, optional q/k RMSNorm, RoPE).
+``attention`` computes softmax(q·kᵀ)·v for a chosen :class:`AttentionImpl`; the XLA version groups
+query heads as [K, G] so several query heads share one K/V head without materialising a repeat.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import linen as nn
+
+import pallas_kernels
+from llm_jax.config import AttentionImpl, ModelConfig
+from llm_jax.model.layers import RMSNorm, _init, dense
+from llm_jax.model.rope import apply_rope, inverse_frequencies, rope_angles
+
+# Masked scores get a large finite negative value rather than -inf, so a row with no visible key
+# (padding) gives zeros instead of NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class Attention(nn.Module):
+    """Q/K/V and output projections of one layer. q_proj [D, N, H], k/v_proj [D, K, H], o_proj [N, H, D]."""
+
+    config: ModelConfig
+
+    def setup(self) -> None:
+        c = self.config
+        D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
+        self.q_proj = self.param("q_proj", _init, (D, N, H))
+        self.k_proj = self.param("k_proj", _init, (D, K, H))
+        self.v_proj = self.param("v_proj", _init, (D, K, H))
+        self.o_proj = self.param("o_proj", _init, (N, H, D))
+        if c.qkv_bias:
+            self.q_bias = self.param("q_bias", nn.initializers.zeros, (N, H))
+            self.k_bias = self.param("k_bias", nn.initializers.zeros, (K, H))
+            self.v_bias = self.param("v_bias", nn.initializers.zeros, (K, H))
+        if c.qk_norm:
+            self.q_norm = RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset)
+            self.k_norm = RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset)
+
+    def project(self, x_BTD: jnp.ndarray, positions_BT: jnp.ndarray):
+        """Queries [B, T, N, H] and keys/values [B, T, K, H] at ``positions_BT``, RoPE applied."""
+        c, dtype = self.config, x_BTD.dtype
+        q_BTNH = dense("BTD,DNH->BTNH", x_BTD, self.q_proj, jnp.float32)
+        k_BTKH = dense("BTD,DKH->BTKH", x_BTD, self.k_proj, jnp.float32)
+        v_BTKH = dense("BTD,DKH->BTKH", x_BTD, self.v_proj, jnp.float32)
+        if c.qkv_bias:
+            q_BTNH, k_BTKH, v_BTKH = q_BTNH + self.q_bias, k_BTKH + self.k_bias, v_BTKH + self.v_bias
+        q_BTNH, k_BTKH, v_BTKH = q_BTNH.astype(dtype), k_BTKH.astype(dtype), v_BTKH.astype(dtype)
+        if c.qk_norm:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        cos, sin = rope_angles(positions_BT, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling))
+        return apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin), v_BTKH
+
+    def output(self, o_BTNH: jnp.ndarray) -> jnp.ndarray:
+        return dense("BTNH,NHD->BTD", o_BTNH, self.o_proj, o_BTNH.dtype)
+
+
+def xla_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, *, scale: float,
+                  window: int | None, softcap: float | None) -> jnp.ndarray:
+    """Masked attention in plain jnp. Key slot s is position s; it is visible to a query at position p
+    iff s <= p, s < kv_lengths_B[b] and (no window or p - s < window). Rows with no visible key are 0."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
+                              preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
+    s_S = jnp.arange(k_BSKH.shape[1])
+    p_BT1 = q_positions_BT[:, :, None]
+    visible_BTS = (s_S <= p_BT1) & (s_S < kv_lengths_B[:, None, None])
+    if window is not None:
+        visible_BTS &= p_BT1 - s_S < window
+    visible_B11TS = visible_BTS[:, None, None]
+    scores_BKGTS = jnp.where(visible_B11TS, scores_BKGTS, _MASK_VALUE)
+    probs_BKGTS = jnp.exp(scores_BKGTS - jnp.max(scores_BKGTS, axis=-1, keepdims=True))
+    probs_BKGTS = jnp.where(visible_B11TS, probs_BKGTS, 0.0)
+    denom_BKGT1 = jnp.maximum(jnp.sum(probs_BKGTS, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    probs_BKGTS = (probs_BKGTS / denom_BKGT1).astype(v_BSKH.dtype)
+    o_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH, preferred_element_type=jnp.float32)
+    return o_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
+
+
+def attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, *, config: ModelConfig,
+              window: int | None, queries_from_zero: bool) -> jnp.ndarray:
+    """Attention of ``q`` over keys/values [B, S, K, H] with the implementation the config selects.
+
+    ``queries_from_zero`` says that query t sits at position t (prefill and full forward), which the
+    fused prefill kernel assumes; otherwise a single query per row sits at ``kv_lengths_B - 1`` (decode).
+    """
+    common = dict(sm_scale=config.attn_scale, sliding_window=window, logit_softcap=config.attn_logit_softcap)
+    match config.attention_impl:
+        case AttentionImpl.PALLAS if queries_from_zero:
+            return pallas_kernels.flash_attention(q_BTNH, k_BSKH, v_BSKH, kv_lengths_B, **common)
+        case AttentionImpl.PALLAS if q_BTNH.shape[1] == 1:
+            o_BNH = pallas_kernels.decode_attention(q_BTNH[:, 0], k_BSKH, v_BSKH, kv_lengths_B, **common)
+            return o_BNH[:, None]
+        case _:
+            return xla_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, scale=config.attn_scale,
+                                 window=window, softcap=config.attn_logit_softcap)

@@ -1,0 +1,77 @@
+"""Building blocks of the decoder: RMSNorm, token embedding, gated MLP.
+
+Flax linen modules used as pure functions: parameters live in an explicit pytree passed to ``apply``.
+Matrix products accumulate in float32 (``preferred_element_type``) whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from llm_jax.config import Activation
+
+_init = nn.initializers.normal(stddev=0.02)
+
+
+def dense(equation: str, x: jnp.ndarray, w: jnp.ndarray, out_dtype: jnp.dtype) -> jnp.ndarray:
+    """``einsum(equation, x, w)`` with float32 accumulation, cast to ``out_dtype``."""
+    return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019) over the last axis, computed in float32.
+
+    ``weight_offset`` is 1 for Gemma, whose checkpoints store ``scale - 1``.
+    """
+
+    eps: float
+    weight_offset: float = 0.0
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        init = nn.initializers.zeros if self.weight_offset else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],))
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * (self.weight_offset + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+class Embedder(nn.Module):
+    """Token embedding [V, D]; also the LM head when embeddings are tied."""
+
+    vocab_size: int
+    d_model: int
+
+    def setup(self) -> None:
+        self.embedding = self.param("embedding", _init, (self.vocab_size, self.d_model))
+
+    def encode(self, tokens_BT: jnp.ndarray, out_dtype: jnp.dtype) -> jnp.ndarray:
+        return jnp.take(self.embedding, tokens_BT, axis=0).astype(out_dtype)
+
+    def decode(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
+        """Logits [B, T, V] in float32 against the (tied) embedding table."""
+        return dense("BTD,VD->BTV", x_BTD, self.embedding, jnp.float32)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SwiGLU (Shazeer 2020) or GeGLU with tanh-approximated GELU."""
+
+    d_ff: int
+    activation: Activation
+
+    @nn.compact
+    def __call__(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
+        D = x_BTD.shape[-1]
+        gate_DF = self.param("gate_proj", _init, (D, self.d_ff))
+        up_DF = self.param("up_proj", _init, (D, self.d_ff))
+        down_FD = self.param("down_proj", _init, (self.d_ff, D))
+        gate_BTF = dense("BTD,DF->BTF", x_BTD, gate_DF, jnp.float32)
+        up_BTF = dense("BTD,DF->BTF", x_BTD, up_DF, jnp.float32)
+        match self.activation:
+            case Activation.SILU:
+                act_BTF = jax.nn.silu(gate_BTF)
+            case Activation.GELU_TANH:
+                act_BTF = jax.nn.gelu(gate_BTF, approximate=True)
+        return dense("BTF,FD->BTD", (act_BTF * up_BTF).astype(x_BTD.dtype), down_FD, x_BTD.dtype)

@@ -1,0 +1,195 @@
+"""The decoder stack: embed → L × (attention + MLP) → final norm → logits.
+
+Layers are stacked (every layer parameter has a leading L axis) and run by ``lax.scan``, so compile
+time does not grow with depth. Layers whose attention differs (Gemma 2 alternates sliding-window and
+global layers) are scanned in groups of one period, keeping each layer's window a static value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from llm_jax import kv_cache as kvc
+from llm_jax.config import ModelConfig
+from llm_jax.kv_cache import KVCache
+from llm_jax.model.attention import Attention, attention
+from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, _init, dense
+
+Params = dict[str, Any]
+# attend(layer, q_BTNH, k_BTKH, v_BTKH, window, cache) -> (o_BTNH, cache)
+AttendFn = Callable[..., tuple[jax.Array, KVCache | None]]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block; with ``sandwich_norm`` (Gemma 2) each sub-block output is normed too."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, attend: Callable):
+        c = self.config
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, name=name)
+
+        attn = Attention(c, name="attn")
+        q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm")(x_BTD), positions_BT)
+        o_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)
+        y_BTD = attn.output(o_BTNH)
+        if c.sandwich_norm:
+            y_BTD = norm("post_attn_norm")(y_BTD)
+        x_BTD = x_BTD + y_BTD
+        y_BTD = GatedMLP(d_ff=c.d_ff, activation=c.activation, name="mlp")(norm("mlp_norm")(x_BTD))
+        if c.sandwich_norm:
+            y_BTD = norm("post_mlp_norm")(y_BTD)
+        return x_BTD + y_BTD, aux
+
+
+def init_params(config: ModelConfig, key: jax.Array) -> Params:
+    """Random parameters (normal(0.02) matrices, unit norms), in ``config.param_dtype``."""
+    k_embed, k_layers, k_head = jax.random.split(key, 3)
+    D = config.d_model
+    embed = Embedder(config.vocab_size, D).init(k_embed, jnp.zeros((1, 1), jnp.int32), jnp.float32,
+                                                method=Embedder.encode)["params"]
+    x = jnp.zeros((1, 1, D), jnp.float32)
+    pos = jnp.zeros((1, 1), jnp.int32)
+
+    def init_layer(key):
+        return DecoderLayer(config).init(key, x, pos, lambda q, k, v: (q, None))["params"]
+
+    params: Params = {
+        "embedder": embed,
+        "layers": jax.vmap(init_layer)(jax.random.split(k_layers, config.n_layers)),
+        "final_norm": RMSNorm(eps=config.norm_eps, weight_offset=config.norm_weight_offset).init(
+            k_head, x)["params"],
+    }
+    if not config.tie_embeddings:
+        params["lm_head"] = _init(k_head, (D, config.vocab_size))
+    return jax.tree.map(lambda a: a.astype(config.param_dtype), params)
+
+
+def embed(params: Params, config: ModelConfig, tokens_BT: jax.Array) -> jax.Array:
+    x_BTD = Embedder(config.vocab_size, config.d_model).apply(
+        {"params": params["embedder"]}, tokens_BT, config.compute_jnp_dtype, method=Embedder.encode)
+    if config.embed_scale:
+        # Gemma multiplies by sqrt(D) rounded to the activation dtype.
+        x_BTD = x_BTD * jnp.asarray(config.d_model ** 0.5, x_BTD.dtype)
+    return x_BTD
+
+
+def unembed(params: Params, config: ModelConfig, x_BTD: jax.Array) -> jax.Array:
+    """Final norm and LM head: float32 logits [B, T, V]."""
+    x_BTD = RMSNorm(eps=config.norm_eps, weight_offset=config.norm_weight_offset).apply(
+        {"params": params["final_norm"]}, x_BTD)
+    if config.tie_embeddings:
+        logits_BTV = Embedder(config.vocab_size, config.d_model).apply(
+            {"params": params["embedder"]}, x_BTD, method=Embedder.decode)
+    else:
+        logits_BTV = dense("BTD,DV->BTV", x_BTD, params["lm_head"], jnp.float32)
+    if config.final_logit_softcap is not None:
+        cap = config.final_logit_softcap
+        logits_BTV = cap * jnp.tanh(logits_BTV / cap)
+    return logits_BTV
+
+
+def _layer_period(windows: tuple[int | None, ...]) -> int:
+    """Smallest p dividing L such that layer l's window equals layer (l mod p)'s."""
+    L = len(windows)
+    return next(p for p in range(1, L + 1)
+                if L % p == 0 and all(windows[i] == windows[i % p] for i in range(L)))
+
+
+def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positions_BT: jax.Array,
+                  attend: AttendFn, cache: KVCache | None) -> tuple[jax.Array, KVCache | None]:
+    """Run every layer over ``x_BTD``; ``attend`` decides what attention sees and how the cache changes."""
+    windows = config.layer_windows()
+    period = _layer_period(windows)
+    layer = DecoderLayer(config)
+    grouped = jax.tree.map(lambda a: a.reshape(config.n_layers // period, period, *a.shape[1:]),
+                           params["layers"])
+
+    def group_step(carry, group_params):
+        x_BTD, cache, group = carry
+        for j in range(period):
+            layer_params = jax.tree.map(lambda a: a[j], group_params)
+            index = group * period + j
+            x_BTD, cache = layer.apply(
+                {"params": layer_params}, x_BTD, positions_BT,
+                functools.partial(attend, index, window=windows[j], cache=cache))
+        return (x_BTD, cache, group + 1), None
+
+    (x_BTD, cache, _), _ = jax.lax.scan(group_step, (x_BTD, cache, jnp.zeros((), jnp.int32)), grouped)
+    return x_BTD, cache
+
+
+def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool):
+    """Attention over this call's own keys (queries at positions 0..T-1); optionally store them."""
+
+    def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
+        B, T = q_BTNH.shape[:2]
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        o_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, lengths_B, config=config, window=window,
+                           queries_from_zero=True)
+        if write_cache:
+            cache = KVCache(k_LBSKH=kvc.write_block(cache.k_LBSKH, layer, k_BTKH),
+                            v_LBSKH=kvc.write_block(cache.v_LBSKH, layer, v_BTKH), lengths_B=cache.lengths_B)
+        return o_BTNH, cache
+
+    return attend
+
+
+def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array,
+            lengths_B: jax.Array | None = None) -> jax.Array:
+    """Full-sequence causal forward pass without a cache: logits [B, T, V] (float32).
+
+    ``lengths_B`` marks right padding (default: every token is real); logits at padded positions are
+    meaningless.
+    """
+    B, T = tokens_BT.shape
+    lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x_BTD, _ = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
+                             _attend_fresh(config, lengths_B, write_cache=False), None)
+    return unembed(params, config, x_BTD)
+
+
+def forward_prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
+                    cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Run right-padded prompts from an empty cache: final hidden states [B, T, D] and the filled cache."""
+    B, T = tokens_BT.shape
+    if T > cache.max_len:
+        raise ValueError(f"prompt block of {T} tokens does not fit a cache of {cache.max_len} slots")
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    x_BTD, cache = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
+                                 _attend_fresh(config, lengths_B, write_cache=True), cache)
+    return x_BTD, dataclasses.replace(cache, lengths_B=lengths_B.astype(jnp.int32))
+
+
+def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, cache: KVCache,
+                   active_B: jax.Array) -> tuple[jax.Array, KVCache]:
+    """Append T tokens per active row after its ``cache.lengths_B`` tokens (decode): hidden [B, T, D].
+
+    Inactive rows (finished sequences) write nothing and keep their length.
+    """
+    B, T = tokens_BT.shape
+    positions_BT = cache.lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)
+    # Slots of inactive rows are pushed out of range, so their writes are dropped.
+    slots_BT = jnp.where(active_B[:, None], positions_BT, cache.max_len)
+    new_lengths_B = cache.lengths_B + jnp.where(active_B, T, 0).astype(jnp.int32)
+
+    def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
+        k_LBSKH = kvc.write_tokens(cache.k_LBSKH, layer, slots_BT, k_BTKH)
+        v_LBSKH = kvc.write_tokens(cache.v_LBSKH, layer, slots_BT, v_BTKH)
+        o_BTNH = attention(q_BTNH, k_LBSKH[layer], v_LBSKH[layer], positions_BT, positions_BT[:, -1] + 1,
+                           config=config, window=window, queries_from_zero=False)
+        return o_BTNH, KVCache(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH, lengths_B=cache.lengths_B)
+
+    x_BTD, cache = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT, attend, cache)
+    return x_BTD, dataclasses.replace(cache, lengths_B=new_lengths_B)
+

@@ -1,0 +1,116 @@
+"""Assembling a parameter pytree from named source tensors, one tensor at a time.
+
+Each converter describes its format as a list of :class:`TensorSpec`: which source tensor fills which
+leaf of our pytree, the source shape it must have, and how to turn it into our layout. Per-layer
+tensors are written into one preallocated [L, ...] array, so at most one source tensor and the target
+params are in host memory at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable
+
+import numpy as np
+
+from llm_jax.config import ModelConfig
+
+
+class WeightsError(ValueError):
+    """Weights that do not match what the model expects (missing, extra, wrong shape, corrupt)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One leaf of our params. ``source`` may contain ``{layer}``; then the leaf is stacked over L."""
+
+    path: tuple[str, ...]
+    source: str
+    source_shape: tuple[int, ...]
+    to_ours: Callable[[np.ndarray], np.ndarray] = lambda w: w
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.source
+
+
+def transpose(w: np.ndarray) -> np.ndarray:
+    return w.T
+
+
+def heads_in(n_heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[n*H, D] (torch Linear, out × in) → [D, n, H]."""
+    return lambda w: w.T.reshape(w.shape[1], n_heads, head_dim)
+
+
+def heads_out(n_heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[D, N*H] (torch Linear) → [N, H, D]."""
+    return lambda w: w.T.reshape(n_heads, head_dim, w.shape[0])
+
+
+def heads_bias(n_heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[n*H] → [n, H]."""
+    return lambda b: b.reshape(n_heads, head_dim)
+
+
+def interleaved_to_halves(n_heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Undo Meta's RoPE layout on a q/k projection [n*H, D] → ours [D, n, H].
+
+    Meta (and llama2.c) rotate adjacent pairs (x[2i], x[2i+1]); we rotate halves (x[i], x[i + H/2]).
+    Within each head, output row 2i + j moves to row j * H/2 + i.
+    """
+
+    def permute(w: np.ndarray) -> np.ndarray:
+        D = w.shape[1]
+        w = w.reshape(n_heads, head_dim // 2, 2, D).transpose(0, 2, 1, 3).reshape(n_heads * head_dim, D)
+        return heads_in(n_heads, head_dim)(w)
+
+    return permute
+
+
+def _set_leaf(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def assemble(specs: Iterable[TensorSpec], config: ModelConfig, read: Callable[[str], np.ndarray],
+             available: set[str], *, where: str, dtype, progress: Callable[[str], None] | None = None) -> dict:
+    """Build the params pytree (numpy, ``dtype``) from ``read(name)``.
+
+    Raises :class:`WeightsError` naming ``where`` and the tensor on a missing, extra or misshapen tensor.
+    """
+    specs = list(specs)
+    expected = {s.source.format(layer=l) for s in specs
+                for l in (range(config.n_layers) if s.per_layer else [0])}
+    missing = sorted(expected - available)
+    if missing:
+        raise WeightsError(f"{where}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                           f"({len(missing)} of {len(expected)} expected)")
+    extra = sorted(available - expected)
+    if extra:
+        raise WeightsError(f"{where}: unexpected tensors {extra[:8]}{' ...' if len(extra) > 8 else ''}; "
+                           "the config does not describe these weights")
+    params: dict = {}
+    for spec in specs:
+        layers = range(config.n_layers) if spec.per_layer else [None]
+        stacked = None
+        for layer in layers:
+            name = spec.source.format(layer=layer)
+            source = read(name)
+            if tuple(source.shape) != tuple(spec.source_shape):
+                raise WeightsError(f"{where}: tensor {name!r} has shape {tuple(source.shape)}, "
+                                   f"expected {tuple(spec.source_shape)} from the config")
+            if not np.issubdtype(source.dtype, np.floating) and source.dtype.name != "bfloat16":
+                raise WeightsError(f"{where}: tensor {name!r} has dtype {source.dtype}, expected a float type")
+            ours = np.asarray(spec.to_ours(source)).astype(dtype)
+            if layer is None:
+                stacked = ours
+            else:
+                if stacked is None:
+                    stacked = np.empty((config.n_layers, *ours.shape), dtype)
+                stacked[layer] = ours
+            if progress is not None:
+                progress(name)
+        _set_leaf(params, spec.path, stacked)
+    return params
