@@ -8,4 +8,34 @@ Dimension key, used in array names (``x_BTD``, ``k_cache_LBSKH``) and einsums th
     N  query heads                   K  key/value heads
     G  query heads per kv head (N/K) H  head dim
     L  layers
+
+The run path, in pipeline order: ``tokenizer`` → ``prefill`` → ``decode`` (``sampling`` and stop
+conditions inside) → ``detokenize``, orchestrated by ``generate``; the model is in ``model/`` and its
+cache in ``kv_cache``. The weight path: ``weights/from_hf``, ``weights/from_llama2c`` → ``loading``.
 """
+
+# Configuration.
+from llm_jax.config import Activation, AttentionImpl, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig
+# Loading models.
+from llm_jax.loading import Model, load
+from llm_jax.tokenizer import Tokenizer, load_tokenizer
+# The model as pure functions.
+from llm_jax.model import forward, init_params
+from llm_jax.kv_cache import KVCache, init_cache
+# Jitted stages for research code.
+from llm_jax.prefill import prefill
+from llm_jax.decode import PAD_ID, DecodeControls, DecodeState, FinishReason, decode, start
+from llm_jax.sampling import GREEDY, Sampling, SamplingParams
+# Orchestration.
+from llm_jax.generate import (GenerationMetrics, GenerationResult, GenerationStream, PromptTooLongError,
+                              StreamEvent, generate, generate_stream)
+
+__all__ = [
+    "Activation", "AttentionImpl", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig",
+    "Model", "load", "Tokenizer", "load_tokenizer",
+    "forward", "init_params", "KVCache", "init_cache",
+    "prefill", "PAD_ID", "DecodeControls", "DecodeState", "FinishReason", "decode", "start",
+    "GREEDY", "Sampling", "SamplingParams",
+    "GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError", "StreamEvent",
+    "generate", "generate_stream",
+]
