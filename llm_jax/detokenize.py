@@ -55,7 +55,10 @@ class IncrementalDetokenizer:
         """Add generated ids; return the text they finish (possibly empty)."""
         if self._finished:
             raise RuntimeError("push() after finish(): start a new IncrementalDetokenizer for a new sequence")
-        self._window.extend([int(ids)] if isinstance(ids, int) else (int(i) for i in ids))
+        new_ids = [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+        if not new_ids:
+            return ""
+        self._window.extend(new_ids)
         run_start = self._trailing_byte_run_start()
         text = self._decode(self._window[:run_start])
         stable = len(text) - _trailing_replacements(text, limit=MAX_UNFINISHED_CHAR_BYTES)
@@ -78,25 +81,31 @@ class IncrementalDetokenizer:
         return self._tokenizer.decode(ids, skip_special=self._skip_special)
 
     def _trailing_byte_run_start(self) -> int:
-        """Start of the window's trailing run of byte tokens; len(window) when it ends in another token.
-
-        Skipped special tokens are removed before decoding, so they neither end nor start a run."""
-        byte_ids = self._tokenizer.byte_ids
-        skipped = self._tokenizer.special_ids if self._skip_special else frozenset()
+        """Start of the window's trailing run of byte tokens; len(window) when it ends in another token."""
         run_start = len(self._window)
-        for position in range(len(self._window) - 1, self._read - 1, -1):
-            if self._window[position] in byte_ids:
+        for position in range(len(self._window) - 1, -1, -1):
+            if self._window[position] in self._tokenizer.byte_ids:
                 run_start = position
-            elif self._window[position] not in skipped:
+            elif not self._is_skipped(self._window[position]):
                 break
         return run_start
 
     def _context_start(self, ids: list[int], start: int) -> int:
-        """Move ``start`` back until ``ids[start:]`` gives text: sentencepiece strips the leading space
-        of the first piece that gives text, so context without text would change the next token's."""
-        while start > 0 and not self._decode(ids[start:]):
+        """Move ``start`` back until ``ids[start:]`` is usable context for the tokens that follow.
+
+        It must give text — sentencepiece strips the leading space of the first piece that gives text —
+        and must not begin inside a run of byte tokens, which ``tokenizers`` decodes as one group."""
+
+        def in_run(i: int) -> bool:
+            return ids[i] in self._tokenizer.byte_ids or self._is_skipped(ids[i])
+
+        while start > 0 and ((in_run(start) and in_run(start - 1)) or not self._decode(ids[start:])):
             start -= 1
         return start
+
+    def _is_skipped(self, token_id: int) -> bool:
+        """Skipped special tokens are removed before decoding, so they neither end nor start a byte run."""
+        return self._skip_special and token_id in self._tokenizer.special_ids
 
 
 def _trailing_replacements(text: str, *, limit: int) -> int:
