@@ -41,8 +41,6 @@ from typing import Any
 import sentencepiece
 import tokenizers
 
-
-
 BYTE_PIECE = re.compile("<0x[0-9A-Fa-f]{2}>")
 
 
@@ -106,6 +104,9 @@ NO_CONFIGS = ModelConfigs(folder=pathlib.Path(), contents={})
 class Tokenizer(abc.ABC):
     """Encode text to ids and decode ids to text; one behaviour whatever the file format."""
 
+    path: pathlib.Path  # the tokenizer file
+    special: SpecialTokens
+
     @property
     def bos_id(self) -> int | None:
         return self.special.bos_id
@@ -130,7 +131,11 @@ class Tokenizer(abc.ABC):
     @property
     @abc.abstractmethod
     def special_ids(self) -> frozenset[int]:
-        """Ids that ``decode(..., skip_special=True)`` drops (control / special added tokens)."""
+        """Special tokens: sentencepiece's control pieces and ``<unk>``, a tokenizer.json's special added tokens.
+
+        ``encode(parse_special=True)`` reads their text as the token; ``decode(skip_special=True)`` gives
+        no text for them — except sentencepiece's ``<unk>``, which decodes to " ⁇ " as sentencepiece does.
+        """
 
     @property
     @abc.abstractmethod
@@ -165,6 +170,13 @@ class Tokenizer(abc.ABC):
         ids = self._encode_text(text, parse_special=parse_special)
         if add_bos and self.bos_id is not None:
             return [self.bos_id, *ids]
+        return ids
+
+    def _valid_ids(self, ids: Sequence[int]) -> list[int]:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:8]} out of range for {self.path} (vocab_size={self.vocab_size})")
         return ids
 
     def token_to_id(self, token: str, *, source: str) -> int:
@@ -238,8 +250,7 @@ class SentencePieceTokenizer(Tokenizer):
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
-        ids = [int(i) for i in ids]
-        self._check_ids(ids)
+        ids = self._valid_ids(ids)
         if skip_special or not any(i in self._special_ids for i in ids):
             return self._sp.decode(ids)
         out, run = [], []
@@ -257,11 +268,6 @@ class SentencePieceTokenizer(Tokenizer):
             if token_id is not None:
                 out.append(self._sp.id_to_piece(token_id))
         return "".join(out)
-
-    def _check_ids(self, ids: list[int]) -> None:
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:8]} out of range for {self.path} (vocab_size={self.vocab_size})")
 
 
 class HFTokenizer(Tokenizer):
@@ -313,11 +319,7 @@ class HFTokenizer(Tokenizer):
         return self._tk_plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:8]} out of range for {self.path} (vocab_size={self.vocab_size})")
-        return self._tk.decode(ids, skip_special_tokens=skip_special)
+        return self._tk.decode(self._valid_ids(ids), skip_special_tokens=skip_special)
 
 
 def load_tokenizer(path: str | pathlib.Path, *, format: TokenizerFormat | None = None) -> Tokenizer:
