@@ -142,6 +142,13 @@ class Tokenizer(abc.ABC):
     def byte_ids(self) -> frozenset[int]:
         """Byte-fallback ids (pieces ``<0x00>`` … ``<0xFF>``): one raw byte each, not a whole character."""
 
+    @property
+    @abc.abstractmethod
+    def byte_runs_decode_as_one(self) -> bool:
+        """Whether a run of byte tokens decodes as one unit: if the run is not valid UTF-8 as a whole,
+        every byte gives U+FFFD, even those that formed complete characters (``tokenizers``' ByteFallback
+        decoder). sentencepiece decodes a run character by character."""
+
     @abc.abstractmethod
     def id_to_piece(self, token_id: int) -> str:
         """The vocabulary entry of an id, in the file's own spelling (``▁the``, ``Ġthe``, ``<0x0A>``)."""
@@ -228,6 +235,10 @@ class SentencePieceTokenizer(Tokenizer):
     def byte_ids(self) -> frozenset[int]:
         return frozenset(i for i in range(self.vocab_size) if self._sp.is_byte(i))
 
+    @property
+    def byte_runs_decode_as_one(self) -> bool:
+        return False
+
     def id_to_piece(self, token_id: int) -> str:
         return self._sp.id_to_piece(token_id)
 
@@ -300,6 +311,10 @@ class HFTokenizer(Tokenizer):
     def byte_ids(self) -> frozenset[int]:
         # The spelling tokenizers' ByteFallback decoder recognises; byte-level BPE vocabularies have none.
         return frozenset(i for piece, i in self._tk.get_vocab().items() if BYTE_PIECE.fullmatch(piece))
+
+    @property
+    def byte_runs_decode_as_one(self) -> bool:
+        return bool(self.byte_ids)  # byte pieces exist for the ByteFallback decoder
 
     def id_to_piece(self, token_id: int) -> str:
         piece = self._tk.id_to_token(token_id)
