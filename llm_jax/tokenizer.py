@@ -180,10 +180,11 @@ class Tokenizer(abc.ABC):
         return ids
 
     def _valid_ids(self, ids: Sequence[int]) -> list[int]:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:8]} out of range for {self.path} (vocab_size={self.vocab_size})")
+        ids = list(map(int, ids))  # numpy / jax integers too
+        vocab_size = self.vocab_size
+        if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+            bad = [i for i in ids if not 0 <= i < vocab_size]
+            raise ValueError(f"token ids {bad[:8]} out of range for {self.path} ({vocab_size=})")
         return ids
 
     def token_to_id(self, token: str, *, source: str) -> int:
