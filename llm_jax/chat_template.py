@@ -26,7 +26,8 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from llm_jax.tokenizer import ModelConfigs, Tokenizer
+from llm_jax.special_tokens import ModelConfigs
+from llm_jax.tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
