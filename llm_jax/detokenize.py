@@ -24,6 +24,7 @@ What is held back, so that the pieces concatenate to exactly ``tokenizer.decode(
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 
 from llm_jax.tokenizer import Tokenizer
@@ -56,10 +57,11 @@ class IncrementalDetokenizer:
         self._finished = False
 
     def push(self, ids: int | Iterable[int]) -> str:
-        """Add generated ids; return the text they finish (possibly empty)."""
+        """Add generated ids (one, or several); return the text they finish (possibly empty)."""
         if self._finished:
             raise RuntimeError("push() after finish(): start a new IncrementalDetokenizer for a new sequence")
-        new_ids = [int(ids)] if isinstance(ids, int) else [int(i) for i in ids]
+        scalar = isinstance(ids, numbers.Integral) or getattr(ids, "ndim", None) == 0  # numpy / jax scalars too
+        new_ids = [int(ids)] if scalar else [int(i) for i in ids]
         if not new_ids:
             return ""
         run_was_open = self._run_start < len(self._window)

@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from llm_jax.detokenize import IncrementalDetokenizer, stream_decode
@@ -68,9 +69,10 @@ def test_pushing_several_ids_at_once(tokenizer, text_corpus):
     ids = [i for text in text_corpus for i in tokenizer.encode(text)] + random_stream(rng, tokenizer, 200)
     detokenizer = IncrementalDetokenizer(tokenizer)
     pieces, position = [], 0
-    while position < len(ids):
-        step = rng.randint(1, 5)
-        pieces.append(detokenizer.push(ids[position : position + step]))
+    while position < len(ids):  # lists, numpy arrays and numpy scalars, as a generation loop hands them
+        step = rng.randint(0, 5)
+        chunk = np.asarray(ids[position : position + step], dtype=np.int32)
+        pieces.append(detokenizer.push(chunk[0] if step == 1 else chunk if step % 2 else chunk.tolist()))
         position += step
     pieces.append(detokenizer.finish())
     assert "".join(pieces) == tokenizer.decode(ids)
