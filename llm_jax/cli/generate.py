@@ -34,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Imported here so --help answers without starting JAX.
     import llm_jax
+    from llm_jax.compilation import enable_persistent_cache
     from llm_jax.sampling import Sampling
 
+    enable_persistent_cache()  # a second run of the same model and prompt bucket skips compilation
     prompts = args.prompts
     if not prompts:
         raise CliError("give at least one --prompt or --prompt-ids")

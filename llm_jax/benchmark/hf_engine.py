@@ -1,0 +1,84 @@
+"""The same workload on Hugging Face ``transformers`` (torch, CPU): the engine users would otherwise pick.
+
+Greedy decoding with the model's own KV cache, one forward call per token — what ``generate`` does,
+minus its logits processors and stopping criteria, so the comparison is, if anything, kind to it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import numpy as np
+
+from llm_jax.benchmark.llm_jax_engine import Compiled, Run, Workload
+from llm_jax.config import ModelConfig
+
+
+def hf_config(config: ModelConfig):
+    """The ``transformers.LlamaConfig`` of a Llama-shaped llm_jax config."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.d_ff,
+        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads,
+        num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
+        rope_parameters=dict(rope_type="default", rope_theta=config.rope_theta),
+        tie_word_embeddings=config.tie_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+
+
+def save_random_hf_model(config: ModelConfig, folder: pathlib.Path, *, seed: int = 0) -> None:
+    """A randomly initialised ``LlamaForCausalLM`` of ``config`` 's shape, saved (float32) to ``folder``,
+    so that both engines run the very same weights (llm_jax loads it with its own converter)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(hf_config(config))
+    model.save_pretrained(folder)
+
+
+class HfEngine:
+    name = "transformers"
+
+    def __init__(self, folder: pathlib.Path, config: ModelConfig, workload: Workload, *, threads: int):
+        import torch
+        import transformers
+
+        torch.set_num_threads(threads)
+        transformers.utils.logging.disable_progress_bar()
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.param_dtype]
+        self.model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        self.workload = workload
+        self.prompts = torch.from_numpy(workload.prompts(config.vocab_size).astype(np.int64))
+
+    def compile(self) -> Compiled:
+        """torch runs eagerly: nothing to compile, but the first call pays one-off costs (warm-up)."""
+        t0 = time.perf_counter()
+        self._generate(steps=1)
+        return Compiled(prefill_s=0.0, decode_s=0.0, first_ttft_s=time.perf_counter() - t0)
+
+    def run(self) -> Run:
+        return self._generate(steps=self.workload.decode_steps)
+
+    def _generate(self, steps: int) -> Run:
+        import torch
+
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = self.model(input_ids=self.prompts, use_cache=True, logits_to_keep=1)
+            token_B = out.logits[:, -1].argmax(-1)
+            tokens = [token_B.numpy().copy()]
+            ttft = time.perf_counter() - t0
+            cache, step_s = out.cache, []
+            for _ in range(steps):
+                t_step = time.perf_counter()
+                out = self.model(input_ids=token_B[:, None], cache=cache, use_cache=True)
+                cache, token_B = out.cache, out.logits[:, -1].argmax(-1)
+                tokens.append(token_B.numpy().copy())
+                step_s.append(time.perf_counter() - t_step)
+            decode_s = time.perf_counter() - t0 - ttft
+        tokens_BS = np.stack(tokens, axis=1)
+        return Run(ttft_s=ttft, decode_s=decode_s, step_s=tuple(step_s), decode_tokens=tokens_BS[:, 1:].size,
+                   tokens=tokens_BS)

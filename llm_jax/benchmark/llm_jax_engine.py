@@ -1,0 +1,114 @@
+"""Timing llm_jax's own stages — ``prefill`` → ``start`` → ``decode`` in chunks — on one workload.
+
+The stages are called directly, as ``generate`` calls them, without tokenizer or detokenizer: the
+numbers are the model's. Compilation is measured on the first run and excluded from the timed runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from llm_jax import buckets
+from llm_jax.compile_stats import measure_compilation
+from llm_jax.config import ModelConfig
+from llm_jax.decode import PAD_ID, DecodeControls, decode, start
+from llm_jax.kv_cache import init_cache
+from llm_jax.model import Params
+from llm_jax.prefill import prefill
+from llm_jax.sampling import GREEDY
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    batch: int
+    prompt_len: int
+    new_tokens: int  # generated tokens per sequence, the first (from prefill) included
+    chunk_steps: int = 16  # decode steps per device call (the host sees tokens once per chunk)
+
+    @property
+    def decode_steps(self) -> int:
+        """Decode steps actually run: ``new_tokens - 1`` rounded up to whole chunks."""
+        return self.chunk_steps * math.ceil((self.new_tokens - 1) / self.chunk_steps)
+
+    def prompts(self, vocab_size: int, seed: int = 0) -> np.ndarray:
+        """Random prompt ids [B, prompt_len] (every row the same length: no padding)."""
+        return np.random.default_rng(seed).integers(0, vocab_size, (self.batch, self.prompt_len), dtype=np.int32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Run:
+    """One timed generation."""
+
+    ttft_s: float  # prompt in → first tokens on the host
+    decode_s: float
+    step_s: tuple[float, ...]  # per-step latency of each decode chunk (chunk time ÷ steps)
+    decode_tokens: int  # tokens produced by decode steps, all rows
+    tokens: np.ndarray  # [B, 1 + decode steps] generated ids (the first from prefill)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Compiled:
+    prefill_s: float  # tracing + lowering + compiling prefill and start
+    decode_s: float
+    first_ttft_s: float  # time to first token of the very first call, compilation included
+
+
+class LlmJaxEngine:
+    """Runs a :class:`Workload` against ``params``; call :meth:`compile` once, then :meth:`run`."""
+
+    name = "llm_jax"
+
+    def __init__(self, params: Params, config: ModelConfig, workload: Workload):
+        self.params, self.config, self.workload = params, config, workload
+        context = config.max_seq_len
+        self.block_len = buckets.prompt_bucket(workload.prompt_len, context=context)
+        self.cache_len = buckets.cache_bucket(workload.prompt_len, 1 + workload.decode_steps, context=context)
+        if workload.prompt_len + workload.decode_steps > self.cache_len:
+            raise ValueError(f"a prompt of {workload.prompt_len} tokens and {workload.decode_steps} decode steps "
+                             f"exceed the model's context of {context} tokens")
+        B = workload.batch
+        prompts = workload.prompts(config.vocab_size)
+        self.tokens_BT = np.zeros((B, self.block_len), np.int32)
+        self.tokens_BT[:, : workload.prompt_len] = prompts
+        self.lengths_B = np.full((B,), workload.prompt_len, np.int32)
+        self.controls = DecodeControls.create([GREEDY] * B, eos_ids=[()] * B, stop_ids=[()] * B,
+                                              max_new_tokens=[1 + workload.decode_steps] * B)
+
+    def compile(self) -> Compiled:
+        t0 = time.perf_counter()
+        with measure_compilation() as first:
+            cache, state = self._prefill()
+            np.asarray(state.tokens_B)
+        first_ttft = time.perf_counter() - t0
+        with measure_compilation() as second:
+            cache, state, tokens = self._decode(cache, state)
+            np.asarray(tokens)
+        return Compiled(prefill_s=first.seconds, decode_s=second.seconds, first_ttft_s=first_ttft)
+
+    def run(self) -> Run:
+        t0 = time.perf_counter()
+        cache, state = self._prefill()
+        first_BS = np.asarray(state.tokens_B)[:, None]
+        ttft = time.perf_counter() - t0
+        chunks, step_s = [first_BS], []
+        for _ in range(self.workload.decode_steps // self.workload.chunk_steps):
+            t_chunk = time.perf_counter()
+            cache, state, tokens = self._decode(cache, state)
+            chunks.append(np.asarray(tokens))
+            step_s.append((time.perf_counter() - t_chunk) / self.workload.chunk_steps)
+        decode_s = time.perf_counter() - t0 - ttft
+        tokens_BS = np.concatenate(chunks, axis=1)
+        return Run(ttft_s=ttft, decode_s=decode_s, step_s=tuple(step_s),
+                   decode_tokens=int((tokens_BS[:, 1:] != PAD_ID).sum()), tokens=tokens_BS)
+
+    def _prefill(self):
+        cache = init_cache(self.config, self.workload.batch, self.cache_len)
+        logits_BV, cache = prefill(self.params, self.config, self.tokens_BT, self.lengths_B, cache)
+        return cache, start(logits_BV, cache, self.controls)
+
+    def _decode(self, cache, state):
+        return decode(self.params, self.config, cache, state, self.controls, num_steps=self.workload.chunk_steps)

@@ -1,0 +1,119 @@
+"""Benchmark rows: repeated runs summarised (median, min, max), printed as a table or written as JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from typing import Sequence
+
+import numpy as np
+
+from llm_jax.benchmark.llm_jax_engine import Compiled, Run, Workload
+from llm_jax.benchmark.machine import Machine
+from llm_jax.benchmark.roofline import Roofline
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Spread:
+    median: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Spread":
+        values = np.asarray(values, np.float64)
+        return cls(median=float(np.median(values)), min=float(values.min()), max=float(values.max()))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Row:
+    """One engine on one workload. Scalars are medians over the repeats; ``*_spread`` give min and max."""
+
+    engine: str
+    shape: str
+    dtype: str
+    batch: int
+    prompt_len: int
+    new_tokens: int  # generated per sequence (decode steps rounded up to whole chunks, plus the first)
+    repeats: int
+    compile_s: float  # prefill + decode
+    compile_prefill_s: float
+    compile_decode_s: float
+    first_ttft_s: float  # the first call's time to first token, compilation included
+    ttft_s: float
+    itl_p50_s: float
+    itl_p90_s: float
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+    roofline_tokens_per_s: float
+    roofline_fraction: float
+    bytes_per_step: int
+    kv_cache_bytes_per_token: int
+    peak_rss_mb: float
+    decode_tokens_per_s_spread: Spread
+    ttft_s_spread: Spread
+    prefill_tokens_per_s_spread: Spread
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compiled: Compiled, runs: Sequence[Run],
+              roofline: Roofline, kv_bytes_per_token: int, peak_rss_mb: float) -> Row:
+    B = workload.batch
+    decode_rate = [r.decode_tokens / r.decode_s for r in runs]
+    prefill_rate = [B * workload.prompt_len / r.ttft_s for r in runs]
+    steps = np.concatenate([r.step_s for r in runs])
+    decode = Spread.of(decode_rate)
+    return Row(engine=engine, shape=shape, dtype=dtype, batch=B, prompt_len=workload.prompt_len,
+               new_tokens=1 + workload.decode_steps, repeats=len(runs),
+               compile_s=compiled.prefill_s + compiled.decode_s, compile_prefill_s=compiled.prefill_s,
+               compile_decode_s=compiled.decode_s, first_ttft_s=compiled.first_ttft_s,
+               ttft_s=float(np.median([r.ttft_s for r in runs])),
+               itl_p50_s=float(np.percentile(steps, 50)), itl_p90_s=float(np.percentile(steps, 90)),
+               decode_tokens_per_s=decode.median, prefill_tokens_per_s=float(np.median(prefill_rate)),
+               roofline_tokens_per_s=roofline.tokens_per_s, roofline_fraction=decode.median / roofline.tokens_per_s,
+               bytes_per_step=roofline.bytes_per_step, kv_cache_bytes_per_token=kv_bytes_per_token,
+               peak_rss_mb=peak_rss_mb, decode_tokens_per_s_spread=decode,
+               ttft_s_spread=Spread.of([r.ttft_s for r in runs]), prefill_tokens_per_s_spread=Spread.of(prefill_rate))
+
+
+def agreement(a_BS: np.ndarray, b_BS: np.ndarray) -> float:
+    """Fraction of rows whose greedy tokens agree, measured up to each row's first difference: 1.0 when
+    both engines generate the same text."""
+    n = min(a_BS.shape[1], b_BS.shape[1])
+    same = a_BS[:, :n] == b_BS[:, :n]
+    prefix = np.where(same.all(axis=1), n, same.argmin(axis=1))
+    return float(prefix.mean() / n)
+
+
+COLUMNS = ("engine", "shape", "dtype", "B", "prompt", "new", "compile s", "ttft ms", "itl p50/p90 ms",
+           "decode tok/s (min–max)", "prefill tok/s", "roofline", "% roof", "peak MiB")
+
+
+def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
+    """Rows as a fixed-width table; ``ratios[i]`` (llm_jax ÷ transformers decode rate) adds a column."""
+    lines = []
+    header = COLUMNS + (("× hf",) if ratios else ())
+    cells = []
+    for i, r in enumerate(rows):
+        d = r.decode_tokens_per_s_spread
+        row = (r.engine, r.shape, r.dtype, str(r.batch), str(r.prompt_len), str(r.new_tokens),
+               f"{r.compile_prefill_s:.1f}+{r.compile_decode_s:.1f}", f"{r.ttft_s * 1e3:.1f}",
+               f"{r.itl_p50_s * 1e3:.2f}/{r.itl_p90_s * 1e3:.2f}", f"{d.median:.1f} ({d.min:.1f}–{d.max:.1f})",
+               f"{r.prefill_tokens_per_s:.0f}", f"{r.roofline_tokens_per_s:.0f}", f"{100 * r.roofline_fraction:.0f}",
+               f"{r.peak_rss_mb:.0f}")
+        if ratios:
+            row += (f"{ratios[i]:.2f}" if i in ratios else "",)
+        cells.append(row)
+    widths = [max(len(h), *(len(c[j]) for c in cells)) for j, h in enumerate(header)]
+    for line in (header, *cells):
+        lines.append("  ".join(c.rjust(w) if j >= 3 else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths))))
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def write_json(path: pathlib.Path, machine: Machine, rows: Sequence[Row], extra: dict | None = None) -> None:
+    payload = {"machine": machine.to_dict(), "rows": [r.to_dict() for r in rows], **(extra or {})}
+    path.write_text(json.dumps(payload, indent=2) + "\n")

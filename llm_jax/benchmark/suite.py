@@ -1,0 +1,138 @@
+"""Running the benchmark matrix: models × dtypes × batch sizes, engines alternating within each cell.
+
+Alternating (llm_jax run, transformers run, llm_jax run, ...) exposes both engines to the same
+machine conditions, so their ratio holds even when other processes disturb the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sys
+import tempfile
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+import llm_jax
+from llm_jax.benchmark import machine as machine_lib
+from llm_jax.benchmark.hf_engine import HfEngine, save_random_hf_model
+from llm_jax.benchmark.llm_jax_engine import LlmJaxEngine, Workload
+from llm_jax.benchmark.results import Row, agreement, summarise
+from llm_jax.benchmark.roofline import decode_roofline
+from llm_jax.benchmark.shapes import SHAPES, shape_config
+from llm_jax.config import ModelConfig
+from llm_jax.kv_cache import cache_bytes_per_token
+from llm_jax.model import init_params
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cell:
+    model: str  # a named shape or a checkpoint path
+    dtype: str
+    batch: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    prompt_len: int = 16
+    new_tokens: int = 129
+    repeats: int = 3
+    chunk_steps: int = 16
+    compare_hf: bool = False
+    threads: int = 0  # torch threads (0: every CPU)
+    bandwidth_gbps: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CellResult:
+    rows: list[Row]
+    hf_ratio: float | None  # llm_jax ÷ transformers decode tokens/s
+    agreement: float | None  # greedy-token agreement between the engines
+
+
+Log = Callable[[str], None]
+
+
+def log_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class ModelSource:
+    """Params of a model (named shape: random weights; path: a checkpoint) in each dtype, and for
+    comparisons a Hugging Face folder holding the very same weights."""
+
+    def __init__(self, model: str, *, need_hf: bool, workdir: pathlib.Path):
+        self.model, self.workdir = model, workdir
+        self.named = model in SHAPES
+        self.hf_folder: pathlib.Path | None = None
+        if need_hf:
+            if self.named:
+                self.hf_folder = workdir / f"hf-{model}"
+                save_random_hf_model(shape_config(model, dtype="float32"), self.hf_folder)
+            elif (pathlib.Path(model) / "config.json").is_file():
+                self.hf_folder = pathlib.Path(model)
+            else:
+                raise ValueError(f"--compare hf needs a named shape or a Hugging Face folder, got {model}")
+
+    @property
+    def label(self) -> str:
+        return self.model if self.named else pathlib.Path(self.model).name
+
+    def load(self, dtype: str) -> tuple[ModelConfig, llm_jax.Params]:
+        if self.hf_folder is not None or not self.named:
+            loaded = llm_jax.load(self.hf_folder or self.model, dtype=dtype)
+            return loaded.config, loaded.params
+        config = shape_config(self.model, dtype=dtype)
+        return config, jax.tree.map(jnp.asarray, init_params(config))
+
+
+def run_cell(source: ModelSource, config: ModelConfig, params, cell: Cell, options: Options, log: Log) -> CellResult:
+    workload = Workload(batch=cell.batch, prompt_len=options.prompt_len, new_tokens=options.new_tokens,
+                        chunk_steps=options.chunk_steps)
+    engines = [LlmJaxEngine(params, config, workload)]
+    if options.compare_hf:
+        engines.append(HfEngine(source.hf_folder, config, workload, threads=options.threads or machine_lib.cpu_threads()))
+    compiled, runs, peaks = {}, {e.name: [] for e in engines}, {e.name: 0.0 for e in engines}
+    for engine in engines:
+        machine_lib.reset_peak_rss()
+        compiled[engine.name] = engine.compile()
+        peaks[engine.name] = machine_lib.peak_rss_mb()
+        log(f"  {engine.name}: compiled in {compiled[engine.name].prefill_s:.1f}+{compiled[engine.name].decode_s:.1f} s")
+    for rep in range(options.repeats):
+        for engine in engines:
+            machine_lib.reset_peak_rss()
+            run = engine.run()
+            peaks[engine.name] = max(peaks[engine.name], machine_lib.peak_rss_mb())
+            runs[engine.name].append(run)
+            log(f"  {engine.name} run {rep + 1}/{options.repeats}: ttft {run.ttft_s * 1e3:.1f} ms, "
+                f"decode {run.decode_tokens / run.decode_s:.1f} tok/s")
+    roofline = decode_roofline(config, batch=cell.batch, prompt_len=options.prompt_len,
+                               new_tokens=1 + workload.decode_steps, bandwidth_gbps=options.bandwidth_gbps)
+    rows = [summarise(engine=e.name, shape=source.label, dtype=cell.dtype, workload=workload,
+                      compiled=compiled[e.name], runs=runs[e.name], roofline=roofline,
+                      kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[e.name])
+            for e in engines]
+    if not options.compare_hf:
+        return CellResult(rows=rows, hf_ratio=None, agreement=None)
+    ratio = rows[0].decode_tokens_per_s / rows[1].decode_tokens_per_s
+    agree = agreement(runs["llm_jax"][0].tokens, runs["transformers"][0].tokens)
+    return CellResult(rows=rows, hf_ratio=ratio, agreement=agree)
+
+
+def run_matrix(models: Sequence[str], dtypes: Sequence[str], batches: Sequence[int], options: Options,
+               log: Log = log_stderr) -> list[CellResult]:
+    results = []
+    with tempfile.TemporaryDirectory(prefix="llm_jax_bench_") as tmp:
+        for model in models:
+            log(f"{model}: preparing weights" + (" (and the transformers copy)" if options.compare_hf else ""))
+            source = ModelSource(model, need_hf=options.compare_hf, workdir=pathlib.Path(tmp))
+            for dtype in dtypes:
+                config, params = source.load(dtype)
+                for batch in batches:
+                    log(f"{source.label} {dtype} batch {batch}:")
+                    results.append(run_cell(source, config, params, Cell(model=model, dtype=dtype, batch=batch),
+                                            options, log))
+                del params
+    return results

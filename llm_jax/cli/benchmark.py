@@ -1,0 +1,137 @@
+"""``scripts/benchmark.py``: how fast llm_jax decodes, against the memory roofline and ``transformers``.
+
+One command runs a matrix of models × dtypes × batch sizes, prints progress on stderr and a table on
+stdout, and with ``--json`` writes every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+
+from llm_jax.cli.common import positive_int, run_main
+
+EPILOG = """\
+examples:
+  benchmark.py --model 15M --model 110M --dtype float32 bfloat16 --compare hf --repeats 3
+  benchmark.py --model 15M --batch 1 8 32
+  benchmark.py --model 1B --dtype bfloat16 --new-tokens 33
+  benchmark.py --model 110M --compile-layers 6 12 24 --cli-ttft
+
+models: a named shape with random weights (260K, 15M, 110M: llama2.c stories; 1B: TinyLlama 1.1B) or a
+checkpoint path (llama2.c .bin or Hugging Face folder). The roofline is the measured memory bandwidth
+divided by the bytes one decode step must read (weights + the KV cache in use); "% roof" is the share
+of it reached. "× hf" is llm_jax's decode rate over transformers' in the same process, runs alternating.
+Peak memory is the process's: with --compare hf both engines' weights are resident.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Benchmark llm_jax decode and prefill.", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", dest="models", action="append", help="named shape or checkpoint (repeatable)")
+    p.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"])
+    p.add_argument("--batch", nargs="+", type=positive_int, default=[1])
+    p.add_argument("--prompt-len", type=positive_int, default=16)
+    p.add_argument("--new-tokens", type=positive_int, default=129,
+                   help="tokens generated per sequence (decode steps are rounded up to whole chunks)")
+    p.add_argument("--chunk-steps", type=positive_int, default=16, help="decode steps per device call")
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers on the same weights")
+    p.add_argument("--threads", type=positive_int, help="threads for torch and the bandwidth probe (default: all)")
+    p.add_argument("--bandwidth", type=float, help="memory bandwidth in GB/s to use instead of measuring it")
+    p.add_argument("--compile-layers", nargs="+", type=positive_int,
+                   help="also report compile time of the first model's shape at these depths")
+    p.add_argument("--cli-ttft", action="store_true",
+                   help="also time the first token of two generate CLI runs sharing a fresh compilation cache")
+    p.add_argument("--json", type=pathlib.Path, help="write all numbers to this file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    models = args.models or ["15M"]
+    # Imported here so --help answers without starting JAX.
+    from llm_jax.benchmark import machine as machine_lib
+    from llm_jax.benchmark.compile_study import cli_ttft, compile_vs_depth
+    from llm_jax.benchmark.llm_jax_engine import Workload
+    from llm_jax.benchmark.results import table, write_json
+    from llm_jax.benchmark.shapes import SHAPES
+    from llm_jax.benchmark.suite import Options, log_stderr, run_matrix
+
+    threads = args.threads or machine_lib.cpu_threads()
+    if args.bandwidth:
+        bandwidth = args.bandwidth
+    else:
+        log_stderr(f"measuring memory bandwidth ({threads} threads)...")
+        bandwidth = machine_lib.measure_bandwidth(threads=threads)
+    machine = machine_lib.describe(bandwidth)
+    log_stderr(f"machine: {machine.cpu}, {machine.threads} threads, {bandwidth:.1f} GB/s, jax {machine.jax_version} "
+               f"({machine.backend})")
+    options = Options(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
+                      chunk_steps=args.chunk_steps, compare_hf=args.compare == "hf", threads=threads,
+                      bandwidth_gbps=bandwidth)
+    results = run_matrix(models, args.dtype, args.batch, options)
+    rows = [row for result in results for row in result.rows]
+    ratios = {}
+    for result in results:
+        if result.hf_ratio is not None:
+            ratios[rows.index(result.rows[0])] = result.hf_ratio
+    print(f"\nmachine: {machine.cpu}, {machine.threads} threads, measured bandwidth {bandwidth:.1f} GB/s")
+    print(table(rows, ratios or None))
+    for result in results:
+        if result.agreement is not None:
+            r = result.rows[0]
+            print(f"greedy tokens agree with transformers: {100 * result.agreement:.0f}% "
+                  f"({r.shape} {r.dtype} batch {r.batch})")
+    shown = set()
+    for r in rows:
+        if (r.shape, r.dtype) not in shown:
+            shown.add((r.shape, r.dtype))
+            print(f"KV cache {r.shape} {r.dtype}: {r.kv_cache_bytes_per_token} bytes per token")
+    extra: dict = {}
+    if args.compile_layers:
+        shape = next((m for m in models if m in SHAPES), None)
+        if shape is None:
+            raise ValueError("--compile-layers needs a named shape among the models")
+        workload = Workload(batch=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                            chunk_steps=args.chunk_steps)
+        log_stderr(f"compile time of {shape} at {args.compile_layers} layers...")
+        depth = compile_vs_depth(shape, args.dtype[0], args.compile_layers, workload)
+        print(f"\ncompile time, {shape} {args.dtype[0]} (trace + lower + compile, s):")
+        for d in depth:
+            print(f"  {d.n_layers:3d} layers: prefill {d.prefill_s:.2f}  decode {d.decode_s:.2f}")
+        extra["compile_vs_depth"] = [dataclasses.asdict(d) for d in depth]
+    if args.cli_ttft:
+        extra["cli_ttft"] = _cli_ttft(models[0], args, log_stderr)
+    if args.json:
+        write_json(args.json, machine, rows, extra)
+        log_stderr(f"wrote {args.json}")
+    return 0
+
+
+def _cli_ttft(model: str, args, log) -> dict:
+    import tempfile
+
+    from llm_jax.benchmark.compile_study import cli_ttft
+    from llm_jax.benchmark.hf_engine import save_random_hf_model
+    from llm_jax.benchmark.shapes import SHAPES, shape_config
+
+    prompt_ids = list(range(1, args.prompt_len + 1))
+    with tempfile.TemporaryDirectory(prefix="llm_jax_bench_cli_") as tmp:
+        path = model
+        if model in SHAPES:
+            path = pathlib.Path(tmp) / model
+            save_random_hf_model(shape_config(model, dtype="float32"), path)
+        log(f"generate CLI twice on {model} (fresh compilation cache)...")
+        result = cli_ttft(path, prompt_ids=prompt_ids, max_new_tokens=args.new_tokens, dtype=args.dtype[0])
+    print(f"\ngenerate CLI, {model} {args.dtype[0]}: time to first token {result.first_ttft_s:.2f} s (first run, "
+          f"compile {result.first_compile_s:.2f} s) → {result.second_ttft_s:.2f} s (second run, compile "
+          f"{result.second_compile_s:.2f} s): {100 * result.ratio:.0f}% of the first")
+    return {**dataclasses.asdict(result), "ratio": result.ratio}
+
+
+def entry() -> int:
+    return run_main(main)

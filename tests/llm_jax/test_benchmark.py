@@ -1,0 +1,106 @@
+"""The benchmark harness runs end to end and reports well-formed numbers (no timing assertions)."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from llm_jax.benchmark import machine
+from llm_jax.benchmark.compile_study import cli_ttft
+from llm_jax.benchmark.results import agreement
+from llm_jax.benchmark.roofline import decode_roofline, weight_bytes_per_step
+from llm_jax.benchmark.shapes import SHAPES, shape_config
+from llm_jax.cli.benchmark import main as benchmark_main
+from llm_jax.kv_cache import cache_bytes_per_token
+from llm_jax.model import param_shapes
+
+ROW_FIELDS = {"engine": str, "shape": str, "dtype": str, "batch": int, "prompt_len": int, "new_tokens": int,
+              "compile_s": float, "ttft_s": float, "decode_tokens_per_s": float, "prefill_tokens_per_s": float,
+              "roofline_tokens_per_s": float, "peak_rss_mb": float}
+
+
+def positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    status = benchmark_main(["--model", "260K", "--compare", "hf", "--new-tokens", "9", "--chunk-steps", "4",
+                             "--repeats", "2", "--bandwidth", "10", "--json", str(path)])
+    assert status == 0
+    return json.loads(path.read_text())
+
+
+def test_json_has_a_row_per_engine_with_every_field(report):
+    assert report["machine"]["bandwidth_gbps"] == 10.0
+    assert [row["engine"] for row in report["rows"]] == ["llm_jax", "transformers"]
+    for row in report["rows"]:
+        for field, kind in ROW_FIELDS.items():
+            assert isinstance(row[field], kind), (field, row[field])
+        assert (row["shape"], row["dtype"], row["batch"], row["prompt_len"]) == ("260K", "float32", 1, 16)
+        assert row["new_tokens"] == 9  # 8 decode steps: two chunks of 4, plus the first token
+
+
+def test_numbers_are_well_formed(report):
+    for row in report["rows"]:
+        for field in ("ttft_s", "decode_tokens_per_s", "prefill_tokens_per_s", "roofline_tokens_per_s",
+                      "peak_rss_mb", "itl_p50_s", "itl_p90_s"):
+            assert positive_finite(row[field]), (field, row[field])
+        spread = row["decode_tokens_per_s_spread"]
+        assert spread["min"] <= spread["median"] <= spread["max"]
+        assert spread["median"] == row["decode_tokens_per_s"]
+        assert row["itl_p50_s"] <= row["itl_p90_s"]
+        assert row["roofline_fraction"] == pytest.approx(row["decode_tokens_per_s"] / row["roofline_tokens_per_s"])
+    ours, theirs = report["rows"]
+    assert ours["compile_s"] > 0 and theirs["compile_s"] == 0  # torch runs eagerly
+    assert ours["roofline_tokens_per_s"] == theirs["roofline_tokens_per_s"]
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_weight_bytes_are_the_params_a_step_reads(shape):
+    """Independently of the formula: every parameter leaf once, the embedding table only when it is the head."""
+    config = shape_config(shape, dtype="bfloat16")
+    leaves = jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]
+    total = sum(np.prod(leaf.shape) * 2 for _, leaf in leaves)
+    embedding = config.vocab_size * config.d_model * 2
+    batch = 3
+    expected = total - (0 if config.tie_embeddings else embedding) + batch * config.d_model * 2
+    assert weight_bytes_per_step(config, batch) == expected
+
+
+def test_roofline_counts_the_cache_in_use():
+    config = shape_config("110M", dtype="float32")
+    roofline = decode_roofline(config, batch=2, prompt_len=16, new_tokens=33, bandwidth_gbps=40.0)
+    assert roofline.kv_bytes == int(2 * (16 + 33 / 2) * cache_bytes_per_token(config))
+    assert roofline.tokens_per_s == pytest.approx(2 * 40e9 / roofline.bytes_per_step)
+    # The published figure for the 110M story model: about 0.44 GB per step at batch 1.
+    assert weight_bytes_per_step(config, 1) == pytest.approx(0.44e9, rel=0.01)
+
+
+def test_agreement_is_the_shared_prefix():
+    a = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert agreement(a, a) == 1.0
+    b = np.array([[1, 2, 0, 4], [9, 6, 7, 8]])
+    assert agreement(a, b) == pytest.approx((2 / 4 + 0) / 2)
+
+
+def test_machine_probes_give_positive_numbers():
+    assert positive_finite(machine.measure_bandwidth(threads=2, nbytes=1 << 24, repeats=1))
+    machine.reset_peak_rss()
+    assert positive_finite(machine.peak_rss_mb())
+
+
+def test_unknown_shape_is_named_in_the_error():
+    with pytest.raises(ValueError, match="unknown model shape '7B'.*260K, 15M, 110M, 1B"):
+        shape_config("7B", dtype="float32")
+
+
+def test_generate_cli_twice_with_a_fresh_compilation_cache(stories260k_dir):
+    result = cli_ttft(stories260k_dir / "stories260K.bin", prompt_ids=[1, 403, 407], max_new_tokens=5,
+                      dtype="float32")
+    for value in (result.first_ttft_s, result.second_ttft_s, result.first_compile_s):
+        assert positive_finite(value)
+    assert positive_finite(result.ratio)
