@@ -45,3 +45,11 @@ def enable_persistent_cache(directory: str | os.PathLike | None = None) -> pathl
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+# For the jitted stages that update a KV cache (prefill, decode). XLA:CPU's default copy insertion
+# cannot prove that a decode loop's in-place cache updates are safe and copies every layer's cache
+# buffers three times per step; its region analysis proves them safe (no copies left in the HLO).
+# Options of other backends' compilers ignore these keys.
+COMPILER_OPTIONS: dict[str, bool] = {"xla_cpu_copy_insertion_use_region_analysis": True}
+

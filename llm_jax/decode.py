@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llm_jax.compilation import COMPILER_OPTIONS
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.model import Params, forward_extend, unembed
@@ -97,7 +98,8 @@ def start(last_logits_BV: jax.Array, cache: KVCache, controls: DecodeControls) -
     return _advance(token_B, jnp.ones((B,), bool), zeros_B, zeros_B, controls, cache.lengths_B, cache.max_len)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps"), donate_argnames=("cache", "state"))
+@functools.partial(jax.jit, static_argnames=("config", "num_steps"), donate_argnames=("cache", "state"),
+                   compiler_options=COMPILER_OPTIONS)
 def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeState, controls: DecodeControls,
            *, num_steps: int) -> tuple[KVCache, DecodeState, jax.Array]:
     """Run ``num_steps`` decode steps: the new cache and state, and the emitted tokens [B, num_steps]

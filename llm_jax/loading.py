@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from llm_jax.config import AttentionImpl, ModelConfig
-from llm_jax.model import Params
+from llm_jax.model import Params, unstack_layers
 from llm_jax.tokenizer import Tokenizer, load_tokenizer
 from llm_jax.weights.from_hf import load_hf, read_json
 from llm_jax.weights.from_llama2c import load_llama2c
@@ -81,7 +81,8 @@ def load(path: str | pathlib.Path, *, dtype=None, attention: AttentionImpl | str
         stop_ids = (tok.bos_id,)
     config = config.replace(param_dtype=dtype.name, compute_dtype=dtype.name,
                             attention_impl=AttentionImpl.parse(attention))
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), host_params)
+    # Per-layer buffers: inference reads each layer's weights in place (llm_jax.model.transformer).
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), unstack_layers(host_params))
     eos_ids = tok.eos_ids if tok is not None else ()
     return Model(config=config, params=params, tokenizer=tok, eos_ids=tuple(eos_ids), stop_ids=stop_ids,
                  path=str(path))

@@ -14,12 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from llm_jax.compilation import COMPILER_OPTIONS
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.model import Params, forward_prefill, unembed
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
 def prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
             cache: KVCache) -> tuple[jax.Array, KVCache]:
     """Logits [B, V] (float32) of each row's last real token, and the cache holding the prompts.

@@ -1,8 +1,18 @@
 """The decoder stack: embed → L × (attention + MLP) → final norm → logits.
 
-Layers are stacked (every layer parameter has a leading L axis) and run by ``lax.scan``, so compile
-time does not grow with depth. Layers whose attention differs (Gemma 2 alternates sliding-window and
-global layers) are scanned in groups of one period, keeping each layer's window a static value.
+``params["layers"]`` comes in two layouts:
+
+- **stacked** (what converters, checkpoints and :func:`init_params` produce): one array per weight
+  with a leading L axis. Without a KV cache (full forward, training) the layers run in a ``lax.scan``,
+  so compile time does not grow with depth; layers whose attention differs (Gemma 2 alternates
+  sliding-window and global layers) are scanned in groups of one period, keeping each window static.
+- **per layer** (:func:`unstack_layers`, what ``load`` hands to inference): a tuple of L per-layer
+  dicts, run by an unrolled loop. On XLA:CPU a matrix product cannot read one layer out of a stacked
+  array where it lies: XLA copies the layer's weights first, on every decode step, which costs more
+  than the product (decode 2.5-3× slower). Separate buffers are read in place.
+
+With a KV cache (prefill, decode) layers always run unrolled: each layer's cache is its own buffer
+(``llm_jax.kv_cache``), addressed by a static index.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from flax import linen as nn
 from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
-from llm_jax.model.attention import Attention, attention
+from llm_jax.model.attention import Attention, attention, cached_attention
 from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, dense
 
 Params = dict[str, Any]
@@ -126,27 +136,66 @@ def _layer_period(windows: tuple[int | None, ...]) -> int:
                 if L % p == 0 and all(windows[i] == windows[i % p] for i in range(L)))
 
 
+def unstack_layers(params: Params) -> Params:
+    """The per-layer layout: ``params["layers"]`` as a tuple of L dicts (see the module docstring).
+    Works on host (NumPy) or device arrays; returns ``params`` unchanged if already per layer."""
+    layers = params["layers"]
+    if isinstance(layers, tuple):
+        return params
+    n_layers = len(jax.tree.leaves(layers)[0])
+    return {**params, "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(n_layers))}
+
+
+def stack_layers(params: Params) -> Params:
+    """The stacked layout (converters, checkpoints): one [L, ...] array per weight."""
+    layers = params["layers"]
+    if not isinstance(layers, tuple):
+        return params
+    xp = np if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(layers)) else jnp
+    return {**params, "layers": jax.tree.map(lambda *a: xp.stack(a), *layers)}
+
+
+def _layer_params(layers: Params | tuple[Params, ...], index: int) -> Params:
+    if isinstance(layers, tuple):
+        return layers[index]
+    return jax.tree.map(lambda a: a[index], layers)  # stacked weights with a cache: a copy per call
+
+
 def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positions_BT: jax.Array,
                   attend: AttendFn, cache: KVCache | None) -> tuple[jax.Array, KVCache | None]:
     """Run every layer over ``x_BTD``; ``attend`` decides what attention sees and how the cache changes."""
     windows = config.layer_windows()
-    period = _layer_period(windows)
     layer = DecoderLayer(config)
-    grouped = jax.tree.map(lambda a: a.reshape(config.n_layers // period, period, *a.shape[1:]),
-                           params["layers"])
+    layers = params["layers"]
+    if cache is None and not isinstance(layers, tuple):
+        return _scan_layers(layer, layers, config, x_BTD, positions_BT, attend), None
+    for index in range(config.n_layers):
+        x_BTD, cache = layer.apply({"params": _layer_params(layers, index)}, x_BTD, positions_BT,
+                                   functools.partial(attend, index, window=windows[index], cache=cache))
+    return x_BTD, cache
+
+
+def _scan_layers(layer: DecoderLayer, stacked: Params, config: ModelConfig, x_BTD: jax.Array,
+                 positions_BT: jax.Array, attend: AttendFn) -> jax.Array:
+    windows = config.layer_windows()
+    period = _layer_period(windows)
+    grouped = jax.tree.map(lambda a: a.reshape(config.n_layers // period, period, *a.shape[1:]), stacked)
 
     def group_step(carry, group_params):
-        x_BTD, cache, group = carry
+        x_BTD, group = carry
         for j in range(period):
             layer_params = jax.tree.map(lambda a: a[j], group_params)
-            index = group * period + j
-            x_BTD, cache = layer.apply(
-                {"params": layer_params}, x_BTD, positions_BT,
-                functools.partial(attend, index, window=windows[j], cache=cache))
-        return (x_BTD, cache, group + 1), None
+            x_BTD, _ = layer.apply({"params": layer_params}, x_BTD, positions_BT,
+                                   functools.partial(attend, group * period + j, window=windows[j], cache=None))
+        return (x_BTD, group + 1), None
 
-    (x_BTD, cache, _), _ = jax.lax.scan(group_step, (x_BTD, cache, jnp.zeros((), jnp.int32)), grouped)
-    return x_BTD, cache
+    (x_BTD, _), _ = jax.lax.scan(group_step, (x_BTD, jnp.zeros((), jnp.int32)), grouped)
+    return x_BTD
+
+
+def _with_layer(cache: KVCache, layer: int, k_BKHS: jax.Array, v_BKSH: jax.Array) -> KVCache:
+    replace = lambda layers, new: layers[:layer] + (new,) + layers[layer + 1:]
+    return dataclasses.replace(cache, k_BKHS=replace(cache.k_BKHS, k_BKHS), v_BKSH=replace(cache.v_BKSH, v_BKSH))
 
 
 def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool):
@@ -155,11 +204,10 @@ def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool):
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
         B, T = q_BTNH.shape[:2]
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        o_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, lengths_B, config=config, window=window,
-                           queries_from_zero=True)
+        o_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, lengths_B, config=config, window=window)
         if write_cache:
-            cache = KVCache(k_LBSKH=kvc.write_block(cache.k_LBSKH, layer, k_BTKH),
-                            v_LBSKH=kvc.write_block(cache.v_LBSKH, layer, v_BTKH), lengths_B=cache.lengths_B)
+            written = kvc.write_prefix(cache.k_BKHS[layer], cache.v_BKSH[layer], k_BTKH, v_BTKH)
+            cache = _with_layer(cache, layer, *written)
         return o_BTNH, cache
 
     return attend
@@ -205,11 +253,12 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
     new_lengths_B = cache.lengths_B + jnp.where(active_B, T, 0).astype(jnp.int32)
 
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
-        k_LBSKH = kvc.write_tokens(cache.k_LBSKH, layer, slots_BT, k_BTKH)
-        v_LBSKH = kvc.write_tokens(cache.v_LBSKH, layer, slots_BT, v_BTKH)
-        o_BTNH = attention(q_BTNH, k_LBSKH[layer], v_LBSKH[layer], positions_BT, positions_BT[:, -1] + 1,
-                           config=config, window=window, queries_from_zero=False)
-        return o_BTNH, KVCache(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH, lengths_B=cache.lengths_B)
+        def write(k_BKHS, v_BKSH):
+            return kvc.write_tokens(k_BKHS, v_BKSH, slots_BT, k_BTKH, v_BTKH)
+
+        o_BTNH, k_BKHS, v_BKSH = cached_attention(q_BTNH, k_BTKH, v_BTKH, cache.k_BKHS[layer], cache.v_BKSH[layer],
+                                                  cache.lengths_B, write, config=config, window=window)
+        return o_BTNH, _with_layer(cache, layer, k_BKHS, v_BKSH)
 
     x_BTD, cache = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT, attend, cache)
     return x_BTD, dataclasses.replace(cache, lengths_B=new_lengths_B)
