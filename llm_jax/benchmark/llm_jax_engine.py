@@ -51,10 +51,20 @@ class Run:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeMemory:
+    """XLA's buffer assignment of the compiled decode chunk: proof that the cache is updated in place."""
+
+    cache_bytes: int
+    aliased_bytes: int  # inputs whose buffers the outputs reuse (the donated cache and state)
+    temp_bytes: int  # scratch the step needs besides its inputs and outputs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Compiled:
     prefill_s: float  # tracing + lowering + compiling prefill and start
     decode_s: float
     first_ttft_s: float  # time to first token of the very first call, compilation included
+    decode_memory: DecodeMemory | None = None
 
 
 class LlmJaxEngine:
@@ -84,10 +94,19 @@ class LlmJaxEngine:
             cache, state = self._prefill()
             np.asarray(state.tokens_B)
         first_ttft = time.perf_counter() - t0
+        memory = self._decode_memory(cache, state)
         with measure_compilation() as second:
             cache, state, tokens = self._decode(cache, state)
             np.asarray(tokens)
-        return Compiled(prefill_s=first.seconds, decode_s=second.seconds, first_ttft_s=first_ttft)
+        return Compiled(prefill_s=first.seconds, decode_s=second.seconds, first_ttft_s=first_ttft,
+                        decode_memory=memory)
+
+    def _decode_memory(self, cache, state) -> DecodeMemory:
+        compiled = decode.lower(self.params, self.config, cache, state, self.controls,
+                                num_steps=self.workload.chunk_steps).compile()
+        stats = compiled.memory_analysis()
+        return DecodeMemory(cache_bytes=cache.nbytes, aliased_bytes=stats.alias_size_in_bytes,
+                            temp_bytes=stats.temp_size_in_bytes)
 
     def run(self) -> Run:
         t0 = time.perf_counter()

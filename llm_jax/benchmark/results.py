@@ -51,6 +51,9 @@ class Row:
     bytes_per_step: int
     kv_cache_bytes_per_token: int
     peak_rss_mb: float
+    kv_cache_mb: float | None  # the allocated cache (llm_jax)
+    decode_aliased_mb: float | None  # decode outputs written into donated inputs (≥ the cache: in place)
+    decode_temp_mb: float | None  # decode scratch memory
     decode_tokens_per_s_spread: Spread
     ttft_s_spread: Spread
     prefill_tokens_per_s_spread: Spread
@@ -66,6 +69,7 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
     prefill_rate = [B * workload.prompt_len / r.ttft_s for r in runs]
     steps = np.concatenate([r.step_s for r in runs])
     decode = Spread.of(decode_rate)
+    memory = compiled.decode_memory
     return Row(engine=engine, shape=shape, dtype=dtype, batch=B, prompt_len=workload.prompt_len,
                new_tokens=1 + workload.decode_steps, repeats=len(runs),
                compile_s=compiled.prefill_s + compiled.decode_s, compile_prefill_s=compiled.prefill_s,
@@ -75,8 +79,14 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
                decode_tokens_per_s=decode.median, prefill_tokens_per_s=float(np.median(prefill_rate)),
                roofline_tokens_per_s=roofline.tokens_per_s, roofline_fraction=decode.median / roofline.tokens_per_s,
                bytes_per_step=roofline.bytes_per_step, kv_cache_bytes_per_token=kv_bytes_per_token,
-               peak_rss_mb=peak_rss_mb, decode_tokens_per_s_spread=decode,
+               peak_rss_mb=peak_rss_mb, kv_cache_mb=_mib(memory and memory.cache_bytes),
+               decode_aliased_mb=_mib(memory and memory.aliased_bytes), decode_temp_mb=_mib(memory and memory.temp_bytes),
+               decode_tokens_per_s_spread=decode,
                ttft_s_spread=Spread.of([r.ttft_s for r in runs]), prefill_tokens_per_s_spread=Spread.of(prefill_rate))
+
+
+def _mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**20
 
 
 def agreement(a_BS: np.ndarray, b_BS: np.ndarray) -> float:

@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         if (r.shape, r.dtype) not in shown:
             shown.add((r.shape, r.dtype))
             print(f"KV cache {r.shape} {r.dtype}: {r.kv_cache_bytes_per_token} bytes per token")
+        if r.kv_cache_mb is not None:
+            print(f"decode memory {r.shape} {r.dtype} batch {r.batch}: cache {r.kv_cache_mb:.1f} MiB, donated and "
+                  f"updated in place {r.decode_aliased_mb:.1f} MiB, scratch {r.decode_temp_mb:.1f} MiB")
     extra: dict = {}
     if args.compile_layers:
         shape = next((m for m in models if m in SHAPES), None)

@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, token embedding, gated MLP.
+"""Building blocks of the decoder: RMSNorm, token embedding, gated MLP, and the matrix product they share.
 
 Flax linen modules used as pure functions: parameters live in an explicit pytree passed to ``apply``.
 Matrix products accumulate in float32 (``preferred_element_type``) whatever the parameter dtype.
@@ -6,18 +6,64 @@ Matrix products accumulate in float32 (``preferred_element_type``) whatever the 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+import cpu_kernels
 from llm_jax.config import Activation
 
 _init = nn.initializers.normal(stddev=0.02)
 
+# Rows (tokens) up to which float32 products use cpu_kernels (decode); beyond, XLA's blocked GEMM
+# is faster. bfloat16 weights always do: XLA:CPU would convert the whole matrix to float32 first.
+KERNEL_MAX_ROWS_F32 = 8
+
 
 def dense(equation: str, x: jnp.ndarray, w: jnp.ndarray, out_dtype: jnp.dtype) -> jnp.ndarray:
-    """``einsum(equation, x, w)`` with float32 accumulation, cast to ``out_dtype``."""
-    return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
+    """``einsum(equation, x, w)`` with float32 accumulation, cast to ``out_dtype``.
+
+    ``equation`` contracts trailing axes of ``x`` with leading (``"BTD,DF->BTF"``) or trailing
+    (``"BTD,VD->BTV"``) axes of ``w``; on CPU, products with few rows or bfloat16 weights then run the
+    streaming kernels of :mod:`cpu_kernels`.
+    """
+    as_matmul = _as_matmul(equation, x.shape, w.shape)
+    if as_matmul is None or not _use_kernel(as_matmul[0], w.dtype):
+        return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
+    R, K, N, transposed, out_shape = as_matmul
+    w_2d = w.reshape(N, K) if transposed else w.reshape(K, N)
+    y_RN = cpu_kernels.matmul(x.reshape(R, K), w_2d, transposed=transposed)
+    return y_RN.reshape(out_shape).astype(out_dtype)
+
+
+def _use_kernel(rows: int, dtype) -> bool:
+    return (dtype == jnp.bfloat16 or rows <= KERNEL_MAX_ROWS_F32) and cpu_kernels.available()
+
+
+def _as_matmul(equation: str, x_shape, w_shape):
+    """(R, K, N, transposed, out_shape) when ``equation`` is x [rows..., k...] · w [k..., out...] (or
+    w [out..., k...], transposed) with the output [rows..., out...]; None for any other einsum."""
+    inputs, out = equation.replace(" ", "").split("->")
+    x_spec, w_spec = inputs.split(",")
+    contracted = [a for a in x_spec if a in w_spec]
+    n_c = len(contracted)
+    if not contracted or x_spec[len(x_spec) - n_c:] != "".join(contracted):
+        return None
+    rows_spec = x_spec[: len(x_spec) - n_c]
+    if w_spec[:n_c] == "".join(contracted):
+        transposed, out_spec = False, w_spec[n_c:]
+    elif w_spec[len(w_spec) - n_c:] == "".join(contracted):
+        transposed, out_spec = True, w_spec[: len(w_spec) - n_c]
+    else:
+        return None
+    if out != rows_spec + out_spec:
+        return None
+    R = math.prod(x_shape[: len(rows_spec)])
+    K = math.prod(x_shape[len(rows_spec):])
+    out_dims = w_shape[: len(out_spec)] if transposed else w_shape[n_c:]
+    return R, K, math.prod(out_dims), transposed, (*x_shape[: len(rows_spec)], *out_dims)
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,91 @@
+"""Compiling ``matmul.cc`` once per machine and registering its handlers with XLA.
+
+The library is built on first use with the system C++ compiler (``$CXX``, else ``c++``) against the
+XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``), and kept in a cache
+folder keyed by everything that changes the binary: the source, the compiler, the jaxlib version and
+the CPU's instruction sets. Without a compiler (or with ``LLM_JAX_CPU_KERNELS=off``) nothing is built
+and callers fall back to XLA's own matrix products.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import jax
+
+SOURCE = pathlib.Path(__file__).with_name("matmul.cc")
+ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
+CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
+HANDLERS = {  # registered target name → symbol in the library
+    "llm_jax_matmul_kn_f32": "MatmulKnF32",
+    "llm_jax_matmul_kn_bf16": "MatmulKnBF16",
+    "llm_jax_matmul_nk_f32": "MatmulNkF32",
+    "llm_jax_matmul_nk_bf16": "MatmulNkBF16",
+}
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor() + platform.machine()
+
+
+def _cache_dir() -> pathlib.Path:
+    base = os.environ.get(CACHE_ENV) or pathlib.Path(os.environ.get("XDG_CACHE_HOME") or
+                                                     pathlib.Path.home() / ".cache") / "llm_jax" / "kernels"
+    return pathlib.Path(base)
+
+
+def compile_library(compiler: str) -> pathlib.Path:
+    """Build (or find already built) the shared library; raises on a compiler error."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, jax.__version__, _cpu_features(), *FLAGS])
+                         .encode()).hexdigest()[:16]
+    target = _cache_dir() / f"matmul-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = pathlib.Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, "-w", f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)],
+                       capture_output=True, text=True, check=True)
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def load() -> bool:
+    """Build, load and register the kernels once per process; False (after one warning) if impossible."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if compiler is None:
+        warnings.warn("cpu_kernels: no C++ compiler found (set CXX); using XLA's matrix products, which are "
+                      "slower for decode and much slower with bfloat16 weights", RuntimeWarning, stacklevel=3)
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(compile_library(compiler)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        warnings.warn(f"cpu_kernels: building {SOURCE.name} with {compiler} failed, using XLA's matrix products: "
+                      f"{detail.strip()[-1000:]}", RuntimeWarning, stacklevel=3)
+        return False
+    for name, symbol in HANDLERS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return True

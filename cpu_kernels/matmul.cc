@@ -1,0 +1,227 @@
+// Matrix products for LLM decode on CPU, as XLA FFI custom calls: y[R, N] = x[R, K] · W, few rows R.
+//
+// Decode reads every weight once per step and does two flops with each, so its speed is the speed of
+// streaming the weights from memory. XLA:CPU's matrix products fall short there in two ways this file
+// fixes: bfloat16 weights have no kernel (XLA converts the whole matrix to float32 in memory first,
+// every step), and a matrix-vector product does not reach the bandwidth of both cores.
+//
+// W comes in the two layouts the model has: [K, N] ("kn": every projection, in × out) and [N, K] ("nk":
+// a tied embedding table [V, D] used as the LM head). Either may be float32 or bfloat16; x and y are
+// float32 and sums are accumulated in float32.
+//
+//   kn: y[r, :] += x[r, k] · W[k, :] for each row k of W — W streams row by row, contiguously, while a
+//       tile of y (sized for the L1 cache) is updated in place. Work units are (column tile, slice of
+//       rows of W); slices beyond the first accumulate into scratch partial sums, added at the end.
+//   nk: y[r, n] = ⟨W[n, :], x[r, :]⟩ — each row of W streams once, against up to four rows of x at a
+//       time (x stays in L1). Work units are ranges of n.
+//
+// Units are shared out through an atomic counter among the caller and tasks on XLA's intra-op thread
+// pool; the caller works too and then waits only for units already taken, so a task that starts late
+// (or never) cannot stall the call.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// bfloat16 is the top half of a float32: widen to 32 bits and shift.
+inline f32x8 load8(const uint16_t* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  f32x8 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline float load1(const float* p) { return *p; }
+
+inline float load1(const uint16_t* p) {
+  uint32_t w = uint32_t(*p) << 16;
+  float v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+
+inline f32x8 splat(float v) { return f32x8{v, v, v, v, v, v, v, v}; }
+
+inline float hsum(f32x8 v) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
+// Runs fn(unit) for unit in [0, units) on the caller and up to threads - 1 pool tasks.
+template <typename Fn>
+void parallel_for(ffi::ThreadPool& pool, int64_t units, const Fn& fn) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  auto drain = [shared, units, &fn] {
+    for (int64_t i; (i = shared->next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      fn(i);
+      shared->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(units, std::max<int64_t>(pool.num_threads(), 1)) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([drain] { drain(); });
+  drain();
+  while (shared->done.load(std::memory_order_acquire) < units) std::this_thread::yield();
+}
+
+// ---- kn: W [K, N] ---------------------------------------------------------------------------------
+
+constexpr int64_t kPrefetchRows = 4;
+
+// y[r, n0:n1] += Σ_{k in [k0, k1)} x[r, k] · W[k, n0:n1]; y rows are ldy apart.
+template <typename W>
+void kn_unit(const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N, int64_t ldy, int64_t n0,
+             int64_t n1, int64_t k0, int64_t k1) {
+  const int64_t n_vec = n0 + (n1 - n0) / 16 * 16;
+  for (int64_t k = k0; k < k1; ++k) {
+    const W* row = w + k * N;
+    // The tile's part of each row is a short contiguous run: the hardware prefetcher has no time to
+    // find it, so ask for the rows ahead (measured: 1.4× faster, at 88% of a streaming read).
+    const W* ahead = row + kPrefetchRows * N;
+    const bool prefetch = k + kPrefetchRows < k1;
+    for (int64_t n = n0; n < n_vec; n += 16) {
+      if (prefetch) __builtin_prefetch(ahead + n, 0, 0);
+      const f32x8 a = load8(row + n), b = load8(row + n + 8);
+      for (int64_t r = 0; r < R; ++r) {
+        const f32x8 xv = splat(x[r * K + k]);
+        float* yr = y + r * ldy + n;
+        store8(yr, load8(yr) + xv * a);
+        store8(yr + 8, load8(yr + 8) + xv * b);
+      }
+    }
+    for (int64_t n = n_vec; n < n1; ++n) {
+      const float wv = load1(row + n);
+      for (int64_t r = 0; r < R; ++r) y[r * ldy + n] += x[r * K + k] * wv;
+    }
+  }
+}
+
+template <typename W>
+void kn_matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N) {
+  // A column tile of y for all R rows takes 4 KiB of L1, leaving room for the rows of W streaming
+  // through (1024 columns measured best for one row; 2048 and 4096 are 5-15% slower).
+  const int64_t tile = std::max<int64_t>(16, (1024 / R) / 16 * 16);
+  const int64_t tiles = (N + tile - 1) / tile;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  // Few tiles (a narrow output): also split the rows of W, so every thread has work.
+  const int64_t slices = std::min<int64_t>(K, std::max<int64_t>(1, (2 * threads + tiles - 1) / tiles));
+  const int64_t slice = (K + slices - 1) / slices;
+  std::vector<float> partial(static_cast<size_t>((slices - 1) * R * N), 0.f);
+  std::fill(y, y + R * N, 0.f);
+  parallel_for(pool, tiles * slices, [&](int64_t unit) {
+    const int64_t t = unit % tiles, s = unit / tiles;
+    float* out = s == 0 ? y : partial.data() + (s - 1) * R * N;
+    kn_unit(x, w, out, R, K, N, N, t * tile, std::min(N, (t + 1) * tile), s * slice, std::min(K, (s + 1) * slice));
+  });
+  for (int64_t s = 1; s < slices; ++s) {
+    const float* p = partial.data() + (s - 1) * R * N;
+    for (int64_t i = 0; i < R * N; ++i) y[i] += p[i];
+  }
+}
+
+// ---- nk: W [N, K] ---------------------------------------------------------------------------------
+
+// y[r0:r0+RB, n] = ⟨W[n, :], x[r, :]⟩ for RB <= 4 rows of x.
+template <typename W, int RB>
+void nk_rows(const float* x, const W* wn, float* y, int64_t K, int64_t N, int64_t r0, int64_t n) {
+  f32x8 acc[RB][2] = {};
+  const int64_t k_vec = K / 16 * 16;
+  for (int64_t k = 0; k < k_vec; k += 16) {
+    const f32x8 a = load8(wn + k), b = load8(wn + k + 8);
+    for (int r = 0; r < RB; ++r) {
+      const float* xr = x + (r0 + r) * K + k;
+      acc[r][0] += load8(xr) * a;
+      acc[r][1] += load8(xr + 8) * b;
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    float s = hsum(acc[r][0] + acc[r][1]);
+    for (int64_t k = k_vec; k < K; ++k) s += x[(r0 + r) * K + k] * load1(wn + k);
+    y[(r0 + r) * N + n] = s;
+  }
+}
+
+template <typename W>
+void nk_matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N) {
+  constexpr int64_t kRowsPerUnit = 64;
+  const int64_t units = (N + kRowsPerUnit - 1) / kRowsPerUnit;
+  parallel_for(pool, units, [&](int64_t unit) {
+    for (int64_t n = unit * kRowsPerUnit; n < std::min(N, (unit + 1) * kRowsPerUnit); ++n) {
+      const W* wn = w + n * K;
+      int64_t r = 0;
+      for (; r + 4 <= R; r += 4) nk_rows<W, 4>(x, wn, y, K, N, r, n);
+      switch (R - r) {
+        case 3: nk_rows<W, 3>(x, wn, y, K, N, r, n); break;
+        case 2: nk_rows<W, 2>(x, wn, y, K, N, r, n); break;
+        case 1: nk_rows<W, 1>(x, wn, y, K, N, r, n); break;
+        default: break;
+      }
+    }
+  });
+}
+
+// ---- FFI handlers ---------------------------------------------------------------------------------
+
+template <ffi::DataType T>
+using Matrix = ffi::Buffer<T, 2>;
+
+template <bool kTransposed, ffi::DataType T, typename W>
+ffi::Error Matmul(ffi::ThreadPool pool, Matrix<ffi::F32> x, Matrix<T> w, ffi::ResultBuffer<ffi::F32, 2> y) {
+  const int64_t R = x.dimensions()[0], K = x.dimensions()[1];
+  const int64_t N = kTransposed ? w.dimensions()[0] : w.dimensions()[1];
+  const int64_t w_k = kTransposed ? w.dimensions()[1] : w.dimensions()[0];
+  if (w_k != K || y->dimensions()[0] != R || y->dimensions()[1] != N) {
+    return ffi::Error::InvalidArgument("cpu_kernels matmul: shapes of x, w and y do not match");
+  }
+  const W* wp = reinterpret_cast<const W*>(w.untyped_data());
+  if (kTransposed) {
+    nk_matmul(pool, x.typed_data(), wp, y->typed_data(), R, K, N);
+  } else {
+    kn_matmul(pool, x.typed_data(), wp, y->typed_data(), R, K, N);
+  }
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType T>
+auto Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<Matrix<ffi::F32>>()
+      .template Arg<Matrix<T>>()
+      .template Ret<Matrix<ffi::F32>>();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnF32, (Matmul<false, ffi::F32, float>), Binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnBF16, (Matmul<false, ffi::BF16, uint16_t>), Binding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkF32, (Matmul<true, ffi::F32, float>), Binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkBF16, (Matmul<true, ffi::BF16, uint16_t>), Binding<ffi::BF16>());
