@@ -88,45 +88,21 @@ def _number(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _ranged(parse: Callable[[str], float], accept: Callable[[float], bool], expected: str) -> Callable[[str], float]:
+    """An argparse type: ``parse`` the text, then insist on ``accept`` (the error says ``expected``)."""
+
+    def parse_checked(text: str):
+        value = parse(text)
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    return parse_checked
 
 
-def non_negative_int(text: str) -> int:
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def uint32(text: str) -> int:
-    value = _integer(text)
-    if not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32), got {value}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = _number(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value:g}")
-    return value
-
-
-def probability(text: str) -> float:
-    """A number in [0, 1]."""
-    value = _number(text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value:g}")
-    return value
-
-
-def open_probability(text: str) -> float:
-    """A number in (0, 1] (a nucleus mass: 0 would keep nothing)."""
-    value = _number(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value:g}")
-    return value
+positive_int = _ranged(_integer, lambda v: v >= 1, "a positive integer")
+non_negative_int = _ranged(_integer, lambda v: v >= 0, "an integer >= 0")
+uint32 = _ranged(_integer, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
+non_negative_float = _ranged(_number, lambda v: v >= 0, "a number >= 0")
+probability = _ranged(_number, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+open_probability = _ranged(_number, lambda v: 0 < v <= 1, "a number in (0, 1]")  # a nucleus mass: 0 keeps nothing

@@ -11,10 +11,15 @@ import argparse
 import json
 import pathlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from llm_jax.cli.chat import run_chat
 from llm_jax.cli.common import (CliError, CliParser, non_negative_float, non_negative_int, one_line,
                                 open_probability, positive_int, probability, run_main, token_ids, uint32)
+from llm_jax.cli.output import json_report, metrics_fields, print_status, prompt_echo, write_stream
+
+if TYPE_CHECKING:
+    from llm_jax.loading import Model
 
 STDIN = "-"
 
@@ -92,7 +97,8 @@ def _add_generation_flags(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_sampling_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T", help="0 = greedy (default)")
+    group.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
+                       help="0 = greedy (default)")
     group.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
                        help="sample among the K most likely tokens (0 = all)")
     group.add_argument("--top-p", type=open_probability, default=1.0, metavar="P",
@@ -104,7 +110,8 @@ def _add_sampling_flags(group: argparse._ArgumentGroup) -> None:
 
 def _add_output_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
-    group.add_argument("--quiet", action="store_true", help="no metrics line on stderr (--json has the metrics in its object)")
+    group.add_argument("--quiet", action="store_true",
+                       help="no metrics line on stderr (--json has the metrics in its object)")
 
 
 def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
@@ -160,8 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = load(args.model, dtype=args.dtype, attention=args.attention)
         if args.chat:
-            from llm_jax.cli.chat import run_chat
-
             return run_chat(model, template, system=args.system, first_messages=prompts,
                             generation=generation_options(args), quiet=args.quiet)
         return _generate(args, model, prompts)
@@ -176,8 +181,7 @@ def _chat_template(model_path: str):
     return load_chat_template(model_path)
 
 
-def _generate(args: argparse.Namespace, model, prompts: list[str | list[int]]) -> int:
-    from llm_jax.cli.output import json_report, metrics_fields, print_status, prompt_echo, write_stream
+def _generate(args: argparse.Namespace, model: Model, prompts: list[str | list[int]]) -> int:
     from llm_jax.generate import generate_stream
 
     stream = generate_stream(model, prompts, **generation_options(args))

@@ -248,8 +248,8 @@ def reference_chat(chat_model):
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.eos_token_id)[0].tolist()
-        new_text = tokenizer.decode(out, skip_special_tokens=True)[len(tokenizer.decode(ids, skip_special_tokens=True)):]
-        return new_text, len(out)
+        prompt_text = tokenizer.decode(ids, skip_special_tokens=True)
+        return tokenizer.decode(out, skip_special_tokens=True)[len(prompt_text):], len(out)
 
     return reply
 

@@ -52,7 +52,8 @@ def test_batch_prints_in_prompt_order_the_first_unfinished_live():
     shown = [entry for entry in log if entry[0] == "shown"]
     # Prompt 1 streams live; prompt 2's text waits for prompt 1's end, then streams live; prompt 3 (done
     # early) follows prompt 2.
-    assert shown == [("shown", "--- 1/3 ---\nA:a0"), ("shown", "a1\n--- 2/3 ---\nB:b0b1"), ("shown", "b2\n--- 3/3 ---\nC:c0\n")]
+    assert shown == [("shown", "--- 1/3 ---\nA:a0"), ("shown", "a1\n--- 2/3 ---\nB:b0b1"),
+                     ("shown", "b2\n--- 3/3 ---\nC:c0\n")]
 
 
 def test_a_model_without_tokenizer_streams_ids():
@@ -71,7 +72,8 @@ METRICS = GenerationMetrics(compile_s=1.25, prefill_s=0.5, ttft_s=0.5, itl_s=0.0
 def test_metrics_line():
     out = io.StringIO()
     print_status(metrics_fields(METRICS), out)
-    assert out.getvalue() == "[100 tokens · ttft 500 ms · itl p50 3.1 ms p90 5.2 ms · 250.0 tok/s · compile 1.2 s]\n"
+    expected = "[100 tokens · ttft 500 ms · itl p50 3.1 ms p90 5.2 ms · 250.0 tok/s · compile 1.2 s]\n"
+    assert out.getvalue() == expected
 
 
 def test_json_report_has_exactly_the_specified_fields():
