@@ -237,8 +237,9 @@ def test_errors_after_loading(env, case, stories_bin, weights_only_model, tmp_pa
 @pytest.fixture(scope="module")
 def reference_chat(chat_model):
     """Replies by transformers: its chat-template rendering, its tokenizer, greedy generation."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
+
     tokenizer = transformers.AutoTokenizer.from_pretrained(chat_model)
     model = transformers.AutoModelForCausalLM.from_pretrained(chat_model).eval()
 
@@ -282,21 +283,20 @@ class LineReader:
 def test_chat_keeps_history_through_the_template_and_ends_on_ctrl_c(env, chat_model, reference_chat):
     system, first, second, max_new = "A story.", STORY_PROMPT, "What did Lily see?", 12
     # The first message comes from --prompt, the rest from stdin, which stays open: a live conversation.
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--model", str(chat_model), "--chat", "--system", system,
-                             "--prompt", first, "--max-new-tokens", str(max_new)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=REPO_ROOT)
-    try:
-        stderr = LineReader(proc.stderr)
-        proc.stdin.write(f"{second}\n{'Once upon a time ' * 150}\n/reset\n{second}\n")
-        proc.stdin.flush()
-        status = [line.strip() for line in stderr.until(lambda line: line.startswith("[context"), 3)]
-        proc.send_signal(signal.SIGINT)  # waiting for the next message: Ctrl-C leaves, without a traceback
-        proc.wait(timeout=60)
-        stdout, rest = proc.stdout.read(), stderr.rest()
-    finally:
-        proc.kill()
-        proc.stdin.close()
+    command = [sys.executable, str(SCRIPT), "--model", str(chat_model), "--chat", "--system", system,
+               "--prompt", first, "--max-new-tokens", str(max_new)]
+    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=REPO_ROOT) as proc:  # leaving closes the pipes and waits
+        try:
+            stderr = LineReader(proc.stderr)
+            proc.stdin.write(f"{second}\n{'Once upon a time ' * 150}\n/reset\n{second}\n")
+            proc.stdin.flush()
+            status = [line.strip() for line in stderr.until(lambda line: line.startswith("[context"), 3)]
+            proc.send_signal(signal.SIGINT)  # waiting for the next message: Ctrl-C leaves, without a traceback
+            proc.wait(timeout=60)
+            stdout, rest = proc.stdout.read(), stderr.rest()
+        finally:
+            proc.kill()
     start = [{"role": "system", "content": system}]
     r1, used1 = reference_chat([*start, {"role": "user", "content": first}], max_new)
     r2, used2 = reference_chat([*start, {"role": "user", "content": first}, {"role": "assistant", "content": r1},
