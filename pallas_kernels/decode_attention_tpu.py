@@ -72,7 +72,7 @@ def _decode_kernel(
 
 
 def default_num_splits(*, batch: int, kv_heads: int, num_key_blocks: int) -> int:
-    """Two splits only when a single (sequence, kv head) would leave a megacore's second core idle."""
+    """Two splits only when one (sequence, kv head) would leave a megacore's second core idle."""
     return min(2 if batch * kv_heads == 1 else 1, num_key_blocks)
 
 

@@ -1,7 +1,7 @@
-"""Benchmark the pallas_kernels attention kernels on a GPU against XLA, cuDNN and JAX's own Pallas ops.
+"""Benchmark the pallas_kernels attention on a GPU against XLA, cuDNN and JAX's own Pallas ops.
 
     python scripts/bench_kernels.py            # on a GPU: about 4 minutes, a table at the end
-    python scripts/bench_kernels.py --dry-run  # anywhere: build and shape-check every case, no timing
+    python scripts/bench_kernels.py --dry-run  # anywhere: trace and check every case, no timing
 
 (with the project installed, ``pip install -e .``, or its root on PYTHONPATH).
 
@@ -111,7 +111,8 @@ def attention_fn(impl: Impl, w: Workload) -> Callable:
     if w.kind is Kind.PREFILL:
         match impl:
             case Impl.OURS:
-                return lambda q, k, v, lengths: flash_attention_gpu(q, k, v, lengths, sm_scale=scale)
+                return lambda q, k, v, lengths: flash_attention_gpu(
+                    q, k, v, lengths, sm_scale=scale)
             case Impl.XLA | Impl.CUDNN:
                 return lambda q, k, v, lengths: jax.nn.dot_product_attention(
                     q, k, v, scale=scale, is_causal=True, implementation=impl.value)

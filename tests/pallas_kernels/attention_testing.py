@@ -79,7 +79,8 @@ def assert_matches_reference(out: jax.Array, ref: jax.Array) -> None:
     """Every element written (no NaN from the poisoned output) and within the dtype's tolerance."""
     assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, out.dtype, ref.shape)
     out_np, ref_np = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert np.isfinite(out_np).all(), f"{np.sum(~np.isfinite(out_np))} elements NaN/inf (unwritten?)"
+    unwritten = np.sum(~np.isfinite(out_np))
+    assert not unwritten, f"{unwritten} elements are NaN or inf: never written by the kernel?"
     tol = TOLERANCE[jnp.dtype(ref.dtype)]
     scale = max(float(np.max(np.abs(ref_np))), 1e-30)
     # rtol=0: the bound is on max |Δ| / max |ref|, which near-zero outputs cannot inflate.

@@ -1,4 +1,4 @@
-"""scripts/bench_kernels.py: the dry run traces, shape-checks and lowers every case without a GPU."""
+"""scripts/bench_kernels.py: its dry run traces, checks and lowers every case, with no GPU."""
 
 import os
 import pathlib
@@ -18,5 +18,5 @@ def test_dry_run_checks_every_case():
     assert "dry run: 60 cases, 0 failed" in result.stdout
     for kind in ("prefill", "decode"):
         for impl in ("pallas_kernels", "xla", "cudnn", "jax pallas op"):
-            assert any(line.startswith(kind) and impl in line and line.rstrip().endswith(("ok", ")"))
+            assert any(line.startswith(kind) and impl in line and " ok" in line
                        for line in result.stdout.splitlines()), (kind, impl)

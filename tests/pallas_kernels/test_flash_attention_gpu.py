@@ -1,4 +1,4 @@
-"""The Triton prefill kernel, interpreted on the CPU, against the reference; and its Triton lowering."""
+"""The Triton prefill kernel, interpreted on the CPU, against the reference; its Triton lowering."""
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ NAMED_CASES = [
     # the default block sizes
     Case(B=1, T=100, S=100, N=2, K=1, H=80, lengths=(97,)),
 ]
-CASES = NAMED_CASES + random_prefill_cases(16, seed=5)
+CASES = NAMED_CASES + random_prefill_cases(12, seed=5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -90,7 +90,7 @@ def test_rejects_bad_options(kwargs, message):
 @pytest.mark.parametrize("shapes,message", [
     (((1, 8, 3, 16), (1, 8, 2, 16)), "N=3 must be a multiple of kv heads K=2"),
     (((1, 8, 2, 16), (1, 6, 1, 16)), "S=6 < T=8"),
-    (((1, 8, 2, 16), (1, 8, 1, 32)), r"head dim of k_BSKH \(32\) != head dim of the queries \(16\)"),
+    (((1, 8, 2, 16), (1, 8, 1, 32)), r"head dim of k_BSKH \(32\) != head dim of the queries"),
     (((2, 8, 2, 16), (1, 8, 1, 16)), r"batch of k_BSKH \(1\) != batch of the queries \(2\)"),
 ])
 def test_rejects_mismatched_shapes(shapes, message):

@@ -1,5 +1,5 @@
 """The oracle itself against PyTorch in float64: ``scaled_dot_product_attention``, and the eager
-attention of Hugging Face ``transformers`` (soft-cap as in Gemma 2, sliding window as in Mistral)."""
+attention of Hugging Face ``transformers`` (soft-cap as in Gemma 2, sliding window as Mistral)."""
 
 import numpy as np
 import pytest
