@@ -6,6 +6,7 @@ Shapes are small and odd: interpret mode runs each grid step on the CPU.
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,26 @@ def decode_inputs(case: Case, seed: int = 0):
     """q_BNH, k_BSKH, v_BSKH, lengths_B."""
     q, k, v, lengths = prefill_inputs(case, seed)
     return q[:, 0], k, v, lengths
+
+
+def stale_past_lengths(x_BSKH: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    """x with NaN at every cache position at or past its sequence's length (a stale cache)."""
+    stale_BS11 = jnp.arange(x_BSKH.shape[1])[None, :, None, None] >= lengths_B[:, None, None, None]
+    return jnp.where(stale_BS11, jnp.nan, x_BSKH)
+
+
+def lower(attention: Callable, platform: str, q_shape: tuple, kv_shape: tuple, dtype: str) -> str:
+    """StableHLO text of ``attention(q, k, v, lengths)`` lowered for ``platform`` ("cuda" runs the
+    Triton lowering, "tpu" the Mosaic one) from abstract inputs: needs no accelerator."""
+    q = jax.ShapeDtypeStruct(q_shape, jnp.dtype(dtype))
+    kv = jax.ShapeDtypeStruct(kv_shape, jnp.dtype(dtype))
+    lengths = jax.ShapeDtypeStruct(q_shape[:1], jnp.int32)
+    traced = jax.jit(attention).trace(q, kv, kv, lengths)
+    return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+TRITON_CALL = "@__gpu$xla.gpu.triton"
+MOSAIC_CALL = "tpu_custom_call"
 
 
 def relative_error(out: jax.Array, ref: jax.Array) -> float:

@@ -1,12 +1,14 @@
 """The Triton flash-decoding kernel, interpreted on the CPU, against the reference; its lowering."""
 
-import jax
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from attention_testing import (
-    Case, assert_matches_reference, decode_inputs, random_decode_cases,
+    TRITON_CALL, Case, assert_matches_reference, decode_inputs, lower, random_decode_cases,
+    stale_past_lengths,
 )
 from pallas_kernels.decode_attention_gpu import decode_attention_gpu, default_num_splits
 from pallas_kernels.reference import decode_attention_reference
@@ -46,8 +48,7 @@ def test_matches_reference_and_writes_every_element(case: Case):
 def test_ignores_cache_contents_past_the_length():
     case = Case(B=2, S=64, N=2, K=1, H=16, lengths=(40, 0), block_k=16, num_splits=2)
     q, k, v, lengths = decode_inputs(case)
-    stale = jnp.arange(case.S)[None, :, None, None] >= lengths[:, None, None, None]
-    out = decode_attention_gpu(q, jnp.where(stale, jnp.nan, k), jnp.where(stale, jnp.nan, v),
+    out = decode_attention_gpu(q, stale_past_lengths(k, lengths), stale_past_lengths(v, lengths),
                                lengths, **case.options, block_k=16, num_splits=2, interpret=True)
     assert_matches_reference(out, decode_attention_reference(q, k, v, lengths, **case.options))
 
@@ -75,13 +76,9 @@ def test_default_splits_fill_the_gpu_but_never_exceed_the_blocks():
     (4, 4096, 12, 12, 64, None, 30.0),  # MHA: G = 1
 ])
 def test_lowers_to_triton(dtype, B, S, N, K, H, window, softcap):
-    q = jax.ShapeDtypeStruct((B, N, H), jnp.dtype(dtype))
-    kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.dtype(dtype))
-    lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
-    attention = jax.jit(lambda *args: decode_attention_gpu(
-        *args, sm_scale=H ** -0.5, sliding_window=window, logit_softcap=softcap))
-    lowered = attention.trace(q, kv, kv, lengths).lower(lowering_platforms=("cuda",))
-    assert "@__gpu$xla.gpu.triton" in lowered.as_text()
+    attention = functools.partial(decode_attention_gpu, sm_scale=H ** -0.5,
+                                  sliding_window=window, logit_softcap=softcap)
+    assert TRITON_CALL in lower(attention, "cuda", (B, N, H), (B, S, K, H), dtype)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -4,12 +4,12 @@ As for the prefill kernel: poisoned runs use the generic interpreter, and the TP
 the first case.
 """
 
-import jax
-import jax.numpy as jnp
+import functools
+
 import numpy as np
 import pytest
 
-from attention_testing import Case, assert_matches_reference, decode_inputs
+from attention_testing import MOSAIC_CALL, Case, assert_matches_reference, decode_inputs, lower
 from pallas_kernels.decode_attention_tpu import decode_attention_tpu, default_num_splits
 from pallas_kernels.reference import decode_attention_reference
 
@@ -56,14 +56,10 @@ def test_default_splits_only_feed_a_second_core():
     (8, 8192, 16, 8, 256, 4096, 50.0, 2),  # Gemma 2
 ])
 def test_lowers_to_mosaic(dtype, B, S, N, K, H, window, softcap, num_splits):
-    q = jax.ShapeDtypeStruct((B, N, H), jnp.dtype(dtype))
-    kv = jax.ShapeDtypeStruct((B, S, K, H), jnp.dtype(dtype))
-    lengths = jax.ShapeDtypeStruct((B,), jnp.int32)
-    attention = jax.jit(lambda *args: decode_attention_tpu(
-        *args, sm_scale=H ** -0.5, sliding_window=window, logit_softcap=softcap,
-        num_splits=num_splits))
-    lowered = attention.trace(q, kv, kv, lengths).lower(lowering_platforms=("tpu",))
-    assert "tpu_custom_call" in lowered.as_text()
+    attention = functools.partial(decode_attention_tpu, sm_scale=H ** -0.5,
+                                  sliding_window=window, logit_softcap=softcap,
+                                  num_splits=num_splits)
+    assert MOSAIC_CALL in lower(attention, "tpu", (B, N, H), (B, S, K, H), dtype)
 
 
 def test_rejects_blocks_off_the_tpu_tiling():

@@ -1,12 +1,14 @@
 """The Triton prefill kernel, interpreted on the CPU, against the reference; its Triton lowering."""
 
-import jax
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from attention_testing import (
-    Case, assert_matches_reference, prefill_inputs, random_prefill_cases,
+    TRITON_CALL, Case, assert_matches_reference, lower, prefill_inputs, random_prefill_cases,
+    stale_past_lengths,
 )
 from pallas_kernels.flash_attention_gpu import flash_attention_gpu
 from pallas_kernels.reference import attention_reference
@@ -51,8 +53,7 @@ def test_ignores_cache_contents_past_the_length():
     """NaN in K/V past each sequence's length (a stale cache) must not reach the output."""
     case = Case(B=2, T=20, S=48, N=2, K=1, H=16, lengths=(20, 9), block_q=16, block_k=16)
     q, k, v, lengths = prefill_inputs(case)
-    stale = jnp.arange(case.S)[None, :, None, None] >= lengths[:, None, None, None]
-    out = flash_attention_gpu(q, jnp.where(stale, jnp.nan, k), jnp.where(stale, jnp.nan, v),
+    out = flash_attention_gpu(q, stale_past_lengths(k, lengths), stale_past_lengths(v, lengths),
                               lengths, **case.options, block_q=16, block_k=16, interpret=True)
     assert_matches_reference(out, attention_reference(q, k, v, lengths, **case.options))
 
@@ -66,13 +67,9 @@ def test_ignores_cache_contents_past_the_length():
 ])
 def test_lowers_to_triton(dtype, T, N, K, H, window, softcap):
     """Triton lowering (run here, without a GPU) accepts every tile: power-of-two sizes, ops."""
-    q = jax.ShapeDtypeStruct((2, T, N, H), jnp.dtype(dtype))
-    kv = jax.ShapeDtypeStruct((2, T, K, H), jnp.dtype(dtype))
-    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-    attention = jax.jit(lambda *args: flash_attention_gpu(
-        *args, sm_scale=H ** -0.5, sliding_window=window, logit_softcap=softcap))
-    lowered = attention.trace(q, kv, kv, lengths).lower(lowering_platforms=("cuda",))
-    assert "@__gpu$xla.gpu.triton" in lowered.as_text()
+    attention = functools.partial(flash_attention_gpu, sm_scale=H ** -0.5,
+                                  sliding_window=window, logit_softcap=softcap)
+    assert TRITON_CALL in lower(attention, "cuda", (2, T, N, H), (2, T, K, H), dtype)
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -5,12 +5,12 @@ Poisoned runs use Pallas' generic interpreter, which proves every output element
 out-of-bounds reads, runs the first case. Both are slow, so each case packs several sequences.
 """
 
-import jax
-import jax.numpy as jnp
+import functools
+
 import numpy as np
 import pytest
 
-from attention_testing import Case, assert_matches_reference, prefill_inputs
+from attention_testing import MOSAIC_CALL, Case, assert_matches_reference, lower, prefill_inputs
 from pallas_kernels.flash_attention_tpu import flash_attention_tpu
 from pallas_kernels.reference import attention_reference
 
@@ -55,13 +55,9 @@ def test_matches_reference_in_the_tpu_interpreter(case: Case):
 ])
 def test_lowers_to_mosaic(dtype, T, N, K, H, window, softcap):
     """Mosaic lowering (run here, without a TPU) accepts the block shapes, index maps and ops."""
-    q = jax.ShapeDtypeStruct((2, T, N, H), jnp.dtype(dtype))
-    kv = jax.ShapeDtypeStruct((2, T, K, H), jnp.dtype(dtype))
-    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-    attention = jax.jit(lambda *args: flash_attention_tpu(
-        *args, sm_scale=H ** -0.5, sliding_window=window, logit_softcap=softcap))
-    lowered = attention.trace(q, kv, kv, lengths).lower(lowering_platforms=("tpu",))
-    assert "tpu_custom_call" in lowered.as_text()
+    attention = functools.partial(flash_attention_tpu, sm_scale=H ** -0.5,
+                                  sliding_window=window, logit_softcap=softcap)
+    assert MOSAIC_CALL in lower(attention, "tpu", (2, T, N, H), (2, T, K, H), dtype)
 
 
 @pytest.mark.parametrize("kwargs,message", [
