@@ -11,9 +11,9 @@ from pallas_kernels.reference import attention_reference, decode_attention_refer
 
 def _torch_visible(q_pos_BT, S, lengths_B, window):
     """[B, 1, T, S] bool: the visibility rule written independently, in torch."""
-    q_pos = torch.as_tensor(q_pos_BT)[:, None, :, None]
+    q_pos = torch.tensor(np.asarray(q_pos_BT))[:, None, :, None]
     k_pos = torch.arange(S)[None, None, None, :]
-    lengths = torch.as_tensor(lengths_B)[:, None, None, None]
+    lengths = torch.tensor(np.asarray(lengths_B))[:, None, None, None]
     ok = (k_pos <= q_pos) & (k_pos < lengths) & (q_pos < lengths)
     if window is not None:
         ok &= q_pos - k_pos < window
