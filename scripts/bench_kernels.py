@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas.ops.gpu import attention as upstream_attention
 from jax.experimental.pallas.ops.gpu import decode_attention as upstream_decode
 
@@ -256,8 +255,8 @@ def benchmark(budget_seconds: float) -> int:
         return 2
     start = time.perf_counter()
     peak = measure_peak()
-    print(f"{jax.devices()[0].device_kind}: measured peak {peak.tflops:.0f} TFLOP/s (bf16 matmul), "
-          f"{peak.gbps:.0f} GB/s (copy)", flush=True)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: measured peak "
+          f"{peak.tflops:.0f} TFLOP/s (bf16 matmul), {peak.gbps:.0f} GB/s (copy)", flush=True)
     rows = []
     for w in WORKLOADS:
         inputs = w.inputs()

@@ -114,7 +114,7 @@ def random_prefill_cases(count: int, seed: int) -> list[Case]:
     cases = []
     for _ in range(count):
         B, K, G = int(rng.integers(1, 4)), int(rng.integers(1, 4)), int(rng.choice([1, 2, 4, 8]))
-        T = int(rng.choice([1, int(rng.integers(2, 90))]))
+        T = 1 if rng.random() < 0.15 else int(rng.integers(2, 90))
         S = T + int(rng.choice([0, 0, int(rng.integers(1, 20))]))
         lengths = tuple(int(rng.choice([0, 1, T, S, int(rng.integers(0, S + 1))]))
                         for _ in range(B))
