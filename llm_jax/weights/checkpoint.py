@@ -74,14 +74,14 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Params,
-                    tokenizer_files: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike] = (),
+                    tokenizer_files: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike | bytes] = (),
                     eos_ids: Sequence[int] = (), stop_ids: Sequence[int] = (), force: bool = False,
                     progress: Callable[[str], None] | None = None, source: str | None = None) -> pathlib.Path:
     """Write ``params`` (numpy or jax arrays, possibly sharded) as an llm_jax checkpoint at ``path``.
 
     The params' dtype (one float dtype for all tensors) is what is stored; ``config.param_dtype`` is set to
     it. ``tokenizer_files`` are copied under their own names, or under the keys of a mapping
-    ``{name in checkpoint: source file}``. ``progress(tensor)`` is called once per tensor. An existing
+    ``{name in checkpoint: source file or the file's content as bytes}``. ``progress(tensor)`` is called once per tensor. An existing
     ``path`` is replaced only with ``force`` and only if it is an llm_jax checkpoint itself.
     """
     path = pathlib.Path(path)
@@ -101,7 +101,10 @@ def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Par
         with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:  # synchronous
             checkpointer.save(staging / PARAMS_DIR, args=ocp.args.StandardSave(params))
         for name, file in copies.items():
-            shutil.copyfile(file, staging / name)
+            if isinstance(file, bytes):
+                (staging / name).write_bytes(file)
+            else:
+                shutil.copyfile(file, staging / name)
         metadata = {
             "format_version": FORMAT_VERSION,
             "config": config.to_dict(),
@@ -174,12 +177,12 @@ def _check_tensor_set(expected: Mapping[Path, Any], given: set[Path], *, where: 
         raise CheckpointError(f"{where}: {what} have tensors {extra} that the config does not describe")
 
 
-def _tokenizer_copies(files: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike]
-                      ) -> dict[str, pathlib.Path]:
-    named = ({str(k): pathlib.Path(v) for k, v in files.items()} if isinstance(files, Mapping)
-             else {pathlib.Path(f).name: pathlib.Path(f) for f in files})
+def _tokenizer_copies(files: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike | bytes]
+                      ) -> dict[str, pathlib.Path | bytes]:
+    named = ({str(k): v if isinstance(v, bytes) else pathlib.Path(v) for k, v in files.items()}
+             if isinstance(files, Mapping) else {pathlib.Path(f).name: pathlib.Path(f) for f in files})
     for name, file in named.items():
-        if not file.is_file():
+        if isinstance(file, pathlib.Path) and not file.is_file():
             raise FileNotFoundError(f"tokenizer file {file} does not exist")
         if name in (METADATA_FILE, PARAMS_DIR) or "/" in name:
             raise ValueError(f"cannot store a tokenizer file as {name!r} in a checkpoint")
