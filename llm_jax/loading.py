@@ -48,11 +48,12 @@ def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None,
     ``config -> either``; see ``weights/placement.py``); default: the first device. ``tokenizer``
     overrides the tokenizer found with the weights. ``verify`` checks an llm_jax checkpoint's checksums.
     """
+    attention = AttentionImpl.parse(attention)  # before any slow work
     path = pathlib.Path(path)
     fmt = sources.detect_format(path)
     if fmt is WeightFormat.LLM_JAX:
         config, params, meta = load_checkpoint(path, dtype=dtype, sharding=sharding, verify=verify)
-        tok = _tokenizer(tokenizer, path if meta.tokenizer_files else None)
+        tok = _tokenizer(tokenizer, sources.tokenizer_source(path, fmt, config))
         eos_ids, stop_ids = meta.eos_ids, meta.stop_ids  # the checkpoint's generation defaults
     else:
         config = sources.source_config(path, fmt)
@@ -63,7 +64,7 @@ def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None,
         params = sources.source_params(path, fmt, config, dtype=config.param_jnp_dtype, place=place)
         tok = _tokenizer(tokenizer, sources.tokenizer_source(path, fmt, config))
         eos_ids, stop_ids = sources.generation_ids(fmt, tok)
-    config = config.replace(attention_impl=AttentionImpl.parse(attention))
+    config = config.replace(attention_impl=attention)
     return Model(config=config, params=params, tokenizer=tok, eos_ids=eos_ids, stop_ids=stop_ids, path=str(path))
 
 
