@@ -10,7 +10,7 @@
 A checkpoint is written into ``<name>.tmp-<random>/`` beside its final place and renamed at the end, so
 an interrupted or failed save never leaves a partial checkpoint under the final name. ``checkpoint.json``
 is written last. On load every tensor is checked against the manifest and the config before anything is
-read, and its checksum after (on the devices holding it): a corrupt checkpoint raises
+read, and its checksum after (where its shards live): a corrupt checkpoint raises
 :class:`CheckpointError` naming the tensor, never loads as a silently different model.
 """
 
@@ -81,8 +81,9 @@ def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Par
 
     The params' dtype (one float dtype for all tensors) is what is stored; ``config.param_dtype`` is set to
     it. ``tokenizer_files`` are copied under their own names, or under the keys of a mapping
-    ``{name in checkpoint: source file or the file's content as bytes}``. ``progress(tensor)`` is called once per tensor. An existing
-    ``path`` is replaced only with ``force`` and only if it is an llm_jax checkpoint itself.
+    ``{name in checkpoint: source file, or the file's content as bytes}``. ``progress(tensor)`` is called
+    once per tensor. An existing ``path`` is replaced only with ``force``, and only if it is an llm_jax
+    checkpoint itself.
     """
     path = pathlib.Path(path)
     stored_dtype = _check_params(params, config, where=str(path))
@@ -257,8 +258,8 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, sharding: ShardingAr
     Each tensor is read from disk straight into ``dtype`` (default: as stored) on the devices its
     ``sharding`` names (see ``weights/placement.py``; default: the first device), so no full host copy
     is made. ``dtype`` also becomes the config's param and compute dtype. With ``verify`` every tensor's
-    checksum is checked on device; a tensor stored in another dtype is then read and checked in its
-    stored dtype and cast one tensor at a time.
+    checksum is checked where its shards live; loading into another dtype than stored then reads and
+    checks the stored dtype and casts, a group of tensors at a time.
     """
     config, meta, manifest = read_metadata(path)
     params_dir = (meta.path / PARAMS_DIR).absolute()  # orbax accepts absolute paths only

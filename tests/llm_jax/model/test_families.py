@@ -78,6 +78,15 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_threaded_torch():
+    """Tiny models: torch's thread pool only adds spin-waits (10x slower on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def build(family: Family, folder, seed: int = 0):
     config = family.config_class(**{**COMMON, **family.fields})
     config._attn_implementation = "eager"
@@ -192,16 +201,23 @@ def test_convert_round_trip_is_exact(case):
         np.testing.assert_array_equal(np.asarray(restored[path]), np.asarray(ours[path]), err_msg=f"{name} {path}")
 
 
-@pytest.mark.parametrize("name", ["mistral_sliding_window", "gemma2_softcap_local_global"])
-def test_windows_matter_within_the_test_sequence(name, tmp_path):
-    """Without their windows (and, for Gemma 2, with every layer local) the logits would differ: the
-    parity tests above really exercise local and global attention."""
+# Switches whose effect tiny random weights could hide, each turned off: the logits must then differ.
+SWITCHES_OFF = {
+    "mistral_sliding_window": [dict(sliding_window=None)],
+    "gemma2_softcap_local_global": [dict(sliding_window=None, sliding_layers=None),
+                                    dict(sliding_layers=None),  # every layer local
+                                    dict(attn_logit_softcap=None), dict(final_logit_softcap=None),
+                                    dict(query_pre_attn_scalar=None)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SWITCHES_OFF))
+def test_switches_matter_within_the_test_sequence(name, tmp_path):
+    """The parity tests above really exercise local and global attention, soft-caps and the query scale."""
     build(FAMILIES[name], tmp_path)
     model = llm_jax.load(tmp_path, dtype="float32")
     ids = jnp.asarray(tokens(model.config.vocab_size, 0, SEQ_LEN))
     reference = np.asarray(jit_forward(model.params, model.config, ids))
-    variants = [model.config.replace(sliding_window=None, sliding_layers=None)]
-    if model.config.sliding_layers is not None:
-        variants.append(model.config.replace(sliding_layers=None))  # every layer local
-    for config in variants:
-        assert np.abs(np.asarray(jit_forward(model.params, config, ids)) - reference).max() > 10 * ATOL
+    for changes in SWITCHES_OFF[name]:
+        changed = np.asarray(jit_forward(model.params, model.config.replace(**changes), ids))
+        assert np.abs(changed - reference).max() > 10 * ATOL, changes

@@ -1,5 +1,6 @@
 """Conversion to llm_jax checkpoints: exact round trips, bfloat16, the CLI, and interrupted conversions."""
 
+import json
 import os
 import pathlib
 import signal
@@ -11,6 +12,8 @@ import time
 import jax
 import numpy as np
 import pytest
+import torch
+import transformers
 
 import llm_jax
 from llm_jax.tokenizer import load_tokenizer
@@ -18,6 +21,7 @@ from llm_jax.weights import checkpoint
 from llm_jax.weights.checkpoint import is_checkpoint, load_checkpoint
 from llm_jax.weights.convert import ConvertProgress, convert
 from llm_jax.weights.placement import leaves_by_path
+from tests.hf_models import save_tiny_llama
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 ENV = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
@@ -56,12 +60,17 @@ def test_bfloat16_conversion_keeps_greedy_output_close(stories260k_dir, tmp_path
     f32 = llm_jax.load(source)
     for path, x in leaves_by_path(f32.params).items():  # stored values are the round-to-nearest casts
         np.testing.assert_array_equal(np.asarray(leaves_by_path(params)[path]), np.asarray(x.astype("bfloat16")))
+    # The float32 reference is transformers on the hf/ copy (equal to llm_jax float32 token for token).
+    reference = transformers.LlamaForCausalLM.from_pretrained(stories260k_dir / "hf").eval()
+    reference.generation_config.eos_token_id = None  # run all 48 tokens, as ignore_eos does
     bf16 = llm_jax.load(tmp_path / "bf16")
-    kwargs = dict(max_new_tokens=48, ignore_eos=True)
     agree = []
-    for ours, reference in zip(llm_jax.generate(bf16, PROMPTS, **kwargs), llm_jax.generate(f32, PROMPTS, **kwargs)):
-        same = np.asarray(ours.output_ids) == np.asarray(reference.output_ids)
-        agree.append(int(np.argmin(same)) if not same.all() else len(same))
+    for result in llm_jax.generate(bf16, PROMPTS, max_new_tokens=48, ignore_eos=True):
+        with torch.no_grad():
+            expected = reference.generate(torch.tensor([result.prompt_ids]), max_new_tokens=48,
+                                          do_sample=False)[0, len(result.prompt_ids):].numpy()
+        same = np.asarray(result.output_ids) == expected
+        agree.append(len(same) if same.all() else int(np.argmin(same)))
     print(f"bfloat16 greedy tokens equal to float32 before the first divergence: {agree} of 48")
     assert min(agree) >= 16, agree
 
@@ -140,3 +149,13 @@ def test_cli(stories260k_dir, tmp_path):
     assert again.returncode == 1 and again.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'ckpt'} already exists; pass force=True (--force) to overwrite it")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_special_token_ids_only_in_config_json_travel(tmp_path):
+    """transformers derives generation_config.json from config.json; so does a conversion without one."""
+    save_tiny_llama(tmp_path / "hf", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=[2, 5])
+    (tmp_path / "hf" / "generation_config.json").unlink()
+    convert(tmp_path / "hf", tmp_path / "ckpt")
+    derived = json.loads((tmp_path / "ckpt" / "generation_config.json").read_text())
+    assert derived == {"bos_token_id": 1, "eos_token_id": [2, 5]}
