@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llm_jax.cli.common import run_main
+from llm_jax.cli.common import CliParser, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CliParser(
         description="Convert a Hugging Face model folder or a llama2.c .bin into an llm_jax checkpoint.")
     p.add_argument("source", help="Hugging Face folder (config.json + *.safetensors) or llama2.c .bin")
     p.add_argument("dest", help="checkpoint folder to create, e.g. checkpoints/llama-3.2-1b")
