@@ -9,6 +9,7 @@ product. Gradients are XLA's.
 
     available() -> bool          # the kernels are built and registered for this process
     matmul(x_RK, w, *, transposed=False) -> y_RN (float32)
+    matmuls(x_RK, ws, *, transposed=False) -> (y_RN, ...)   # several weights sharing x, one call
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 
 from cpu_kernels import build
 
-__all__ = ["available", "matmul"]
+__all__ = ["available", "matmul", "matmuls"]
 
 
 def available() -> bool:
@@ -28,50 +29,67 @@ def available() -> bool:
     return jax.default_backend() == "cpu" and build.load()
 
 
-def _xla(x_RK: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
+def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tuple[jax.Array, ...]:
     spec = "RK,NK->RN" if transposed else "RK,KN->RN"
-    return jnp.einsum(spec, x_RK.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return tuple(jnp.einsum(spec, x_RK.astype(w.dtype), w, preferred_element_type=jnp.float32) for w in ws)
 
 
-def _kernel(x_RK: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
-    N = w.shape[0] if transposed else w.shape[1]
-    target = f"llm_jax_matmul_{'nk' if transposed else 'kn'}_{'bf16' if w.dtype == jnp.bfloat16 else 'f32'}"
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x_RK.shape[0], N), jnp.float32),
-                            vmap_method="sequential")
-    return call(x_RK.astype(jnp.float32), w)
+def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tuple[jax.Array, ...]:
+    dtype = "bf16" if ws[0].dtype == jnp.bfloat16 else "f32"
+    target = f"llm_jax_matmul_{'nk' if transposed else 'kn'}_{dtype}"
+    shapes = [jax.ShapeDtypeStruct((x_RK.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32)
+              for w in ws]
+    call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
+    return tuple(call(x_RK.astype(jnp.float32), *ws))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul(x_RK: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
-    return jax.lax.platform_dependent(x_RK, w, cpu=functools.partial(_kernel, transposed=transposed),
+def _matmuls(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tuple[jax.Array, ...]:
+    return jax.lax.platform_dependent(x_RK, ws, cpu=functools.partial(_kernel, transposed=transposed),
                                       default=functools.partial(_xla, transposed=transposed))
 
 
-def _matmul_fwd(x_RK, w, transposed):
-    return _matmul(x_RK, w, transposed), (x_RK, w)
+def _matmuls_fwd(x_RK, ws, transposed):
+    return _matmuls(x_RK, ws, transposed), (x_RK, ws)
 
 
-def _matmul_bwd(transposed, residuals, dy_RN):
-    x_RK, w = residuals
-    dy_RN = dy_RN.astype(jnp.float32)
-    dx_RK = jnp.einsum("RN,NK->RK" if transposed else "RN,KN->RK", dy_RN, w.astype(jnp.float32))
-    dw = jnp.einsum("RN,RK->NK" if transposed else "RK,RN->KN", *(
-        (dy_RN, x_RK.astype(jnp.float32)) if transposed else (x_RK.astype(jnp.float32), dy_RN)))
-    return dx_RK.astype(x_RK.dtype), dw.astype(w.dtype)
+def _matmuls_bwd(transposed, residuals, dys):
+    x_RK, ws = residuals
+    x32 = x_RK.astype(jnp.float32)
+    dx_RK = jnp.zeros(x_RK.shape, jnp.float32)
+    dws = []
+    for w, dy_RN in zip(ws, dys):
+        dy_RN, w32 = dy_RN.astype(jnp.float32), w.astype(jnp.float32)
+        if transposed:
+            dx_RK += dy_RN @ w32
+            dws.append((dy_RN.T @ x32).astype(w.dtype))
+        else:
+            dx_RK += dy_RN @ w32.T
+            dws.append((x32.T @ dy_RN).astype(w.dtype))
+    return dx_RK.astype(x_RK.dtype), tuple(dws)
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
+
+
+def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False) -> tuple[jax.Array, ...]:
+    """x [R, K] · W_i → [R, N_i] float32 for each W_i in ``ws`` ([K, N_i], or [N_i, K] when ``transposed``;
+    all float32 or all bfloat16). On CPU one kernel call streams every W_i: one fork-join for all.
+
+    Uses the kernels when :func:`available`, XLA's products otherwise.
+    """
+    ws = tuple(ws)
+    k_axis = 1 if transposed else 0
+    for w in ws:
+        if x_RK.ndim != 2 or w.ndim != 2 or x_RK.shape[1] != w.shape[k_axis]:
+            raise ValueError(f"matmul needs x [R, K] and w {'[N, K]' if transposed else '[K, N]'} with the same K, "
+                             f"got x {x_RK.shape} and w {w.shape}")
+    dtypes = {w.dtype for w in ws}
+    if len(dtypes) != 1 or dtypes.pop() not in (jnp.float32, jnp.bfloat16) or not available():
+        return _xla(x_RK, ws, transposed)
+    return _matmuls(x_RK, ws, transposed)
 
 
 def matmul(x_RK: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
-    """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``), float32 or bfloat16.
-
-    Uses the kernels when :func:`available`, XLA's product otherwise.
-    """
-    k_axis = 1 if transposed else 0
-    if x_RK.ndim != 2 or w.ndim != 2 or x_RK.shape[1] != w.shape[k_axis]:
-        raise ValueError(f"matmul needs x [R, K] and w {'[N, K]' if transposed else '[K, N]'} with the same K, "
-                         f"got x {x_RK.shape} and w {w.shape}")
-    if w.dtype not in (jnp.float32, jnp.bfloat16) or not available():
-        return _xla(x_RK, w, transposed)
-    return _matmul(x_RK, w, transposed)
+    """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``), float32 or bfloat16."""
+    return matmuls(x_RK, (w,), transposed=transposed)[0]

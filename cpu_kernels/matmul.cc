@@ -1,4 +1,5 @@
-// Matrix products for LLM decode on CPU, as XLA FFI custom calls: y[R, N] = x[R, K] · W, few rows R.
+// Matrix products for LLM decode on CPU, as XLA FFI custom calls: y_i[R, N_i] = x[R, K] · W_i, few rows R,
+// for one or several weight matrices W_i sharing the input.
 //
 // Decode reads every weight once per step and does two flops with each, so its speed is the speed of
 // streaming the weights from memory. XLA:CPU's matrix products fall short there in two ways this file
@@ -124,26 +125,39 @@ void kn_unit(const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t
   }
 }
 
+// One product per matrix in ws (all [K, N_i]), sharing x: every matrix's units go through one
+// parallel_for, so projections of the same input (q, k, v; gate, up) cost one fork-join.
 template <typename W>
-void kn_matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N) {
+void kn_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
+               const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   // A column tile of y for all R rows takes 4 KiB of L1, leaving room for the rows of W streaming
   // through (1024 columns measured best for one row; 2048 and 4096 are 5-15% slower).
   const int64_t tile = std::max<int64_t>(16, (1024 / R) / 16 * 16);
-  const int64_t tiles = (N + tile - 1) / tile;
+  const size_t M = ws.size();
+  std::vector<int64_t> first_tile(M + 1, 0);
+  for (size_t i = 0; i < M; ++i) first_tile[i + 1] = first_tile[i] + (ns[i] + tile - 1) / tile;
+  const int64_t tiles = first_tile[M];
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  // Few tiles (a narrow output): also split the rows of W, so every thread has work.
+  // Few tiles (narrow outputs): also split the rows of W, so every thread has work.
   const int64_t slices = std::min<int64_t>(K, std::max<int64_t>(1, (2 * threads + tiles - 1) / tiles));
   const int64_t slice = (K + slices - 1) / slices;
-  std::vector<float> partial(static_cast<size_t>((slices - 1) * R * N), 0.f);
-  std::fill(y, y + R * N, 0.f);
+  std::vector<std::vector<float>> partial(M);
+  for (size_t i = 0; i < M; ++i) {
+    partial[i].assign(static_cast<size_t>((slices - 1) * R * ns[i]), 0.f);
+    std::fill(ys[i], ys[i] + R * ns[i], 0.f);
+  }
   parallel_for(pool, tiles * slices, [&](int64_t unit) {
     const int64_t t = unit % tiles, s = unit / tiles;
-    float* out = s == 0 ? y : partial.data() + (s - 1) * R * N;
-    kn_unit(x, w, out, R, K, N, N, t * tile, std::min(N, (t + 1) * tile), s * slice, std::min(K, (s + 1) * slice));
+    const size_t i = std::upper_bound(first_tile.begin(), first_tile.end(), t) - first_tile.begin() - 1;
+    const int64_t N = ns[i], n0 = (t - first_tile[i]) * tile;
+    float* out = s == 0 ? ys[i] : partial[i].data() + (s - 1) * R * N;
+    kn_unit(x, ws[i], out, R, K, N, N, n0, std::min(N, n0 + tile), s * slice, std::min(K, (s + 1) * slice));
   });
-  for (int64_t s = 1; s < slices; ++s) {
-    const float* p = partial.data() + (s - 1) * R * N;
-    for (int64_t i = 0; i < R * N; ++i) y[i] += p[i];
+  for (size_t i = 0; i < M; ++i) {
+    for (int64_t s = 1; s < slices; ++s) {
+      const float* p = partial[i].data() + (s - 1) * R * ns[i];
+      for (int64_t j = 0; j < R * ns[i]; ++j) ys[i][j] += p[j];
+    }
   }
 }
 
@@ -170,18 +184,23 @@ void nk_rows(const float* x, const W* wn, float* y, int64_t K, int64_t N, int64_
 }
 
 template <typename W>
-void nk_matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N) {
+void nk_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
+               const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   constexpr int64_t kRowsPerUnit = 64;
-  const int64_t units = (N + kRowsPerUnit - 1) / kRowsPerUnit;
-  parallel_for(pool, units, [&](int64_t unit) {
-    for (int64_t n = unit * kRowsPerUnit; n < std::min(N, (unit + 1) * kRowsPerUnit); ++n) {
-      const W* wn = w + n * K;
+  const size_t M = ws.size();
+  std::vector<int64_t> first_unit(M + 1, 0);
+  for (size_t i = 0; i < M; ++i) first_unit[i + 1] = first_unit[i] + (ns[i] + kRowsPerUnit - 1) / kRowsPerUnit;
+  parallel_for(pool, first_unit[M], [&](int64_t unit) {
+    const size_t i = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
+    const int64_t N = ns[i], n0 = (unit - first_unit[i]) * kRowsPerUnit;
+    for (int64_t n = n0; n < std::min(N, n0 + kRowsPerUnit); ++n) {
+      const W* wn = ws[i] + n * K;
       int64_t r = 0;
-      for (; r + 4 <= R; r += 4) nk_rows<W, 4>(x, wn, y, K, N, r, n);
+      for (; r + 4 <= R; r += 4) nk_rows<W, 4>(x, wn, ys[i], K, N, r, n);
       switch (R - r) {
-        case 3: nk_rows<W, 3>(x, wn, y, K, N, r, n); break;
-        case 2: nk_rows<W, 2>(x, wn, y, K, N, r, n); break;
-        case 1: nk_rows<W, 1>(x, wn, y, K, N, r, n); break;
+        case 3: nk_rows<W, 3>(x, wn, ys[i], K, N, r, n); break;
+        case 2: nk_rows<W, 2>(x, wn, ys[i], K, N, r, n); break;
+        case 1: nk_rows<W, 1>(x, wn, ys[i], K, N, r, n); break;
         default: break;
       }
     }
@@ -193,35 +212,47 @@ void nk_matmul(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int6
 template <ffi::DataType T>
 using Matrix = ffi::Buffer<T, 2>;
 
+// x [R, K], then M weight matrices (all of dtype T, all [K, N_i], or [N_i, K] when transposed); M
+// results y_i [R, N_i].
 template <bool kTransposed, ffi::DataType T, typename W>
-ffi::Error Matmul(ffi::ThreadPool pool, Matrix<ffi::F32> x, Matrix<T> w, ffi::ResultBuffer<ffi::F32, 2> y) {
+ffi::Error Matmul(ffi::ThreadPool pool, Matrix<ffi::F32> x, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const int64_t R = x.dimensions()[0], K = x.dimensions()[1];
-  const int64_t N = kTransposed ? w.dimensions()[0] : w.dimensions()[1];
-  const int64_t w_k = kTransposed ? w.dimensions()[1] : w.dimensions()[0];
-  if (w_k != K || y->dimensions()[0] != R || y->dimensions()[1] != N) {
-    return ffi::Error::InvalidArgument("cpu_kernels matmul: shapes of x, w and y do not match");
+  if (weights.size() != outs.size() || weights.size() == 0) {
+    return ffi::Error::InvalidArgument("cpu_kernels matmul: one result per weight matrix");
   }
-  const W* wp = reinterpret_cast<const W*>(w.untyped_data());
+  std::vector<const W*> ws;
+  std::vector<float*> ys;
+  std::vector<int64_t> ns;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    auto w = weights.get<Matrix<T>>(i);
+    auto y = outs.get<Matrix<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) {
+      return ffi::Error::InvalidArgument("cpu_kernels matmul: weights must be 2-D of one dtype, results 2-D float32");
+    }
+    const auto wd = w->dimensions();
+    const int64_t N = kTransposed ? wd[0] : wd[1], w_k = kTransposed ? wd[1] : wd[0];
+    if (w_k != K || (*y)->dimensions()[0] != R || (*y)->dimensions()[1] != N) {
+      return ffi::Error::InvalidArgument("cpu_kernels matmul: shapes of x, w and y do not match");
+    }
+    ws.push_back(reinterpret_cast<const W*>(w->untyped_data()));
+    ys.push_back((*y)->typed_data());
+    ns.push_back(N);
+  }
   if (kTransposed) {
-    nk_matmul(pool, x.typed_data(), wp, y->typed_data(), R, K, N);
+    nk_matmul(pool, x.typed_data(), ws, ys, ns, R, K);
   } else {
-    kn_matmul(pool, x.typed_data(), wp, y->typed_data(), R, K, N);
+    kn_matmul(pool, x.typed_data(), ws, ys, ns, R, K);
   }
   return ffi::Error::Success();
 }
 
-template <ffi::DataType T>
 auto Binding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<Matrix<ffi::F32>>()
-      .template Arg<Matrix<T>>()
-      .template Ret<Matrix<ffi::F32>>();
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix<ffi::F32>>().RemainingArgs().RemainingRets();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnF32, (Matmul<false, ffi::F32, float>), Binding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnBF16, (Matmul<false, ffi::BF16, uint16_t>), Binding<ffi::BF16>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkF32, (Matmul<true, ffi::F32, float>), Binding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkBF16, (Matmul<true, ffi::BF16, uint16_t>), Binding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnF32, (Matmul<false, ffi::F32, float>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnBF16, (Matmul<false, ffi::BF16, uint16_t>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkF32, (Matmul<true, ffi::F32, float>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkBF16, (Matmul<true, ffi::BF16, uint16_t>), Binding());

@@ -26,7 +26,7 @@ import types
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # Configuration.
     "config": ("Activation", "AttentionImpl", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope",
-               "ModelConfig"),
+               "MatmulImpl", "ModelConfig"),
     # Loading models.
     "loading": ("Model", "load"),
     "weights.checkpoint": ("CheckpointError", "is_checkpoint", "load_checkpoint", "save_checkpoint"),
@@ -38,7 +38,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "stop_strings": ("StopStringMatcher",),
     "chat_template": ("ChatTemplate", "ChatTemplateError", "encode_chat", "load_chat_template"),
     # The model as pure functions.
-    "model": ("forward", "init_params"),
+    "model": ("forward", "init_params", "stack_layers", "unstack_layers"),
     "kv_cache": ("KVCache", "init_cache"),
     # Jitted stages for research code.
     "prefill": ("prefill",),

@@ -34,6 +34,23 @@ class AttentionImpl(enum.Enum):
             raise ConfigError(f"unknown attention implementation {value!r}; choose one of {choices}") from None
 
 
+class MatmulImpl(enum.Enum):
+    """How the model's matrix products run; chosen in exactly one place (``llm_jax.model.layers.dense``)."""
+
+    AUTO = "auto"  # on CPU, cpu_kernels for decode-sized products and bfloat16 weights; XLA otherwise
+    XLA = "xla"  # XLA's own products everywhere
+
+    @classmethod
+    def parse(cls, value: "MatmulImpl | str") -> "MatmulImpl":
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in cls)
+            raise ConfigError(f"unknown matmul implementation {value!r}; choose one of {choices}") from None
+
+
 class Activation(enum.Enum):
     """The gate nonlinearity of the gated MLP: SwiGLU (Llama) or GeGLU with tanh-GELU (Gemma)."""
 
@@ -93,6 +110,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     attention_impl: AttentionImpl = AttentionImpl.XLA
+    matmul_impl: MatmulImpl = MatmulImpl.AUTO
 
     # Family switches (Llama defaults).
     activation: Activation = Activation.SILU
@@ -113,6 +131,7 @@ class ModelConfig:
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
         object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
         object.__setattr__(self, "attention_impl", AttentionImpl.parse(self.attention_impl))
+        object.__setattr__(self, "matmul_impl", MatmulImpl.parse(self.matmul_impl))
         object.__setattr__(self, "activation", Activation(self.activation))
         if self.sliding_layers is not None:
             object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))

@@ -14,7 +14,7 @@ import numpy as np
 
 from llm_jax import buckets
 from llm_jax.compile_stats import measure_compilation
-from llm_jax.config import ModelConfig
+from llm_jax.config import MatmulImpl, ModelConfig
 from llm_jax.decode import PAD_ID, DecodeControls, decode, start
 from llm_jax.kv_cache import init_cache
 from llm_jax.model import Params
@@ -70,10 +70,10 @@ class Compiled:
 class LlmJaxEngine:
     """Runs a :class:`Workload` against ``params``; call :meth:`compile` once, then :meth:`run`."""
 
-    name = "llm_jax"
-
     def __init__(self, params: Params, config: ModelConfig, workload: Workload):
         self.params, self.config, self.workload = params, config, workload
+        impl = config.matmul_impl
+        self.name = "llm_jax" if impl is MatmulImpl.AUTO else f"llm_jax[{impl.value} matmul]"
         context = config.max_seq_len
         self.block_len = buckets.prompt_bucket(workload.prompt_len, context=context)
         self.cache_len = buckets.cache_bucket(workload.prompt_len, 1 + workload.decode_steps, context=context)

@@ -80,7 +80,8 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
                roofline_tokens_per_s=roofline.tokens_per_s, roofline_fraction=decode.median / roofline.tokens_per_s,
                bytes_per_step=roofline.bytes_per_step, kv_cache_bytes_per_token=kv_bytes_per_token,
                peak_rss_mb=peak_rss_mb, kv_cache_mb=_mib(memory and memory.cache_bytes),
-               decode_aliased_mb=_mib(memory and memory.aliased_bytes), decode_temp_mb=_mib(memory and memory.temp_bytes),
+               decode_aliased_mb=_mib(memory and memory.aliased_bytes),
+               decode_temp_mb=_mib(memory and memory.temp_bytes),
                decode_tokens_per_s_spread=decode,
                ttft_s_spread=Spread.of([r.ttft_s for r in runs]), prefill_tokens_per_s_spread=Spread.of(prefill_rate))
 

@@ -22,7 +22,7 @@ from llm_jax.benchmark.llm_jax_engine import LlmJaxEngine, Workload
 from llm_jax.benchmark.results import Row, agreement, summarise
 from llm_jax.benchmark.roofline import decode_roofline
 from llm_jax.benchmark.shapes import SHAPES, shape_config
-from llm_jax.config import ModelConfig
+from llm_jax.config import MatmulImpl, ModelConfig
 from llm_jax.kv_cache import cache_bytes_per_token
 from llm_jax.model import init_params, unstack_layers
 
@@ -41,6 +41,7 @@ class Options:
     repeats: int = 3
     chunk_steps: int = 16
     compare_hf: bool = False
+    matmuls: tuple[MatmulImpl, ...] = (MatmulImpl.AUTO,)  # llm_jax variants, each an engine
     threads: int = 0  # torch threads (0: every CPU)
     bandwidth_gbps: float = 0.0
 
@@ -91,15 +92,16 @@ class ModelSource:
 def run_cell(source: ModelSource, config: ModelConfig, params, cell: Cell, options: Options, log: Log) -> CellResult:
     workload = Workload(batch=cell.batch, prompt_len=options.prompt_len, new_tokens=options.new_tokens,
                         chunk_steps=options.chunk_steps)
-    engines = [LlmJaxEngine(params, config, workload)]
+    engines = [LlmJaxEngine(params, config.replace(matmul_impl=m), workload) for m in options.matmuls]
     if options.compare_hf:
-        engines.append(HfEngine(source.hf_folder, config, workload, threads=options.threads or machine_lib.cpu_threads()))
+        threads = options.threads or machine_lib.cpu_threads()
+        engines.append(HfEngine(source.hf_folder, config, workload, threads=threads))
     compiled, runs, peaks = {}, {e.name: [] for e in engines}, {e.name: 0.0 for e in engines}
     for engine in engines:
         machine_lib.reset_peak_rss()
-        compiled[engine.name] = engine.compile()
+        done = compiled[engine.name] = engine.compile()
         peaks[engine.name] = machine_lib.peak_rss_mb()
-        log(f"  {engine.name}: compiled in {compiled[engine.name].prefill_s:.1f}+{compiled[engine.name].decode_s:.1f} s")
+        log(f"  {engine.name}: compiled in {done.prefill_s:.1f}+{done.decode_s:.1f} s")
     for rep in range(options.repeats):
         for engine in engines:
             machine_lib.reset_peak_rss()
@@ -116,8 +118,8 @@ def run_cell(source: ModelSource, config: ModelConfig, params, cell: Cell, optio
             for e in engines]
     if not options.compare_hf:
         return CellResult(rows=rows, hf_ratio=None, agreement=None)
-    ratio = rows[0].decode_tokens_per_s / rows[1].decode_tokens_per_s
-    agree = agreement(runs["llm_jax"][0].tokens, runs["transformers"][0].tokens)
+    ratio = rows[0].decode_tokens_per_s / rows[-1].decode_tokens_per_s
+    agree = agreement(runs[engines[0].name][0].tokens, runs["transformers"][0].tokens)
     return CellResult(rows=rows, hf_ratio=ratio, agreement=agree)
 
 

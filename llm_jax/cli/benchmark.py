@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-steps", type=positive_int, default=16, help="decode steps per device call")
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers on the same weights")
+    p.add_argument("--matmul", nargs="+", choices=["auto", "xla"], default=["auto"],
+                   help="llm_jax matrix products: auto (CPU kernels for decode and bfloat16) and/or xla (XLA's own); "
+                        "several run as separate engines, alternating")
     p.add_argument("--threads", type=positive_int, help="threads for torch and the bandwidth probe (default: all)")
     p.add_argument("--bandwidth", type=float, help="memory bandwidth in GB/s to use instead of measuring it")
     p.add_argument("--compile-layers", nargs="+", type=positive_int,
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_jax.benchmark.results import table, write_json
     from llm_jax.benchmark.shapes import SHAPES
     from llm_jax.benchmark.suite import Options, log_stderr, run_matrix
+    from llm_jax.config import MatmulImpl
 
     threads = args.threads or machine_lib.cpu_threads()
     if args.bandwidth:
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                f"({machine.backend})")
     options = Options(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                       chunk_steps=args.chunk_steps, compare_hf=args.compare == "hf", threads=threads,
-                      bandwidth_gbps=bandwidth)
+                      bandwidth_gbps=bandwidth, matmuls=tuple(MatmulImpl.parse(m) for m in args.matmul))
     results = run_matrix(models, args.dtype, args.batch, options)
     rows = [row for result in results for row in result.rows]
     ratios = {}

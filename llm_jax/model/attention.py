@@ -15,7 +15,7 @@ from flax import linen as nn
 
 import pallas_kernels
 from llm_jax.config import AttentionImpl, ModelConfig
-from llm_jax.model.layers import RMSNorm, _init, dense
+from llm_jax.model.layers import RMSNorm, _init, dense, dense_many
 from llm_jax.model.rope import apply_rope, inverse_frequencies, rope_angles
 
 # Masked scores get a large finite negative value rather than -inf, so a row with no visible key
@@ -46,9 +46,8 @@ class Attention(nn.Module):
     def project(self, x_BTD: jnp.ndarray, positions_BT: jnp.ndarray):
         """Queries [B, T, N, H] and keys/values [B, T, K, H] at ``positions_BT``, RoPE applied."""
         c, dtype = self.config, x_BTD.dtype
-        q_BTNH = dense("BTD,DNH->BTNH", x_BTD, self.q_proj, jnp.float32)
-        k_BTKH = dense("BTD,DKH->BTKH", x_BTD, self.k_proj, jnp.float32)
-        v_BTKH = dense("BTD,DKH->BTKH", x_BTD, self.v_proj, jnp.float32)
+        q_BTNH, k_BTKH, v_BTKH = dense_many(["BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTD,DKH->BTKH"], x_BTD,
+                                            [self.q_proj, self.k_proj, self.v_proj], jnp.float32, c.matmul_impl)
         if c.qkv_bias:
             q_BTNH, k_BTKH, v_BTKH = q_BTNH + self.q_bias, k_BTKH + self.k_bias, v_BTKH + self.v_bias
         q_BTNH, k_BTKH, v_BTKH = q_BTNH.astype(dtype), k_BTKH.astype(dtype), v_BTKH.astype(dtype)
@@ -62,7 +61,7 @@ class Attention(nn.Module):
         # Contract one flattened (N·H) axis: given (N, H) as two contracting axes, XLA:CPU copies the
         # weights into another layout on every call.
         o_flat = o_BTNH.reshape(B, T, N * H)  # [B, T, N·H]
-        return dense("BTi,iD->BTD", o_flat, self.o_proj.reshape(N * H, -1), o_BTNH.dtype)
+        return dense("BTi,iD->BTD", o_flat, self.o_proj.reshape(N * H, -1), o_BTNH.dtype, self.config.matmul_impl)
 
 
 def _masked_softmax(scores_BKGTS: jnp.ndarray, visible_B11TS: jnp.ndarray) -> jnp.ndarray:

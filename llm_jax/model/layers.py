@@ -7,13 +7,14 @@ Matrix products accumulate in float32 (``preferred_element_type``) whatever the 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
 import cpu_kernels
-from llm_jax.config import Activation
+from llm_jax.config import Activation, MatmulImpl
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -22,20 +23,31 @@ _init = nn.initializers.normal(stddev=0.02)
 KERNEL_MAX_ROWS_F32 = 8
 
 
-def dense(equation: str, x: jnp.ndarray, w: jnp.ndarray, out_dtype: jnp.dtype) -> jnp.ndarray:
+def dense(equation: str, x: jnp.ndarray, w: jnp.ndarray, out_dtype: jnp.dtype,
+          impl: MatmulImpl = MatmulImpl.AUTO) -> jnp.ndarray:
     """``einsum(equation, x, w)`` with float32 accumulation, cast to ``out_dtype``.
 
-    ``equation`` contracts trailing axes of ``x`` with leading (``"BTD,DF->BTF"``) or trailing
-    (``"BTD,VD->BTV"``) axes of ``w``; on CPU, products with few rows or bfloat16 weights then run the
-    streaming kernels of :mod:`cpu_kernels`.
+    With ``MatmulImpl.AUTO``, when ``equation`` contracts trailing axes of ``x`` with leading
+    (``"BTD,DF->BTF"``) or trailing (``"BTD,VD->BTV"``) axes of ``w``, products with few rows (decode) or
+    bfloat16 weights run the streaming CPU kernels of :mod:`cpu_kernels` (XLA's own product elsewhere).
     """
-    as_matmul = _as_matmul(equation, x.shape, w.shape)
-    if as_matmul is None or not _use_kernel(as_matmul[0], w.dtype):
-        return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
-    R, K, N, transposed, out_shape = as_matmul
-    w_2d = w.reshape(N, K) if transposed else w.reshape(K, N)
-    y_RN = cpu_kernels.matmul(x.reshape(R, K), w_2d, transposed=transposed)
-    return y_RN.reshape(out_shape).astype(out_dtype)
+    return dense_many([equation], x, [w], out_dtype, impl)[0]
+
+
+def dense_many(equations: Sequence[str], x: jnp.ndarray, ws: Sequence[jnp.ndarray], out_dtype: jnp.dtype,
+               impl: MatmulImpl = MatmulImpl.AUTO) -> list[jnp.ndarray]:
+    """:func:`dense` of one input with several weights (q/k/v, gate/up). When the CPU kernels run, one
+    call streams all the weights: one fork-join of the threads instead of one per product."""
+    forms = [_as_matmul(eq, x.shape, w.shape) for eq, w in zip(equations, ws)]
+    kernel = (impl is MatmulImpl.AUTO and all(forms) and len({(f[0], f[1], f[3]) for f in forms}) == 1
+              and len({w.dtype for w in ws}) == 1 and _use_kernel(forms[0][0], ws[0].dtype))
+    if not kernel:
+        return [jnp.einsum(eq, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
+                for eq, w in zip(equations, ws)]
+    R, K, _, transposed, _ = forms[0]
+    ws_2d = [w.reshape(N, K) if transposed else w.reshape(K, N) for w, (_, _, N, _, _) in zip(ws, forms)]
+    ys = cpu_kernels.matmuls(x.reshape(R, K), ws_2d, transposed=transposed)
+    return [y.reshape(form[4]).astype(out_dtype) for y, form in zip(ys, forms)]
 
 
 def _use_kernel(rows: int, dtype) -> bool:
@@ -89,6 +101,7 @@ class Embedder(nn.Module):
 
     vocab_size: int
     d_model: int
+    matmul: MatmulImpl = MatmulImpl.AUTO
 
     def setup(self) -> None:
         self.embedding = self.param("embedding", _init, (self.vocab_size, self.d_model))
@@ -98,7 +111,7 @@ class Embedder(nn.Module):
 
     def decode(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
         """Logits [B, T, V] in float32 against the (tied) embedding table."""
-        return dense("BTD,VD->BTV", x_BTD, self.embedding, jnp.float32)
+        return dense("BTD,VD->BTV", x_BTD, self.embedding, jnp.float32, self.matmul)
 
 
 class GatedMLP(nn.Module):
@@ -106,6 +119,7 @@ class GatedMLP(nn.Module):
 
     d_ff: int
     activation: Activation
+    matmul: MatmulImpl = MatmulImpl.AUTO
 
     @nn.compact
     def __call__(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
@@ -113,11 +127,10 @@ class GatedMLP(nn.Module):
         gate_DF = self.param("gate_proj", _init, (D, self.d_ff))
         up_DF = self.param("up_proj", _init, (D, self.d_ff))
         down_FD = self.param("down_proj", _init, (self.d_ff, D))
-        gate_BTF = dense("BTD,DF->BTF", x_BTD, gate_DF, jnp.float32)
-        up_BTF = dense("BTD,DF->BTF", x_BTD, up_DF, jnp.float32)
+        gate_BTF, up_BTF = dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, self.matmul)
         match self.activation:
             case Activation.SILU:
                 act_BTF = jax.nn.silu(gate_BTF)
             case Activation.GELU_TANH:
                 act_BTF = jax.nn.gelu(gate_BTF, approximate=True)
-        return dense("BTF,FD->BTD", (act_BTF * up_BTF).astype(x_BTD.dtype), down_FD, x_BTD.dtype)
+        return dense("BTF,FD->BTD", (act_BTF * up_BTF).astype(x_BTD.dtype), down_FD, x_BTD.dtype, self.matmul)

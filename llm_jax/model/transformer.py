@@ -56,7 +56,8 @@ class DecoderLayer(nn.Module):
         if c.sandwich_norm:
             y_BTD = norm("post_attn_norm")(y_BTD)
         x_BTD = x_BTD + y_BTD
-        y_BTD = GatedMLP(d_ff=c.d_ff, activation=c.activation, name="mlp")(norm("mlp_norm")(x_BTD))
+        mlp = GatedMLP(d_ff=c.d_ff, activation=c.activation, matmul=c.matmul_impl, name="mlp")
+        y_BTD = mlp(norm("mlp_norm")(x_BTD))
         if c.sandwich_norm:
             y_BTD = norm("post_mlp_norm")(y_BTD)
         return x_BTD + y_BTD, aux
@@ -119,10 +120,10 @@ def unembed(params: Params, config: ModelConfig, x_BTD: jax.Array) -> jax.Array:
     x_BTD = RMSNorm(eps=config.norm_eps, weight_offset=config.norm_weight_offset).apply(
         {"params": params["final_norm"]}, x_BTD)
     if config.tie_embeddings:
-        logits_BTV = Embedder(config.vocab_size, config.d_model).apply(
+        logits_BTV = Embedder(config.vocab_size, config.d_model, config.matmul_impl).apply(
             {"params": params["embedder"]}, x_BTD, method=Embedder.decode)
     else:
-        logits_BTV = dense("BTD,DV->BTV", x_BTD, params["lm_head"], jnp.float32)
+        logits_BTV = dense("BTD,DV->BTV", x_BTD, params["lm_head"], jnp.float32, config.matmul_impl)
     if config.final_logit_softcap is not None:
         cap = config.final_logit_softcap
         logits_BTV = cap * jnp.tanh(logits_BTV / cap)

@@ -59,7 +59,8 @@ def test_finished_rows_write_nothing():
     np.testing.assert_array_equal(v_new[1], v_BKSH[1])
     np.testing.assert_array_equal(k_new[0, :, :, 3], k_BTKH[0, 0])
     np.testing.assert_array_equal(v_new[0, :, 3], v_BTKH[0, 0])
-    np.testing.assert_array_equal(np.delete(np.asarray(k_new[0]), 3, axis=-1), np.delete(np.asarray(k_BKHS[0]), 3, axis=-1))
+    untouched = lambda k_BKHS: np.delete(np.asarray(k_BKHS[0]), 3, axis=-1)
+    np.testing.assert_array_equal(untouched(k_new), untouched(k_BKHS))
 
 
 def test_fused_decode_kernel_matches_xla():

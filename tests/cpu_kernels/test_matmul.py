@@ -1,0 +1,114 @@
+"""cpu_kernels.matmul against NumPy in float64: both weight layouts, float32 and bfloat16, ragged shapes."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+from cpu_kernels import build
+
+# float32 sums of K products of standard normals, in another order than NumPy's.
+RTOL, ATOL = 1e-5, 1e-4
+
+
+def test_kernels_are_built_and_registered():
+    """The product ships these kernels: a machine without a C++ compiler is a failed test, not a skip."""
+    assert cpu_kernels.available()
+
+
+def case(R, K, N, dtype, transposed, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(R, K)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=(N, K) if transposed else (K, N)), dtype)
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)  # what the kernel reads, exactly
+    expected = x.astype(np.float64) @ (w64.T if transposed else w64)
+    return jnp.asarray(x), w, expected
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("R,K,N", [(1, 64, 3000), (1, 7, 5), (3, 40, 1030), (5, 33, 17), (9, 16, 2100), (2, 770, 64)])
+def test_matmul_matches_numpy(R, K, N, dtype, transposed):
+    x, w, expected = case(R, K, N, dtype, transposed, seed=R * K + N)
+    ours = jax.jit(functools.partial(cpu_kernels.matmul, transposed=transposed))(x, w)
+    assert ours.dtype == jnp.float32 and ours.shape == (R, N)
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_runs_inside_a_decode_like_loop():
+    """Called from a while loop many times (the decode scan), results stay exact."""
+    x, w, _ = case(1, 48, 96, jnp.bfloat16, False)
+
+    @jax.jit
+    def loop(x):
+        def step(x, _):
+            y = cpu_kernels.matmul(x, w)[:, :48]
+            return jnp.tanh(y), y
+        return jax.lax.scan(step, x, None, length=20)[1]
+
+    ys = np.asarray(loop(x))
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    h = np.asarray(x, np.float64)
+    for t in range(20):
+        y = (h.astype(np.float32).astype(np.float64) @ w64)[:, :48]
+        np.testing.assert_allclose(ys[t], y, rtol=1e-4, atol=1e-4)
+        h = np.tanh(ys[t])
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+def test_gradients_are_xlas(transposed):
+    x, w, _ = case(2, 12, 10, jnp.float32, transposed)
+    reference = lambda x, w: jnp.einsum("RK,NK->RN" if transposed else "RK,KN->RN", x, w)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+    ours = jax.grad(loss(functools.partial(cpu_kernels.matmul, transposed=transposed)), argnums=(0, 1))(x, w)
+    theirs = jax.grad(loss(reference), argnums=(0, 1))(x, w)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_over_a_leading_axis():
+    x, w, _ = case(4, 8, 6, jnp.float32, False)
+    batched = jax.vmap(lambda x: cpu_kernels.matmul(x[None], w)[0])(x)
+    np.testing.assert_allclose(np.asarray(batched), np.asarray(x) @ np.asarray(w), rtol=RTOL, atol=ATOL)
+
+
+def test_shape_errors_name_both_shapes():
+    with pytest.raises(ValueError, match=r"x \(2, 3\) and w \(4, 5\)"):
+        cpu_kernels.matmul(jnp.ones((2, 3)), jnp.ones((4, 5)))
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv(build.ENV, "off")
+    assert build.load.__wrapped__() is False
+
+
+def test_a_broken_compiler_falls_back_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.warns(RuntimeWarning, match="failed, using XLA's matrix products"):
+        assert build.load.__wrapped__() is False
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+def test_several_weights_sharing_the_input(dtype, transposed):
+    """q/k/v-like products of one input in one call: each equals its own product."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.normal(size=(3, 40)), jnp.float32)
+    ns = (48, 16, 1040)
+    ws = [jnp.asarray(rng.normal(size=(n, 40) if transposed else (40, n)), dtype) for n in ns]
+    ys = jax.jit(functools.partial(cpu_kernels.matmuls, transposed=transposed))(x, ws)
+    for w, y in zip(ws, ys):
+        w64 = np.asarray(w.astype(jnp.float32), np.float64)
+        expected = np.asarray(x, np.float64) @ (w64.T if transposed else w64)
+        np.testing.assert_allclose(np.asarray(y), expected, rtol=RTOL, atol=ATOL)
+    grads = jax.grad(lambda x, ws: sum(jnp.sum(jnp.cos(y)) for y in cpu_kernels.matmuls(x, ws, transposed=transposed)),
+                     argnums=(0, 1))(x, ws)
+    spec = "RK,NK->RN" if transposed else "RK,KN->RN"
+    expected = jax.grad(lambda x, ws: sum(jnp.sum(jnp.cos(jnp.einsum(spec, x, w.astype(jnp.float32)))) for w in ws),
+                        argnums=(0, 1))(x, ws)
+    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(expected[0]), rtol=1e-4, atol=1e-4)
+    for a, b in zip(grads[1], expected[1]):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
