@@ -126,27 +126,77 @@ def _layer_period(windows: tuple[int | None, ...]) -> int:
                 if L % p == 0 and all(windows[i] == windows[i % p] for i in range(L)))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerHooks:
+    """Research access to the residual stream between layers.
+
+    ``steering_BLD`` is added to every token's residual stream after each layer (activation addition,
+    Turner et al. 2023): row b gets ``steering_BLD[b, l]`` after layer l. ``record_layers`` (static) lists
+    the layers whose output — the residual stream after the layer (and its steering), before the final
+    norm; ``transformers``' ``hidden_states[l + 1]`` except for the last layer, which it returns normed —
+    the forward functions return as a third output [B, T, len(record_layers), D].
+    """
+
+    steering_BLD: jax.Array | None = None
+    record_layers: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+
+    def check(self, config: ModelConfig, batch_size: int) -> None:
+        L = config.n_layers
+        bad = [l for l in self.record_layers if not 0 <= l < L]
+        if bad:
+            raise ValueError(f"record_layers {bad} outside the model's layers [0, {L})")
+        expected = (batch_size, L, config.d_model)
+        if self.steering_BLD is not None and tuple(self.steering_BLD.shape) != expected:
+            raise ValueError(f"steering_BLD has shape {tuple(self.steering_BLD.shape)}, expected {expected} "
+                             "(batch, layers, d_model)")
+
+
 def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positions_BT: jax.Array,
-                  attend: AttendFn, cache: KVCache | None) -> tuple[jax.Array, KVCache | None]:
-    """Run every layer over ``x_BTD``; ``attend`` decides what attention sees and how the cache changes."""
+                  attend: AttendFn, cache: KVCache | None, hooks: LayerHooks | None = None):
+    """Run every layer over ``x_BTD``; ``attend`` decides what attention sees and how the cache changes.
+
+    Returns the final residual stream and the cache, plus the recorded layers [B, T, R, D] (or None)
+    when ``hooks`` is given.
+    """
     windows = config.layer_windows()
     period = _layer_period(windows)
+    groups = config.n_layers // period
     layer = DecoderLayer(config)
-    grouped = jax.tree.map(lambda a: a.reshape(config.n_layers // period, period, *a.shape[1:]),
-                           params["layers"])
+    grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), params["layers"])
+    steering = recorded = slot_L = None
+    if hooks is not None:
+        hooks.check(config, x_BTD.shape[0])
+        if hooks.steering_BLD is not None:
+            B, L, D = hooks.steering_BLD.shape
+            steering = hooks.steering_BLD.transpose(1, 0, 2).reshape(groups, period, B, D)
+        if hooks.record_layers:
+            R = len(hooks.record_layers)
+            recorded = jnp.zeros((R, *x_BTD.shape), x_BTD.dtype)
+            # Layer l writes slot slot_L[l]; layers not recorded write slot R, which is dropped.
+            slot_L = jnp.asarray([hooks.record_layers.index(l) if l in hooks.record_layers else R
+                                  for l in range(config.n_layers)], jnp.int32)
 
-    def group_step(carry, group_params):
-        x_BTD, cache, group = carry
+    def group_step(carry, inputs):
+        x_BTD, cache, group, recorded = carry
+        group_params, steering_PBD = inputs
         for j in range(period):
             layer_params = jax.tree.map(lambda a: a[j], group_params)
             index = group * period + j
             x_BTD, cache = layer.apply(
                 {"params": layer_params}, x_BTD, positions_BT,
                 functools.partial(attend, index, window=windows[j], cache=cache))
-        return (x_BTD, cache, group + 1), None
+            if steering_PBD is not None:
+                x_BTD = x_BTD + steering_PBD[j][:, None, :].astype(x_BTD.dtype)
+            if recorded is not None:
+                recorded = recorded.at[slot_L[index]].set(x_BTD, mode="drop")
+        return (x_BTD, cache, group + 1, recorded), None
 
-    (x_BTD, cache, _), _ = jax.lax.scan(group_step, (x_BTD, cache, jnp.zeros((), jnp.int32)), grouped)
-    return x_BTD, cache
+    carry = (x_BTD, cache, jnp.zeros((), jnp.int32), recorded)
+    (x_BTD, cache, _, recorded), _ = jax.lax.scan(group_step, carry, (grouped, steering))
+    if hooks is None:
+        return x_BTD, cache
+    return x_BTD, cache, None if recorded is None else recorded.transpose(1, 2, 0, 3)
 
 
 def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool):
@@ -165,36 +215,49 @@ def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool):
     return attend
 
 
-def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array,
-            lengths_B: jax.Array | None = None) -> jax.Array:
-    """Full-sequence causal forward pass without a cache: logits [B, T, V] (float32).
+def forward_hidden(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array | None = None,
+                   *, hooks: LayerHooks | None = None):
+    """Full-sequence causal pass without a cache: the final residual stream [B, T, D] (before the final
+    norm), plus the recorded layers when ``hooks`` is given. ``lengths_B`` marks right padding."""
+    B, T = tokens_BT.shape
+    lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    out = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
+                        _attend_fresh(config, lengths_B, write_cache=False), None, hooks)
+    return out[0] if hooks is None else (out[0], out[2])
+
+
+def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array | None = None,
+            *, hooks: LayerHooks | None = None):
+    """Full-sequence causal forward pass without a cache: logits [B, T, V] (float32), plus the recorded
+    layers when ``hooks`` is given.
 
     ``lengths_B`` marks right padding (default: every token is real); logits at padded positions are
     meaningless.
     """
-    B, T = tokens_BT.shape
-    lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B
-    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x_BTD, _ = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
-                             _attend_fresh(config, lengths_B, write_cache=False), None)
-    return unembed(params, config, x_BTD)
+    if hooks is None:
+        return unembed(params, config, forward_hidden(params, config, tokens_BT, lengths_B))
+    x_BTD, recorded = forward_hidden(params, config, tokens_BT, lengths_B, hooks=hooks)
+    return unembed(params, config, x_BTD), recorded
 
 
 def forward_prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
-                    cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """Run right-padded prompts from an empty cache: final hidden states [B, T, D] and the filled cache."""
+                    cache: KVCache, *, hooks: LayerHooks | None = None):
+    """Run right-padded prompts from an empty cache: final hidden states [B, T, D] and the filled cache
+    (plus the recorded layers when ``hooks`` is given)."""
     B, T = tokens_BT.shape
     if T > cache.max_len:
         raise ValueError(f"prompt block of {T} tokens does not fit a cache of {cache.max_len} slots")
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x_BTD, cache = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
-                                 _attend_fresh(config, lengths_B, write_cache=True), cache)
-    return x_BTD, dataclasses.replace(cache, lengths_B=lengths_B.astype(jnp.int32))
+    x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
+                                            _attend_fresh(config, lengths_B, write_cache=True), cache, hooks)
+    return (x_BTD, dataclasses.replace(cache, lengths_B=lengths_B.astype(jnp.int32)), *recorded)
 
 
 def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, cache: KVCache,
-                   active_B: jax.Array) -> tuple[jax.Array, KVCache]:
-    """Append T tokens per active row after its ``cache.lengths_B`` tokens (decode): hidden [B, T, D].
+                   active_B: jax.Array, *, hooks: LayerHooks | None = None):
+    """Append T tokens per active row after its ``cache.lengths_B`` tokens (decode): hidden [B, T, D]
+    and the cache (plus the recorded layers when ``hooks`` is given).
 
     Inactive rows (finished sequences) write nothing and keep their length.
     """
@@ -211,6 +274,6 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
                            config=config, window=window, queries_from_zero=False)
         return o_BTNH, KVCache(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH, lengths_B=cache.lengths_B)
 
-    x_BTD, cache = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT, attend, cache)
-    return x_BTD, dataclasses.replace(cache, lengths_B=new_lengths_B)
-
+    x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT, attend,
+                                            cache, hooks)
+    return (x_BTD, dataclasses.replace(cache, lengths_B=new_lengths_B), *recorded)
