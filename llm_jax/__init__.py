@@ -70,7 +70,8 @@ def __dir__() -> list[str]:
 class _Package(types.ModuleType):
     def __setattr__(self, name: str, value) -> None:
         # Importing a submodule binds it on the package; ``decode``, ``prefill``, ``generate``,
-        # ``beam_search`` and ``score`` are also public functions, and must stay the functions (as ``from llm_jax import generate`` says).
+        # ``beam_search`` and ``score`` are also public functions, and must stay the functions (as
+        # ``from llm_jax import generate`` says).
         if name in _HOME and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)

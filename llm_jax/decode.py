@@ -107,9 +107,9 @@ class DecodeControls:
         if steering_BLD is not None or record_layers:
             hooks = LayerHooks(steering_BLD=None if steering_BLD is None else jnp.asarray(steering_BLD),
                                record_layers=tuple(int(l) for l in record_layers))
-        return cls(sampling=SamplingParams.stack(sampling, vocab_size=vocab_size, samples=samples), eos_ids_BE=_padded(eos_ids),
-                   stop_ids_BX=_padded(stop_ids), max_new_tokens_B=budgets, min_new_tokens_B=minimum,
-                   stop_strings_BQ=active, stop_table=table, hooks=hooks, logprobs=logprobs)
+        return cls(sampling=SamplingParams.stack(sampling, vocab_size=vocab_size, samples=samples),
+                   eos_ids_BE=_padded(eos_ids), stop_ids_BX=_padded(stop_ids), max_new_tokens_B=budgets,
+                   min_new_tokens_B=minimum, stop_strings_BQ=active, stop_table=table, hooks=hooks, logprobs=logprobs)
 
     def take_rows(self, index_B: jax.Array) -> "DecodeControls":
         """The controls of rows ``index_B`` (n samples of a prompt, beams)."""

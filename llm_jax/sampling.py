@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Mapping, Sequence
 
 import jax
@@ -73,7 +74,7 @@ class Sampling:
         bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
         if any(math.isnan(v) for v in bias.values()):
             raise ValueError(f"logit_bias values must not be NaN, got {bias}")
-        object.__setattr__(self, "logit_bias", bias)
+        object.__setattr__(self, "logit_bias", types.MappingProxyType(bias))  # read-only, like the rest
         object.__setattr__(self, "suppress_tokens", tuple(int(t) for t in self.suppress_tokens))
         words = tuple(tuple(int(t) for t in w) for w in self.bad_words_ids)
         if any(not w for w in words):

@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 
 import llm_jax
 from llm_jax.config import ModelConfig
@@ -130,37 +132,36 @@ def test_mixed_batch_rows_equal_rows_alone_and_seeds_ignore_position(params):
     assert len({tuple(o) for o in batch}) >= 5, "rows should differ, or the test proves little"
 
 
-def test_min_new_tokens_suppresses_end_ids(params):
+def test_min_new_tokens_and_logprobs_after_processors(params):
+    """EOS is banned before min_new_tokens; logprobs are those of the processed distribution (EOS at -inf
+    there), with the top alternatives."""
     free, _, _ = run(params, PROMPTS, 9)
     eos = int(free[0, 1])  # row 0 would end at its 2nd token
+    minimum = [5, 0, 5]
     controls = DecodeControls.create([GREEDY] * 3, eos_ids=[(eos,)] * 3, stop_ids=[()] * 3, max_new_tokens=[8] * 3,
-                                     min_new_tokens=[5, 0, 5])
+                                     min_new_tokens=minimum, logprobs=Logprobs(top_n=3))
     tokens, lengths = pad_prompts(PROMPTS, 16)
     logits, cache = prefill(params, CONFIG, tokens, lengths, init_cache(CONFIG, 3, 32))
     state, first = start(logits, tokens, cache, controls)
-    cache, state, out = decode(params, CONFIG, cache, state, controls, num_steps=8)
-    generated = np.concatenate([first.tokens_BS, out.tokens_BS], axis=1)
-    assert eos not in generated[0, :5].tolist()
-    if eos in free[1].tolist():  # row 1 has no minimum: it ends where it did
-        assert state.finish_reason_B[1] == FinishReason.EOS
-
-
-def test_logprobs_of_greedy_tokens_equal_the_forward_pass(params):
-    controls = DecodeControls.create([GREEDY] * 3, eos_ids=[()] * 3, stop_ids=[()] * 3, max_new_tokens=[6] * 3,
-                                     logprobs=Logprobs(top_n=3))
-    tokens, lengths = pad_prompts(PROMPTS, 16)
-    logits, cache = prefill(params, CONFIG, tokens, lengths, init_cache(CONFIG, 3, 32))
-    state, first = start(logits, tokens, cache, controls)
-    cache, state, out = decode(params, CONFIG, cache, state, controls, num_steps=5)
+    cache, state, out = decode(params, CONFIG, cache, state, controls, num_steps=7)
     generated = np.concatenate([first.tokens_BS, out.tokens_BS], axis=1)
     logprobs = np.concatenate([first.logprobs_BS, out.logprobs_BS], axis=1)
     top_ids = np.concatenate([first.top_ids_BSN, out.top_ids_BSN], axis=1)
-    for row, prompt in enumerate(PROMPTS):
-        full = jax.jit(forward, static_argnums=1)(params, CONFIG, jnp.asarray([prompt + generated[row].tolist()]))
-        logp = np.asarray(jax.nn.log_softmax(full[0, len(prompt) - 1:-1], axis=-1))
-        np.testing.assert_allclose(logprobs[row], logp[np.arange(6), generated[row]], atol=1e-5, rtol=0)
-        np.testing.assert_array_equal(top_ids[row, :, 0], generated[row])
-        np.testing.assert_array_equal(np.sort(top_ids[row], axis=1), np.sort(np.argsort(-logp, axis=1)[:, :3], axis=1))
+    top_logprobs = np.concatenate([first.top_logprobs_BSN, out.top_logprobs_BSN], axis=1)
+    assert eos not in generated[0, :5].tolist()
+    if eos in free[1].tolist():  # row 1 has no minimum: it ends where it did
+        assert state.finish_reason_B[1] == FinishReason.EOS
+    counts = np.asarray(state.num_generated_B)
+    sequences = [prompt + generated[row, :n].tolist() for row, (prompt, n) in enumerate(zip(PROMPTS, counts))]
+    padded, lengths = pad_prompts(sequences, 16)
+    full = np.array(jax.jit(forward, static_argnums=1)(params, CONFIG, padded, lengths))
+    for row, (prompt, n) in enumerate(zip(PROMPTS, counts)):
+        scores = full[row, len(prompt) - 1:len(prompt) - 1 + n]
+        scores[: minimum[row], eos] = -np.inf  # min_new_tokens' ban is part of the processed distribution
+        logp = np.asarray(jax.nn.log_softmax(scores, axis=-1))
+        np.testing.assert_allclose(logprobs[row, :n], logp[np.arange(n), generated[row, :n]], atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(top_ids[row, :n, 0], generated[row, :n])
+        np.testing.assert_allclose(top_logprobs[row, :n], -np.sort(-logp, axis=1)[:, :3], atol=1e-5, rtol=0)
 
 
 def test_stop_string_ends_the_row_on_device(stories260k_dir):
@@ -168,7 +169,10 @@ def test_stop_string_ends_the_row_on_device(stories260k_dir):
     model = llm_jax.load(stories260k_dir / "stories260K.bin")
     tok = model.tokenizer
     prompt = tok.encode("Once upon a time")
-    free = llm_jax.generate(model, [prompt], max_new_tokens=40, ignore_eos=True)[0].output_ids
+    reference = transformers.LlamaForCausalLM.from_pretrained(stories260k_dir / "hf").eval()
+    with torch.no_grad():  # the free greedy continuation (equal to ours: see test_generate)
+        free = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40, min_new_tokens=40,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     forms = [tok.decode(prompt + free[:i + 1])[len(tok.decode(prompt + free[:i])):] for i in range(len(free))]
     # A boundary between two tokens of 3+ characters, late enough that the stop string is new there.
     i = next(i for i in range(8, len(free) - 1) if len(forms[i]) >= 3 and len(forms[i + 1]) >= 3

@@ -16,8 +16,9 @@ from llm_jax.score import continuation_logprobs
 
 CONFIG = ModelConfig(vocab_size=53, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
                      max_seq_len=64, tie_embeddings=True)
-PROMPTS = [[1, 7, 9], [1, 30], [1, 4, 4, 8, 15, 16]]
-CONTINUATIONS = [[11, 12, 13, 2], [50], [23, 42, 3]]
+PROMPTS = [[1, 7, 9], [1, 30], [1, 4, 4, 8, 15, 16], [1, 7, 9]]
+CONTINUATIONS = [[11, 12, 13, 2], [50], [23, 42, 3], [None, None]]  # the last: the model's greedy choices
+T = 16  # every pair fits one padded forward pass
 
 
 @pytest.fixture(scope="module")
@@ -26,50 +27,50 @@ def model():
     return llm_jax.Model(config=CONFIG, params=params, tokenizer=None, eos_ids=())
 
 
-def reference_logprobs(params, prompt, continuation):
-    tokens = prompt + continuation
-    logits = jax.jit(forward, static_argnums=1)(params, CONFIG, jnp.asarray([tokens]))[0]
-    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-    return [float(logp[t - 1, tokens[t]]) for t in range(len(prompt), len(tokens))], logp
+def padded(sequences):
+    tokens = np.zeros((len(sequences), T), np.int32)
+    for b, s in enumerate(sequences):
+        tokens[b, :len(s)] = s
+    return jnp.asarray(tokens), jnp.asarray([len(s) for s in sequences])
 
 
-def test_score_equals_summed_forward_log_softmax(model):
-    scores = llm_jax.score(model, PROMPTS, CONTINUATIONS)
-    for prompt, continuation, result in zip(PROMPTS, CONTINUATIONS, scores):
-        expected, _ = reference_logprobs(model.params, prompt, continuation)
+@pytest.fixture(scope="module")
+def pairs(model):
+    """The pairs, with the greedy continuation filled in, and log-softmax of the forward pass over each."""
+    full = jax.jit(forward, static_argnums=1)
+    continuations = [list(c) for c in CONTINUATIONS]
+    greedy = continuations[-1]
+    for i in range(len(greedy)):  # the argmax after the prompt, then after prompt + that token
+        tokens, lengths = padded([PROMPTS[-1] + greedy[:i]])
+        greedy[i] = int(np.argmax(full(model.params, CONFIG, tokens, lengths)[0, len(PROMPTS[-1]) + i - 1]))
+    tokens, lengths = padded([p + c for p, c in zip(PROMPTS, continuations)])
+    logp = np.asarray(jax.nn.log_softmax(full(model.params, CONFIG, tokens, lengths), axis=-1))
+    return continuations, logp
+
+
+def test_score_equals_summed_forward_log_softmax(model, pairs):
+    continuations, logp = pairs
+    scores = llm_jax.score(model, PROMPTS, continuations)
+    for b, (prompt, continuation, result) in enumerate(zip(PROMPTS, continuations, scores)):
+        sequence = prompt + continuation
+        positions = np.arange(len(prompt), len(sequence))
+        expected = logp[b, positions - 1, np.array(sequence)[positions]]
         np.testing.assert_allclose(result.token_logprobs, expected, atol=1e-5, rtol=0)
-        np.testing.assert_allclose(result.logprob, sum(expected), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(result.logprob, expected.sum(), atol=1e-4, rtol=0)
         assert result.continuation_ids == continuation
-
-
-def test_is_greedy(model):
-    prompt = PROMPTS[0]
-    greedy = llm_jax.generate(model, [prompt], max_new_tokens=4)[0].output_ids
-    other = greedy[:3] + [(greedy[3] + 1) % CONFIG.vocab_size]
-    on_path, off_path = llm_jax.score(model, [prompt, prompt], [greedy, other])
-    assert on_path.is_greedy and not off_path.is_greedy
-    assert on_path.logprob > off_path.logprob
+        assert result.is_greedy == all(logp[b, t - 1].argmax() == sequence[t] for t in positions)
+    assert scores[-1].is_greedy and not scores[0].is_greedy
 
 
 def test_chunked_logprobs_equal_unchunked(model, monkeypatch):
     tokens = jnp.asarray([PROMPTS[2] + CONTINUATIONS[2]])
-    x_BTD = forward_hidden(model.params, CONFIG, tokens)
-    whole = logprobs_module.token_logprobs(model.params, CONFIG, x_BTD, tokens, top_n=3)
+    x_BTD = jax.jit(forward_hidden, static_argnums=1)(model.params, CONFIG, tokens)
+    logprobs = functools.partial(logprobs_module.token_logprobs, top_n=3)
+    whole = jax.jit(logprobs, static_argnums=1)(model.params, CONFIG, x_BTD, tokens)
     monkeypatch.setattr(logprobs_module, "CHUNK", 4)  # 9 positions: 3 chunks, the last padded
-    chunked = jax.jit(functools.partial(logprobs_module.token_logprobs, top_n=3), static_argnums=1)(
-        model.params, CONFIG, x_BTD, tokens)
+    chunked = jax.jit(logprobs, static_argnums=1)(model.params, CONFIG, x_BTD, tokens)
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
-
-
-def batch():
-    sequences = [p + c for p, c in zip(PROMPTS, CONTINUATIONS)]
-    T = max(map(len, sequences))
-    tokens = np.zeros((len(sequences), T), np.int32)
-    for b, s in enumerate(sequences):
-        tokens[b, :len(s)] = s
-    return (jnp.asarray(tokens), jnp.asarray([len(s) for s in sequences]),
-            jnp.asarray([len(p) for p in PROMPTS]))
 
 
 def unit(tree):
@@ -77,49 +78,33 @@ def unit(tree):
     return jax.tree.map(lambda a: a / norm, tree)
 
 
-def central_difference(f, x, direction, eps):
-    plus = jax.tree.map(lambda a, d: a + eps * d, x, direction)
-    minus = jax.tree.map(lambda a, d: a - eps * d, x, direction)
-    return (float(f(plus)) - float(f(minus))) / (2 * eps)
+def test_gradients_match_finite_differences(model):
+    """d log-likelihood / d (params, steering vectors): finite, and equal to central differences along
+    random unit directions of each."""
+    sequences = [p + c for p, c in zip(PROMPTS[:3], CONTINUATIONS[:3])]
+    tokens, lengths = padded(sequences)
+    starts = jnp.asarray([len(p) for p in PROMPTS[:3]])
 
-
-def test_gradient_wrt_params_matches_finite_differences(model):
-    tokens, lengths, starts = batch()
-
-    def loglik(params):
-        return continuation_logprobs(params, CONFIG, tokens, lengths, starts)[0].sum()
-
-    def loglik_of_logits(params):  # the same quantity from the full [B, T, V] logits
-        logp_BTV = jax.nn.log_softmax(forward(params, CONFIG, tokens, lengths), axis=-1)
-        picked_BT = jnp.take_along_axis(logp_BTV[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
-        t_T = jnp.arange(1, tokens.shape[1])
-        return jnp.where((t_T >= starts[:, None]) & (t_T < lengths[:, None]), picked_BT, 0.0).sum()
-
-    grads = jax.jit(jax.grad(loglik))(model.params)
-    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
-    for g, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(jax.jit(jax.grad(loglik_of_logits))(model.params))):
-        np.testing.assert_allclose(g, expected, atol=1e-4 * float(jnp.abs(expected).max()), rtol=0)
-    rng = np.random.default_rng(0)
-    direction = unit(jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), model.params))
-    analytic = sum(float(jnp.vdot(g, d)) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
-    numeric = central_difference(jax.jit(loglik), model.params, direction, eps=1e-2)
-    np.testing.assert_allclose(numeric, analytic, rtol=1e-2)
-    assert abs(analytic) > 1e-2
-
-
-def test_gradient_wrt_steering_matches_finite_differences(model):
-    tokens, lengths, starts = batch()
-
-    def loglik(steering_BLD):
+    @jax.jit
+    def loglik(params, steering_BLD):
         hooks = LayerHooks(steering_BLD=steering_BLD)
-        return continuation_logprobs(model.params, CONFIG, tokens, lengths, starts, hooks)[0].sum()
+        return continuation_logprobs(params, CONFIG, tokens, lengths, starts, hooks)[0].sum()
 
     steering = jnp.zeros((3, CONFIG.n_layers, CONFIG.d_model))
-    grad = jax.grad(loglik)(steering)
-    assert np.isfinite(grad).all() and np.abs(grad).max() > 0
-    direction = unit(jnp.asarray(np.random.default_rng(1).normal(size=steering.shape), jnp.float32))
-    numeric = central_difference(jax.jit(loglik), steering, direction, eps=1e-2)
-    np.testing.assert_allclose(numeric, float(jnp.vdot(grad, direction)), rtol=1e-2)
+    grads = jax.jit(jax.grad(loglik, argnums=(0, 1)))(model.params, steering)
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    rng = np.random.default_rng(0)
+    directions = unit(jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype), (model.params, steering)))
+    eps = 1e-2
+    for which in (0, 1):  # the params, then the steering vectors
+        direction = tuple(d if i == which else jax.tree.map(jnp.zeros_like, d) for i, d in enumerate(directions))
+        direction = unit(direction)
+        analytic = sum(float(jnp.vdot(g, d)) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
+        shifted = [jax.tree.map(lambda a, d: a + sign * eps * d, (model.params, steering), direction)
+                   for sign in (1, -1)]
+        numeric = (float(loglik(*shifted[0])) - float(loglik(*shifted[1]))) / (2 * eps)
+        np.testing.assert_allclose(numeric, analytic, rtol=1e-2)
+        assert abs(analytic) > 1e-2
 
 
 def test_score_input_errors(model):

@@ -12,8 +12,8 @@ from llm_jax import stop_matching
 from llm_jax.stop_matching import StopTable, token_bytes
 from llm_jax.tokenizer import load_tokenizer
 
-TEXTS = ("Once upon a time, Lily saw a big dog.", "The end!\n\nUser: hi", "我们今天去公园散步。", "emoji 😀👍🏽 ok",
-         "café naïve", "  spaces\tand\nnewlines  ", "stop stopped st op")
+TEXTS = ("Once upon a time, Lily saw a big dog.", "The end!\n\nUser: hi", "我们今天去公园散步。",
+         "emoji 😀👍🏽 ok", "café naïve", "  spaces\tand\nnewlines  ", "stop stopped st op")
 
 
 @pytest.fixture(scope="module", params=["sentencepiece", "byte_level"])
