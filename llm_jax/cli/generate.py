@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 from llm_jax.cli.common import CliError, positive_int, run_main, token_ids
 
+# The story model trained by scripts/train_tiny.py, shipped in the repository's checkpoints/ folder; found
+# relative to this file, so it works from any current directory of a source checkout or editable install.
+DEFAULT_MODEL = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "stories-1m"
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Generate text with llm_jax.")
-    p.add_argument("--model", required=True,
-                   help="llama2.c .bin, Hugging Face folder, or llm_jax checkpoint folder")
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help="llama2.c .bin, Hugging Face folder, or llm_jax checkpoint folder "
+                        "(default: the story model shipped in checkpoints/)")
     p.add_argument("--prompt", dest="prompts", action="append", default=[],
                    help="a prompt (repeat for a batch)")
     p.add_argument("--prompt-ids", dest="prompts", action="append", type=token_ids,
@@ -41,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
         raise CliError("give at least one --prompt or --prompt-ids")
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         seed=args.seed)
+    if args.model == str(DEFAULT_MODEL) and not DEFAULT_MODEL.exists():
+        raise CliError(f"the default model {DEFAULT_MODEL} is missing: it ships with the llm_jax repository "
+                       "(a non-editable install has no checkpoints/ folder); pass --model")
     model = llm_jax.load(args.model, dtype=args.dtype, attention=args.attention)
     stream = llm_jax.generate_stream(model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                      ignore_eos=args.ignore_eos)

@@ -1,0 +1,144 @@
+"""The shipped model's README, written from the training run itself so its figures cannot drift."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pathlib
+
+from llm_jax.training import data
+from llm_jax.training.recipe import TrainResult
+
+# Greedy continuations shown in the README; the first is the README's main command.
+GREEDY_PROMPTS = ("Once upon a time", "One day, Tom went to the park", "Mia had a red kite",
+                  "The little dog was afraid of")
+SAMPLED_PROMPT, SAMPLED_SEEDS, SAMPLED_TEMPERATURE = "Once upon a time", (1, 2), 0.8
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sample:
+    prompt: str
+    settings: str  # how it was generated, as generate.py flags
+    text: str  # prompt + continuation
+    finish_reason: str
+
+
+def generate_samples(model) -> list[Sample]:
+    """Greedy and sampled stories from ``model`` (an ``llm_jax.Model``), as ``generate.py`` prints them."""
+    from llm_jax.generate import generate
+    from llm_jax.sampling import GREEDY, Sampling
+
+    prompts = [*GREEDY_PROMPTS, *[SAMPLED_PROMPT] * len(SAMPLED_SEEDS)]
+    sampling = [GREEDY] * len(GREEDY_PROMPTS) + [Sampling(temperature=SAMPLED_TEMPERATURE, seed=s)
+                                                 for s in SAMPLED_SEEDS]
+    settings = [""] * len(GREEDY_PROMPTS) + [f"--temperature {SAMPLED_TEMPERATURE} --seed {s}"
+                                             for s in SAMPLED_SEEDS]
+    results = generate(model, prompts, max_new_tokens=256, sampling=sampling)  # one batch, one compile
+    return [Sample(prompt=r.prompt, settings=flags, text=r.prompt + r.text, finish_reason=r.finish_reason)
+            for r, flags in zip(results, settings)]
+
+
+def _size(path: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def render(result: TrainResult, *, path: pathlib.Path, command: str, samples: list[Sample]) -> str:
+    """README.md for the checkpoint at ``path`` (already saved, so its size is known)."""
+    r, c = result.recipe, result.recipe.model
+    name = path.name
+    main = samples[0]
+    curve = "\n".join(
+        f"| {p.step} | {p.train_loss:.3f} | {p.val_loss:.3f} | {math.exp(p.val_loss):.2f} | {p.elapsed_s / 60:.1f} |"
+        for p in result.history if p.val_loss is not None)
+    shown = "\n\n".join(
+        f"`--prompt {s.prompt!r}{' ' + s.settings if s.settings else ''}` ({s.finish_reason}):\n\n> {s.text}"
+        for s in samples)
+    tokens_per_step = r.batch_size * r.seq_len
+    return f"""\
+# {name}: llm_jax's default model
+
+A {c.num_params():,}-parameter Llama-style decoder trained from scratch with llm_jax's own model code
+(`scripts/train_tiny.py`) on short, simple English stories that llm_jax generates itself. It is what
+`scripts/generate.py` runs when no `--model` is given:
+
+```
+python scripts/generate.py --prompt "{main.prompt}"
+```
+> {main.text}
+
+It writes stories in the style of its training text (below), keeping names, pronouns and objects
+consistent, and ends them with EOS. It knows nothing else: it is a demonstration and a test fixture
+for the whole pipeline (train → checkpoint → load → generate), not a general language model.
+
+**Held-out quality**: loss **{result.val_loss:.4f}** nats/token, perplexity **{result.val_perplexity:.3f}**,
+on {result.val_stories} held-out stories ({result.val_tokens:,} tokens) from a stream the training never
+drew from. The text is templated, so a low perplexity means the model learned the templates and copies
+names and objects from its context correctly; it is not comparable to perplexities on natural text.
+
+## Samples
+
+Greedy unless noted, `--max-new-tokens 256`:
+
+{shown}
+
+## Data
+
+`llm_jax/training/stories.py`: a story generator written for llm_jax (same license as the project,
+no download, nothing third-party), in the spirit of TinyStories (Eldan & Li, 2023). Six plots (a lost
+toy, a new friend, a rainy day, sharing, a fear, building something), each sentence drawn from a few
+phrasings, with names, animals, places, toys, foods and feelings filled in and kept consistent within
+a story — a few hundred distinct words. Deterministic: `stories(seed)` is an endless stream.
+
+- training: the first {result.train_stories:,} stories of `stories({r.seed})`, each as
+  `BOS story EOS` in its own row of {r.seq_len + 1} tokens, right-padded ({result.train_tokens:,} real tokens);
+- held-out: the first {r.val_stories} stories of `stories({r.val_seed})`, minus any exact duplicate of a
+  training story ({r.val_stories - result.val_stories} dropped).
+
+CPython's `pydoc_data` text was the other candidate; a model of this size and compute learns far
+more recognisable text from stories with a small vocabulary than from reference documentation.
+
+## Tokenizer
+
+`tokenizer.model`: sentencepiece BPE, {c.vocab_size} pieces, byte fallback (any text encodes),
+identity normalization, digits split, trained with `sentencepiece.SentencePieceTrainer` on the first
+{r.tokenizer_stories:,} training stories (one thread, every sentence, in order: deterministic).
+UNK={data.UNK_ID}, BOS={data.BOS_ID}, EOS={data.EOS_ID}. Generation stops at EOS (and at BOS, which only
+ever starts a story).
+
+## Model
+
+| | |
+|---|---|
+| layers × width | {c.n_layers} × {c.d_model} |
+| attention | {c.n_heads} query heads, {c.n_kv_heads} kv heads (GQA), head dim {c.head_dim}, RoPE θ={c.rope_theta:g} |
+| MLP | SwiGLU, hidden {c.d_ff} |
+| vocabulary | {c.vocab_size}, tied input/output embedding |
+| context | trained on {r.seq_len} tokens; `max_seq_len` {c.max_seq_len} |
+| params | {c.num_params():,} ({c.param_dtype}); checkpoint folder {_size(path) / 2**20:.1f} MiB |
+
+## Training
+
+```
+{command}
+```
+
+AdamW (β=({r.optimizer.b1}, {r.optimizer.b2}), weight decay {r.weight_decay} except on norm scales),
+peak learning rate {r.peak_lr:g} after {r.optimizer.warmup_steps} warmup steps, cosine decay to
+{r.peak_lr * r.optimizer.final_lr_ratio:g}, gradient clipping at {r.optimizer.grad_clip}; {r.steps} steps of
+{r.batch_size} × {r.seq_len} tokens ({tokens_per_step:,} per step), seed {r.seed}. Next-token
+cross-entropy, padding masked out.
+
+Training took {result.train_s / 60:.1f} min of wall time (compilation {result.compile_s:.0f} s, evaluations
+included) in float32 on 2 CPU cores shared with other jobs; the process itself used
+{result.train_cpu_s / 60:.1f} CPU-minutes, about {result.train_cpu_s / 120:.0f} minutes on two idle cores.
+`train_log.json` holds the full curve and the recipe.
+
+| step | train loss | held-out loss | held-out perplexity | minutes |
+|---:|---:|---:|---:|---:|
+{curve}
+
+## Files
+
+`checkpoint.json` (config, EOS/stop ids, tensor manifest), `params/` (orbax), `tokenizer.model`,
+`train_log.json`, this README. Load it with `llm_jax.load("checkpoints/{name}")`.
+"""
