@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from llm_jax.config import ConfigError
+    from llm_jax.training import model_card
     from llm_jax.training import recipe as rc
     from llm_jax.weights.checkpoint import check_destination
 
@@ -58,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "scripts/train_tiny.py", *(sys.argv[1:] if argv is None else argv)])
     result = rc.train(recipe, log=lambda line: print(line, flush=True))
     rc.save(result, args.out, force=args.force, command=command)
+    model_card.write(result, args.out, command=command)
     print(f"saved {args.out} · held-out loss {result.val_loss:.4f} (perplexity {result.val_perplexity:.2f}) · "
           f"{result.train_s / 60:.1f} min")
     return 0

@@ -1,4 +1,4 @@
-"""The default model's recipe, end to end: stories → tokenizer → packed rows → AdamW steps → checkpoint.
+"""The default model's recipe, end to end: stories → tokenizer → padded rows → AdamW steps → checkpoint.
 
 :data:`STORIES` reproduces the model shipped in ``checkpoints/``; ``scripts/train_tiny.py`` runs it (or a
 variant: fewer steps, a smaller model). Everything is seeded: the same recipe gives the same tokenizer,
@@ -65,8 +65,8 @@ class Recipe:
 
     @property
     def val_seed(self) -> int:
-        """Validation stories come from their own stream, so none is a training story by construction
-        of the position — and any exact duplicate of a training story is dropped besides."""
+        """Held-out stories come from a stream of their own; any exact duplicate of a training story is
+        dropped from them as well."""
         return self.seed + 1_000_003
 
 
@@ -116,7 +116,7 @@ class Corpus:
 
 
 def build_corpus(recipe: Recipe) -> Corpus:
-    """Train the tokenizer, then pack just enough training stories and the held-out ones into rows."""
+    """Train the tokenizer, then put just enough training stories, and the held-out ones, into rows."""
     tokenizer_model = data.train_tokenizer(itertools.islice(stories(recipe.seed), recipe.tokenizer_stories),
                                            vocab_size=recipe.model.vocab_size)
     processor = sentencepiece.SentencePieceProcessor(model_proto=tokenizer_model)
@@ -147,14 +147,16 @@ def train(recipe: Recipe, *, log: Callable[[str], None] = print) -> TrainResult:
     state = init_state(init_params(config, recipe.seed), optimizer)
     log(f"model: {config.num_params():,} params · {config.n_layers} layers · d_model {config.d_model} · "
         f"vocab {config.vocab_size}")
-    train_step, evaluate = make_train_step(config, optimizer), _evaluator(config, corpus.val_rows, recipe.batch_size)
+    train_step = make_train_step(config, optimizer)
+    evaluate = _evaluator(config, corpus.val_rows, recipe.batch_size)
     preview = _previewer(config, corpus.tokenizer_model)
 
     history: list[LogPoint] = []
     pending: list[jax.Array] = []  # losses since the last log point, read back lazily
     tokens_seen, compile_s = 0, 0.0
     start, start_cpu = time.perf_counter(), time.process_time()
-    for step, (tokens_BT, lengths_B) in enumerate(data.batches(corpus.train_rows, batch_size=recipe.batch_size), 1):
+    batches = data.batches(corpus.train_rows, batch_size=recipe.batch_size)
+    for step, (tokens_BT, lengths_B) in enumerate(batches, 1):
         state, metrics = train_step(state, tokens_BT, lengths_B)
         pending.append(metrics["loss"])
         tokens_seen += int(lengths_B.sum())
@@ -173,10 +175,12 @@ def train(recipe: Recipe, *, log: Callable[[str], None] = print) -> TrainResult:
                 f"{_clock(elapsed)} elapsed · eta {_clock(elapsed / step * (recipe.steps - step))}")
             if evaluate_now:
                 log(f"  sample: {preview(state.params)}")
-    return TrainResult(recipe=recipe, params=jax.device_get(state.params), tokenizer_model=corpus.tokenizer_model,
-                       history=tuple(history), train_stories=corpus.train_stories, train_tokens=tokens_seen,
-                       val_stories=corpus.val_stories, val_tokens=corpus.val_rows.num_tokens, compile_s=compile_s,
-                       train_s=time.perf_counter() - start, train_cpu_s=time.process_time() - start_cpu)
+    return TrainResult(recipe=recipe, params=jax.device_get(state.params),
+                       tokenizer_model=corpus.tokenizer_model, history=tuple(history),
+                       train_stories=corpus.train_stories, train_tokens=tokens_seen,
+                       val_stories=corpus.val_stories, val_tokens=corpus.val_rows.num_tokens,
+                       compile_s=compile_s, train_s=time.perf_counter() - start,
+                       train_cpu_s=time.process_time() - start_cpu)
 
 
 def _evaluator(config: ModelConfig, val_rows: data.Rows, batch_size: int) -> Callable[[Params], float]:

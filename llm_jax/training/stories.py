@@ -19,6 +19,7 @@ BOY_NAMES = ("Tom", "Ben", "Max", "Sam", "Leo", "Jack", "Tim", "Noah", "Finn", "
              "Dan", "Ravi", "Luke", "Hugo", "Eli", "Adam")
 ANIMAL_NAMES = ("Pip", "Spot", "Fluffy", "Buddy", "Coco", "Daisy", "Milo", "Rosie", "Bella", "Tiny",
                 "Sunny", "Dot")
+NAMES = GIRL_NAMES + BOY_NAMES + ANIMAL_NAMES
 ANIMALS = ("cat", "dog", "bunny", "bear", "duck", "mouse", "fox", "bird", "frog", "puppy", "kitten", "owl")
 SIZES = ("little", "small", "big", "happy", "kind", "curious", "shy", "brave", "silly", "sleepy")
 COLORS = ("red", "blue", "green", "yellow", "pink", "purple", "orange", "white", "brown", "shiny")
@@ -188,7 +189,8 @@ def _new_friend(s: _Story) -> tuple[list[str], tuple[str, ...]]:
 def _rainy_day(s: _Story) -> tuple[list[str], tuple[str, ...]]:
     return [
         *s.opening(),
-        s.pick("One day, {name} wanted to go to {place}.", "{name} and {poss} friend {fname} wanted to go to {place}."),
+        s.pick("One day, {name} wanted to go to {place}.",
+               "{name} and {poss} friend {fname} wanted to go to {place}."),
         s.pick("But then, dark clouds came and it began to rain.", "But it started to rain."),
         s.pick("{name} was {bad}.", '"Oh no!" said {name}. "Now I cannot play."'),
         s.pick('{Poss} {helper} said, "We can have fun inside."', '{Poss} {helper} said, "Let us play a game."'),
@@ -196,7 +198,8 @@ def _rainy_day(s: _Story) -> tuple[list[str], tuple[str, ...]]:
                "They drew a big picture of {place}."),
         s.pick("Soon, the sun came out. There was a big rainbow in the sky!",
                "After a while, the rain stopped. {name} ran outside and jumped in the puddles."),
-    ], ("{name} learned that a rainy day can be a happy day too.", "{name} learned that you can have fun anywhere.")
+    ], ("{name} learned that a rainy day can be a happy day too.",
+        "{name} learned that you can have fun anywhere.")
 
 
 def _sharing(s: _Story) -> tuple[list[str], tuple[str, ...]]:

@@ -45,7 +45,8 @@ def test_held_out_loss_matches_the_log(log, model):
     rows = data.pad_rows(docs, row_len=STORIES.seq_len + 1)
     assert rows.num_tokens == log["data"]["val_tokens"]
     eval_step = make_eval_step(model.config)
-    sums = [eval_step(model.params, tokens_BT, lengths_B) for tokens_BT, lengths_B in data.batches(rows, batch_size=50)]
+    sums = [eval_step(model.params, tokens_BT, lengths_B)
+            for tokens_BT, lengths_B in data.batches(rows, batch_size=50)]
     total, count = (sum(float(s[i]) for s in sums) for i in (0, 1))
     assert count == rows.num_tokens - len(rows)  # every row has one token more than it has targets
     np.testing.assert_allclose(total / count, log["val_loss"], rtol=1e-5)
