@@ -20,6 +20,7 @@ BOY_NAMES = ("Tom", "Ben", "Max", "Sam", "Leo", "Jack", "Tim", "Noah", "Finn", "
 ANIMAL_NAMES = ("Pip", "Spot", "Fluffy", "Buddy", "Coco", "Daisy", "Milo", "Rosie", "Bella", "Tiny",
                 "Sunny", "Dot")
 NAMES = GIRL_NAMES + BOY_NAMES + ANIMAL_NAMES
+ANIMAL_SHARE = 0.25  # of characters; the others are girls and boys in equal shares
 ANIMALS = ("cat", "dog", "bunny", "bear", "duck", "mouse", "fox", "bird", "frog", "puppy", "kitten", "owl")
 SIZES = ("little", "small", "big", "happy", "kind", "curious", "shy", "brave", "silly", "sleepy")
 COLORS = ("red", "blue", "green", "yellow", "pink", "purple", "orange", "white", "brown", "shiny")
@@ -69,7 +70,7 @@ def _pronouns(female: bool) -> dict[str, str]:
 
 
 def _character(rng: random.Random, *, avoid: tuple[str, ...] = (), animal: bool | None = None) -> Character:
-    animal = rng.random() < 0.25 if animal is None else animal
+    animal = rng.random() < ANIMAL_SHARE if animal is None else animal
     if animal:
         name = rng.choice([n for n in ANIMAL_NAMES if n not in avoid])
         return Character(name=name, kind=rng.choice(ANIMALS), **_pronouns(rng.random() < 0.5))
