@@ -49,7 +49,7 @@ def encode_documents(processor: sentencepiece.SentencePieceProcessor, texts: Ite
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Rows:
-    """Packed token rows: ``tokens_RT`` right-padded with PAD_ID, ``lengths_R`` real tokens per row."""
+    """R rows of T tokens: ``tokens_RT`` right-padded with PAD_ID, ``lengths_R`` real tokens per row."""
 
     tokens_RT: np.ndarray  # int32 [R, T]
     lengths_R: np.ndarray  # int32 [R]
