@@ -50,14 +50,18 @@ def generate_samples(model) -> list[Sample]:
             for r, flags in zip(results, settings)]
 
 
-def name_consistency(model, texts: Iterable[str]) -> float:
+def name_consistency(model, texts: Iterable[str]) -> float | None:
     """How well the model keeps its characters' names: where a story names a character it already named,
     the probability the model gives that name, as a share of what it gives all names (averaged). 1 is
-    perfect; ``1 / len(NAMES)`` is no better than chance.
+    perfect; ``1 / len(NAMES)`` is no better than chance. Names the tokenizer splits into several pieces
+    are left out; None when it splits them all (a small vocabulary).
     """
     from llm_jax.model import forward
 
-    name_ids = np.array([i for i in (model.tokenizer.piece_to_id("▁" + n) for n in NAMES) if i is not None])
+    name_ids = np.array([i for i in (model.tokenizer.piece_to_id("▁" + n) for n in NAMES) if i is not None],
+                        np.int32)
+    if not name_ids.size:
+        return None
     docs = [[data.BOS_ID, *model.tokenizer.encode(t, add_bos=False), data.EOS_ID] for t in texts]
     rows = data.pad_rows(docs, row_len=max(map(len, docs)))
     logits_BTV = jax.jit(forward, static_argnums=1)(model.params, model.config, rows.tokens_RT[:, :-1],
@@ -69,7 +73,7 @@ def name_consistency(model, texts: Iterable[str]) -> float:
             hits = np.flatnonzero(name_ids == tokens_T[t])
             if hits.size and tokens_T[t] in tokens_T[:t]:
                 shares.append(names_TN[t - 1, hits[0]])
-    return float(np.mean(shares))
+    return float(np.mean(shares)) if shares else None
 
 
 NAME_CHECK_STORIES = 100  # held-out stories the name-consistency figure is measured on
@@ -84,6 +88,16 @@ def write(result: TrainResult, path: pathlib.Path, *, command: str) -> None:
     readme = render(result, path=path, command=command, samples=generate_samples(model),
                     names=name_consistency(model, held_out))
     (path / "README.md").write_text(readme)
+
+
+def _names_paragraph(names: float | None) -> str:
+    if names is None:
+        return "**Names**: not measured (the tokenizer splits every name into several pieces)."
+    return f"""\
+**Names**: where a held-out story mentions a character again, the model gives the right name
+**{names:.0%}** of the probability it gives to names, averaged over {NAME_CHECK_STORIES} stories
+({len(NAMES)} names: chance is {1 / len(NAMES):.0%}, and {_kind_chance():.0%} for a guess that only gets the
+kind of character right). {_names_verdict(names)}"""
 
 
 def _kind_chance() -> float:
@@ -111,7 +125,7 @@ def _size(path: pathlib.Path) -> int:
 
 
 def render(result: TrainResult, *, path: pathlib.Path, command: str, samples: list[Sample],
-           names: float) -> str:
+           names: float | None) -> str:
     """README.md for the checkpoint at ``path`` (already saved, so its size is known); ``names`` is its
     :func:`name_consistency` on held-out stories."""
     r, c = result.recipe, result.recipe.model
@@ -150,10 +164,7 @@ drew from. The text is templated, so the perplexity is not comparable to perplex
 most of what remains is the genuinely random choices of the generator (which name, which toy, which
 phrasing).
 
-**Names**: where a held-out story mentions a character again, the model gives the right name
-**{names:.0%}** of the probability it gives to names, averaged over {NAME_CHECK_STORIES} stories
-({len(NAMES)} names: chance is {1 / len(NAMES):.0%}, and {_kind_chance():.0%} for a guess that only gets the
-kind of character right). {_names_verdict(names)}
+{_names_paragraph(names)}
 
 ## Samples
 
