@@ -59,3 +59,10 @@ def test_an_existing_output_is_kept_without_force(trained):
 def test_bad_shapes_fail_before_training(tmp_path):
     with pytest.raises(train_tiny.CliError, match="--d-model 30 must be a multiple of --n-heads 4"):
         train_tiny.main(["--out", str(tmp_path / "x"), *TINY, "--d-model", "30"])
+
+
+def test_flag_values_are_checked_at_the_edge(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train_tiny.main(["--out", str(tmp_path / "x"), "--steps", "0"])
+    assert "--steps: expected a positive integer, got 0" in capsys.readouterr().err
+    assert train_tiny.build_parser().parse_args(["--seed", "0"]).seed == 0
