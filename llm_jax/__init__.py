@@ -29,6 +29,8 @@ from llm_jax.sampling import GREEDY, Sampling, SamplingParams
 # Orchestration.
 from llm_jax.generate import (GenerationMetrics, GenerationResult, GenerationStream, PromptTooLongError,
                               StreamEvent, generate, generate_stream)
+# Running on many devices (more in ``llm_jax.sharding`` and ``llm_jax.distributed``).
+from llm_jax.sharding import make_mesh
 
 __all__ = [
     "Activation", "AttentionImpl", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig",
@@ -38,4 +40,5 @@ __all__ = [
     "GREEDY", "Sampling", "SamplingParams",
     "GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError", "StreamEvent",
     "generate", "generate_stream",
+    "make_mesh",
 ]

@@ -12,8 +12,9 @@ import time
 from typing import Iterator, Sequence
 
 import numpy as np
+from jax.sharding import Mesh
 
-from llm_jax import buckets
+from llm_jax import buckets, sharding
 from llm_jax.compile_stats import measure_compilation
 from llm_jax.decode import PAD_ID, DecodeControls, FinishReason, decode, start
 from llm_jax.detokenize import IncrementalDetokenizer
@@ -110,11 +111,14 @@ class GenerationStream:
 
     def __init__(self, model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | Sequence[int],
                  sampling: Sampling | Sequence[Sampling], stop_token_ids: Sequence[int], ignore_eos: bool,
-                 chunk_steps: int):
+                 chunk_steps: int, mesh: Mesh | str | None = None):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
         if chunk_steps < 1:
             raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+        if mesh is not None:
+            mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
+            model = model if model.mesh == mesh else model.shard(mesh)
         self.model, self.prompts, self.chunk_steps = model, list(prompts), chunk_steps
         config = model.config
         self.prompt_ids = encode_prompts(model, prompts)
@@ -141,13 +145,14 @@ class GenerationStream:
         return self._run()
 
     def _run(self) -> Iterator[StreamEvent]:
-        model, config, n = self.model, self.model.config, len(self.prompts)
+        model, config, n, mesh = self.model, self.model.config, len(self.prompts), self.model.mesh
         tokens_BT, lengths_B = pad_prompts(self.prompt_ids, self.block_len)
         t_start = time.perf_counter()
         with measure_compilation() as compiled:
-            cache = init_cache(config, n, self.cache_len)
-            logits_BV, cache = prefill(model.params, config, tokens_BT, lengths_B, cache)
-            state = start(logits_BV, cache, self.controls)
+            layout = None if mesh is None else sharding.cache_shardings(config, n, self.cache_len, mesh)
+            cache = init_cache(config, n, self.cache_len, sharding=layout)
+            logits_BV, cache = prefill(model.params, config, tokens_BT, lengths_B, cache, mesh=mesh)
+            state = start(logits_BV, cache, self.controls, mesh=mesh)
             new_BS = np.asarray(state.tokens_B)[:, None]
             t_first = time.perf_counter()
             detoks = [IncrementalDetokenizer(model.tokenizer) if model.tokenizer else None for _ in range(n)]
@@ -172,7 +177,7 @@ class GenerationStream:
                     break
                 t_chunk = time.perf_counter()
                 cache, state, new_BS = decode(model.params, config, cache, state, self.controls,
-                                              num_steps=self.chunk_steps)
+                                              num_steps=self.chunk_steps, mesh=mesh)
                 new_BS = np.asarray(new_BS)
                 step_times.append((time.perf_counter() - t_chunk) / self.chunk_steps)
                 decode_tokens += int((new_BS != PAD_ID).sum())
@@ -194,15 +199,19 @@ class GenerationStream:
 
 def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | Sequence[int] = 128,
                     sampling: Sampling | Sequence[Sampling] = GREEDY, stop_token_ids: Sequence[int] = (),
-                    ignore_eos: bool = False, chunk_steps: int = DEFAULT_CHUNK_STEPS) -> GenerationStream:
+                    ignore_eos: bool = False, chunk_steps: int = DEFAULT_CHUNK_STEPS,
+                    mesh: Mesh | str | None = None) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     ``sampling`` is one :class:`Sampling` for every prompt or one per prompt; so is ``max_new_tokens``.
     Generation of a prompt ends at one of the model's EOS ids (unless ``ignore_eos``), one of
-    ``stop_token_ids``, or after ``max_new_tokens`` tokens or when the context is full.
+    ``stop_token_ids``, or after ``max_new_tokens`` tokens or when the context is full. ``mesh`` (a
+    ``Mesh`` or a spec like ``"data=2,model=4"``) runs sharded over devices; a model loaded on another
+    mesh (or none) is laid out on it first — load with ``mesh=`` to avoid that copy.
     """
     return GenerationStream(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chunk_steps=chunk_steps)
+                            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chunk_steps=chunk_steps,
+                            mesh=mesh)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:

@@ -13,7 +13,9 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from llm_jax import sharding
 from llm_jax.config import AttentionImpl, ModelConfig
 from llm_jax.model import Params
 from llm_jax.tokenizer import Tokenizer, load_tokenizer
@@ -31,6 +33,12 @@ class Model:
     eos_ids: tuple[int, ...]  # generation ends on these (finish_reason "eos")
     stop_ids: tuple[int, ...] = ()  # format-specific extra stops (finish_reason "stop")
     path: str = ""
+    mesh: Mesh | None = None  # the mesh the params are laid out on (``llm_jax.sharding``); None: one device
+
+    def shard(self, mesh: Mesh) -> "Model":
+        """This model laid out on ``mesh``; its config repeats K/V heads where the mesh needs it."""
+        config, params = sharding.shard_params(self.config, self.params, mesh)
+        return dataclasses.replace(self, config=config, params=params, mesh=mesh)
 
     def with_attention(self, attention: AttentionImpl | str) -> "Model":
         return dataclasses.replace(self, config=self.config.replace(attention_impl=AttentionImpl.parse(attention)))
@@ -53,11 +61,12 @@ def _hf_dtype(folder: pathlib.Path) -> str:
 
 
 def load(path: str | pathlib.Path, *, dtype=None, attention: AttentionImpl | str = AttentionImpl.XLA,
-         tokenizer: str | pathlib.Path | None = None) -> Model:
+         tokenizer: str | pathlib.Path | None = None, mesh: Mesh | str | None = None) -> Model:
     """Load a llama2.c ``.bin`` or a Hugging Face folder.
 
     ``dtype`` sets both parameter and compute dtype (default: the checkpoint's own, float32 for
-    llama2.c). ``tokenizer`` overrides the tokenizer found next to the weights.
+    llama2.c). ``tokenizer`` overrides the tokenizer found next to the weights. ``mesh`` (a ``Mesh`` or
+    a spec like ``"data=2,model=4"``) lays the params out over devices, each receiving only its shard.
     """
     path = pathlib.Path(path)
     if not path.exists():
@@ -81,10 +90,14 @@ def load(path: str | pathlib.Path, *, dtype=None, attention: AttentionImpl | str
         stop_ids = (tok.bos_id,)
     config = config.replace(param_dtype=dtype.name, compute_dtype=dtype.name,
                             attention_impl=AttentionImpl.parse(attention))
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype), host_params)
+    if mesh is None:
+        params = jax.tree.map(lambda a: jnp.asarray(a, dtype), host_params)
+    else:
+        mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
+        config, params = sharding.shard_params(config, host_params, mesh, dtype=dtype)
     eos_ids = tok.eos_ids if tok is not None else ()
     return Model(config=config, params=params, tokenizer=tok, eos_ids=tuple(eos_ids), stop_ids=stop_ids,
-                 path=str(path))
+                 path=str(path), mesh=mesh)
 
 
 def _has_tokenizer(path: pathlib.Path) -> bool:

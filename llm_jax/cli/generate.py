@@ -27,6 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--attention", choices=["xla", "pallas"], default="xla")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--mesh", default=None,
+                   help="shard over devices: 'data=2,model=4', 'model=8', ... (docs/running_on_many_devices.md)")
+    group = p.add_argument_group("several processes (one per host; run the same command on each)")
+    group.add_argument("--coordinator", default=None,
+                       help="host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
+    group.add_argument("--num-processes", type=positive_int, default=None)
+    group.add_argument("--process-id", type=int, default=None)
+    group.add_argument("--distributed", action="store_true",
+                       help="join a multi-process run described by the cluster (Slurm, Open MPI, Kubernetes, "
+                            "Cloud TPU)")
     return p
 
 
@@ -34,16 +44,29 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Imported here so --help answers without starting JAX.
     import llm_jax
+    from llm_jax import distributed
     from llm_jax.sampling import Sampling
 
     prompts = args.prompts
     if not prompts:
         raise CliError("give at least one --prompt or --prompt-ids")
+    if args.distributed or distributed.requested(args.coordinator, args.num_processes, args.process_id):
+        try:
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        except distributed.DistributedError as e:
+            raise CliError(str(e)) from None
+    process = distributed.process_info()
+    # Every process runs the same program; several processes always shard over all their devices.
+    mesh = args.mesh if args.mesh is not None or process.num_processes == 1 else llm_jax.make_mesh()
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         seed=args.seed)
-    model = llm_jax.load(args.model, dtype=args.dtype, attention=args.attention)
+    model = llm_jax.load(args.model, dtype=args.dtype, attention=args.attention, mesh=mesh)
     stream = llm_jax.generate_stream(model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
                                      ignore_eos=args.ignore_eos)
+    if not process.is_main:  # runs its part of every step; process 0 reports
+        for _ in stream:
+            pass
+        return 0
     if args.json:
         for _ in stream:
             pass
