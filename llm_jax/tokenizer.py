@@ -31,6 +31,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import functools
 import json
 import pathlib
 import re
@@ -40,6 +41,9 @@ from typing import Any
 import sentencepiece
 import tokenizers
 
+
+
+BYTE_PIECE = re.compile("<0x[0-9A-Fa-f]{2}>")
 
 
 class TokenizerFormat(enum.Enum):
@@ -81,6 +85,20 @@ class ModelConfigs:
     def get(self, name: str) -> Mapping[str, Any]:
         return self.contents.get(name, {})
 
+    def special_token(self, key: str) -> tuple[str, str | None] | None:
+        """(file name, token text) of a named special token (``bos_token``…), None when no file names it.
+
+        The token text is None where a file says ``null``. Precedence as in ``transformers``: a
+        ``tokenizer_config.json`` with ``added_tokens_decoder`` is complete; an older one is overridden by
+        ``special_tokens_map.json``.
+        """
+        config, legacy = self.get("tokenizer_config.json"), self.get("special_tokens_map.json")
+        if key in legacy and "added_tokens_decoder" not in config:
+            return "special_tokens_map.json", _token_content(legacy[key])
+        if key in config:
+            return "tokenizer_config.json", _token_content(config[key])
+        return None
+
 
 NO_CONFIGS = ModelConfigs(folder=pathlib.Path(), contents={})
 
@@ -113,6 +131,11 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def special_ids(self) -> frozenset[int]:
         """Ids that ``decode(..., skip_special=True)`` drops (control / special added tokens)."""
+
+    @property
+    @abc.abstractmethod
+    def byte_ids(self) -> frozenset[int]:
+        """Byte-fallback ids (pieces ``<0x00>`` … ``<0xFF>``): one raw byte each, not a whole character."""
 
     @abc.abstractmethod
     def id_to_piece(self, token_id: int) -> str:
@@ -189,6 +212,10 @@ class SentencePieceTokenizer(Tokenizer):
     def special_ids(self) -> frozenset[int]:
         return self._special_ids
 
+    @functools.cached_property
+    def byte_ids(self) -> frozenset[int]:
+        return frozenset(i for i in range(self.vocab_size) if self._sp.is_byte(i))
+
     def id_to_piece(self, token_id: int) -> str:
         return self._sp.id_to_piece(token_id)
 
@@ -262,6 +289,11 @@ class HFTokenizer(Tokenizer):
     @property
     def special_ids(self) -> frozenset[int]:
         return self._special_ids
+
+    @functools.cached_property
+    def byte_ids(self) -> frozenset[int]:
+        # The spelling tokenizers' ByteFallback decoder recognises; byte-level BPE vocabularies have none.
+        return frozenset(i for piece, i in self._tk.get_vocab().items() if BYTE_PIECE.fullmatch(piece))
 
     def id_to_piece(self, token_id: int) -> str:
         piece = self._tk.id_to_token(token_id)
@@ -341,13 +373,11 @@ def _special_tokens(tokenizer: Tokenizer, library: SpecialTokens, configs: Model
 
     def from_tokenizer_files(key: str) -> tuple[bool, int | None]:
         # tokenizer_config / special_tokens_map reflect the tokenizer's real state: null means "none".
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):
-            config = configs.get(name)
-            if key in config:
-                token = _token_content(config[key])
-                source = f"{configs.folder / name} {key}"
-                return True, None if token is None else tokenizer.token_to_id(token, source=source)
-        return False, None
+        declared = configs.special_token(key)
+        if declared is None:
+            return False, None
+        name, token = declared
+        return True, None if token is None else tokenizer.token_to_id(token, source=f"{configs.folder / name} {key}")
 
     def from_model_configs(key: str) -> tuple[int, ...] | None:
         # config.json / generation_config.json carry nulls as defaults: null means "not said here".

@@ -13,13 +13,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 
 from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.model.attention import Attention, attention
-from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, _init, dense
+from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, dense
 
 Params = dict[str, Any]
 # attend(layer, q_BTNH, k_BTKH, v_BTKH, window, cache) -> (o_BTNH, cache)
@@ -51,27 +52,47 @@ class DecoderLayer(nn.Module):
         return x_BTD + y_BTD, aux
 
 
-def init_params(config: ModelConfig, key: jax.Array) -> Params:
-    """Random parameters (normal(0.02) matrices, unit norms), in ``config.param_dtype``."""
-    k_embed, k_layers, k_head = jax.random.split(key, 3)
+def param_shapes(config: ModelConfig) -> Params:
+    """The params pytree as ``jax.ShapeDtypeStruct`` s (traced from the modules, nothing computed)."""
     D = config.d_model
-    embed = Embedder(config.vocab_size, D).init(k_embed, jnp.zeros((1, 1), jnp.int32), jnp.float32,
-                                                method=Embedder.encode)["params"]
-    x = jnp.zeros((1, 1, D), jnp.float32)
-    pos = jnp.zeros((1, 1), jnp.int32)
+    x = jax.ShapeDtypeStruct((1, 1, D), jnp.float32)
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    key = jax.random.key(0)
 
-    def init_layer(key):
-        return DecoderLayer(config).init(key, x, pos, lambda q, k, v: (q, None))["params"]
+    def init(module: nn.Module, *arrays, **kwargs) -> Params:
+        return jax.eval_shape(lambda k, *a: module.init(k, *a, **kwargs)["params"], key, *arrays)
 
-    params: Params = {
-        "embedder": embed,
-        "layers": jax.vmap(init_layer)(jax.random.split(k_layers, config.n_layers)),
-        "final_norm": RMSNorm(eps=config.norm_eps, weight_offset=config.norm_weight_offset).init(
-            k_head, x)["params"],
+    layer = init(DecoderLayer(config), x, tokens, attend=lambda q, k, v: (q, None))
+    shapes: Params = {
+        "embedder": init(Embedder(config.vocab_size, D), tokens, out_dtype=jnp.float32, method=Embedder.encode),
+        "layers": jax.tree.map(lambda s: jax.ShapeDtypeStruct((config.n_layers, *s.shape), s.dtype), layer),
+        "final_norm": init(RMSNorm(eps=config.norm_eps), x),
     }
     if not config.tie_embeddings:
-        params["lm_head"] = _init(k_head, (D, config.vocab_size))
-    return jax.tree.map(lambda a: a.astype(config.param_dtype), params)
+        shapes["lm_head"] = jax.ShapeDtypeStruct((D, config.vocab_size), jnp.float32)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, config.param_jnp_dtype), shapes)
+
+
+def init_params(config: ModelConfig, seed: int = 0) -> Params:
+    """Random parameters in ``config.param_dtype``: normal(0, 0.02) matrices, zero biases, and norm
+    scales that make each norm the identity.
+
+    Drawn with NumPy on the host: initialising with jax.random would compile dozens of small programs,
+    which costs far more than the draws for the model sizes used in tests and benchmarks.
+    """
+    rng = np.random.default_rng(seed)
+
+    def draw(path, shape):
+        name = jax.tree_util.keystr(path[-1:])
+        if "scale" in name:
+            value = np.full(shape.shape, 1.0 - config.norm_weight_offset, np.float32)
+        elif "bias" in name:
+            value = np.zeros(shape.shape, np.float32)
+        else:
+            value = rng.normal(0.0, 0.02, shape.shape).astype(np.float32)
+        return jnp.asarray(value, shape.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, param_shapes(config))
 
 
 def embed(params: Params, config: ModelConfig, tokens_BT: jax.Array) -> jax.Array:

@@ -1,0 +1,78 @@
+"""Stop strings, matched on the host in streamed text.
+
+A stop string ("\\nUser:", "</answer>") rarely lines up with tokens: it can start in the middle of one
+token and end in another, or arrive in a single token with text on both sides. ``StopStringMatcher``
+is fed the text pieces an ``IncrementalDetokenizer`` returns, and
+
+- finds a stop string wherever it falls across pieces,
+- holds back text that could be the start of one (a trailing "\\nUs" waits for the next piece), so a
+  streamed answer never shows part of a stop string,
+- on a match, releases the text before the stop string and says which stop string it was.
+
+When several stop strings could match, the one that is complete earliest in the text wins (ties go to the
+one that starts earliest, i.e. the longest): that is the one a character-by-character stream would see
+first, so the result does not depend on how the text was split into pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Released:
+    """Text that is safe to show, and the stop string that ended the text (None: not stopped)."""
+
+    text: str
+    stop: str | None = None
+
+
+class StopStringMatcher:
+    """Incremental stop-string detection over streamed text; host-side state, one per sequence."""
+
+    def __init__(self, stop_strings: Iterable[str]):
+        self.stop_strings = tuple(dict.fromkeys(stop_strings))
+        empty = [i for i, s in enumerate(self.stop_strings) if not isinstance(s, str) or not s]
+        if empty:
+            raise ValueError(f"stop strings must be non-empty strings; got {list(self.stop_strings)!r}")
+        # Every proper prefix of a stop string: a text ending in one of these may be a stop string's start.
+        self._prefixes = frozenset(s[:k] for s in self.stop_strings for k in range(1, len(s)))
+        self._longest_prefix = max((len(p) for p in self._prefixes), default=0)
+        self._held = ""
+        self.stop: str | None = None
+
+    def push(self, text: str) -> Released:
+        """Add newly decoded text; return what can be shown now, and the stop string if one completed."""
+        if self.stop is not None:
+            raise RuntimeError(f"push() after stop string {self.stop!r} matched: the sequence has ended")
+        buffer = self._held + text
+        match = self._first_match(buffer)
+        if match is not None:
+            start, stop = match
+            self._held, self.stop = "", stop
+            return Released(text=buffer[:start], stop=stop)
+        keep = self._possible_start_length(buffer)
+        self._held = buffer[len(buffer) - keep :]
+        return Released(text=buffer[: len(buffer) - keep])
+
+    def finish(self) -> str:
+        """The text held back when generation ends without a stop string (it was not one after all)."""
+        held, self._held = self._held, ""
+        return held
+
+    def _first_match(self, buffer: str) -> tuple[int, str] | None:
+        """(start, stop string) of the match that ends first in ``buffer``, ties to the earliest start."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop string)
+        for stop in self.stop_strings:
+            start = buffer.find(stop)  # a stop string's first occurrence is also its earliest-ending one
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[1], best[2])
+
+    def _possible_start_length(self, buffer: str) -> int:
+        """Length of the longest suffix of ``buffer`` that is a proper prefix of some stop string."""
+        for length in range(min(len(buffer), self._longest_prefix), 0, -1):
+            if buffer[-length:] in self._prefixes:
+                return length
+        return 0

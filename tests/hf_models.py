@@ -1,0 +1,31 @@
+"""Tiny random Hugging Face models, built locally with ``transformers`` (never downloaded)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+import transformers
+
+
+def save_tiny_llama(folder: pathlib.Path, *, seed: int = 0, perturb_norms: bool = True, **overrides):
+    """A random ``LlamaForCausalLM`` saved to ``folder`` (safetensors); returns the torch model (eager).
+
+    Norm weights are perturbed away from 1 so a mistake in how they are applied shows in the logits.
+    """
+    fields = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=None)
+    fields.update(overrides)
+    config = transformers.LlamaConfig(**fields)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    if perturb_norms:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(0.3 * torch.randn_like(param))
+    model.save_pretrained(folder)
+    return model

@@ -1,0 +1,60 @@
+import pytest
+
+from llm_jax.config import (AttentionImpl, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig)
+
+BASE = dict(vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=24, max_seq_len=64)
+
+
+def test_valid_config_derives_values():
+    c = ModelConfig(**BASE, query_pre_attn_scalar=16.0)
+    assert c.q_per_kv == 2
+    assert c.attn_scale == pytest.approx(0.25)
+    assert c.layer_windows() == (None, None)
+    assert hash(c) == hash(ModelConfig(**BASE, query_pre_attn_scalar=16.0))
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(n_kv_heads=3), "multiple of n_kv_heads"),
+    (dict(head_dim=5), "head_dim=5 must be even"),
+    (dict(d_model=0), "d_model must be a positive integer"),
+    (dict(norm_eps=0.0), "norm_eps must be positive"),
+    (dict(param_dtype="int8"), "param_dtype must be"),
+    (dict(sliding_window=-4), "sliding_window must be positive"),
+    (dict(sliding_layers=(True,)), "sliding_layers has 1 entries but n_layers=2"),
+    (dict(sliding_layers=(True, False)), "sliding_window is None"),
+    (dict(rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0,
+                                  original_max_position_embeddings=8192)), "invalid rope_scaling"),
+    (dict(attn_logit_softcap=0.0), "attn_logit_softcap must be positive"),
+    (dict(attention_impl="cuda"), "unknown attention implementation 'cuda'"),
+])
+def test_invalid_config_is_rejected(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(**{**BASE, **changes})
+
+
+def test_round_trip_through_dict():
+    c = ModelConfig(**BASE, rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                    original_max_position_embeddings=32),
+                    sliding_window=8, sliding_layers=(True, False), attention_impl="pallas",
+                    param_dtype="bfloat16")
+    assert ModelConfig.from_dict(c.to_dict()) == c
+    assert c.attention_impl is AttentionImpl.PALLAS
+    assert c.layer_windows() == (8, None)
+    assert ModelConfig.from_dict(ModelConfig(**BASE, rope_scaling=LinearRope(factor=2.0)).to_dict()).rope_scaling \
+        == LinearRope(factor=2.0)
+    assert ModelConfig(**BASE).rope_scaling == DefaultRope()
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ConfigError, match="unknown model config fields \\['n_experts'\\]"):
+        ModelConfig.from_dict({**BASE, "n_experts": 8})
+
+
+def test_num_params_matches_pytree():
+    import jax
+    from llm_jax.model import init_params
+
+    for tie in (False, True):
+        c = ModelConfig(**BASE, tie_embeddings=tie)
+        params = init_params(c, seed=0)
+        assert c.num_params() == sum(x.size for x in jax.tree.leaves(params))
