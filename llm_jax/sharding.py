@@ -29,17 +29,17 @@ divisible by ``data`` is replicated over it.
 from __future__ import annotations
 
 import functools
-import math
 import re
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
+from llm_jax.model import param_shapes
 
 DATA = "data"
 MODEL = "model"
@@ -145,13 +145,8 @@ def make_mesh(shape: str | Mapping[str, int] | None = None, *,
                          devices=devices[:used])
 
 
-def describe(mesh: Mesh) -> str:
-    """``"data=2,model=4"``: the spec that rebuilds ``mesh``'s shape."""
-    return ",".join(f"{name}={size}" for name, size in mesh.shape.items())
-
-
 # Dimension letters → PartitionSpec.
-def spec(dims: str, shape: Sequence[int], mesh: Mesh) -> PartitionSpec:
+def spec(dims: str, shape: Sequence[int], mesh: Mesh | AbstractMesh) -> PartitionSpec:
     """The ``PartitionSpec`` of an array of ``shape`` whose dimensions are the letters ``dims``.
 
     Each dimension takes the mesh axis :data:`RULES` gives its letter when its size is divisible by the
@@ -187,35 +182,48 @@ def _path_name(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
-def _shardings(tree: Any, table: Mapping[str, str], what: str, mesh: Mesh) -> Any:
+def _specs(tree: Any, table: Mapping[str, str], table_name: str, mesh: Mesh | AbstractMesh) -> Any:
+    """``tree`` (arrays or shapes) with each leaf replaced by its PartitionSpec from ``table``."""
+
     def leaf(path, x):
         name = _path_name(path)
         if name not in table:
-            raise KeyError(f"no sharding rule for {what} {name!r} of shape {tuple(x.shape)}; add its "
-                           f"dimensions to {'PARAM_DIMS' if what == 'param' else 'CACHE_DIMS'} in llm_jax/sharding.py")
-        return named(table[name], x.shape, mesh)
+            raise KeyError(f"no sharding rule for {name!r} (shape {tuple(x.shape)}); add its dimensions to "
+                           f"{table_name} in llm_jax/sharding.py")
+        return spec(table[name], x.shape, mesh)
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh) -> Any:
-    """A pytree like the params of ``config`` holding each leaf's ``NamedSharding`` on ``mesh``.
+def _named(specs: Any, mesh: Mesh) -> Any:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def param_specs(config: ModelConfig, mesh: Mesh | AbstractMesh) -> Any:
+    """A pytree like the params of ``config`` holding each leaf's ``PartitionSpec`` on ``mesh``.
 
     ``config`` is the config the params are laid out for: :func:`mesh_config` of the checkpoint's.
     """
-    from llm_jax.model import init_params  # the model imports the cache, which this module imports too
-
-    shapes = jax.eval_shape(functools.partial(init_params, config), jax.random.key(0))
-    return _shardings(shapes, PARAM_DIMS, "param", mesh)
+    return _specs(param_shapes(config), PARAM_DIMS, "PARAM_DIMS", mesh)
 
 
-def cache_shardings(config: ModelConfig, batch_size: int, max_len: int, mesh: Mesh) -> KVCache:
-    """A :class:`KVCache` holding the ``NamedSharding`` of each of its fields (pass to ``init_cache``)."""
+def param_shardings(config: ModelConfig, mesh: Mesh) -> Any:
+    """Like :func:`param_specs`, with each leaf's ``NamedSharding``."""
+    return _named(param_specs(config, mesh), mesh)
+
+
+def cache_specs(config: ModelConfig, batch_size: int, max_len: int, mesh: Mesh | AbstractMesh) -> KVCache:
+    """A :class:`KVCache` holding the ``PartitionSpec`` of each of its fields."""
     shape = (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim)
     shapes = KVCache(k_LBSKH=jax.ShapeDtypeStruct(shape, jnp.float32),
                      v_LBSKH=jax.ShapeDtypeStruct(shape, jnp.float32),
                      lengths_B=jax.ShapeDtypeStruct((batch_size,), jnp.int32))
-    return _shardings(shapes, CACHE_DIMS, "cache field", mesh)
+    return _specs(shapes, CACHE_DIMS, "CACHE_DIMS", mesh)
+
+
+def cache_shardings(config: ModelConfig, batch_size: int, max_len: int, mesh: Mesh) -> KVCache:
+    """A :class:`KVCache` holding the ``NamedSharding`` of each of its fields (pass to ``init_cache``)."""
+    return _named(cache_specs(config, batch_size, max_len, mesh), mesh)
 
 
 # Constraints inside jitted stages: declare what an input or output looks like. No-ops without a mesh.
@@ -229,7 +237,7 @@ def constrain(x: jax.Array, dims: str, mesh: Mesh | None) -> jax.Array:
 def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
     if mesh is None:
         return cache
-    return jax.lax.with_sharding_constraint(cache, _shardings(cache, CACHE_DIMS, "cache field", mesh))
+    return jax.lax.with_sharding_constraint(cache, _named(_specs(cache, CACHE_DIMS, "CACHE_DIMS", mesh), mesh))
 
 
 def constrain_replicated(tree: Any, mesh: Mesh | None) -> Any:
@@ -243,7 +251,7 @@ def constrain_replicated(tree: Any, mesh: Mesh | None) -> Any:
 _KV_HEAD_PARAMS = ("layers/attn/k_proj", "layers/attn/v_proj", "layers/attn/k_bias", "layers/attn/v_bias")
 
 
-def kv_head_repeats(config: ModelConfig, mesh: Mesh) -> int:
+def kv_head_repeats(config: ModelConfig, mesh: Mesh | AbstractMesh) -> int:
     """How many times each K/V head is repeated on ``mesh``: model / K when K < model divides it (and
     the query heads split evenly, so each shard's query heads read only its K/V head), else 1."""
     model, K, N = mesh.shape[MODEL], config.n_kv_heads, config.n_heads
@@ -252,7 +260,7 @@ def kv_head_repeats(config: ModelConfig, mesh: Mesh) -> int:
     return 1
 
 
-def mesh_config(config: ModelConfig, mesh: Mesh) -> ModelConfig:
+def mesh_config(config: ModelConfig, mesh: Mesh | AbstractMesh) -> ModelConfig:
     """The config of ``config``'s model laid out on ``mesh`` (K/V heads repeated where needed)."""
     repeats = kv_head_repeats(config, mesh)
     return config.replace(n_kv_heads=config.n_kv_heads * repeats) if repeats > 1 else config
