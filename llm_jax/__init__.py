@@ -18,7 +18,11 @@ cache in ``kv_cache``. The weight path: ``weights/from_hf``, ``weights/from_llam
 from llm_jax.config import Activation, AttentionImpl, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig
 # Loading models.
 from llm_jax.loading import Model, load
-from llm_jax.tokenizer import Tokenizer, load_tokenizer
+# Text in and out.
+from llm_jax.tokenizer import Tokenizer, TokenizerFormat, load_tokenizer
+from llm_jax.detokenize import IncrementalDetokenizer
+from llm_jax.stop_strings import StopStringMatcher
+from llm_jax.chat_template import ChatTemplate, ChatTemplateError, encode_chat, load_chat_template
 # The model as pure functions.
 from llm_jax.model import forward, init_params
 from llm_jax.kv_cache import KVCache, init_cache
@@ -34,7 +38,8 @@ from llm_jax.sharding import make_mesh
 
 __all__ = [
     "Activation", "AttentionImpl", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig",
-    "Model", "load", "Tokenizer", "load_tokenizer",
+    "Model", "load", "Tokenizer", "TokenizerFormat", "load_tokenizer", "IncrementalDetokenizer",
+    "StopStringMatcher", "ChatTemplate", "ChatTemplateError", "encode_chat", "load_chat_template",
     "forward", "init_params", "KVCache", "init_cache",
     "prefill", "PAD_ID", "DecodeControls", "DecodeState", "FinishReason", "decode", "start",
     "GREEDY", "Sampling", "SamplingParams",

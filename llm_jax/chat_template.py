@@ -26,7 +26,8 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 
-from llm_jax.tokenizer import ModelConfigs, Tokenizer
+from llm_jax.special_tokens import ModelConfigs
+from llm_jax.tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
@@ -162,8 +163,10 @@ def _plain(value: Any, what: str) -> Any:
     raise TypeError(f"{what} must be JSON-like data (dicts, lists, strings, numbers); got {type(value).__name__}")
 
 
-def _with_reasoning_aliases(message: dict[str, Any]) -> dict[str, Any]:
+def _with_reasoning_aliases(message: Any) -> dict[str, Any]:
     """Drop None fields (templates test for presence) and copy reasoning under the names templates read."""
+    if not isinstance(message, dict):
+        raise TypeError(f"each message must be a dict with 'role' and 'content'; got {message!r}")
     message = {key: value for key, value in message.items() if value is not None}
     reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
     if reasoning is not None:

@@ -11,6 +11,7 @@ import dataclasses
 import time
 from typing import Iterator, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -22,6 +23,7 @@ from llm_jax.kv_cache import init_cache
 from llm_jax.loading import Model
 from llm_jax.prefill import pad_prompts, prefill
 from llm_jax.sampling import GREEDY, Sampling
+from llm_jax.stop_strings import StopStringMatcher
 
 Prompt = str | Sequence[int]
 
@@ -105,21 +107,67 @@ def _per_prompt(value, n: int, name: str) -> list:
     return [value] * n
 
 
+class _RowText:
+    """Host-side text of one sequence: incremental detokenization, then stop-string matching."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop_strings: Sequence[str]):
+        self.ids: list[int] = []
+        self.pieces: list[str] = []
+        self.detok = IncrementalDetokenizer(tokenizer, context_ids=prompt_ids) if tokenizer else None
+        self.matcher = StopStringMatcher(stop_strings) if stop_strings else None
+
+    def push(self, new_ids: list[int], last: bool) -> tuple[list[int], str, bool]:
+        """Add ids one by one; return the ids kept, the text now safe to show, and whether a stop string
+        ended the sequence (then the ids after the one completing it are dropped)."""
+        if self.detok is None:
+            self.ids.extend(new_ids)
+            return new_ids, "", False
+        # Each id's text, then (on the last push) what the detokenizer still holds.
+        pieces = [(i + 1, self.detok.push([token])) for i, token in enumerate(new_ids)]
+        if last:
+            pieces.append((len(new_ids), self.detok.finish()))
+        shown = []
+        for kept, text in pieces:
+            if self.matcher is not None:
+                released = self.matcher.push(text)
+                shown.append(released.text)
+                if released.stop is not None:
+                    return self._keep(new_ids[:kept], shown, stopped=True)
+            else:
+                shown.append(text)
+        if last and self.matcher is not None:
+            shown.append(self.matcher.finish())
+        return self._keep(new_ids, shown, stopped=False)
+
+    def _keep(self, ids: list[int], shown: list[str], stopped: bool) -> tuple[list[int], str, bool]:
+        self.ids.extend(ids)
+        self.pieces.extend(shown)
+        return ids, "".join(shown), stopped
+
+    @property
+    def text(self) -> str | None:
+        return "".join(self.pieces) if self.detok is not None else None
+
+
 class GenerationStream:
     """Iterate to receive :class:`StreamEvent` s as decode chunks complete; afterwards ``results`` holds
     one :class:`GenerationResult` per prompt (with metrics) and ``metrics`` the batch's timings."""
 
     def __init__(self, model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | Sequence[int],
-                 sampling: Sampling | Sequence[Sampling], stop_token_ids: Sequence[int], ignore_eos: bool,
-                 chunk_steps: int, mesh: Mesh | str | None = None):
+                 sampling: Sampling | Sequence[Sampling], stop_token_ids: Sequence[int],
+                 stop: Sequence[str], ignore_eos: bool, chunk_steps: int, mesh: Mesh | str | None = None):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
         if chunk_steps < 1:
             raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+        if isinstance(stop, str):
+            stop = [stop]
+        if stop and model.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, and {model.path} has none; use stop_token_ids")
         if mesh is not None:
             mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
             model = model if model.mesh == mesh else model.shard(mesh)
-        self.model, self.prompts, self.chunk_steps = model, list(prompts), chunk_steps
+        self.model, self.prompts, self.chunk_steps, self.stop = model, list(prompts), chunk_steps, list(stop)
         config = model.config
         self.prompt_ids = encode_prompts(model, prompts)
         n = len(prompts)
@@ -155,26 +203,33 @@ class GenerationStream:
             state = start(logits_BV, cache, self.controls, mesh=mesh)
             new_BS = np.asarray(state.tokens_B)[:, None]
             t_first = time.perf_counter()
-            detoks = [IncrementalDetokenizer(model.tokenizer) if model.tokenizer else None for _ in range(n)]
-            outputs: list[list[int]] = [[] for _ in range(n)]
+            rows = [_RowText(model.tokenizer, ids, self.stop) for ids in self.prompt_ids]
             reasons: list[str | None] = [None] * n
             step_times: list[float] = []
             decode_tokens = 0
             while True:
                 finish_B = np.asarray(state.finish_reason_B)
+                stopped_by_text = []
                 for row in range(n):
                     if reasons[row] is not None:
                         continue
                     new = [int(t) for t in new_BS[row] if t != PAD_ID]
-                    outputs[row].extend(new)
-                    text = detoks[row].push(new) if detoks[row] else ""
-                    if finish_B[row] != FinishReason.RUNNING:
+                    done = finish_B[row] != FinishReason.RUNNING
+                    new, text, hit_stop = rows[row].push(new, last=done)
+                    if hit_stop:
+                        reasons[row] = "stop"
+                        stopped_by_text.append(row)
+                    elif done:
                         reasons[row] = FinishReason(int(finish_B[row])).label
-                        text += detoks[row].finish() if detoks[row] else ""
                     if new or text or reasons[row]:
                         yield StreamEvent(index=row, token_ids=tuple(new), text=text, finish_reason=reasons[row])
                 if all(r is not None for r in reasons):
                     break
+                if stopped_by_text:
+                    # A stop string matched on the host: finish those rows on the device too.
+                    finish_B = finish_B.copy()
+                    finish_B[stopped_by_text] = FinishReason.STOP
+                    state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
                 t_chunk = time.perf_counter()
                 cache, state, new_BS = decode(model.params, config, cache, state, self.controls,
                                               num_steps=self.chunk_steps, mesh=mesh)
@@ -189,29 +244,31 @@ class GenerationStream:
             itl_s=float(steps.mean()), itl_p50_s=float(np.percentile(steps, 50)),
             itl_p90_s=float(np.percentile(steps, 90)), decode_s=decode_s,
             decode_tokens_per_s=decode_tokens / decode_s if decode_tokens else 0.0,
-            prompt_tokens=int(lengths_B.sum()), generated_tokens=sum(map(len, outputs)))
-        tok = model.tokenizer
+            prompt_tokens=int(lengths_B.sum()), generated_tokens=sum(len(r.ids) for r in rows))
         self.results = [
-            GenerationResult(prompt=p if isinstance(p, str) else None, prompt_ids=ids, output_ids=out,
-                             text=tok.decode(out) if tok else None, finish_reason=reason, metrics=self.metrics)
-            for p, ids, out, reason in zip(self.prompts, self.prompt_ids, outputs, reasons)]
+            GenerationResult(prompt=p if isinstance(p, str) else None, prompt_ids=ids, output_ids=row.ids,
+                             text=row.text, finish_reason=reason, metrics=self.metrics)
+            for p, ids, row, reason in zip(self.prompts, self.prompt_ids, rows, reasons)]
 
 
 def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | Sequence[int] = 128,
                     sampling: Sampling | Sequence[Sampling] = GREEDY, stop_token_ids: Sequence[int] = (),
-                    ignore_eos: bool = False, chunk_steps: int = DEFAULT_CHUNK_STEPS,
-                    mesh: Mesh | str | None = None) -> GenerationStream:
+                    stop: str | Sequence[str] = (), ignore_eos: bool = False,
+                    chunk_steps: int = DEFAULT_CHUNK_STEPS, mesh: Mesh | str | None = None) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     ``sampling`` is one :class:`Sampling` for every prompt or one per prompt; so is ``max_new_tokens``.
     Generation of a prompt ends at one of the model's EOS ids (unless ``ignore_eos``), one of
-    ``stop_token_ids``, or after ``max_new_tokens`` tokens or when the context is full. ``mesh`` (a
-    ``Mesh`` or a spec like ``"data=2,model=4"``) runs sharded over devices; a model loaded on another
-    mesh (or none) is laid out on it first — load with ``mesh=`` to avoid that copy.
+    ``stop_token_ids``, a ``stop`` string (the text is cut before it; the tokens that completed it stay
+    in ``output_ids``), or after ``max_new_tokens`` tokens or when the context is full. The streamed
+    text pieces of a prompt concatenate to its result's ``text``: what the generated tokens add after
+    the prompt's own text. ``mesh`` (a ``Mesh`` or a spec like ``"data=2,model=4"``) runs sharded over
+    devices; a model loaded on another mesh (or none) is laid out on it first — load with ``mesh=`` to
+    avoid that copy.
     """
     return GenerationStream(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, chunk_steps=chunk_steps,
-                            mesh=mesh)
+                            stop_token_ids=stop_token_ids, stop=stop, ignore_eos=ignore_eos,
+                            chunk_steps=chunk_steps, mesh=mesh)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:

@@ -33,8 +33,7 @@ class StopStringMatcher:
 
     def __init__(self, stop_strings: Iterable[str]):
         self.stop_strings = tuple(dict.fromkeys(stop_strings))
-        empty = [i for i, s in enumerate(self.stop_strings) if not isinstance(s, str) or not s]
-        if empty:
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
             raise ValueError(f"stop strings must be non-empty strings; got {list(self.stop_strings)!r}")
         # Every proper prefix of a stop string: a text ending in one of these may be a stop string's start.
         self._prefixes = frozenset(s[:k] for s in self.stop_strings for k in range(1, len(s)))

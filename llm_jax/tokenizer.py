@@ -2,18 +2,8 @@
 
 ``load_tokenizer(path)`` accepts a sentencepiece model (Llama 1/2, Mistral v1, Gemma, llama2.c's
 ``tok512.model``), a ``tokenizer.json`` (Llama 3, Qwen, …) or a model folder holding either. Special
-tokens come from the model's own files, never from a per-family table:
-
-- ``bos_id`` / ``pad_id``: ``tokenizer_config.json``, then ``special_tokens_map.json`` (an explicit
-  ``null`` there means "none", as Qwen's ``bos_token: null``), then ``config.json`` /
-  ``generation_config.json``, then the tokenizer file itself (sentencepiece's ids; for ``tokenizer.json``
-  the token its post-processor puts in front of a sequence).
-- ``eos_ids``: what generation stops on, so ``generation_config.json`` first (an int or a list), then
-  ``config.json``, then the tokenizer files, as ``transformers``' ``generate`` does.
-- whether ``encode`` adds BOS by default: a ``tokenizer.json``'s post-processor decides (``transformers``
-  5 ignores ``add_bos_token`` when a ``tokenizer.json`` exists); for sentencepiece,
-  ``tokenizer_config.json``'s ``add_bos_token``, else True whenever the model has a BOS piece, as every
-  decoder-only model shipped with a bare sentencepiece file was trained.
+tokens (BOS, EOS, PAD, whether BOS is added) come from the model's own files, read by
+``llm_jax.special_tokens``.
 
 A folder holding both files loads ``tokenizer.json``, the file ``transformers`` uses, so ids match the
 reference implementation the rest of llm_jax is tested against; pass ``format=TokenizerFormat.SENTENCEPIECE``
@@ -29,19 +19,16 @@ Special tokens (BOS, EOS, chat markers) are skipped by default, which is what ge
 from __future__ import annotations
 
 import abc
-import dataclasses
 import enum
 import functools
-import json
 import pathlib
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import sentencepiece
 import tokenizers
 
-
+from llm_jax.special_tokens import NO_CONFIGS, ModelConfigs, SpecialTokens, resolve_special_tokens
 
 BYTE_PIECE = re.compile("<0x[0-9A-Fa-f]{2}>")
 
@@ -51,60 +38,11 @@ class TokenizerFormat(enum.Enum):
     HF_TOKENIZERS = "tokenizers"  # a Hugging Face tokenizers JSON, usually tokenizer.json
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SpecialTokens:
-    """The special token ids a model's files declare; ``eos_ids`` are all ids that end generation."""
-
-    bos_id: int | None
-    eos_ids: tuple[int, ...]
-    pad_id: int | None
-    add_bos: bool  # whether encode() prepends BOS unless told otherwise
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfigs:
-    """The JSON config files beside a tokenizer file, by file name (absent files read as ``{}``)."""
-
-    FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
-
-    folder: pathlib.Path
-    contents: Mapping[str, Mapping[str, Any]]
-
-    @classmethod
-    def read(cls, folder: pathlib.Path) -> ModelConfigs:
-        contents = {}
-        for name in cls.FILES:
-            file = folder / name
-            if file.is_file():
-                try:
-                    contents[name] = json.loads(file.read_text(encoding="utf-8"))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{file} is not valid JSON: {error}") from error
-        return cls(folder=folder, contents=contents)
-
-    def get(self, name: str) -> Mapping[str, Any]:
-        return self.contents.get(name, {})
-
-    def special_token(self, key: str) -> tuple[str, str | None] | None:
-        """(file name, token text) of a named special token (``bos_token``…), None when no file names it.
-
-        The token text is None where a file says ``null``. Precedence as in ``transformers``: a
-        ``tokenizer_config.json`` with ``added_tokens_decoder`` is complete; an older one is overridden by
-        ``special_tokens_map.json``.
-        """
-        config, legacy = self.get("tokenizer_config.json"), self.get("special_tokens_map.json")
-        if key in legacy and "added_tokens_decoder" not in config:
-            return "special_tokens_map.json", _token_content(legacy[key])
-        if key in config:
-            return "tokenizer_config.json", _token_content(config[key])
-        return None
-
-
-NO_CONFIGS = ModelConfigs(folder=pathlib.Path(), contents={})
-
-
 class Tokenizer(abc.ABC):
     """Encode text to ids and decode ids to text; one behaviour whatever the file format."""
+
+    path: pathlib.Path  # the tokenizer file
+    special: SpecialTokens
 
     @property
     def bos_id(self) -> int | None:
@@ -130,12 +68,23 @@ class Tokenizer(abc.ABC):
     @property
     @abc.abstractmethod
     def special_ids(self) -> frozenset[int]:
-        """Ids that ``decode(..., skip_special=True)`` drops (control / special added tokens)."""
+        """Special tokens: sentencepiece's control pieces and ``<unk>``, a tokenizer.json's special added tokens.
+
+        ``encode(parse_special=True)`` reads their text as the token; ``decode(skip_special=True)`` gives
+        no text for them — except sentencepiece's ``<unk>``, which decodes to " ⁇ " as sentencepiece does.
+        """
 
     @property
     @abc.abstractmethod
     def byte_ids(self) -> frozenset[int]:
         """Byte-fallback ids (pieces ``<0x00>`` … ``<0xFF>``): one raw byte each, not a whole character."""
+
+    @property
+    @abc.abstractmethod
+    def byte_runs_decode_as_one(self) -> bool:
+        """Whether a run of byte tokens decodes as one unit: if the run is not valid UTF-8 as a whole,
+        every byte gives U+FFFD, even those that formed complete characters (``tokenizers``' ByteFallback
+        decoder). sentencepiece decodes a run character by character."""
 
     @abc.abstractmethod
     def id_to_piece(self, token_id: int) -> str:
@@ -165,6 +114,14 @@ class Tokenizer(abc.ABC):
         ids = self._encode_text(text, parse_special=parse_special)
         if add_bos and self.bos_id is not None:
             return [self.bos_id, *ids]
+        return ids
+
+    def _valid_ids(self, ids: Sequence[int]) -> list[int]:
+        ids = list(map(int, ids))  # numpy / jax integers too
+        vocab_size = self.vocab_size
+        if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+            bad = [i for i in ids if not 0 <= i < vocab_size]
+            raise ValueError(f"token ids {bad[:8]} out of range for {self.path} ({vocab_size=})")
         return ids
 
     def token_to_id(self, token: str, *, source: str) -> int:
@@ -202,7 +159,9 @@ class SentencePieceTokenizer(Tokenizer):
             pad_id=_non_negative(self._sp.pad_id()),
             add_bos=bool(configs.get("tokenizer_config.json").get("add_bos_token", True)),
         )
-        self.special = _special_tokens(self, library, configs)
+        self.special = resolve_special_tokens(
+            configs, library, token_to_id=self.token_to_id, vocab_size=self.vocab_size
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -215,6 +174,10 @@ class SentencePieceTokenizer(Tokenizer):
     @functools.cached_property
     def byte_ids(self) -> frozenset[int]:
         return frozenset(i for i in range(self.vocab_size) if self._sp.is_byte(i))
+
+    @property
+    def byte_runs_decode_as_one(self) -> bool:
+        return False
 
     def id_to_piece(self, token_id: int) -> str:
         return self._sp.id_to_piece(token_id)
@@ -238,8 +201,7 @@ class SentencePieceTokenizer(Tokenizer):
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
-        ids = [int(i) for i in ids]
-        self._check_ids(ids)
+        ids = self._valid_ids(ids)
         if skip_special or not any(i in self._special_ids for i in ids):
             return self._sp.decode(ids)
         out, run = [], []
@@ -258,11 +220,6 @@ class SentencePieceTokenizer(Tokenizer):
                 out.append(self._sp.id_to_piece(token_id))
         return "".join(out)
 
-    def _check_ids(self, ids: list[int]) -> None:
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:8]} out of range for {self.path} (vocab_size={self.vocab_size})")
-
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizer.json``; ids and text equal the ``tokenizers`` library's."""
@@ -280,7 +237,9 @@ class HFTokenizer(Tokenizer):
         # inside a Sequence); whatever it puts in front of an empty text is the BOS it adds.
         prefix = self._tk.encode("", add_special_tokens=True).ids
         library = SpecialTokens(bos_id=prefix[0] if prefix else None, eos_ids=(), pad_id=None, add_bos=bool(prefix))
-        self.special = _special_tokens(self, library, configs)
+        self.special = resolve_special_tokens(
+            configs, library, token_to_id=self.token_to_id, vocab_size=self.vocab_size
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -294,6 +253,10 @@ class HFTokenizer(Tokenizer):
     def byte_ids(self) -> frozenset[int]:
         # The spelling tokenizers' ByteFallback decoder recognises; byte-level BPE vocabularies have none.
         return frozenset(i for piece, i in self._tk.get_vocab().items() if BYTE_PIECE.fullmatch(piece))
+
+    @property
+    def byte_runs_decode_as_one(self) -> bool:
+        return bool(self.byte_ids)  # byte pieces exist for the ByteFallback decoder
 
     def id_to_piece(self, token_id: int) -> str:
         piece = self._tk.id_to_token(token_id)
@@ -313,11 +276,7 @@ class HFTokenizer(Tokenizer):
         return self._tk_plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:8]} out of range for {self.path} (vocab_size={self.vocab_size})")
-        return self._tk.decode(ids, skip_special_tokens=skip_special)
+        return self._tk.decode(self._valid_ids(ids), skip_special_tokens=skip_special)
 
 
 def load_tokenizer(path: str | pathlib.Path, *, format: TokenizerFormat | None = None) -> Tokenizer:
@@ -366,57 +325,6 @@ def _file_format(file: pathlib.Path, format: TokenizerFormat | None) -> Tokenize
     if format is not None and format is not detected:
         raise ValueError(f"{file} is a {detected.value} file, not {format.value}")
     return detected
-
-
-def _special_tokens(tokenizer: Tokenizer, library: SpecialTokens, configs: ModelConfigs) -> SpecialTokens:
-    """Special tokens as the model's config files declare them, the tokenizer file's own as fallback."""
-
-    def from_tokenizer_files(key: str) -> tuple[bool, int | None]:
-        # tokenizer_config / special_tokens_map reflect the tokenizer's real state: null means "none".
-        declared = configs.special_token(key)
-        if declared is None:
-            return False, None
-        name, token = declared
-        return True, None if token is None else tokenizer.token_to_id(token, source=f"{configs.folder / name} {key}")
-
-    def from_model_configs(key: str) -> tuple[int, ...] | None:
-        # config.json / generation_config.json carry nulls as defaults: null means "not said here".
-        for name in ("generation_config.json", "config.json"):
-            value = configs.get(name).get(key)
-            if value is not None:
-                values = tuple(value) if isinstance(value, list) else (value,)
-                if not all(isinstance(v, int) and 0 <= v < tokenizer.vocab_size for v in values):
-                    raise ValueError(
-                        f"{configs.folder / name} {key}={value!r}: expected ids in [0, {tokenizer.vocab_size})"
-                    )
-                return values
-        return None
-
-    def single(key: str, library_id: int | None) -> int | None:
-        found, token_id = from_tokenizer_files(f"{key}_token")
-        if found:
-            return token_id
-        ids = from_model_configs(f"{key}_token_id")
-        return ids[0] if ids else library_id
-
-    bos_id = single("bos", library.bos_id)
-    eos_ids = from_model_configs("eos_token_id")
-    if eos_ids is None:
-        found, eos_id = from_tokenizer_files("eos_token")
-        eos_ids = (eos_id,) if eos_id is not None else () if found else library.eos_ids
-    return SpecialTokens(
-        bos_id=bos_id,
-        eos_ids=tuple(dict.fromkeys(eos_ids)),
-        pad_id=single("pad", library.pad_id),
-        add_bos=library.add_bos and bos_id is not None,
-    )
-
-
-def _token_content(value: Any) -> str | None:
-    """A token as config files spell it: a string, or an AddedToken dict with ``content``."""
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
 
 
 def _non_negative(token_id: int) -> int | None:

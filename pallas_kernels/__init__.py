@@ -1,0 +1,18 @@
+"""Pallas attention kernels for LLM inference: fused causal prefill and flash-decoding.
+
+Depends on jax only. Arrays are named with the dimension key of llm_jax (B batch, T query tokens,
+S key/cache positions, N query heads, K kv heads, G = N/K query heads per kv head, H head dim),
+plus P for the key splits of flash-decoding. The KV cache layout is [B, S, K, H].
+
+    flash_attention(q_BTNH, k_BSKH, v_BSKH, lengths_B, *, sm_scale, ...) -> o_BTNH   (prefill)
+    decode_attention(q_BNH, k_BSKH, v_BSKH, lengths_B, *, sm_scale, ...) -> o_BNH    (one step)
+    reference.attention_reference(...), reference.decode_attention_reference(...)  (the oracle)
+
+Each has a GPU variant (Pallas on Triton) and a TPU variant (Pallas on Mosaic); ``dispatch`` picks
+by backend and interprets on CPU.
+"""
+
+from pallas_kernels import reference
+from pallas_kernels.dispatch import Platform, decode_attention, flash_attention
+
+__all__ = ["Platform", "decode_attention", "flash_attention", "reference"]

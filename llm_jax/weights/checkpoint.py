@@ -1,0 +1,337 @@
+"""The llm_jax checkpoint: a folder that ``load`` restores straight into the requested dtype and sharding.
+
+    <name>/
+      checkpoint.json   format_version, the ModelConfig, generation defaults (EOS and stop ids) and a
+                        manifest of every tensor: shape, dtype and checksum (``weights/checksum.py``)
+      params/           the params pytree as an orbax-checkpoint (TensorStore) folder
+      tokenizer.model | tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json
+                        copied from the source, so ``load_tokenizer(<name>)`` works
+
+A checkpoint is written into ``<name>.tmp-<random>/`` beside its final place and renamed at the end, so
+an interrupted or failed save never leaves a partial checkpoint under the final name. ``checkpoint.json``
+is written last. On load every tensor is checked against the manifest and the config before anything is
+read, and its checksum after (on the devices holding it): a corrupt checkpoint raises
+:class:`CheckpointError` naming the tensor, never loads as a silently different model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import secrets
+import shutil
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from llm_jax.config import ConfigError, ModelConfig
+from llm_jax.model import Params
+from llm_jax.weights import checksum
+from llm_jax.weights.layout import WeightsError
+from llm_jax.weights.placement import (Path, ShardingArg, expected_shapes, leaves_by_path, resolve_shardings,
+                                       tensor_name, tree_from_paths)
+
+FORMAT_VERSION = 1
+METADATA_FILE = "checkpoint.json"
+PARAMS_DIR = "params"
+# Files that make a folder loadable by ``load_tokenizer`` and carry the generation defaults.
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+PARAM_DTYPES = ("float32", "bfloat16", "float16")
+# Loading into another dtype than stored holds this much of the stored dtype at once, besides the result.
+CAST_GROUP_BYTES = 1 << 30
+
+
+class CheckpointError(WeightsError):
+    """An llm_jax checkpoint that is missing, corrupt, or contradicts its own config."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointMeta:
+    """What a checkpoint says besides config and params."""
+
+    path: pathlib.Path
+    format_version: int
+    param_dtype: str  # as stored (``load_checkpoint(dtype=...)`` may cast)
+    eos_ids: tuple[int, ...]  # generation ends on these
+    stop_ids: tuple[int, ...]  # format-specific extra stops (llama2.c models end a story with BOS)
+    tokenizer_files: tuple[str, ...]
+    source: str | None  # what it was converted from, if it was
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an llm_jax checkpoint folder (it has a ``checkpoint.json``)."""
+    return (pathlib.Path(path) / METADATA_FILE).is_file()
+
+
+# --- saving ---------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Params,
+                    tokenizer_files: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike] = (),
+                    eos_ids: Sequence[int] = (), stop_ids: Sequence[int] = (), force: bool = False,
+                    progress: Callable[[str], None] | None = None, source: str | None = None) -> pathlib.Path:
+    """Write ``params`` (numpy or jax arrays, possibly sharded) as an llm_jax checkpoint at ``path``.
+
+    The params' dtype (one float dtype for all tensors) is what is stored; ``config.param_dtype`` is set to
+    it. ``tokenizer_files`` are copied under their own names, or under the keys of a mapping
+    ``{name in checkpoint: source file}``. ``progress(tensor)`` is called once per tensor. An existing
+    ``path`` is replaced only with ``force`` and only if it is an llm_jax checkpoint itself.
+    """
+    path = pathlib.Path(path)
+    stored_dtype = _check_params(params, config, where=str(path))
+    config = config.replace(param_dtype=stored_dtype)
+    copies = _tokenizer_copies(tokenizer_files)
+    with staging_folder(path, force=force) as staging:
+        leaves = leaves_by_path(params)
+        sums = checksum.checksums(leaves)
+        manifest = {}
+        for tensor_path, leaf in leaves.items():
+            name = tensor_name(tensor_path)
+            manifest[name] = {"shape": list(leaf.shape), "dtype": np.dtype(leaf.dtype).name,
+                              "checksum": sums[tensor_path]}
+            if progress is not None:
+                progress(name)
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:  # synchronous
+            checkpointer.save(staging / PARAMS_DIR, args=ocp.args.StandardSave(params))
+        for name, file in copies.items():
+            shutil.copyfile(file, staging / name)
+        metadata = {
+            "format_version": FORMAT_VERSION,
+            "config": config.to_dict(),
+            "generation": {"eos_ids": [int(i) for i in eos_ids], "stop_ids": [int(i) for i in stop_ids]},
+            "tokenizer_files": sorted(copies),
+            "params": {"format": "orbax-checkpoint", "dtype": stored_dtype, "checksum": checksum.ALGORITHM,
+                       "tensors": manifest},
+            "source": source,
+        }
+        # Written last: a folder with a checkpoint.json is complete.
+        (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=1) + "\n")
+    return path
+
+
+def check_destination(path: pathlib.Path, *, force: bool) -> None:
+    """Refuse to overwrite ``path`` without ``force``, and anything but a checkpoint even with it."""
+    if not path.exists():
+        return
+    if not force:
+        raise FileExistsError(f"{path} already exists; pass force=True (--force) to overwrite it")
+    if not (is_checkpoint(path) or (path.is_dir() and not any(path.iterdir()))):
+        raise FileExistsError(f"refusing to overwrite {path}: it is not an llm_jax checkpoint "
+                              f"(no {METADATA_FILE}) nor an empty folder")
+
+
+@contextlib.contextmanager
+def staging_folder(path: pathlib.Path, *, force: bool):
+    """A fresh ``<path>.tmp-<random>/`` that becomes ``path`` when the block succeeds, and is deleted
+    when it raises. A killed process leaves only the ``.tmp-`` folder behind, never ``path``."""
+    check_destination(path, force=force)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f"{path.name}.tmp-{secrets.token_hex(4)}")
+    staging.mkdir()
+    try:
+        yield staging
+        check_destination(path, force=force)  # it may have appeared meanwhile
+        if path.exists():
+            retired = path.with_name(f"{path.name}.tmp-old-{secrets.token_hex(4)}")
+            path.rename(retired)
+            staging.rename(path)
+            shutil.rmtree(retired)
+        else:
+            staging.rename(path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _check_params(params: Params, config: ModelConfig, *, where: str) -> str:
+    """The params' common dtype, after checking every tensor against the config's shapes."""
+    expected = expected_shapes(config)
+    given = leaves_by_path(params)
+    _check_tensor_set(expected, set(given), where=where, what="params")
+    for path, leaf in given.items():
+        if tuple(leaf.shape) != expected[path]:
+            raise CheckpointError(f"{where}: tensor {tensor_name(path)!r} has shape {tuple(leaf.shape)}, "
+                                  f"expected {expected[path]} from the config")
+    dtypes = sorted({np.dtype(leaf.dtype).name for leaf in given.values()})
+    if len(dtypes) != 1 or dtypes[0] not in PARAM_DTYPES:
+        raise CheckpointError(f"{where}: params must all have one dtype out of {PARAM_DTYPES}, got {dtypes}")
+    return dtypes[0]
+
+
+def _check_tensor_set(expected: Mapping[Path, Any], given: set[Path], *, where: str, what: str) -> None:
+    missing = sorted(tensor_name(p) for p in set(expected) - given)
+    extra = sorted(tensor_name(p) for p in given - set(expected))
+    if missing:
+        raise CheckpointError(f"{where}: {what} lack tensors {missing} that the config requires")
+    if extra:
+        raise CheckpointError(f"{where}: {what} have tensors {extra} that the config does not describe")
+
+
+def _tokenizer_copies(files: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike]
+                      ) -> dict[str, pathlib.Path]:
+    named = ({str(k): pathlib.Path(v) for k, v in files.items()} if isinstance(files, Mapping)
+             else {pathlib.Path(f).name: pathlib.Path(f) for f in files})
+    for name, file in named.items():
+        if not file.is_file():
+            raise FileNotFoundError(f"tokenizer file {file} does not exist")
+        if name in (METADATA_FILE, PARAMS_DIR) or "/" in name:
+            raise ValueError(f"cannot store a tokenizer file as {name!r} in a checkpoint")
+    return named
+
+
+# --- loading --------------------------------------------------------------------------------------------
+
+
+def read_metadata(path: str | os.PathLike) -> tuple[ModelConfig, CheckpointMeta, dict[Path, dict]]:
+    """Config, meta and tensor manifest of a checkpoint, validated against each other; reads no params."""
+    path = pathlib.Path(path)
+    file = path / METADATA_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not an llm_jax checkpoint: it has no {METADATA_FILE}")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON (truncated or corrupt?): {e}") from None
+    version = data.get("format_version") if isinstance(data, dict) else None
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        raise CheckpointError(f"{file}: format_version {version!r} is not supported (this llm_jax reads version "
+                              f"{FORMAT_VERSION}{'; the checkpoint is from a newer llm_jax' if newer else ''})")
+    try:
+        config = ModelConfig.from_dict(data["config"])
+        generation, params = data["generation"], data["params"]
+        tensors = params["tensors"]
+        meta = CheckpointMeta(path=path, format_version=version, param_dtype=str(params["dtype"]),
+                              eos_ids=tuple(int(i) for i in generation["eos_ids"]),
+                              stop_ids=tuple(int(i) for i in generation["stop_ids"]),
+                              tokenizer_files=tuple(data.get("tokenizer_files", ())), source=data.get("source"))
+    except ConfigError as e:
+        raise ConfigError(f"{file}: invalid model config: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{file}: malformed checkpoint metadata ({type(e).__name__}: {e})") from None
+    if params.get("checksum") != checksum.ALGORITHM:
+        raise CheckpointError(f"{file}: unknown checksum algorithm {params.get('checksum')!r}")
+    if meta.param_dtype != config.param_dtype:
+        raise CheckpointError(f"{file}: params dtype {meta.param_dtype!r} contradicts the config's "
+                              f"param_dtype {config.param_dtype!r}")
+    manifest = {tuple(name.split("/")): entry for name, entry in tensors.items()}
+    expected = expected_shapes(config)
+    _check_tensor_set(expected, set(manifest), where=str(file), what="the tensor manifest")
+    for p, entry in manifest.items():
+        if tuple(entry["shape"]) != expected[p] or entry["dtype"] != meta.param_dtype:
+            raise CheckpointError(
+                f"{file}: the config contradicts tensor {tensor_name(p)!r}: stored as {tuple(entry['shape'])} "
+                f"{entry['dtype']}, the config implies {expected[p]} {meta.param_dtype}")
+    return config, meta, manifest
+
+
+def load_checkpoint(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None,
+                    verify: bool = True) -> tuple[ModelConfig, Params, CheckpointMeta]:
+    """Restore a checkpoint: ``(config, params, meta)``.
+
+    Each tensor is read from disk straight into ``dtype`` (default: as stored) on the devices its
+    ``sharding`` names (see ``weights/placement.py``; default: the first device), so no full host copy
+    is made. ``dtype`` also becomes the config's param and compute dtype. With ``verify`` every tensor's
+    checksum is checked on device; a tensor stored in another dtype is then read and checked in its
+    stored dtype and cast one tensor at a time.
+    """
+    config, meta, manifest = read_metadata(path)
+    params_dir = meta.path / PARAMS_DIR
+    _check_orbax_metadata(params_dir, manifest, meta.param_dtype)
+    stored = np.dtype(meta.param_dtype)
+    target = np.dtype(dtype) if dtype is not None else stored
+    if target.name not in PARAM_DTYPES:
+        raise ValueError(f"dtype must be one of {PARAM_DTYPES}, got {target.name!r}")
+    if dtype is not None:
+        config = config.replace(param_dtype=target.name, compute_dtype=target.name)
+    shardings = resolve_shardings(sharding, config)
+
+    def abstract(p: Path, dt: np.dtype) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(tuple(manifest[p]["shape"]), dt, sharding=shardings[p])
+
+    if not verify or target == stored:
+        leaves = _restore(params_dir, {p: abstract(p, target) for p in manifest})
+        if verify:
+            _verify(params_dir, leaves, manifest)
+    else:
+        # Checksums cover the stored bits, so read in the stored dtype, check, then cast: a group of
+        # tensors at a time, so at most CAST_GROUP_BYTES exist twice.
+        leaves = {}
+        for group in _groups(manifest, stored.itemsize):
+            stored_leaves = _restore(params_dir, {p: abstract(p, stored) for p in group}, partial=True)
+            _verify(params_dir, stored_leaves, manifest)
+            leaves.update(_cast(stored_leaves, target))
+            del stored_leaves
+    return config, tree_from_paths(leaves), meta
+
+
+_cast = jax.jit(lambda tensors, dtype: {k: x.astype(dtype) for k, x in tensors.items()}, static_argnums=1)
+
+
+def _groups(manifest: Mapping[Path, dict], itemsize: int) -> list[list[Path]]:
+    """Consecutive tensors in groups of at most CAST_GROUP_BYTES (a larger tensor is a group alone)."""
+    groups: list[list[Path]] = [[]]
+    size = 0
+    for p, entry in manifest.items():
+        nbytes = int(np.prod(entry["shape"])) * itemsize
+        if groups[-1] and size + nbytes > CAST_GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return groups
+
+
+def _check_orbax_metadata(params_dir: pathlib.Path, manifest: Mapping[Path, dict], dtype: str) -> None:
+    """The orbax folder holds exactly the manifest's tensors, with the manifest's shapes and dtype."""
+    if not params_dir.is_dir():
+        raise CheckpointError(f"{params_dir} is missing: the checkpoint has no params")
+    try:
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:
+            tree = checkpointer.metadata(params_dir).item_metadata.tree
+    except Exception as e:  # orbax raises many types (JSON, KeyError, ValueError) for a broken folder
+        raise CheckpointError(f"{params_dir}: cannot read the orbax metadata (_METADATA missing, truncated "
+                              f"or corrupt?): {type(e).__name__}: {e}") from None
+    stored = leaves_by_path(tree)
+    _check_tensor_set(manifest, set(stored), where=str(params_dir), what="the orbax params")
+    for p, info in stored.items():
+        shape, dt = tuple(info.shape), np.dtype(info.dtype).name
+        if shape != tuple(manifest[p]["shape"]) or dt != dtype:
+            raise CheckpointError(f"{params_dir}: tensor {tensor_name(p)!r} is stored as {shape} {dt} but "
+                                  f"{METADATA_FILE} records {tuple(manifest[p]['shape'])} {dtype}")
+
+
+def _restore(params_dir: pathlib.Path, targets: dict[Path, jax.ShapeDtypeStruct], *,
+             partial: bool = False) -> dict[Path, jax.Array]:
+    """Read ``targets`` from the orbax folder; on failure, find and name the tensor that cannot be read."""
+    tree = tree_from_paths(targets)
+    args = ocp.args.PyTreeRestore(item=tree, restore_args=ocp.checkpoint_utils.construct_restore_args(tree),
+                                  partial_restore=partial)
+    try:
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+            return leaves_by_path(checkpointer.restore(params_dir, args=args))
+    except Exception as e:  # TensorStore's errors name no tensor: find the one that cannot be read
+        if len(targets) > 1:
+            for p, target in targets.items():
+                _restore(params_dir, {p: target}, partial=True)
+        names = [tensor_name(p) for p in targets]
+        raise CheckpointError(f"{params_dir}: cannot read tensor{'s' if len(names) > 1 else ''} "
+                              f"{', '.join(map(repr, names))} (data files truncated or corrupt?): "
+                              f"{type(e).__name__}: {str(e)[:400]}") from None
+
+
+def _verify(params_dir: pathlib.Path, leaves: dict[Path, jax.Array], manifest: Mapping[Path, dict]) -> None:
+    for p, actual in checksum.checksums(leaves).items():
+        expected = manifest[p]["checksum"]
+        if actual != expected:
+            raise CheckpointError(f"{params_dir}: tensor {tensor_name(p)!r} fails its checksum ({actual:#010x}, "
+                                  f"recorded {expected:#010x}): its data files are corrupt")

@@ -1,0 +1,100 @@
+"""How the TPU kernels tile the [B, S, K, H] attention arrays.
+
+Mosaic DMAs blocks whose last two dims are multiples of (8, 128) or whole, so a [block_s, H] tile
+of one head cannot be cut from [B, S, K, H] directly (the head is the second-to-last dim). With
+H % 128 == 0 the array is viewed as [B, S, K*H] for free and head k is lane block k; otherwise it
+is transposed to [B, K, S, H], which costs one copy of the array per call.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import online_softmax
+
+
+def fuses_heads(head_dim: int) -> bool:
+    """Whether [B, S, K, H] can be tiled in place (as [B, S, K*H])."""
+    return head_dim % 128 == 0
+
+
+def to_tiled(x_BSKH: jax.Array) -> jax.Array:
+    """The array the kernel reads: [B, S, K*H] (a free view) or [B, K, S, H] (a copy)."""
+    B, S, K, H = x_BSKH.shape
+    if fuses_heads(H):
+        return x_BSKH.reshape(B, S, K * H)
+    return x_BSKH.transpose(0, 2, 1, 3)
+
+
+def tiled_shape(shape_BSKH: tuple[int, int, int, int]) -> tuple[int, ...]:
+    B, S, K, H = shape_BSKH
+    return (B, S, K * H) if fuses_heads(H) else (B, K, S, H)
+
+
+def from_tiled(x: jax.Array, shape_BSKH: tuple[int, int, int, int]) -> jax.Array:
+    """Inverse of ``to_tiled``."""
+    if fuses_heads(shape_BSKH[3]):
+        return x.reshape(shape_BSKH)
+    return x.transpose(0, 2, 1, 3)
+
+
+def head_tile_spec(head_dim: int, block_s: int, index: Callable) -> pl.BlockSpec:
+    """BlockSpec of a [block_s, H] tile of a ``to_tiled`` array.
+
+    ``index(*grid_indices, *scalar_prefetch_refs)`` returns (batch, head, s_block).
+    """
+    if fuses_heads(head_dim):
+        def fused_index(*args):
+            b, head, s_block = index(*args)
+            return b, s_block, head
+
+        return pl.BlockSpec((None, block_s, head_dim), fused_index)
+
+    def transposed_index(*args):
+        b, head, s_block = index(*args)
+        return b, head, s_block, 0
+
+    return pl.BlockSpec((None, None, block_s, head_dim), transposed_index)
+
+
+# The online-softmax state lives in VMEM scratch across the key-block grid steps. m and l are
+# replicated over the 128 lanes, as in the upstream Mosaic kernels, so they load and store as whole
+# vector registers; the arithmetic in ``online_softmax`` sees their [rows, 1] column.
+NUM_LANES = 128
+
+
+def state_scratch_shapes(rows: int, head_dim: int) -> list:
+    """VMEM scratch for m [rows, 128], l [rows, 128] and acc [rows, H], all float32."""
+    return [
+        pltpu.VMEM((rows, NUM_LANES), jnp.float32),
+        pltpu.VMEM((rows, NUM_LANES), jnp.float32),
+        pltpu.VMEM((rows, head_dim), jnp.float32),
+    ]
+
+
+def init_state(m_ref, l_ref, acc_ref) -> None:
+    state = online_softmax.initial_state(*acc_ref.shape)
+    write_state(state, m_ref, l_ref, acc_ref)
+
+
+def read_state(m_ref, l_ref, acc_ref) -> online_softmax.State:
+    return online_softmax.State(m=m_ref[...][:, :1], l=l_ref[...][:, :1], acc=acc_ref[...])
+
+
+def write_state(state: online_softmax.State, m_ref, l_ref, acc_ref) -> None:
+    m_ref[...] = jnp.broadcast_to(state.m, m_ref.shape)
+    l_ref[...] = jnp.broadcast_to(state.l, l_ref.shape)
+    acc_ref[...] = state.acc
+
+
+def interpret_params(interpret: bool) -> pltpu.InterpretParams | bool:
+    """The ``interpret`` argument of a TPU ``pallas_call``.
+
+    The TPU interpreter starts every output buffer as NaN, which is what ``poison_output`` asks
+    for; the wrappers alias NaN buffers only when compiled, because jax 0.10's interpreter returns
+    an aliased output padded to whole blocks when its shape is not a multiple of the block.
+    """
+    return pltpu.InterpretParams(uninitialized_memory="nan") if interpret else False
