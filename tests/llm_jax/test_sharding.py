@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from llm_jax import sharding
 from llm_jax.config import ModelConfig
 from llm_jax.sharding import MeshError, kv_head_repeats, make_mesh, parse_mesh_spec, spec
-from multi_device import PYTHON, REPO, cpu_devices_env
+from multi_device import PYTHON, REPO, computed_once, cpu_devices_env
 
 MESHES = ("data=1,model=8", "data=2,model=4", "data=4,model=2", "data=8,model=1")
 GQA = "tiny-gqa"
@@ -136,14 +136,17 @@ def test_kv_head_repeats(n_heads, n_kv_heads, model, repeats):
 
 # --- Sharded generation on 8 simulated devices ---
 
-@pytest.fixture(scope="module")
-def report(stories260k_dir) -> dict:
-    command = [PYTHON, str(REPO / "tests/llm_jax/sharded_generation.py"),
-               "--model", GQA, "--model", str(stories260k_dir / "stories260K.bin")]
-    command += [arg for mesh in MESHES for arg in ("--mesh", mesh)]
-    done = subprocess.run(command, env=cpu_devices_env(8), capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    report = json.loads(done.stdout)
+@pytest.fixture(scope="session")
+def report(stories260k_dir, tmp_path_factory, worker_id) -> dict:
+    def run() -> str:
+        command = [PYTHON, str(REPO / "tests/llm_jax/sharded_generation.py"),
+                   "--model", GQA, "--model", str(stories260k_dir / "stories260K.bin")]
+        command += [arg for mesh in MESHES for arg in ("--mesh", mesh)]
+        done = subprocess.run(command, env=cpu_devices_env(8), capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return done.stdout
+
+    report = json.loads(computed_once("sharded_generation", run, tmp_path_factory, worker_id))
     assert report["devices"] == 8
     report["stories260K"] = report.pop(str(stories260k_dir / "stories260K.bin"))
     return report

@@ -1,0 +1,102 @@
+"""Host memory of loading a model sharded over a mesh, against the size of one copy of its params.
+
+    python tests/llm_jax/sharded_load_memory.py save DIR [--scale N]   # a random model as an llm_jax checkpoint
+    python tests/llm_jax/sharded_load_memory.py load DIR --mesh data=1,model=8
+
+``load`` runs in a fresh process (for 8 simulated CPU devices, with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``) and prints JSON: the params' bytes (one full
+copy), and the peak resident memory the load added above what the process held before. On CPU the
+devices' buffers are host memory too, so the sharded params themselves count as one copy: a load that
+stages a full host copy shows a ratio near 2, one that reads each device's shard straight from the
+files stays near 1.
+
+Measured twice in the same process: ``first`` includes compiling the restore's programs (a constant,
+a few tens of MB, that matters only for small models); ``again`` reloads after the first copy is freed,
+with the peak counter reset (Linux ``/proc/self/clear_refs``), so only the data's footprint counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import resource
+import sys
+
+import jax
+import numpy as np
+
+
+def config_for(scale: int):
+    from llm_jax.config import ModelConfig
+
+    # A Llama-shaped model: about 34M params (136 MB in float32) per unit of scale.
+    return ModelConfig(vocab_size=8192, d_model=512 * scale, n_layers=4, n_heads=8 * scale, n_kv_heads=2 * scale,
+                       head_dim=64, d_ff=1536 * scale, max_seq_len=256)
+
+
+def _status_kib(field: str) -> int:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _reset_peak() -> bool:
+    try:
+        pathlib.Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+        return True
+    except OSError:
+        return False
+
+
+def save(folder: pathlib.Path, scale: int) -> None:
+    from llm_jax.model import init_params
+    from llm_jax.weights.checkpoint import save_checkpoint
+
+    config = config_for(scale)
+    save_checkpoint(folder, config=config, params=init_params(config, seed=0), force=True)
+
+
+def load(folder: pathlib.Path, mesh_spec: str) -> dict:
+    from llm_jax import sharding
+    from llm_jax.weights.checkpoint import load_checkpoint, read_metadata
+
+    mesh = sharding.make_mesh(mesh_spec)
+    config, _, manifest = read_metadata(folder)
+    param_bytes = sum(int(np.prod(e["shape"])) * np.dtype(e["dtype"]).itemsize for e in manifest.values())
+
+    def measure() -> dict:
+        gc.collect()
+        before = _status_kib("VmRSS")
+        reset = _reset_peak()
+        _, params, _ = load_checkpoint(folder, sharding=lambda c: sharding.param_shardings(c, mesh))
+        jax.block_until_ready(params)
+        peak = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        shard_bytes = sum(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
+        local_max = max(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
+        del params
+        return {"peak_added_bytes": (peak - before) * 1024, "ratio": (peak - before) * 1024 / param_bytes,
+                "device_shard_bytes": shard_bytes, "largest_shard_bytes": local_max, "peak_reset": reset}
+
+    return {"devices": jax.device_count(), "mesh": dict(mesh.shape), "param_bytes": param_bytes,
+            "first": measure(), "again": measure()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("command", choices=["save", "load"])
+    p.add_argument("folder", type=pathlib.Path)
+    p.add_argument("--scale", type=int, default=1)
+    p.add_argument("--mesh", default="data=1,model=8")
+    args = p.parse_args(argv)
+    if args.command == "save":
+        save(args.folder, args.scale)
+    else:
+        json.dump(load(args.folder, args.mesh), sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
