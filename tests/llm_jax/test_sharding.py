@@ -175,30 +175,19 @@ def test_kv_heads_repeated_for_the_model_axis(report):
 
 # Expected layouts, written out by hand from the design (module docstring of llm_jax/sharding.py).
 M, _ = "model", None
+MEGATRON = {  # column-parallel Q/K/V and gate/up, row-parallel o/down, norms whole
+    "final_norm/scale": [_], "layers/attn_norm/scale": [_, _], "layers/mlp_norm/scale": [_, _],
+    "layers/attn/q_proj": [_, _, M, _], "layers/attn/k_proj": [_, _, M, _], "layers/attn/v_proj": [_, _, M, _],
+    "layers/attn/o_proj": [_, M, _, _],
+    "layers/mlp/gate_proj": [_, _, M], "layers/mlp/up_proj": [_, _, M], "layers/mlp/down_proj": [_, M, _],
+}
 EXPECTED_PARAMS = {
-    # vocabulary 97 divides no axis: the embedding and head split D instead; 2 K/V heads repeated to 8.
-    (GQA, "data=1,model=8"): {
-        "embedder/embedding": [_, M], "lm_head": [M, _], "final_norm/scale": [_],
-        "layers/attn_norm/scale": [_, _], "layers/mlp_norm/scale": [_, _],
-        "layers/attn/q_proj": [_, _, M, _], "layers/attn/k_proj": [_, _, M, _], "layers/attn/v_proj": [_, _, M, _],
-        "layers/attn/o_proj": [_, M, _, _],
-        "layers/mlp/gate_proj": [_, _, M], "layers/mlp/up_proj": [_, _, M], "layers/mlp/down_proj": [_, M, _],
-    },
-    # MLP width 172 does not split over 8: gate/up/down split D instead.
-    ("stories260K", "data=1,model=8"): {
-        "embedder/embedding": [M, _], "final_norm/scale": [_],
-        "layers/attn_norm/scale": [_, _], "layers/mlp_norm/scale": [_, _],
-        "layers/attn/q_proj": [_, _, M, _], "layers/attn/k_proj": [_, _, M, _], "layers/attn/v_proj": [_, _, M, _],
-        "layers/attn/o_proj": [_, M, _, _],
-        "layers/mlp/gate_proj": [_, M, _], "layers/mlp/up_proj": [_, M, _], "layers/mlp/down_proj": [_, _, M],
-    },
-    ("stories260K", "data=2,model=4"): {
-        "embedder/embedding": [M, _], "final_norm/scale": [_],
-        "layers/attn_norm/scale": [_, _], "layers/mlp_norm/scale": [_, _],
-        "layers/attn/q_proj": [_, _, M, _], "layers/attn/k_proj": [_, _, M, _], "layers/attn/v_proj": [_, _, M, _],
-        "layers/attn/o_proj": [_, M, _, _],
-        "layers/mlp/gate_proj": [_, _, M], "layers/mlp/up_proj": [_, _, M], "layers/mlp/down_proj": [_, M, _],
-    },
+    # A vocabulary of 97 divides no axis: embedding and head split D instead; 2 K/V heads repeated to 8.
+    (GQA, "data=1,model=8"): {**MEGATRON, "embedder/embedding": [_, M], "lm_head": [M, _]},
+    # stories260K ties its head to the embedding. Its MLP width 172 does not split over 8: D does.
+    ("stories260K", "data=1,model=8"): {**MEGATRON, "embedder/embedding": [M, _], "layers/mlp/gate_proj": [_, M, _],
+                                        "layers/mlp/up_proj": [_, M, _], "layers/mlp/down_proj": [_, _, M]},
+    ("stories260K", "data=2,model=4"): {**MEGATRON, "embedder/embedding": [M, _]},
 }
 
 
