@@ -66,8 +66,12 @@ def run(model: llm_jax.Model, prompts: list[list[int]], *, new_tokens: int, chun
     config, mesh, B = model.config, model.mesh, len(prompts)
     results = llm_jax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True,
                                chunk_steps=chunk_steps)
-    out = {"tokens": [r.output_ids for r in results], "n_kv_heads": config.n_kv_heads,
-           "k_proj": np.asarray(model.params["layers"]["attn"]["k_proj"]).tolist()}
+    # Sampling runs the same compiled programs (greedy and sampled rows share them).
+    sampling = [llm_jax.Sampling(temperature=0.8, top_k=40, top_p=0.9, seed=row) for row in range(B)]
+    sampled = llm_jax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                               chunk_steps=chunk_steps, sampling=sampling)
+    out = {"tokens": [r.output_ids for r in results], "sampled_tokens": [r.output_ids for r in sampled],
+           "n_kv_heads": config.n_kv_heads, "k_proj": np.asarray(model.params["layers"]["attn"]["k_proj"]).tolist()}
     # Prefill and decode once more with generate's shapes (every compilation is reused) to read the
     # logits, the cache's layout and the decode program.
     longest = max(map(len, prompts))

@@ -160,6 +160,7 @@ MODELS = (GQA, "stories260K")
 def test_sharded_generation_matches_one_device(report, model, mesh):
     one, sharded = report[model]["one_device"], report[model][mesh]
     assert sharded["tokens"] == one["tokens"]
+    assert sharded["sampled_tokens"] == one["sampled_tokens"]  # per-row keys: the same draws
     # float32, summed in another order across shards. stories260K's logits reach |13.5|, where 1e-5 is
     # 10 ulps; the tolerance grows with the logit accordingly.
     np.testing.assert_allclose(sharded["logits"], one["logits"], atol=1e-5, rtol=1e-6)
