@@ -306,6 +306,8 @@ def _shard_reader(x: np.ndarray, dtype, heads_axis: int | None, repeats: int) ->
 @functools.partial(jax.jit, static_argnames=("sharding", "dtype", "heads_axis", "repeats"))
 def _reshard_jit(x, *, sharding, dtype, heads_axis, repeats):
     if heads_axis is not None:
+        # Whole K/V projections (small) on every device first: each then keeps the heads it repeats.
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, PartitionSpec()))
         x = jnp.repeat(x, repeats, axis=heads_axis)
     return jax.lax.with_sharding_constraint(x.astype(dtype), sharding)
 

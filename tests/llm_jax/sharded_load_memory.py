@@ -1,6 +1,7 @@
 """Host memory of loading a model sharded over a mesh, against the size of one copy of its params.
 
-    python tests/llm_jax/sharded_load_memory.py save DIR [--scale N]   # a random model as an llm_jax checkpoint
+    python tests/llm_jax/sharded_load_memory.py save DIR [--scale N]      # random model, llm_jax checkpoint
+    python tests/llm_jax/sharded_load_memory.py save-hf DIR [--scale N]   # the same shapes, Hugging Face folder
     python tests/llm_jax/sharded_load_memory.py load DIR --mesh data=1,model=8
 
 ``load`` runs in a fresh process (for 8 simulated CPU devices, with
@@ -59,19 +60,32 @@ def save(folder: pathlib.Path, scale: int) -> None:
     save_checkpoint(folder, config=config, params=init_params(config, seed=0), force=True)
 
 
-def load(folder: pathlib.Path, mesh_spec: str) -> dict:
-    from llm_jax import sharding
-    from llm_jax.weights.checkpoint import load_checkpoint, read_metadata
+def save_hf(folder: pathlib.Path, scale: int) -> None:
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from hf_models import save_tiny_llama
 
-    mesh = sharding.make_mesh(mesh_spec)
-    config, _, manifest = read_metadata(folder)
-    param_bytes = sum(int(np.prod(e["shape"])) * np.dtype(e["dtype"]).itemsize for e in manifest.values())
+    c = config_for(scale)
+    save_tiny_llama(folder, vocab_size=c.vocab_size, hidden_size=c.d_model, intermediate_size=c.d_ff,
+                    num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+                    max_position_embeddings=c.max_seq_len, perturb_norms=False)
+
+
+def load(folder: pathlib.Path, mesh_spec: str) -> dict:
+    import llm_jax
+    from llm_jax.model import param_shapes
+    from llm_jax.weights import sources
+    from llm_jax.weights.checkpoint import read_metadata
+
+    mesh = llm_jax.make_mesh(mesh_spec)
+    fmt = sources.detect_format(folder)
+    config = read_metadata(folder)[0] if fmt is sources.WeightFormat.LLM_JAX else sources.source_config(folder, fmt)
+    param_bytes = sum(s.size * np.dtype(config.param_dtype).itemsize for s in jax.tree.leaves(param_shapes(config)))
 
     def measure() -> dict:
         gc.collect()
         before = _status_kib("VmRSS")
         reset = _reset_peak()
-        _, params, _ = load_checkpoint(folder, sharding=lambda c: sharding.param_shardings(c, mesh))
+        params = llm_jax.load(folder, mesh=mesh).params
         jax.block_until_ready(params)
         peak = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         shard_bytes = sum(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
@@ -86,13 +100,15 @@ def load(folder: pathlib.Path, mesh_spec: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("command", choices=["save", "load"])
+    p.add_argument("command", choices=["save", "save-hf", "load"])
     p.add_argument("folder", type=pathlib.Path)
     p.add_argument("--scale", type=int, default=1)
     p.add_argument("--mesh", default="data=1,model=8")
     args = p.parse_args(argv)
     if args.command == "save":
         save(args.folder, args.scale)
+    elif args.command == "save-hf":
+        save_hf(args.folder, args.scale)
     else:
         json.dump(load(args.folder, args.mesh), sys.stdout)
     return 0
