@@ -12,38 +12,64 @@ Dimension key, used in array names (``x_BTD``, ``k_cache_LBSKH``) and einsums th
 The run path, in pipeline order: ``tokenizer`` → ``prefill`` → ``decode`` (``sampling`` and stop
 conditions inside) → ``detokenize``, orchestrated by ``generate``; the model is in ``model/`` and its
 cache in ``kv_cache``. The weight path: ``weights/from_hf``, ``weights/from_llama2c`` → ``loading``.
+
+The public names below are imported on first use (PEP 562), so that ``import llm_jax.cli...`` and the
+scripts' ``--help`` answer without starting JAX.
 """
 
-# Configuration.
-from llm_jax.config import Activation, AttentionImpl, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig
-# Loading models.
-from llm_jax.loading import Model, load
-# Text in and out.
-from llm_jax.tokenizer import Tokenizer, TokenizerFormat, load_tokenizer
-from llm_jax.detokenize import IncrementalDetokenizer
-from llm_jax.stop_strings import StopStringMatcher
-from llm_jax.chat_template import ChatTemplate, ChatTemplateError, encode_chat, load_chat_template
-# The model as pure functions.
-from llm_jax.model import forward, init_params
-from llm_jax.kv_cache import KVCache, init_cache
-# Jitted stages for research code.
-from llm_jax.prefill import prefill
-from llm_jax.decode import PAD_ID, DecodeControls, DecodeState, FinishReason, decode, start
-from llm_jax.sampling import GREEDY, Sampling, SamplingParams
-# Orchestration.
-from llm_jax.generate import (GenerationMetrics, GenerationResult, GenerationStream, PromptTooLongError,
-                              StreamEvent, generate, generate_stream)
-# Running on many devices (more in ``llm_jax.sharding`` and ``llm_jax.distributed``).
-from llm_jax.sharding import make_mesh
+import importlib
+import sys
+import types
 
-__all__ = [
-    "Activation", "AttentionImpl", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig",
-    "Model", "load", "Tokenizer", "TokenizerFormat", "load_tokenizer", "IncrementalDetokenizer",
-    "StopStringMatcher", "ChatTemplate", "ChatTemplateError", "encode_chat", "load_chat_template",
-    "forward", "init_params", "KVCache", "init_cache",
-    "prefill", "PAD_ID", "DecodeControls", "DecodeState", "FinishReason", "decode", "start",
-    "GREEDY", "Sampling", "SamplingParams",
-    "GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError", "StreamEvent",
-    "generate", "generate_stream",
-    "make_mesh",
-]
+# The public surface, grouped: submodule → the names it contributes.
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    # Configuration.
+    "config": ("Activation", "AttentionImpl", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope",
+               "ModelConfig"),
+    # Loading models.
+    "loading": ("Model", "load"),
+    # Text in and out.
+    "tokenizer": ("Tokenizer", "TokenizerFormat", "load_tokenizer"),
+    "detokenize": ("IncrementalDetokenizer",),
+    "stop_strings": ("StopStringMatcher",),
+    "chat_template": ("ChatTemplate", "ChatTemplateError", "encode_chat", "load_chat_template"),
+    # The model as pure functions.
+    "model": ("forward", "init_params"),
+    "kv_cache": ("KVCache", "init_cache"),
+    # Jitted stages for research code.
+    "prefill": ("prefill",),
+    "decode": ("PAD_ID", "DecodeControls", "DecodeState", "FinishReason", "decode", "start"),
+    "sampling": ("GREEDY", "Sampling", "SamplingParams"),
+    # Orchestration.
+    "generate": ("GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError",
+                 "StreamEvent", "generate", "generate_stream"),
+    # Running on many devices (more in ``llm_jax.sharding`` and ``llm_jax.distributed``).
+    "sharding": ("make_mesh",),
+}
+
+__all__ = [name for names in _EXPORTS.values() for name in names]
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing a submodule binds it on the package; ``decode``, ``prefill`` and ``generate`` are
+        # also public functions, and must stay the functions (as ``from llm_jax import generate`` says).
+        if name in _HOME and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -72,8 +72,10 @@ def default_num_splits(*, batch: int, kv_heads: int, num_key_blocks: int) -> int
 
 def _default_block_k(head_dim_padded: int, dtype) -> int:
     """Long key blocks amortise the loop; two stages of K and V stay within shared memory."""
-    wide = head_dim_padded * jnp.dtype(dtype).itemsize
-    return 128 if wide <= 256 else 64 if wide <= 512 else 32
+    row_bytes = head_dim_padded * jnp.dtype(dtype).itemsize
+    if row_bytes <= 256:  # e.g. bfloat16 with H <= 128
+        return 128
+    return 64 if row_bytes <= 512 else 32
 
 
 @functools.partial(

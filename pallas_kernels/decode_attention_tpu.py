@@ -72,7 +72,7 @@ def _decode_kernel(
 
 
 def default_num_splits(*, batch: int, kv_heads: int, num_key_blocks: int) -> int:
-    """Two splits only when a single (sequence, kv head) would leave a megacore's second core idle."""
+    """Two splits only when one (sequence, kv head) would leave a megacore's second core idle."""
     return min(2 if batch * kv_heads == 1 else 1, num_key_blocks)
 
 
@@ -100,7 +100,7 @@ def decode_attention_tpu(
     Semantics are those of ``reference.decode_attention_reference``. ``block_k`` is a multiple of
     128 or S (default 512, or S when shorter); ``num_splits`` defaults to ``default_num_splits``.
     ``interpret`` runs Pallas' TPU interpreter; ``poison_output`` starts the per-split outputs as
-    NaN (see ``poison`` and ``tpu_tiles.interpret_params``).
+    NaN (see ``poison`` and ``tpu_tiles.interpreter``).
     """
     dims = shapes.check_decode(q_BNH, k_BSKH, v_BSKH, lengths_B, sliding_window=sliding_window,
                                logit_softcap=logit_softcap)
@@ -142,7 +142,7 @@ def decode_attention_tpu(
     args = [shapes.as_lengths(lengths_B), q_BNH.reshape(B, K, G, H),
             tpu_tiles.to_tiled(k_BSKH), tpu_tiles.to_tiled(v_BSKH)]
     aliases = {}
-    if poison_output and not interpret:
+    if poison_output:
         kernel, args, in_specs, aliases = poison.alias_nan_outputs(
             kernel, args, in_specs, out_shapes, out_specs)
     o_BKPGH, lse_replicated = pl.pallas_call(  # lse: [B, K, P, G, 128]
@@ -158,7 +158,7 @@ def decode_attention_tpu(
         input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=tpu_tiles.interpret_params(interpret),
+        interpret=tpu_tiles.interpreter(interpret, poison_output),
         name="decode_attention_tpu",
     )(*args)
     o_BKGH = (o_BKPGH[:, :, 0] if P == 1

@@ -72,15 +72,24 @@ def _flash_attention_kernel(
     gpu_tiles.store(o_ref, o, rows_ok, cols_ok)
 
 
-def _default_blocks(head_dim_padded: int, dtype) -> tuple[int, int]:
-    """(block_q, block_k) that keep q, two stages of K/V and the float32 accumulator within an
-    H100/H200 SM's shared memory and registers."""
-    wide = head_dim_padded * jnp.dtype(dtype).itemsize
-    if wide <= 256:  # e.g. bf16 with H <= 128
-        return 128, 64
-    if wide <= 512:
-        return 64, 64
-    return 64, 32
+def _block_sizes(dims: shapes.AttentionDims, dtype, block_q: int | None, block_k: int | None
+                 ) -> tuple[int, int]:
+    """The given block sizes, checked, or defaults that keep q, two stages of K/V and the float32
+    accumulator within an H100/H200 SM's shared memory and registers, capped by the sequence."""
+    shapes.check_positive("block_q", block_q)
+    shapes.check_positive("block_k", block_k)
+    row_bytes = gpu_tiles.tile_size(dims.H) * jnp.dtype(dtype).itemsize
+    if row_bytes <= 256:  # e.g. bfloat16 with H <= 128
+        default_q, default_k = 128, 64
+    elif row_bytes <= 512:
+        default_q, default_k = 64, 64
+    else:
+        default_q, default_k = 64, 32
+    block_q = block_q or min(default_q, gpu_tiles.tile_size(dims.T))
+    block_k = block_k or min(default_k, gpu_tiles.tile_size(dims.T))
+    gpu_tiles.check_tile_size("block_q", block_q)
+    gpu_tiles.check_tile_size("block_k", block_k)
+    return block_q, block_k
 
 
 @functools.partial(
@@ -112,14 +121,8 @@ def flash_attention_gpu(
     """
     dims = shapes.check_prefill(q_BTNH, k_BSKH, v_BSKH, lengths_B, sliding_window=sliding_window,
                                 logit_softcap=logit_softcap)
-    shapes.check_positive("block_q", block_q)
-    shapes.check_positive("block_k", block_k)
+    block_q, block_k = _block_sizes(dims, q_BTNH.dtype, block_q, block_k)
     head_dim_padded = gpu_tiles.tile_size(dims.H)
-    default_q, default_k = _default_blocks(head_dim_padded, q_BTNH.dtype)
-    block_q = block_q or min(default_q, gpu_tiles.tile_size(dims.T))
-    block_k = block_k or min(default_k, gpu_tiles.tile_size(dims.T))
-    gpu_tiles.check_tile_size("block_q", block_q)
-    gpu_tiles.check_tile_size("block_k", block_k)
     num_q_blocks = pl.cdiv(dims.T, block_q)
     G = dims.G
 

@@ -108,7 +108,7 @@ def flash_attention_tpu(
     Semantics are those of ``reference.attention_reference`` with ``q_offset=0``. ``block_q`` is a
     multiple of 8 or T, ``block_k`` a multiple of 128 or S (defaults 128 and 256, or the whole axis
     when shorter). ``interpret`` runs Pallas' TPU interpreter (on any backend); ``poison_output``
-    starts the output as NaN (see ``poison`` and ``tpu_tiles.interpret_params``).
+    starts the output as NaN (see ``poison`` and ``tpu_tiles.interpreter``).
     """
     dims = shapes.check_prefill(q_BTNH, k_BSKH, v_BSKH, lengths_B, sliding_window=sliding_window,
                                 logit_softcap=logit_softcap)
@@ -147,7 +147,7 @@ def flash_attention_tpu(
     args = [shapes.as_lengths(lengths_B), tpu_tiles.to_tiled(q_BTNH),
             tpu_tiles.to_tiled(k_BSKH), tpu_tiles.to_tiled(v_BSKH)]
     aliases = {}
-    if poison_output and not interpret:
+    if poison_output:
         kernel, args, in_specs, aliases = poison.alias_nan_outputs(
             kernel, args, in_specs, [out_shape], [q_spec])
     o = pl.pallas_call(
@@ -163,7 +163,7 @@ def flash_attention_tpu(
         input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=tpu_tiles.interpret_params(interpret),
+        interpret=tpu_tiles.interpreter(interpret, poison_output),
         name="flash_attention_tpu",
     )(*args)
     return tpu_tiles.from_tiled(o, q_BTNH.shape)

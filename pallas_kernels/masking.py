@@ -35,8 +35,8 @@ def visible(q_pos, k_pos, kv_len, sliding_window: int | None):
 
 
 class KeyBlocks(NamedTuple):
-    """Key blocks ``[first, end)`` hold every key a query tile can see; ``[interior_lo, interior_hi)``
-    (a sub-range) are fully visible to every valid row of the tile, so they need no mask."""
+    """Key blocks ``[first, end)`` hold every key a query tile can see; the sub-range
+    ``[interior_lo, interior_hi)`` is fully visible to every valid row of the tile: no mask."""
 
     first: jax.Array
     interior_lo: jax.Array

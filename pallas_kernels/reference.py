@@ -10,10 +10,13 @@ Semantics (those of Hugging Face ``transformers``' eager attention, with per-seq
 * softmax in float32, output in q's dtype; a row that sees no key (padding, lengths[b] == 0) is 0.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap"))
 def attention_reference(
     q_BTNH: jax.Array,
     k_BSKH: jax.Array,
@@ -66,6 +69,7 @@ def attention_reference(
     return o_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "logit_softcap"))
 def decode_attention_reference(
     q_BNH: jax.Array,
     k_BSKH: jax.Array,

@@ -73,7 +73,8 @@ def _check_kv(B, N, H, q_dtype, k_BSKH, v_BSKH, lengths_B, *, T) -> AttentionDim
         raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
     for name, dtype in (("q", q_dtype), ("k", k_BSKH.dtype), ("v", v_BSKH.dtype)):
         if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name} dtype {dtype} is not one of {[str(d) for d in SUPPORTED_DTYPES]}")
+            raise ValueError(f"{name} dtype {dtype} is not one of "
+                             f"{[str(d) for d in SUPPORTED_DTYPES]}")
     if not (jnp.dtype(q_dtype) == k_BSKH.dtype == v_BSKH.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q_dtype}, {k_BSKH.dtype}, {v_BSKH.dtype}")
     if jnp.shape(lengths_B) != (B,) or not jnp.issubdtype(jnp.result_type(lengths_B), jnp.integer):

@@ -90,11 +90,15 @@ def write_state(state: online_softmax.State, m_ref, l_ref, acc_ref) -> None:
     acc_ref[...] = state.acc
 
 
-def interpret_params(interpret: bool) -> pltpu.InterpretParams | bool:
+def interpreter(interpret: bool, poison_output: bool) -> pltpu.InterpretParams | bool:
     """The ``interpret`` argument of a TPU ``pallas_call``.
 
-    The TPU interpreter starts every output buffer as NaN, which is what ``poison_output`` asks
-    for; the wrappers alias NaN buffers only when compiled, because jax 0.10's interpreter returns
-    an aliased output padded to whole blocks when its shape is not a multiple of the block.
+    Normally Pallas' TPU interpreter, which simulates DMAs and VMEM and raises on out-of-bounds
+    reads. It copies each output block back from VMEM whether or not the kernel wrote it, as the
+    hardware does, so an unwritten tile would show a stale tile rather than the poison; with
+    ``poison_output`` the generic interpreter runs instead, whose output blocks round-trip through
+    the (NaN-poisoned) output array.
     """
-    return pltpu.InterpretParams(uninitialized_memory="nan") if interpret else False
+    if not interpret:
+        return False
+    return True if poison_output else pltpu.InterpretParams()

@@ -1,99 +1,236 @@
-"""``scripts/generate.py``: generate text from a model on the command line, streaming as it goes."""
+"""``scripts/generate.py``: generate text from a model on the command line, streaming as it goes.
+
+Arguments are parsed and checked, the prompt read and the chat template found before JAX starts, so
+``--help`` and most mistakes answer at once. Flags come in groups (``_add_*_flags``); a new flag goes in
+its group, and into :func:`generation_options` when ``generate_stream`` takes it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
+from typing import TYPE_CHECKING, Any
 
-from llm_jax.cli.common import CliError, positive_int, run_main, token_ids
+from llm_jax.cli.chat import run_chat
+from llm_jax.cli.common import (CliError, CliParser, non_negative_float, non_negative_int, one_line,
+                                open_probability, positive_int, probability, run_main, token_ids, uint32)
+from llm_jax.cli.output import json_report, metrics_fields, print_status, prompt_echo, write_stream
+
+if TYPE_CHECKING:
+    from llm_jax.loading import Model
+
+STDIN = "-"
+
+DESCRIPTION = "Generate text with llm_jax, streaming it to stdout as it is generated."
+EPILOG = """\
+what it prints:
+  The prompt and its continuation stream to stdout as decode steps complete. A batch (several
+  --prompt / --prompt-ids) prints each prompt's output under a '--- i/n ---' line, in prompt order:
+  the first unfinished one streams live, the others appear once those before them are done. A model
+  without a tokenizer prints the generated token ids. Unless --quiet, a metrics line follows on
+  stderr: generated tokens, time to first token, inter-token latency p50/p90, decode tokens/s,
+  compile time. --json prints one JSON object at the end instead:
+    {"model", "results": [{"prompt", "prompt_ids", "output_ids", "text", "finish_reason"}],
+     "metrics": {"compile_s", "ttft_s", "itl_s", "decode_tokens_per_s"}}
+  ("prompt" is null for --prompt-ids, "text" for a model without a tokenizer; "prompt_ids" include
+  BOS when the model adds one, "output_ids" are the generated ids only; "finish_reason" is "eos",
+  "length" or "stop").
+
+chat:
+  --chat reads user messages from stdin, one per line (a terminal gets a '> ' prompt), renders the
+  conversation through the model's chat template each turn and streams the reply. After each reply
+  stderr shows '[context USED/SIZE tokens · metrics]'. Commands: /reset, /exit (or Ctrl-D), /help.
+
+speed:
+  Each run compiles its programs; set JAX_COMPILATION_CACHE_DIR=DIR to keep them across runs.
+
+errors:
+  One line 'error: ...' on stderr; exit status 1 (2 for a misused flag, 130 on Ctrl-C).
+
+examples:
+  generate.py --model stories260K.bin --prompt "Once upon a time" --max-new-tokens 100
+  echo "Once upon a time" | generate.py --model stories260K.bin --prompt - --json
+  generate.py --model path/to/chat-model --chat --system "You are terse."
+"""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Generate text with llm_jax.")
-    p.add_argument("--model", required=True,
-                   help="llama2.c .bin, Hugging Face folder, or llm_jax checkpoint folder")
-    p.add_argument("--prompt", dest="prompts", action="append", default=[],
-                   help="a prompt (repeat for a batch)")
-    p.add_argument("--prompt-ids", dest="prompts", action="append", type=token_ids,
-                   help="a prompt as comma-separated token ids, used exactly as given (no BOS added)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    p.add_argument("--attention", choices=["xla", "pallas"], default="xla")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--mesh", default=None,
-                   help="shard over devices: 'data=2,model=4', 'model=8', ... (docs/running_on_many_devices.md)")
-    group = p.add_argument_group("several processes (one per host; run the same command on each)")
-    group.add_argument("--coordinator", default=None,
-                       help="host:port of process 0 (default: $JAX_COORDINATOR_ADDRESS)")
-    group.add_argument("--num-processes", type=positive_int, default=None)
-    group.add_argument("--process-id", type=int, default=None)
+def build_parser() -> CliParser:
+    parser = CliParser(description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_model_flags(parser.add_argument_group("model"))
+    _add_prompt_flags(parser.add_argument_group("prompts"))
+    _add_generation_flags(parser.add_argument_group("generation"))
+    _add_sampling_flags(parser.add_argument_group("sampling (default: greedy)"))
+    _add_output_flags(parser.add_argument_group("output"))
+    _add_device_flags(parser.add_argument_group(
+        "many devices and hosts (docs/running_on_many_devices.md; on several hosts run the same command on each)"))
+    return parser
+
+
+def _add_model_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--model", required=True, metavar="PATH",
+                       help="llama2.c .bin file, Hugging Face model folder, or llm_jax checkpoint folder")
+    group.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                       help="parameter and compute dtype (default: the checkpoint's)")
+    group.add_argument("--attention", choices=["xla", "pallas"], default="xla",
+                       help="attention implementation (default: %(default)s)")
+
+
+def _add_prompt_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
+                       help="a prompt; repeat for a batch; '-' reads it from stdin")
+    group.add_argument("--prompt-ids", dest="prompts", action="append", type=token_ids, metavar="IDS",
+                       help="a prompt as comma-separated token ids (1,15043,29892), used exactly as given: no "
+                            "BOS is added; works for models without a tokenizer; repeat for a batch")
+    group.add_argument("--chat", action="store_true",
+                       help="converse through the model's chat template, reading user messages from stdin "
+                            "(a --prompt is sent as the first message)")
+    group.add_argument("--system", metavar="TEXT", help="the system message of a --chat conversation")
+
+
+def _add_generation_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--max-new-tokens", type=positive_int, default=128, metavar="N",
+                       help="generate at most N tokens per prompt (per reply with --chat; default: %(default)s)")
+    group.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's end tokens")
+    group.add_argument("--stop", action="append", default=[], metavar="STRING",
+                       help="end generation where this text appears, cutting it from the output; repeatable. "
+                            "Taken literally: in bash, $'\\n' is a newline")
+
+
+def _add_sampling_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T",
+                       help="0 = greedy (default)")
+    group.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
+                       help="sample among the K most likely tokens (0 = all)")
+    group.add_argument("--top-p", type=open_probability, default=1.0, metavar="P",
+                       help="sample among the most likely tokens holding probability mass P (1 = all)")
+    group.add_argument("--min-p", type=probability, default=0.0, metavar="P",
+                       help="drop tokens less likely than P times the most likely one (0 = none)")
+    group.add_argument("--seed", type=uint32, default=0, help="random seed of sampling (default: %(default)s)")
+
+
+def _add_output_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    group.add_argument("--quiet", action="store_true",
+                       help="no metrics line on stderr (--json has the metrics in its object)")
+
+
+def _add_device_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--mesh", metavar="SPEC",
+                       help="shard the model over devices: 'model=8', 'data=2,model=4', ... (default: one device; "
+                            "with several processes, model over each host's devices and data across hosts)")
+    group.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="address of process 0 of a multi-process run (default: $JAX_COORDINATOR_ADDRESS)")
+    group.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=non_negative_int, metavar="I", help="this process, 0 to N-1")
     group.add_argument("--distributed", action="store_true",
-                       help="join a multi-process run described by the cluster (Slurm, Open MPI, Kubernetes, "
-                            "Cloud TPU)")
-    return p
+                       help="join the multi-process run the cluster describes (Slurm, Open MPI, Kubernetes, Cloud TPU)")
+
+
+def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
+    """Combinations argparse cannot express; usage errors (exit 2) before anything is loaded."""
+    id_prompts = [p for p in args.prompts if not isinstance(p, str)]
+    if args.prompts.count(STDIN) > 1:
+        parser.error(f"--prompt {STDIN} reads stdin, which can be read once")
+    if args.chat:
+        if args.json:
+            parser.error("--json and --chat exclude each other")
+        if id_prompts:
+            parser.error("--chat takes messages as text: use --prompt, not --prompt-ids")
+        if STDIN in args.prompts:
+            parser.error(f"--chat reads the conversation from stdin: --prompt {STDIN} cannot be used with it")
+    else:
+        if args.system is not None:
+            parser.error("--system needs --chat")
+        if not args.prompts:
+            parser.error("give a --prompt or --prompt-ids (or --chat)")
+    if args.chat and _distributed(args):
+        parser.error("--chat runs in one process: it cannot be combined with several processes")
+
+
+def _distributed(args: argparse.Namespace) -> bool:
+    from llm_jax import distributed
+
+    return args.distributed or distributed.requested(args.coordinator, args.num_processes, args.process_id)
+
+
+def read_prompts(prompts: list[str | list[int]]) -> list[str | list[int]]:
+    """Replace ``-`` by stdin (without the final newline ``echo`` adds)."""
+    if STDIN not in prompts:
+        return prompts
+    text = sys.stdin.read()
+    text = text[:-1] if text.endswith("\n") else text
+    return [text if p == STDIN else p for p in prompts]
+
+
+def generation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of ``generate_stream`` the flags set."""
+    from llm_jax.sampling import Sampling
+
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                        seed=args.seed)
+    return dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, ignore_eos=args.ignore_eos)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # Imported here so --help answers without starting JAX.
-    import llm_jax
-    from llm_jax import distributed
-    from llm_jax.sampling import Sampling
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_flags(parser, args)
+    if not pathlib.Path(args.model).exists():
+        raise CliError(f"model path {args.model} does not exist")
+    template = _chat_template(args.model) if args.chat else None
+    prompts = read_prompts(args.prompts)
 
-    prompts = args.prompts
-    if not prompts:
-        raise CliError("give at least one --prompt or --prompt-ids")
-    if args.distributed or distributed.requested(args.coordinator, args.num_processes, args.process_id):
+    import jax
+
+    from llm_jax import distributed
+    from llm_jax.loading import load
+    from llm_jax.sharding import make_mesh
+
+    if _distributed(args):
         try:
             distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         except distributed.DistributedError as e:
             raise CliError(str(e)) from None
-    process = distributed.process_info()
     # Every process runs the same program; several processes always shard over all their devices.
-    mesh = args.mesh if args.mesh is not None or process.num_processes == 1 else llm_jax.make_mesh()
-    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        seed=args.seed)
-    model = llm_jax.load(args.model, dtype=args.dtype, attention=args.attention, mesh=mesh)
-    stream = llm_jax.generate_stream(model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                     ignore_eos=args.ignore_eos)
-    if not process.is_main:  # runs its part of every step; process 0 reports
+    mesh = args.mesh if args.mesh is not None or jax.process_count() == 1 else make_mesh()
+    try:
+        model = load(args.model, dtype=args.dtype, attention=args.attention, mesh=mesh)
+        if args.chat:
+            return run_chat(model, template, system=args.system, first_messages=prompts,
+                            generation=generation_options(args), quiet=args.quiet)
+        return _generate(args, model, prompts)
+    except jax.errors.JaxRuntimeError as e:  # out of memory, mostly: the first line says what
+        raise CliError(one_line(e)) from e
+
+
+def _chat_template(model_path: str):
+    """Found before JAX starts, so that a model without a chat template fails at once."""
+    from llm_jax.chat_template import load_chat_template
+
+    return load_chat_template(model_path)
+
+
+def _generate(args: argparse.Namespace, model: Model, prompts: list[str | list[int]]) -> int:
+    import jax
+
+    from llm_jax.generate import generate_stream
+
+    stream = generate_stream(model, prompts, **generation_options(args))
+    if jax.process_index() != 0:  # runs its part of every step; process 0 reports
         for _ in stream:
             pass
         return 0
     if args.json:
         for _ in stream:
             pass
-        m = stream.metrics
-        out = {"model": args.model,
-               "results": [{"prompt": r.prompt, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids,
-                            "text": r.text, "finish_reason": r.finish_reason} for r in stream.results],
-               "metrics": {"compile_s": m.compile_s, "ttft_s": m.ttft_s, "itl_s": m.itl_s,
-                           "decode_tokens_per_s": m.decode_tokens_per_s}}
-        print(json.dumps(out))
+        print(json.dumps(json_report(args.model, stream)))
         return 0
-    if len(prompts) == 1:
-        if isinstance(prompts[0], str):
-            sys.stdout.write(prompts[0])
-        for event in stream:
-            sys.stdout.write(event.text if model.tokenizer else " ".join(map(str, event.token_ids)) + " ")
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-    else:
-        for _ in stream:
-            pass
-        for i, r in enumerate(stream.results):
-            body = (r.prompt or "") + r.text if r.text is not None else " ".join(map(str, r.output_ids))
-            print(f"--- [{i}] ({r.finish_reason})\n{body}")
-    m = stream.metrics
-    print(f"[ttft {m.ttft_s * 1e3:.0f} ms · compile {m.compile_s:.1f} s · itl {m.itl_s * 1e3:.1f} ms · "
-          f"{m.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+    write_stream(stream, sys.stdout, echoes=[prompt_echo(model, p) for p in prompts],
+                 with_text=model.tokenizer is not None)
+    if not args.quiet:
+        print_status(metrics_fields(stream.metrics), sys.stderr)
     return 0
 
 
