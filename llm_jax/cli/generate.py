@@ -53,6 +53,7 @@ examples:
   generate.py --model stories260K.bin --prompt "Once upon a time" --max-new-tokens 100
   echo "Once upon a time" | generate.py --model stories260K.bin --prompt - --json
   generate.py --model path/to/chat-model --chat --system "You are terse."
+  generate.py --model path/to/big-model --dtype bfloat16 --mesh model=8 --prompt "Hi"     # 8 GPUs
 """
 
 
