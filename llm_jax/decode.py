@@ -118,7 +118,7 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
 
         def run(cache, state):
             running_B = ~state.done_B
-            x_B1D, cache = forward_extend(params, config, state.tokens_B[:, None], cache, running_B)
+            x_B1D, cache = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh)
             logits_BV = unembed(params, config, x_B1D)[:, 0]
             token_B = sample(logits_BV, controls.sampling, state.num_generated_B)
             new_state = _advance(token_B, running_B, state.num_generated_B, state.finish_reason_B, controls,

@@ -31,7 +31,7 @@ def prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B
     the logits stay split by batch and vocabulary.
     """
     tokens_BT, lengths_B = constrain(tokens_BT, "BT", mesh), constrain(lengths_B, "B", mesh)
-    x_BTD, cache = forward_prefill(params, config, tokens_BT, lengths_B, constrain_cache(cache, mesh))
+    x_BTD, cache = forward_prefill(params, config, tokens_BT, lengths_B, constrain_cache(cache, mesh), mesh)
     last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
     return constrain(unembed(params, config, last_B1D)[:, 0], "BV", mesh), constrain_cache(cache, mesh)
 

@@ -39,7 +39,6 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
-from llm_jax.model import param_shapes
 
 DATA = "data"
 MODEL = "model"
@@ -179,15 +178,18 @@ def _path_name(path: tuple) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
+def _dims(table: Mapping[str, str], table_name: str, name: str, shape: Sequence[int]) -> str:
+    if name not in table:
+        raise KeyError(f"no sharding rule for {name!r} (shape {tuple(shape)}); add its dimensions to "
+                       f"{table_name} in llm_jax/sharding.py")
+    return table[name]
+
+
 def _specs(tree: Any, table: Mapping[str, str], table_name: str, mesh: Mesh | AbstractMesh) -> Any:
     """``tree`` (arrays or shapes) with each leaf replaced by its PartitionSpec from ``table``."""
 
     def leaf(path, x):
-        name = _path_name(path)
-        if name not in table:
-            raise KeyError(f"no sharding rule for {name!r} (shape {tuple(x.shape)}); add its dimensions to "
-                           f"{table_name} in llm_jax/sharding.py")
-        return spec(table[name], x.shape, mesh)
+        return spec(_dims(table, table_name, _path_name(path), x.shape), x.shape, mesh)
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
@@ -196,17 +198,15 @@ def _named(specs: Any, mesh: Mesh) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def param_specs(config: ModelConfig, mesh: Mesh | AbstractMesh) -> Any:
-    """A pytree like the params of ``config`` holding each leaf's ``PartitionSpec`` on ``mesh``.
-
-    ``config`` is the config the params are laid out for: :func:`mesh_config` of the checkpoint's.
-    """
-    return _specs(param_shapes(config), PARAM_DIMS, "PARAM_DIMS", mesh)
+def param_specs(params: Any, mesh: Mesh | AbstractMesh) -> Any:
+    """``params`` (arrays, or their shapes: ``llm_jax.model.param_shapes(config)``) with each leaf
+    replaced by its ``PartitionSpec`` on ``mesh``."""
+    return _specs(params, PARAM_DIMS, "PARAM_DIMS", mesh)
 
 
-def param_shardings(config: ModelConfig, mesh: Mesh) -> Any:
+def param_shardings(params: Any, mesh: Mesh) -> Any:
     """Like :func:`param_specs`, with each leaf's ``NamedSharding``."""
-    return _named(param_specs(config, mesh), mesh)
+    return _named(param_specs(params, mesh), mesh)
 
 
 def cache_specs(config: ModelConfig, batch_size: int, max_len: int, mesh: Mesh | AbstractMesh) -> KVCache:
@@ -244,6 +244,27 @@ def constrain_replicated(tree: Any, mesh: Mesh | None) -> Any:
     return jax.lax.with_sharding_constraint(tree, jax.tree.map(lambda _: replicated(mesh), tree))
 
 
+# Kernels that XLA cannot partition (Pallas calls) run on each device's shard.
+def attention_on_shards(kernel: Callable, mesh: Mesh | None, q_BxNH: jax.Array, k_BSKH: jax.Array,
+                        v_BSKH: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    """``kernel(q, k, v, lengths)`` — an attention kernel, q [B, (T,) N, H] — on every device's shard:
+    rows split over ``data``, heads over ``model``. Query and K/V heads are split together or not at all,
+    so the query heads of a shard read exactly the K/V heads it holds. Without a mesh, one plain call.
+    """
+    if mesh is None:
+        return kernel(q_BxNH, k_BSKH, v_BSKH, lengths_B)
+    q_dims = "BTNH" if q_BxNH.ndim == 4 else "BNH"
+    heads_split = (MODEL in spec(q_dims, q_BxNH.shape, mesh)) and (MODEL in spec("BSKH", k_BSKH.shape, mesh))
+    heads = MODEL if heads_split else None
+    (rows,) = spec("B", lengths_B.shape, mesh)
+    q_spec = PartitionSpec(rows, *[None] * (q_BxNH.ndim - 3), heads, None)
+    kv_spec = PartitionSpec(rows, None, heads, None)
+    # check_vma=False: Pallas calls carry no varying-manual-axes types.
+    on_shards = jax.shard_map(kernel, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(rows)),
+                              out_specs=q_spec, check_vma=False)
+    return on_shards(q_BxNH, k_BSKH, v_BSKH, lengths_B)
+
+
 # Placing params.
 _KV_HEAD_PARAMS = ("layers/attn/k_proj", "layers/attn/v_proj", "layers/attn/k_bias", "layers/attn/v_bias")
 
@@ -271,23 +292,20 @@ def shard_params(config: ModelConfig, params: Any, mesh: Mesh, *, dtype=None) ->
     process provides only its own devices' shards). Device params are resharded by XLA.
     """
     repeats = kv_head_repeats(config, mesh)
-    target = mesh_config(config, mesh)
-    shardings = param_shardings(target, mesh)
 
-    def place(path, x, sharding: NamedSharding):
+    def place(path, x):
         name = _path_name(path)
         heads_axis = x.ndim - 2 if repeats > 1 and name in _KV_HEAD_PARAMS else None  # [..., K, H]
+        shape = [n * repeats if axis == heads_axis else n for axis, n in enumerate(x.shape)]
+        sharding = named(_dims(PARAM_DIMS, "PARAM_DIMS", name, x.shape), shape, mesh)
         out_dtype = jnp.dtype(dtype or x.dtype)
         if isinstance(x, jax.Array):
             return _reshard(x, sharding, out_dtype, heads_axis, repeats)
-        x = np.asarray(x)
-        shape = list(x.shape)
-        if heads_axis is not None:
-            shape[heads_axis] *= repeats
         return jax.make_array_from_callback(tuple(shape), sharding,
-                                            _shard_reader(x, out_dtype, heads_axis, repeats), dtype=out_dtype)
+                                            _shard_reader(np.asarray(x), out_dtype, heads_axis, repeats),
+                                            dtype=out_dtype)
 
-    return target, jax.tree_util.tree_map_with_path(place, params, shardings)
+    return mesh_config(config, mesh), jax.tree_util.tree_map_with_path(place, params)
 
 
 def _shard_reader(x: np.ndarray, dtype, heads_axis: int | None, repeats: int) -> Callable:

@@ -5,6 +5,9 @@ is fixed when JAX starts). For each model: greedy tokens and the prompts' last-t
 device, then on each mesh the same, plus how params and cache are laid out and which collectives the
 compiled decode loop contains.
 
+Pallas attention kernels cannot be partitioned by XLA; on a mesh they run per shard (``shard_map``),
+which ``--pallas-mesh`` checks like the rest.
+
 Models: a llama2.c ``.bin`` path (loaded with ``load(path, mesh=...)``: host params placed shard by
 shard) or ``tiny-gqa`` (random params from ``init_params``, laid out with ``Model.shard``: device params
 resharded). The latter has 2 K/V heads, fewer than a model axis of 4 or 8, and a vocabulary of 97,
@@ -111,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", action="append", required=True, help="a llama2.c .bin path or 'tiny-gqa'")
     p.add_argument("--mesh", action="append", required=True)
+    p.add_argument("--pallas-mesh", action="append", default=[],
+                   help="also run the first model on this mesh with Pallas attention (interpreted on CPU)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=8)
     args = p.parse_args(argv)
@@ -122,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         report[name] = {"one_device": run(reference, prompts, **kwargs)}
         for mesh in args.mesh:
             report[name][mesh] = run(load(name, mesh), prompts, **kwargs)
+        if name == args.model[0]:
+            for mesh in args.pallas_mesh:
+                report[name][f"{mesh}+pallas"] = run(load(name, mesh).with_attention("pallas"), prompts, **kwargs)
     json.dump(report, sys.stdout)
     return 0
 

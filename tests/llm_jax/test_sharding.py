@@ -18,11 +18,13 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from llm_jax import sharding
 from llm_jax.config import ModelConfig
+from llm_jax.model import param_shapes
 from llm_jax.sharding import MeshError, kv_head_repeats, make_mesh, parse_mesh_spec, spec
 from multi_device import PYTHON, REPO, computed_once, cpu_devices_env
 
 MESHES = ("data=1,model=8", "data=2,model=4", "data=4,model=2", "data=8,model=1")
 GQA = "tiny-gqa"
+PALLAS_MESH = "data=2,model=4"  # the tiny GQA model with Pallas attention, its kernels run per shard
 
 
 def abstract(data: int, model: int) -> AbstractMesh:
@@ -100,7 +102,7 @@ FAMILY_SWITCHES = dict(qkv_bias=True, qk_norm=True, sandwich_norm=True, tie_embe
 def test_every_param_has_a_rule(switches):
     config = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
                          max_seq_len=32, **switches)
-    specs = jax.tree_util.tree_leaves_with_path(sharding.param_specs(config, abstract(2, 2)),
+    specs = jax.tree_util.tree_leaves_with_path(sharding.param_specs(param_shapes(config), abstract(2, 2)),
                                                 is_leaf=lambda x: isinstance(x, P))
     by_name = {sharding._path_name(path): s for path, s in specs}
     assert set(by_name) <= set(sharding.PARAM_DIMS)
@@ -117,7 +119,7 @@ def test_a_param_without_a_rule_is_named(monkeypatch):
     table = {k: v for k, v in sharding.PARAM_DIMS.items() if k != "layers/mlp/up_proj"}
     monkeypatch.setattr(sharding, "PARAM_DIMS", table)
     with pytest.raises(KeyError, match="no sharding rule for 'layers/mlp/up_proj' \\(shape \\(2, 32, 48\\)\\)"):
-        sharding.param_specs(config, abstract(1, 2))
+        sharding.param_specs(param_shapes(config), abstract(1, 2))
 
 
 @pytest.mark.parametrize("n_heads, n_kv_heads, model, repeats", [
@@ -141,7 +143,7 @@ def report(stories260k_dir, tmp_path_factory, worker_id) -> dict:
     def run() -> str:
         command = [PYTHON, str(REPO / "tests/llm_jax/sharded_generation.py"),
                    "--model", GQA, "--model", str(stories260k_dir / "stories260K.bin")]
-        command += [arg for mesh in MESHES for arg in ("--mesh", mesh)]
+        command += [arg for mesh in MESHES for arg in ("--mesh", mesh)] + ["--pallas-mesh", PALLAS_MESH]
         done = subprocess.run(command, env=cpu_devices_env(8), capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-4000:]
         return done.stdout
@@ -153,10 +155,16 @@ def report(stories260k_dir, tmp_path_factory, worker_id) -> dict:
 
 
 MODELS = (GQA, "stories260K")
+RUNS = [(model, mesh) for model in MODELS for mesh in MESHES] + [(GQA, f"{PALLAS_MESH}+pallas")]
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("model", MODELS)
+def _sizes(run_name: str) -> tuple[int, int]:
+    """(data, model) of a run named like ``data=2,model=4`` or ``data=2,model=4+pallas``."""
+    sizes = parse_mesh_spec(run_name.split("+")[0])
+    return sizes["data"], sizes["model"]
+
+
+@pytest.mark.parametrize("model, mesh", RUNS)
 def test_sharded_generation_matches_one_device(report, model, mesh):
     one, sharded = report[model]["one_device"], report[model][mesh]
     assert sharded["tokens"] == one["tokens"]
@@ -210,18 +218,17 @@ def test_param_shardings(report, model, mesh):
 def test_params_are_split_over_the_model_axis(report, model, mesh):
     """Each device holds 1/model of every weight matrix and all of every norm; nothing splits over data."""
     run = report[model][mesh]
-    model_size = int(mesh.split("model=")[1])
+    _, model_size = _sizes(mesh)
     for name, local in run["param_local_shapes"].items():
         share = 1 if name.endswith("norm/scale") else model_size
         assert np.prod(local) * share == np.prod(run["param_shapes"][name]), (name, local)
         assert "data" not in run["param_specs"][name]
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model, mesh", RUNS)
 def test_cache_stays_sharded(report, model, mesh):
     run = report[model][mesh]
-    data, model_size = (int(part.split("=")[1]) for part in mesh.split(","))
+    data, model_size = _sizes(mesh)
     L, B, S, K, H = run["cache_shape"]
     expected_spec = [None, "data" if data > 1 else None, None, "model" if model_size > 1 else None, None]
     assert _trimmed(run["cache_specs"]["k_LBSKH"]) == _trimmed(expected_spec)
@@ -232,8 +239,7 @@ def test_cache_stays_sharded(report, model, mesh):
     assert all(spec == [] for spec in run["state_specs"].values())
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model, mesh", RUNS)
 def test_decode_loop_moves_no_cache(report, model, mesh):
     run = report[model][mesh]
     S = run["cache_shape"][2]
@@ -241,6 +247,6 @@ def test_decode_loop_moves_no_cache(report, model, mesh):
     assert any(S in dims for _, dims in run["control_collectives"])
     touching_cache = [(op, dims) for op, dims in run["decode_collectives"] if S in dims]
     assert touching_cache == []
-    if int(mesh.split("model=")[1]) > 1:
+    if _sizes(mesh)[1] > 1:
         # Megatron: the all-reduces of attention and MLP outputs are there.
         assert any(op == "all-reduce" for op, _ in run["decode_collectives"])
