@@ -11,7 +11,8 @@ Dimension key, used in array names (``x_BTD``, ``k_cache_LBSKH``) and einsums th
 
 The run path, in pipeline order: ``tokenizer`` → ``prefill`` → ``decode`` (``sampling`` and stop
 conditions inside) → ``detokenize``, orchestrated by ``generate``; the model is in ``model/`` and its
-cache in ``kv_cache``. The weight path: ``weights/from_hf``, ``weights/from_llama2c`` → ``loading``.
+cache in ``kv_cache``. The weight path: ``weights/from_hf``, ``weights/from_llama2c`` → ``weights/checkpoint``
+(orbax; ``weights/convert`` writes one) → ``loading``.
 
 The public names below are imported on first use (PEP 562), so that ``import llm_jax.cli...`` and the
 scripts' ``--help`` answer without starting JAX.
@@ -28,6 +29,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
                "ModelConfig"),
     # Loading models.
     "loading": ("Model", "load"),
+    "weights.checkpoint": ("CheckpointError", "is_checkpoint", "load_checkpoint", "save_checkpoint"),
+    "weights.convert": ("convert",),
+    "weights.layout": ("WeightsError",),
     # Text in and out.
     "tokenizer": ("Tokenizer", "TokenizerFormat", "load_tokenizer"),
     "detokenize": ("IncrementalDetokenizer",),

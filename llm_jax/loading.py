@@ -1,26 +1,28 @@
 """``load(path)``: one entry point for every weight format, returning a ready-to-run :class:`Model`.
 
-Formats are detected from the path: a llama2.c ``.bin`` file, or a Hugging Face folder
-(``config.json`` + safetensors). Conversion to our layout happens tensor by tensor on the host; params
-then move to the device in the requested dtype.
+The format is detected from the path (``weights/sources.py``): an llm_jax checkpoint folder, a Hugging
+Face folder or a llama2.c ``.bin``. A checkpoint is restored by orbax straight into the requested dtype
+and sharding. The other formats are converted tensor by tensor: each tensor is read from a memory map,
+cast, and put on its devices before the next is read, so host memory never holds the model twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
-from llm_jax import sharding
 from llm_jax.config import AttentionImpl, ModelConfig
-from llm_jax.model import Params
+from llm_jax.model import Params, param_shapes
+from llm_jax.sharding import make_mesh, param_shardings, shard_params
 from llm_jax.tokenizer import Tokenizer, load_tokenizer
-from llm_jax.weights.from_hf import load_hf, read_json
-from llm_jax.weights.from_llama2c import load_llama2c
+from llm_jax.weights import sources
+from llm_jax.weights.checkpoint import load_checkpoint
+from llm_jax.weights.placement import ShardingArg, device_placer, resolve_shardings
+from llm_jax.weights.sources import WeightFormat
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,70 +39,58 @@ class Model:
 
     def shard(self, mesh: Mesh) -> "Model":
         """This model laid out on ``mesh``; its config repeats K/V heads where the mesh needs it."""
-        config, params = sharding.shard_params(self.config, self.params, mesh)
+        config, params = shard_params(self.config, self.params, mesh)
         return dataclasses.replace(self, config=config, params=params, mesh=mesh)
 
     def with_attention(self, attention: AttentionImpl | str) -> "Model":
         return dataclasses.replace(self, config=self.config.replace(attention_impl=AttentionImpl.parse(attention)))
 
 
-def _find_llama2c_tokenizer(bin_path: pathlib.Path, vocab_size: int) -> pathlib.Path | None:
-    """llama2.c keeps its sentencepiece model next to the checkpoint (``tok512.model`` for vocab 512)."""
-    folder = bin_path.parent
-    for candidate in (folder / f"tok{vocab_size}.model", folder / "tokenizer.model"):
-        if candidate.is_file():
-            return candidate
-    found = sorted(folder.glob("tok*.model"))
-    return found[0] if len(found) == 1 else None
+def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None, mesh: Mesh | str | None = None,
+         attention: AttentionImpl | str = AttentionImpl.XLA, tokenizer: str | os.PathLike | None = None,
+         verify: bool = True) -> Model:
+    """Load an llm_jax checkpoint, a Hugging Face folder or a llama2.c ``.bin``.
 
-
-def _hf_dtype(folder: pathlib.Path) -> str:
-    hf = read_json(folder / "config.json")
-    name = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    return name if name in ("float32", "bfloat16", "float16") else "float32"
-
-
-def load(path: str | pathlib.Path, *, dtype=None, attention: AttentionImpl | str = AttentionImpl.XLA,
-         tokenizer: str | pathlib.Path | None = None, mesh: Mesh | str | None = None) -> Model:
-    """Load a llama2.c ``.bin`` or a Hugging Face folder.
-
-    ``dtype`` sets both parameter and compute dtype (default: the checkpoint's own, float32 for
-    llama2.c). ``tokenizer`` overrides the tokenizer found next to the weights. ``mesh`` (a ``Mesh`` or
-    a spec like ``"data=2,model=4"``) lays the params out over devices, each receiving only its shard.
+    ``dtype`` sets both parameter and compute dtype (default: the checkpoint's own; float32 for
+    llama2.c). ``sharding`` places each tensor (a ``Sharding``, a pytree of them, or a callable
+    ``config -> either``; see ``weights/placement.py``); default: the first device. ``mesh`` (a ``Mesh``
+    or a spec like ``"data=2,model=4"``) instead lays the params out by the table of ``llm_jax.sharding``,
+    each device receiving only its shard, and runs the model on it. ``tokenizer`` overrides the tokenizer
+    found with the weights. ``verify`` checks an llm_jax checkpoint's checksums.
     """
+    attention = AttentionImpl.parse(attention)  # before any slow work
+    if mesh is not None:
+        if sharding is not None:
+            raise ValueError("give load() a mesh or a sharding, not both")
+        mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+        sharding = _table_layout(mesh)
     path = pathlib.Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
-    stop_ids: tuple[int, ...] = ()
-    if path.is_file():
-        if path.suffix != ".bin":
-            raise ValueError(f"{path}: unrecognised model file; expected a llama2.c .bin or a model folder")
-        dtype = jnp.dtype(dtype or "float32")
-        config, host_params = load_llama2c(path, dtype=np.float32)
-        tok_path = tokenizer or _find_llama2c_tokenizer(path, config.vocab_size)
-    elif (path / "config.json").is_file():
-        dtype = jnp.dtype(dtype or _hf_dtype(path))
-        config, host_params = load_hf(path, dtype=np.float32)
-        tok_path = tokenizer or path
+    fmt = sources.detect_format(path)
+    if fmt is WeightFormat.LLM_JAX:
+        config, params, meta = load_checkpoint(path, dtype=dtype, sharding=sharding, verify=verify)
+        tok = _tokenizer(tokenizer, sources.tokenizer_source(path, fmt, config))
+        eos_ids, stop_ids = meta.eos_ids, meta.stop_ids  # the checkpoint's generation defaults
     else:
-        raise ValueError(f"{path}: not a model folder (no config.json) and not a llama2.c .bin file")
-    tok = load_tokenizer(tok_path) if tok_path is not None and _has_tokenizer(pathlib.Path(tok_path)) else None
-    if path.is_file() and tok is not None and tok.bos_id is not None:
-        # llama2.c models end a story by emitting BOS, and llama2.c's run stops there.
-        stop_ids = (tok.bos_id,)
-    config = config.replace(param_dtype=dtype.name, compute_dtype=dtype.name,
-                            attention_impl=AttentionImpl.parse(attention))
-    if mesh is None:
-        params = jax.tree.map(lambda a: jnp.asarray(a, dtype), host_params)
-    else:
-        mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
-        config, params = sharding.shard_params(config, host_params, mesh, dtype=dtype)
-    eos_ids = tok.eos_ids if tok is not None else ()
-    return Model(config=config, params=params, tokenizer=tok, eos_ids=tuple(eos_ids), stop_ids=stop_ids,
-                 path=str(path), mesh=mesh)
+        config = sources.source_config(path, fmt)
+        if dtype is not None:
+            name = jnp.dtype(dtype).name
+            config = config.replace(param_dtype=name, compute_dtype=name)
+        place = device_placer(resolve_shardings(sharding, config))
+        params = sources.source_params(path, fmt, config, dtype=config.param_jnp_dtype, place=place)
+        tok = _tokenizer(tokenizer, sources.tokenizer_source(path, fmt, config))
+        eos_ids, stop_ids = sources.generation_ids(fmt, tok)
+    if mesh is not None:  # K/V heads repeated where the mesh needs it (nothing moves otherwise)
+        config, params = shard_params(config, params, mesh)
+    config = config.replace(attention_impl=attention)
+    return Model(config=config, params=params, tokenizer=tok, eos_ids=eos_ids, stop_ids=stop_ids, path=str(path),
+                 mesh=mesh)
 
 
-def _has_tokenizer(path: pathlib.Path) -> bool:
-    if path.is_file():
-        return True
-    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
+def _table_layout(mesh: Mesh):
+    """The ``sharding`` argument that lays params out by the table of ``llm_jax.sharding`` on ``mesh``."""
+    return lambda config: param_shardings(param_shapes(config), mesh)
+
+
+def _tokenizer(override: str | os.PathLike | None, found: pathlib.Path | None) -> Tokenizer | None:
+    source = pathlib.Path(override) if override is not None else found
+    return load_tokenizer(source) if source is not None else None

@@ -10,7 +10,7 @@
 A checkpoint is written into ``<name>.tmp-<random>/`` beside its final place and renamed at the end, so
 an interrupted or failed save never leaves a partial checkpoint under the final name. ``checkpoint.json``
 is written last. On load every tensor is checked against the manifest and the config before anything is
-read, and its checksum after (on the devices holding it): a corrupt checkpoint raises
+read, and its checksum after (where its shards live): a corrupt checkpoint raises
 :class:`CheckpointError` naming the tensor, never loads as a silently different model.
 """
 
@@ -74,15 +74,16 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Params,
-                    tokenizer_files: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike] = (),
+                    tokenizer_files: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike | bytes] = (),
                     eos_ids: Sequence[int] = (), stop_ids: Sequence[int] = (), force: bool = False,
                     progress: Callable[[str], None] | None = None, source: str | None = None) -> pathlib.Path:
     """Write ``params`` (numpy or jax arrays, possibly sharded) as an llm_jax checkpoint at ``path``.
 
     The params' dtype (one float dtype for all tensors) is what is stored; ``config.param_dtype`` is set to
     it. ``tokenizer_files`` are copied under their own names, or under the keys of a mapping
-    ``{name in checkpoint: source file}``. ``progress(tensor)`` is called once per tensor. An existing
-    ``path`` is replaced only with ``force`` and only if it is an llm_jax checkpoint itself.
+    ``{name in checkpoint: source file, or the file's content as bytes}``. ``progress(tensor)`` is called
+    once per tensor. An existing ``path`` is replaced only with ``force``, and only if it is an llm_jax
+    checkpoint itself.
     """
     path = pathlib.Path(path)
     stored_dtype = _check_params(params, config, where=str(path))
@@ -98,10 +99,13 @@ def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Par
                               "checksum": sums[tensor_path]}
             if progress is not None:
                 progress(name)
-        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as checkpointer:  # synchronous
-            checkpointer.save(staging / PARAMS_DIR, args=ocp.args.StandardSave(params))
+        with ocp.Checkpointer(_save_handler()) as checkpointer:  # synchronous
+            checkpointer.save((staging / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params))
         for name, file in copies.items():
-            shutil.copyfile(file, staging / name)
+            if isinstance(file, bytes):
+                (staging / name).write_bytes(file)
+            else:
+                shutil.copyfile(file, staging / name)
         metadata = {
             "format_version": FORMAT_VERSION,
             "config": config.to_dict(),
@@ -114,6 +118,19 @@ def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Par
         # Written last: a folder with a checkpoint.json is complete.
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=1) + "\n")
     return path
+
+
+def _save_handler() -> ocp.PyTreeCheckpointHandler:
+    """Orbax's pytree handler, set up to write host arrays without copying them.
+
+    By default orbax deep-copies numpy arrays (against concurrent modification; our save is synchronous
+    and owns them) and zstd-compresses every chunk (weights gain ~10% and it buffers another copy), which
+    together hold two extra copies of the model in host memory while saving.
+    """
+    registry = ocp.type_handlers.create_type_handler_registry(
+        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+        (jax.Array, ocp.type_handlers.ArrayHandler()))
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry, use_compression=False)
 
 
 def check_destination(path: pathlib.Path, *, force: bool) -> None:
@@ -174,12 +191,12 @@ def _check_tensor_set(expected: Mapping[Path, Any], given: set[Path], *, where: 
         raise CheckpointError(f"{where}: {what} have tensors {extra} that the config does not describe")
 
 
-def _tokenizer_copies(files: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike]
-                      ) -> dict[str, pathlib.Path]:
-    named = ({str(k): pathlib.Path(v) for k, v in files.items()} if isinstance(files, Mapping)
-             else {pathlib.Path(f).name: pathlib.Path(f) for f in files})
+def _tokenizer_copies(files: Sequence[str | os.PathLike] | Mapping[str, str | os.PathLike | bytes]
+                      ) -> dict[str, pathlib.Path | bytes]:
+    named = ({str(k): v if isinstance(v, bytes) else pathlib.Path(v) for k, v in files.items()}
+             if isinstance(files, Mapping) else {pathlib.Path(f).name: pathlib.Path(f) for f in files})
     for name, file in named.items():
-        if not file.is_file():
+        if isinstance(file, pathlib.Path) and not file.is_file():
             raise FileNotFoundError(f"tokenizer file {file} does not exist")
         if name in (METADATA_FILE, PARAMS_DIR) or "/" in name:
             raise ValueError(f"cannot store a tokenizer file as {name!r} in a checkpoint")
@@ -241,11 +258,11 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, sharding: ShardingAr
     Each tensor is read from disk straight into ``dtype`` (default: as stored) on the devices its
     ``sharding`` names (see ``weights/placement.py``; default: the first device), so no full host copy
     is made. ``dtype`` also becomes the config's param and compute dtype. With ``verify`` every tensor's
-    checksum is checked on device; a tensor stored in another dtype is then read and checked in its
-    stored dtype and cast one tensor at a time.
+    checksum is checked where its shards live; loading into another dtype than stored then reads and
+    checks the stored dtype and casts, a group of tensors at a time.
     """
     config, meta, manifest = read_metadata(path)
-    params_dir = meta.path / PARAMS_DIR
+    params_dir = (meta.path / PARAMS_DIR).absolute()  # orbax accepts absolute paths only
     _check_orbax_metadata(params_dir, manifest, meta.param_dtype)
     stored = np.dtype(meta.param_dtype)
     target = np.dtype(dtype) if dtype is not None else stored

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import pathlib
 import struct
+from typing import Any, Callable
 
 import numpy as np
 
 from llm_jax.config import ModelConfig
-from llm_jax.weights.layout import TensorSpec, WeightsError, assemble, heads_in, heads_out, interleaved_to_halves, transpose
+from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_in, heads_out, interleaved_to_halves,
+                                    transpose)
 
 MAGIC = 0x616B3432  # "ak42"
 _V1_HEADER_BYTES = 256
@@ -96,8 +98,9 @@ def read_llama2c_config(path: str | pathlib.Path) -> ModelConfig:
     return config_from_header(header, shared)
 
 
-def load_llama2c(path: str | pathlib.Path, *, dtype=np.float32, progress=None) -> tuple[ModelConfig, dict]:
-    """Config and numpy params from a llama2.c ``.bin``; params are cast to ``dtype``."""
+def load_llama2c(path: str | pathlib.Path, *, dtype=np.float32, progress: Callable[[str], None] | None = None,
+                 place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None) -> tuple[ModelConfig, dict]:
+    """Config and params from a llama2.c ``.bin``, cast to ``dtype`` (``place``: see ``layout.assemble``)."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
@@ -124,5 +127,5 @@ def load_llama2c(path: str | pathlib.Path, *, dtype=np.float32, progress=None) -
     available = {spec.source.format(layer=l) for spec in tensor_specs(config)
                  for l in (range(config.n_layers) if spec.per_layer else [0])}
     params = assemble(tensor_specs(config), config, read, available, where=str(path), dtype=dtype,
-                      progress=progress)
+                      progress=progress, place=place)
     return config, params

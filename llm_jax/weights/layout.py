@@ -9,7 +9,7 @@ params are in host memory at once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -68,6 +68,9 @@ def interleaved_to_halves(n_heads: int, head_dim: int) -> Callable[[np.ndarray],
     return permute
 
 
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
 def _set_leaf(tree: dict, path: tuple[str, ...], value) -> None:
     for key in path[:-1]:
         tree = tree.setdefault(key, {})
@@ -75,10 +78,15 @@ def _set_leaf(tree: dict, path: tuple[str, ...], value) -> None:
 
 
 def assemble(specs: Iterable[TensorSpec], config: ModelConfig, read: Callable[[str], np.ndarray],
-             available: set[str], *, where: str, dtype, progress: Callable[[str], None] | None = None) -> dict:
-    """Build the params pytree (numpy, ``dtype``) from ``read(name)``.
+             available: set[str], *, where: str, dtype, progress: Callable[[str], None] | None = None,
+             locate: Callable[[str], str] | None = None,
+             place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None) -> dict:
+    """Build the params pytree from ``read(name)``, one leaf at a time, cast to ``dtype``.
 
-    Raises :class:`WeightsError` naming ``where`` and the tensor on a missing, extra or misshapen tensor.
+    Each finished leaf goes through ``place(path, array)`` (e.g. onto its devices) before the next is
+    built, so host memory holds one leaf, not the model, when ``place`` moves it elsewhere. Raises
+    :class:`WeightsError` naming ``where`` (or ``locate(tensor)``, the file holding it) and the tensor on
+    a missing, extra, misshapen or non-float tensor.
     """
     specs = list(specs)
     expected = {s.source.format(layer=l) for s in specs
@@ -93,24 +101,28 @@ def assemble(specs: Iterable[TensorSpec], config: ModelConfig, read: Callable[[s
                            "the config does not describe these weights")
     params: dict = {}
     for spec in specs:
-        layers = range(config.n_layers) if spec.per_layer else [None]
         stacked = None
-        for layer in layers:
+        for layer in range(config.n_layers) if spec.per_layer else [None]:
             name = spec.source.format(layer=layer)
-            source = read(name)
-            if tuple(source.shape) != tuple(spec.source_shape):
-                raise WeightsError(f"{where}: tensor {name!r} has shape {tuple(source.shape)}, "
-                                   f"expected {tuple(spec.source_shape)} from the config")
-            if not np.issubdtype(source.dtype, np.floating) and source.dtype.name != "bfloat16":
-                raise WeightsError(f"{where}: tensor {name!r} has dtype {source.dtype}, expected a float type")
-            ours = np.asarray(spec.to_ours(source)).astype(dtype)
+            ours = _convert(spec, name, read(name), locate(name) if locate else where)
             if layer is None:
-                stacked = ours
+                stacked = np.array(ours, dtype=dtype)
             else:
                 if stacked is None:
                     stacked = np.empty((config.n_layers, *ours.shape), dtype)
                 stacked[layer] = ours
+            del ours  # a memory map of the source: released before the next tensor is read
             if progress is not None:
                 progress(name)
-        _set_leaf(params, spec.path, stacked)
+        _set_leaf(params, spec.path, stacked if place is None else place(spec.path, stacked))
+        del stacked
     return params
+
+
+def _convert(spec: TensorSpec, name: str, source: np.ndarray, where: str) -> np.ndarray:
+    if tuple(source.shape) != tuple(spec.source_shape):
+        raise WeightsError(f"{where}: tensor {name!r} has shape {tuple(source.shape)}, "
+                           f"expected {tuple(spec.source_shape)} from the config")
+    if source.dtype.name not in FLOAT_DTYPES:
+        raise WeightsError(f"{where}: tensor {name!r} has dtype {source.dtype.name}, expected one of {FLOAT_DTYPES}")
+    return spec.to_ours(source)

@@ -63,6 +63,12 @@ def test_round_trip_is_exact(saved, params):
     assert not list(saved.parent.glob("*.tmp-*")), "the staging folder was left behind"
 
 
+def test_relative_paths(tmp_path, params, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    save_checkpoint("relative", config=CONFIG, params=params)
+    assert_same(load_checkpoint("relative")[1], params)
+
+
 def test_numpy_and_device_params_save_alike(tmp_path, params):
     host = jax.tree.map(np.asarray, params)
     save_checkpoint(tmp_path / "host", config=CONFIG, params=host)

@@ -1,0 +1,61 @@
+"""``scripts/convert.py``: a Hugging Face folder or llama2.c ``.bin`` → an llm_jax checkpoint folder."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from llm_jax.cli.common import CliParser, run_main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = CliParser(
+        description="Convert a Hugging Face model folder or a llama2.c .bin into an llm_jax checkpoint.")
+    p.add_argument("source", help="Hugging Face folder (config.json + *.safetensors) or llama2.c .bin")
+    p.add_argument("dest", help="checkpoint folder to create, e.g. checkpoints/llama-3.2-1b")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
+                   help="stored dtype (default: the source's own; float32 for llama2.c)")
+    p.add_argument("--force", action="store_true", help="replace dest if it is an llm_jax checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+class _Bars:
+    """One tqdm bar per stage (reading source tensors, then saving ours), advanced per tensor."""
+
+    def __init__(self):
+        self.bar = None
+        self.stage = None
+
+    def __call__(self, event) -> None:
+        from tqdm import tqdm
+
+        if event.stage != self.stage:
+            self.close()
+            self.stage = event.stage
+            self.bar = tqdm(total=event.total, desc=event.stage, unit="tensor", file=sys.stderr, leave=True)
+        self.bar.set_postfix_str(event.tensor, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Imported here so --help answers without starting JAX.
+    from llm_jax.weights.convert import convert
+
+    bars = None if args.quiet else _Bars()
+    try:
+        dest = convert(args.source, args.dest, dtype=args.dtype, force=args.force, progress=bars)
+    finally:
+        if bars is not None:
+            bars.close()
+    print(f"wrote {dest}", file=sys.stderr)
+    return 0
+
+
+def entry() -> int:
+    return run_main(main)

@@ -1,0 +1,177 @@
+"""Hugging Face ``config.json`` → :class:`ModelConfig`: one small builder per supported architecture.
+
+Every family is the same decoder with different switches; a builder only reads the family's field
+names and defaults. It owns the config quirks: the spellings of transformers 4 and 5 (``rope_theta`` /
+``rope_scaling`` vs ``rope_parameters``), fields that transformers fills in when a config omits them
+(the family defaults below), and Gemma's legacy ``hidden_act: gelu``.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Callable
+
+from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig
+
+
+def read_json(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, Any]:
+    """(theta, scaling) from either spelling: transformers 5 ``rope_parameters`` or 4 ``rope_theta``."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+    scaling = {**legacy, **params}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    match kind:
+        case "default" | None:
+            return theta, DefaultRope()
+        case "linear":
+            return theta, LinearRope(factor=float(scaling["factor"]))
+        case "llama3":
+            return theta, Llama3Rope(
+                factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+                high_freq_factor=float(scaling["high_freq_factor"]),
+                original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
+    raise ConfigError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+
+
+_ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU,
+                "gelu_pytorch_tanh": Activation.GELU_TANH, "gelu_new": Activation.GELU_TANH}
+
+
+def _activation(name: str | None, field: str) -> Activation:
+    if name not in _ACTIVATIONS:
+        raise ConfigError(f"{field}={name!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def _windows(hf: dict[str, Any]) -> dict[str, Any]:
+    """``sliding_window`` / ``sliding_layers`` from ``layer_types`` (transformers 5), Qwen's
+    ``use_sliding_window`` + ``max_window_layers``, or a bare ``sliding_window`` (every layer: Mistral)."""
+    window = hf.get("sliding_window")
+    if window is None or hf.get("use_sliding_window") is False:
+        return {}
+    n_layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None and "max_window_layers" in hf:  # Qwen before layer_types
+        types = ["sliding_attention" if i >= hf["max_window_layers"] else "full_attention" for i in range(n_layers)]
+    if types is None:
+        return {"sliding_window": int(window)}
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != n_layers:
+        raise ConfigError(f"layer_types {types} must list 'sliding_attention' or 'full_attention' for each of "
+                          f"the {n_layers} layers")
+    flags = tuple(t == "sliding_attention" for t in types)
+    return {"sliding_window": int(window), "sliding_layers": flags} if any(flags) else {}
+
+
+def _decoder(hf: dict[str, Any], **switches: Any) -> ModelConfig:
+    """The fields every family spells the Llama way, plus the family's switches."""
+    n_heads = hf["num_attention_heads"]
+    theta, scaling = _rope(hf)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads, d_ff=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta, rope_scaling=scaling, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **switches)
+
+
+def _refuse(hf: dict[str, Any], *fields: str) -> None:
+    """Features of a family that our decoder does not implement (biases it has no parameter for)."""
+    on = [f for f in fields if hf.get(f)]
+    if on:
+        raise ConfigError(f"{hf['architectures'][0]} with {', '.join(f'{f}=true' for f in on)} is not supported")
+
+
+def _llama(hf: dict[str, Any]) -> ModelConfig:
+    _refuse(hf, "attention_bias", "mlp_bias")
+    return _decoder(hf, activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"))
+
+
+def _mistral(hf: dict[str, Any]) -> ModelConfig:
+    return _decoder(hf, activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"), **_windows(hf))
+
+
+def _qwen2(hf: dict[str, Any]) -> ModelConfig:
+    # Qwen2 always has q/k/v biases (and none on o_proj); attention_bias is not read by transformers.
+    return _decoder(hf, activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"), qkv_bias=True,
+                    **_windows(hf))
+
+
+def _qwen3(hf: dict[str, Any]) -> ModelConfig:
+    _refuse(hf, "attention_bias")  # would put a bias on o_proj too
+    return _decoder(hf, activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"), qk_norm=True,
+                    **_windows(hf))
+
+
+_GEMMA_DEFAULTS = dict(head_dim=256, tie_word_embeddings=True)
+
+
+def _gemma(hf: dict[str, Any]) -> ModelConfig:
+    hf = {**_GEMMA_DEFAULTS, **hf}
+    _refuse(hf, "attention_bias")
+    act = hf.get("hidden_act") or hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    # The original Gemma releases say "gelu" but were trained with the tanh approximation; transformers
+    # rewrites it the same way.
+    act = "gelu_pytorch_tanh" if act == "gelu" else act
+    return _decoder(hf, activation=_activation(act, "hidden_act"), norm_weight_offset=1.0, embed_scale=True)
+
+
+_GEMMA2_DEFAULTS = dict(head_dim=256, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096)
+
+
+def _gemma2(hf: dict[str, Any]) -> ModelConfig:
+    hf = {**_GEMMA2_DEFAULTS, **hf}
+    _refuse(hf, "attention_bias")
+    if hf.get("layer_types") is None:  # Gemma 2 alternates: layers 0, 2, 4, ... use the window
+        hf["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                             for i in range(hf["num_hidden_layers"])]
+    return _decoder(hf, activation=_activation(hf.get("hidden_activation", "gelu_pytorch_tanh"), "hidden_activation"),
+                    norm_weight_offset=1.0, embed_scale=True, sandwich_norm=True,
+                    query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+                    attn_logit_softcap=hf["attn_logit_softcapping"], final_logit_softcap=hf["final_logit_softcapping"],
+                    **_windows(hf))
+
+
+# ``architectures`` entry → builder of our config from config.json
+ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
+    "LlamaForCausalLM": _llama,
+    "MistralForCausalLM": _mistral,
+    "Qwen2ForCausalLM": _qwen2,
+    "Qwen3ForCausalLM": _qwen3,
+    "GemmaForCausalLM": _gemma,
+    "Gemma2ForCausalLM": _gemma2,
+}
+
+
+def config_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> ModelConfig:
+    archs = hf.get("architectures") or []
+    known = [a for a in archs if a in ARCHITECTURES]
+    if not known:
+        raise ConfigError(f"{where}: unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")
+    hf = {**hf, "architectures": known}
+    try:
+        return ARCHITECTURES[known[0]](hf)
+    except KeyError as e:
+        raise ConfigError(f"{where}: missing field {e.args[0]!r} for {known[0]}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def read_hf_config(folder: pathlib.Path) -> ModelConfig:
+    return config_from_hf(read_json(folder / "config.json"), where=str(folder / "config.json"))
