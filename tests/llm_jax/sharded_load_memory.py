@@ -1,19 +1,17 @@
-"""Host memory of loading a model sharded over a mesh, against the size of one copy of its params.
+"""Host memory of loading a model sharded over a mesh, against what its devices end up holding.
 
     python tests/llm_jax/sharded_load_memory.py save DIR [--scale N]      # random model, llm_jax checkpoint
     python tests/llm_jax/sharded_load_memory.py save-hf DIR [--scale N]   # the same shapes, Hugging Face folder
     python tests/llm_jax/sharded_load_memory.py load DIR --mesh data=1,model=8
 
 ``load`` runs in a fresh process (for 8 simulated CPU devices, with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``) and prints JSON: the params' bytes (one full
-copy), and the peak resident memory the load added above what the process held before. On CPU the
-devices' buffers are host memory too, so the sharded params themselves count as one copy: a load that
-stages a full host copy shows a ratio near 2, one that reads each device's shard straight from the
-files stays near 1.
-
-Measured twice in the same process: ``first`` includes compiling the restore's programs (a constant,
-a few tens of MB, that matters only for small models); ``again`` reloads after the first copy is freed,
-with the peak counter reset (Linux ``/proc/self/clear_refs``), so only the data's footprint counts.
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``), loads once with ``llm_jax.load(DIR, mesh=...)``
+and prints JSON: the peak resident memory the load added over what the process held before, against
+``device_bytes``, what the devices must hold in the end (one copy of the params per ``data`` replica).
+On CPU the devices' buffers are host memory, so a load that reads each device's shard straight from
+the files peaks near 1× ``device_bytes`` (plus a constant for compiling and the I/O machinery, tens
+of MB, which only small models notice); one that stages a full host copy first peaks near 2×.
+(A second load in the same process would under-count: it reuses memory the allocator kept.)
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ import numpy as np
 def config_for(scale: int):
     from llm_jax.config import ModelConfig
 
-    # A Llama-shaped model: about 34M params (136 MB in float32) per unit of scale.
+    # A Llama-shaped model: 20M params (82 MB in float32) at scale 1, 134M (535 MB) at scale 3.
     return ModelConfig(vocab_size=8192, d_model=512 * scale, n_layers=4, n_heads=8 * scale, n_kv_heads=2 * scale,
                        head_dim=64, d_ff=1536 * scale, max_seq_len=256)
 
@@ -81,21 +79,16 @@ def load(folder: pathlib.Path, mesh_spec: str) -> dict:
     config = read_metadata(folder)[0] if fmt is sources.WeightFormat.LLM_JAX else sources.source_config(folder, fmt)
     param_bytes = sum(s.size * np.dtype(config.param_dtype).itemsize for s in jax.tree.leaves(param_shapes(config)))
 
-    def measure() -> dict:
-        gc.collect()
-        before = _status_kib("VmRSS")
-        reset = _reset_peak()
-        params = llm_jax.load(folder, mesh=mesh).params
-        jax.block_until_ready(params)
-        peak = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        shard_bytes = sum(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
-        local_max = max(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
-        del params
-        return {"peak_added_bytes": (peak - before) * 1024, "ratio": (peak - before) * 1024 / param_bytes,
-                "device_shard_bytes": shard_bytes, "largest_shard_bytes": local_max, "peak_reset": reset}
-
+    gc.collect()
+    before = _status_kib("VmRSS")
+    reset = _reset_peak()
+    params = llm_jax.load(folder, mesh=mesh).params
+    jax.block_until_ready(params)
+    peak = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    added = (peak - before) * 1024
+    device_bytes = sum(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
     return {"devices": jax.device_count(), "mesh": dict(mesh.shape), "param_bytes": param_bytes,
-            "first": measure(), "again": measure()}
+            "device_bytes": device_bytes, "peak_added_bytes": added, "ratio": added / device_bytes}
 
 
 def main(argv: list[str] | None = None) -> int:
