@@ -15,11 +15,13 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.model import Params, forward_extend, unembed
 from llm_jax.sampling import Sampling, SamplingParams, sample
+from llm_jax.sharding import constrain_cache, constrain_replicated
 
 PAD_ID = -1  # emitted by finished sequences
 
@@ -88,27 +90,35 @@ def _advance(token_B: jax.Array, running_B: jax.Array, num_generated_B: jax.Arra
                        num_generated_B=num_generated_B, finish_reason_B=finish_B)
 
 
-@jax.jit
-def start(last_logits_BV: jax.Array, cache: KVCache, controls: DecodeControls) -> DecodeState:
-    """Sample each sequence's first token from its prefill logits."""
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def start(last_logits_BV: jax.Array, cache: KVCache, controls: DecodeControls, *,
+          mesh: Mesh | None = None) -> DecodeState:
+    """Sample each sequence's first token from its prefill logits (the state whole on every device of
+    ``mesh``, for the host to read)."""
     B = last_logits_BV.shape[0]
     zeros_B = jnp.zeros((B,), jnp.int32)
     token_B = sample(last_logits_BV, controls.sampling, zeros_B)
-    return _advance(token_B, jnp.ones((B,), bool), zeros_B, zeros_B, controls, cache.lengths_B, cache.max_len)
+    state = _advance(token_B, jnp.ones((B,), bool), zeros_B, zeros_B, controls, cache.lengths_B, cache.max_len)
+    return constrain_replicated(state, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps"), donate_argnames=("cache", "state"))
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "mesh"), donate_argnames=("cache", "state"))
 def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeState, controls: DecodeControls,
-           *, num_steps: int) -> tuple[KVCache, DecodeState, jax.Array]:
+           *, num_steps: int, mesh: Mesh | None = None) -> tuple[KVCache, DecodeState, jax.Array]:
     """Run ``num_steps`` decode steps: the new cache and state, and the emitted tokens [B, num_steps]
-    (``PAD_ID`` for rows that had already finished). ``cache`` and ``state`` are donated."""
+    (``PAD_ID`` for rows that had already finished). ``cache`` and ``state`` are donated.
+
+    With a ``mesh`` (params and cache laid out by ``llm_jax.sharding``) the cache stays sharded from step
+    to step; the state and tokens come back whole on every device, for the host to read.
+    """
+    cache, state = constrain_cache(cache, mesh), constrain_replicated(state, mesh)
 
     def step(carry, _):
         cache, state = carry
 
         def run(cache, state):
             running_B = ~state.done_B
-            x_B1D, cache = forward_extend(params, config, state.tokens_B[:, None], cache, running_B)
+            x_B1D, cache = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh)
             logits_BV = unembed(params, config, x_B1D)[:, 0]
             token_B = sample(logits_BV, controls.sampling, state.num_generated_B)
             new_state = _advance(token_B, running_B, state.num_generated_B, state.finish_reason_B, controls,
@@ -123,4 +133,4 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
         return (cache, state), state.tokens_B
 
     (cache, state), tokens_SB = jax.lax.scan(step, (cache, state), None, length=num_steps)
-    return cache, state, tokens_SB.T
+    return constrain_cache(cache, mesh), *constrain_replicated((state, tokens_SB.T), mesh)

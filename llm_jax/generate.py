@@ -13,8 +13,9 @@ from typing import Iterator, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from llm_jax import buckets
+from llm_jax import buckets, sharding
 from llm_jax.compile_stats import measure_compilation
 from llm_jax.decode import PAD_ID, DecodeControls, FinishReason, decode, start
 from llm_jax.detokenize import IncrementalDetokenizer
@@ -155,7 +156,7 @@ class GenerationStream:
 
     def __init__(self, model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | Sequence[int],
                  sampling: Sampling | Sequence[Sampling], stop_token_ids: Sequence[int],
-                 stop: Sequence[str], ignore_eos: bool, chunk_steps: int):
+                 stop: Sequence[str], ignore_eos: bool, chunk_steps: int, mesh: Mesh | str | None = None):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
         if chunk_steps < 1:
@@ -164,6 +165,9 @@ class GenerationStream:
             stop = [stop]
         if stop and model.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer, and {model.path} has none; use stop_token_ids")
+        if mesh is not None:
+            mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
+            model = model if model.mesh == mesh else model.shard(mesh)
         self.model, self.prompts, self.chunk_steps, self.stop = model, list(prompts), chunk_steps, list(stop)
         config = model.config
         self.prompt_ids = encode_prompts(model, prompts)
@@ -190,13 +194,14 @@ class GenerationStream:
         return self._run()
 
     def _run(self) -> Iterator[StreamEvent]:
-        model, config, n = self.model, self.model.config, len(self.prompts)
+        model, config, n, mesh = self.model, self.model.config, len(self.prompts), self.model.mesh
         tokens_BT, lengths_B = pad_prompts(self.prompt_ids, self.block_len)
         t_start = time.perf_counter()
         with measure_compilation() as compiled:
-            cache = init_cache(config, n, self.cache_len)
-            logits_BV, cache = prefill(model.params, config, tokens_BT, lengths_B, cache)
-            state = start(logits_BV, cache, self.controls)
+            layout = None if mesh is None else sharding.cache_shardings(config, n, self.cache_len, mesh)
+            cache = init_cache(config, n, self.cache_len, sharding=layout)
+            logits_BV, cache = prefill(model.params, config, tokens_BT, lengths_B, cache, mesh=mesh)
+            state = start(logits_BV, cache, self.controls, mesh=mesh)
             new_BS = np.asarray(state.tokens_B)[:, None]
             t_first, compile_before_decode = time.perf_counter(), compiled.seconds
             rows = [_RowText(model.tokenizer, ids, self.stop) for ids in self.prompt_ids]
@@ -228,7 +233,7 @@ class GenerationStream:
                     state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
                 t_chunk, compile_before_chunk = time.perf_counter(), compiled.seconds
                 cache, state, new_BS = decode(model.params, config, cache, state, self.controls,
-                                              num_steps=self.chunk_steps)
+                                              num_steps=self.chunk_steps, mesh=mesh)
                 new_BS = np.asarray(new_BS)
                 # A chunk that compiled decode says nothing about step time: take the compilation out.
                 chunk_s = time.perf_counter() - t_chunk - (compiled.seconds - compile_before_chunk)
@@ -253,7 +258,7 @@ class GenerationStream:
 def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: int | Sequence[int] = 128,
                     sampling: Sampling | Sequence[Sampling] = GREEDY, stop_token_ids: Sequence[int] = (),
                     stop: str | Sequence[str] = (), ignore_eos: bool = False,
-                    chunk_steps: int = DEFAULT_CHUNK_STEPS) -> GenerationStream:
+                    chunk_steps: int = DEFAULT_CHUNK_STEPS, mesh: Mesh | str | None = None) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     ``sampling`` is one :class:`Sampling` for every prompt or one per prompt; so is ``max_new_tokens``.
@@ -261,11 +266,13 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
     ``stop_token_ids``, a ``stop`` string (the text is cut before it; the tokens that completed it stay
     in ``output_ids``), or after ``max_new_tokens`` tokens or when the context is full. The streamed
     text pieces of a prompt concatenate to its result's ``text``: what the generated tokens add after
-    the prompt's own text.
+    the prompt's own text. ``mesh`` (a ``Mesh`` or a spec like ``"data=2,model=4"``) runs sharded over
+    devices; a model loaded on another mesh (or none) is laid out on it first — load with ``mesh=`` to
+    avoid that copy.
     """
     return GenerationStream(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                             stop_token_ids=stop_token_ids, stop=stop, ignore_eos=ignore_eos,
-                            chunk_steps=chunk_steps)
+                            chunk_steps=chunk_steps, mesh=mesh)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:
