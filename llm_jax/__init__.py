@@ -49,6 +49,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # Orchestration.
     "generate": ("GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError",
                  "StreamEvent", "generate", "generate_stream"),
+    # Running on many devices (more in ``llm_jax.sharding`` and ``llm_jax.distributed``).
+    "sharding": ("make_mesh",),
 }
 
 __all__ = [name for names in _EXPORTS.values() for name in names]

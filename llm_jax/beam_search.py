@@ -21,6 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from llm_jax.config import ModelConfig
 from llm_jax.decode import DecodeControls, take_cache_rows
@@ -28,6 +29,7 @@ from llm_jax.kv_cache import KVCache
 from llm_jax.logits_processors import PAD_ID
 from llm_jax.model import Params, forward_extend, unembed
 from llm_jax.sampling import process_logits
+from llm_jax.sharding import constrain_replicated
 
 _NEG = -1.0e9  # transformers' "very large negative" score for excluded candidates
 
@@ -102,12 +104,14 @@ def _gather(x_BW_, index_BW):
     return jnp.take_along_axis(x_BW_, index_BW.reshape(*index_BW.shape, *([1] * (x_BW_.ndim - 2))), axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "search", "max_new_tokens"))
+@functools.partial(jax.jit, static_argnames=("config", "search", "max_new_tokens", "mesh"))
 def beam_search(params: Params, config: ModelConfig, last_logits_BV: jax.Array, prompts_BT: jax.Array,
-                cache: KVCache, controls: DecodeControls, *, search: BeamSearch, max_new_tokens: int) -> Beams:
+                cache: KVCache, controls: DecodeControls, *, search: BeamSearch, max_new_tokens: int,
+                mesh: Mesh | None = None) -> Beams:
     """Beam search from prefilled prompts: ``last_logits_BV`` and ``cache`` come from ``prefill`` (B rows,
     copied to B·W), ``controls`` has one row per prompt (greedy settings; its processors, end ids and budgets
-    apply per beam). ``max_new_tokens`` (static) bounds every row's budget."""
+    apply per beam). ``max_new_tokens`` (static) bounds every row's budget. ``mesh``: the mesh params and
+    cache are laid out on (``llm_jax.sharding``); the beams come back whole on every device."""
     B, V = last_logits_BV.shape
     W, M = search.num_beams, max_new_tokens
     end_ids_BE, budget_B1 = controls.end_ids_BE, jnp.asarray(controls.max_new_tokens_B)[:, None]
@@ -161,7 +165,7 @@ def beam_search(params: Params, config: ModelConfig, last_logits_BV: jax.Array, 
         active_N = jnp.ones((B * W,), bool)
         cache = take_cache_rows(s.cache, source_N)
         history = jax.tree.map(lambda a: a[source_N], s.history).append(new_N, active_N)
-        x_N1D, cache = forward_extend(params, config, new_N[:, None], cache, active_N, hooks=controls.hooks)[:2]
+        x_N1D, cache = forward_extend(params, config, new_N[:, None], cache, active_N, mesh, hooks=controls.hooks)[:2]
         return _Search(step=s.step + 1, logits_NV=unembed(params, config, x_N1D)[:, 0], cache=cache,
                        history=history, running_BWM=running_BWM, running_scores_BW=running_scores_BW,
                        finished_BWM=finished_BWM, finished_lengths_BW=_gather(lengths_BX, best_BW),
@@ -183,4 +187,5 @@ def beam_search(params: Params, config: ModelConfig, last_logits_BV: jax.Array, 
     R = search.num_return_sequences
     lengths_BR = s.finished_lengths_BW[:, :R]
     tokens_BRM = jnp.where(jnp.arange(M) < lengths_BR[..., None], s.finished_BWM[:, :R], PAD_ID)
-    return Beams(tokens_BWM=tokens_BRM, lengths_BW=lengths_BR, scores_BW=s.finished_scores_BW[:, :R])
+    return constrain_replicated(Beams(tokens_BWM=tokens_BRM, lengths_BW=lengths_BR,
+                                      scores_BW=s.finished_scores_BW[:, :R]), mesh)

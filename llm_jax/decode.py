@@ -17,6 +17,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from llm_jax import stop_matching
 from llm_jax.config import ModelConfig
@@ -25,6 +26,7 @@ from llm_jax.logits_processors import PAD_ID, History
 from llm_jax.logprobs import chosen_and_top
 from llm_jax.model import LayerHooks, Params, forward_extend, unembed
 from llm_jax.sampling import Sampling, SamplingParams, process_logits, sample
+from llm_jax.sharding import constrain_cache, constrain_replicated
 from llm_jax.stop_matching import StopTable
 from llm_jax.tokenizer import Tokenizer
 
@@ -207,11 +209,12 @@ def _advance(token_B: jax.Array, running_B: jax.Array, state: DecodeState, contr
                        history=state.history.append(token_B, running_B), stop_window_BP=window_BP)
 
 
-@jax.jit
-def start(last_logits_BV: jax.Array, prompts_BT: jax.Array, cache: KVCache,
-          controls: DecodeControls) -> tuple[DecodeState, Emitted]:
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def start(last_logits_BV: jax.Array, prompts_BT: jax.Array, cache: KVCache, controls: DecodeControls, *,
+          mesh: Mesh | None = None) -> tuple[DecodeState, Emitted]:
     """Choose each sequence's first token from its prefill logits; the state starts from the prompts
-    (right-padded ``prompts_BT``, ``cache.lengths_B`` tokens each). The emitted arrays are [B, 1]."""
+    (right-padded ``prompts_BT``, ``cache.lengths_B`` tokens each). The emitted arrays are [B, 1]; they
+    and the state come back whole on every device of ``mesh``, for the host to read."""
     B, V = last_logits_BV.shape
     zeros_B = jnp.zeros((B,), jnp.int32)
     history = controls.sampling.new_history(prompts_BT, cache.lengths_B, V=V, capacity=cache.max_len + 1)
@@ -221,23 +224,28 @@ def start(last_logits_BV: jax.Array, prompts_BT: jax.Array, cache: KVCache,
     token_B, emitted = _choose(last_logits_BV, state, controls)
     state = _advance(token_B, jnp.ones((B,), bool), state, controls, cache.lengths_B, cache.max_len)
     emitted = dataclasses.replace(emitted, tokens_BS=state.tokens_B)
-    return state, jax.tree.map(lambda a: a[:, None], emitted)
+    return constrain_replicated((state, jax.tree.map(lambda a: a[:, None], emitted)), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps"), donate_argnames=("cache", "state"))
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "mesh"), donate_argnames=("cache", "state"))
 def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeState, controls: DecodeControls,
-           *, num_steps: int) -> tuple[KVCache, DecodeState, Emitted]:
+           *, num_steps: int, mesh: Mesh | None = None) -> tuple[KVCache, DecodeState, Emitted]:
     """Run ``num_steps`` decode steps: the new cache and state, and what each row emitted per step
     ([B, num_steps, ...]; ``PAD_ID`` tokens for rows that had already finished). ``cache`` and ``state``
-    are donated."""
+    are donated.
+
+    With a ``mesh`` (params and cache laid out by ``llm_jax.sharding``) the cache stays sharded from step
+    to step; the state and what was emitted come back whole on every device, for the host to read.
+    """
     hooks = controls.hooks
+    cache, state = constrain_cache(cache, mesh), constrain_replicated(state, mesh)
 
     def step(carry, _):
         cache, state = carry
 
         def run(cache, state):
             running_B = ~state.done_B
-            x_B1D, cache, *hidden = forward_extend(params, config, state.tokens_B[:, None], cache, running_B,
+            x_B1D, cache, *hidden = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh,
                                                    hooks=hooks)
             token_B, emitted = _choose(unembed(params, config, x_B1D)[:, 0], state, controls)
             state = _advance(token_B, running_B, state, controls, cache.lengths_B, cache.max_len)
@@ -253,4 +261,5 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
         return (cache, state), emitted
 
     (cache, state), emitted_S = jax.lax.scan(step, (cache, state), None, length=num_steps)
-    return cache, state, jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), emitted_S)
+    emitted = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), emitted_S)
+    return constrain_cache(cache, mesh), *constrain_replicated((state, emitted), mesh)

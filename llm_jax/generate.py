@@ -16,8 +16,9 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from llm_jax import buckets
+from llm_jax import buckets, sharding
 from llm_jax.beam_search import BeamSearch, EarlyStopping, beam_search
 from llm_jax.compile_stats import measure_compilation
 from llm_jax.decode import PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, decode, start, take_cache_rows
@@ -198,13 +199,16 @@ class GenerationStream:
                  min_new_tokens: int | Sequence[int] = 0, n: int = 1, logprobs: int | None = None,
                  raw_logprobs: bool = False, prompt_logprobs: int | None = None, hidden_layers: Sequence[int] = (),
                  steering: np.ndarray | None = None, return_kv_cache: bool = False,
-                 beams: BeamSearch | None = None):
+                 beams: BeamSearch | None = None, mesh: Mesh | str | None = None):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
         if chunk_steps < 1:
             raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
+        if mesh is not None:
+            mesh = sharding.make_mesh(mesh) if isinstance(mesh, str) else mesh
+            model = model if model.mesh == mesh else model.shard(mesh)
         self.model, self.prompts, self.chunk_steps = model, list(prompts), chunk_steps
         config = model.config
         self.prompt_ids = encode_prompts(model, prompts)
@@ -272,16 +276,18 @@ class GenerationStream:
         return self._run()
 
     def _prefill(self, tokens_BT, lengths_B) -> tuple[jax.Array, KVCache, PrefillExtras | None]:
-        config, params = self.model.config, self.model.params
-        cache = init_cache(config, len(self.prompt_ids), self.cache_len)
+        config, params, mesh = self.model.config, self.model.params, self.model.mesh
+        P = len(self.prompt_ids)
+        layout = None if mesh is None else sharding.cache_shardings(config, P, self.cache_len, mesh)
+        cache = init_cache(config, P, self.cache_len, sharding=layout)
         hooks = self.prompt_hooks
         if hooks.steering_BLD is None and not hooks.record_layers and self.prompt_logprobs is None:
-            return (*prefill(params, config, tokens_BT, lengths_B, cache), None)
+            return (*prefill(params, config, tokens_BT, lengths_B, cache, mesh=mesh), None)
         return prefill_with_extras(params, config, tokens_BT, lengths_B, cache, hooks,
-                                   prompt_logprobs=self.prompt_logprobs)
+                                   prompt_logprobs=self.prompt_logprobs, mesh=mesh)
 
     def _run(self) -> Iterator[StreamEvent]:
-        model, config = self.model, self.model.config
+        model, config, mesh = self.model, self.model.config, self.model.mesh
         tokens_BT, lengths_B = pad_prompts(self.prompt_ids, self.block_len)
         t_start = time.perf_counter()
         with measure_compilation() as compiled:
@@ -292,7 +298,7 @@ class GenerationStream:
             rows = jnp.asarray(self.rows)
             if self.n > 1:  # the samples of a prompt share its prefill: copy its cache rows
                 logits_BV, cache = logits_BV[rows], take_cache_rows(cache, rows)
-            state, emitted = start(logits_BV, tokens_BT[self.rows], cache, self.controls)
+            state, emitted = start(logits_BV, tokens_BT[self.rows], cache, self.controls, mesh=mesh)
             emitted = jax.device_get(emitted)
             t_first, compile_before_decode = time.perf_counter(), compiled.seconds
             texts = [_RowText(model.tokenizer, self.prompt_ids[p], stops, minimum)
@@ -328,7 +334,7 @@ class GenerationStream:
                     state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
                 t_chunk, compile_before_chunk = time.perf_counter(), compiled.seconds
                 cache, state, emitted = decode(model.params, config, cache, state, self.controls,
-                                               num_steps=self.chunk_steps)
+                                               num_steps=self.chunk_steps, mesh=mesh)
                 emitted = jax.device_get(emitted)
                 host_syncs += 1
                 # A chunk that compiled decode says nothing about step time: take the compilation out.
@@ -385,7 +391,7 @@ class GenerationStream:
     def _run_beams(self, logits_BV, tokens_BT, cache, extras, t_start, compiled) -> Iterator[StreamEvent]:
         model, search = self.model, self.beams
         beams = jax.device_get(beam_search(model.params, model.config, logits_BV, tokens_BT, cache, self.controls,
-                                           search=search, max_new_tokens=self.max_new_tokens))
+                                           search=search, max_new_tokens=self.max_new_tokens, mesh=model.mesh))
         t_end = time.perf_counter()
         end_ids = set(model.eos_ids) | set(int(t) for t in np.asarray(self.controls.stop_ids_BX).ravel())
         tok, prompt_extras = model.tokenizer, self._prompt_extras(extras)
@@ -448,7 +454,7 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                     hidden_layers: Sequence[int] = (), steering: np.ndarray | None = None,
                     return_kv_cache: bool = False, num_beams: int = 1, length_penalty: float = 1.0,
                     early_stopping: bool | str = False, num_return_sequences: int = 1,
-                    chunk_steps: int = DEFAULT_CHUNK_STEPS) -> GenerationStream:
+                    chunk_steps: int = DEFAULT_CHUNK_STEPS, mesh: Mesh | str | None = None) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     Per prompt (one value for all, or a list with one per prompt): ``sampling`` (a :class:`Sampling`:
@@ -458,7 +464,8 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
     list per prompt). Generation of a completion ends at one of the model's EOS ids (unless
     ``ignore_eos``), a stop token id, a ``stop`` string — detected on device; the text is cut before it,
     the tokens that completed it stay in ``output_ids`` — after ``max_new_tokens`` tokens, or when the
-    context is full. The streamed text pieces of a completion concatenate to its result's ``text``.
+    context is full. The streamed text pieces of a completion concatenate to its result's ``text``: what
+    the generated tokens add after the prompt's own text.
 
     ``n`` samples per prompt share one prefill (sample i draws with ``fold_in(key(seed), i)``).
     ``logprobs`` (an int: how many top alternatives) reports each output token's log-probability after
@@ -467,6 +474,9 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
     added after each layer; ``return_kv_cache`` keeps the final cache on the stream (``kv_cache``).
     ``num_beams > 1`` runs beam search (``length_penalty``, ``early_stopping``: True, False or "never",
     ``num_return_sequences``), as ``transformers``' ``generate(num_beams=..., do_sample=False)``.
+
+    ``mesh`` (a ``Mesh`` or a spec like ``"data=2,model=4"``) runs sharded over devices; a model loaded
+    on another mesh (or none) is laid out on it first — load with ``mesh=`` to avoid that copy.
     """
     beams = None
     if num_beams > 1 or num_return_sequences > 1:
@@ -477,7 +487,7 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                             stop_token_ids=stop_token_ids, stop=stop, ignore_eos=ignore_eos, chunk_steps=chunk_steps,
                             min_new_tokens=min_new_tokens, n=n, logprobs=logprobs, raw_logprobs=raw_logprobs,
                             prompt_logprobs=prompt_logprobs, hidden_layers=hidden_layers, steering=steering,
-                            return_kv_cache=return_kv_cache, beams=beams)
+                            return_kv_cache=return_kv_cache, beams=beams, mesh=mesh)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:

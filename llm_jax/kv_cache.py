@@ -36,16 +36,22 @@ class KVCache:
         return self.k_LBSKH.nbytes + self.v_LBSKH.nbytes + self.lengths_B.nbytes
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-    """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens (default dtype: compute)."""
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None, *, sharding=None) -> KVCache:
+    """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens (default dtype: compute).
+
+    ``sharding``: a :class:`KVCache` of shardings (``llm_jax.sharding.cache_shardings``); each device
+    then allocates only its own shard.
+    """
     if max_len > config.max_seq_len:
         raise ValueError(f"cache max_len={max_len} exceeds the model's context of {config.max_seq_len} tokens")
     if batch_size <= 0 or max_len <= 0:
         raise ValueError(f"cache needs a positive batch_size and max_len, got {batch_size=} {max_len=}")
     dtype = jnp.dtype(dtype or config.compute_dtype)
     shape = (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim)
-    return KVCache(k_LBSKH=jnp.zeros(shape, dtype), v_LBSKH=jnp.zeros(shape, dtype),
-                   lengths_B=jnp.zeros((batch_size,), jnp.int32))
+    on = sharding or KVCache(k_LBSKH=None, v_LBSKH=None, lengths_B=None)
+    return KVCache(k_LBSKH=jnp.zeros(shape, dtype, device=on.k_LBSKH),
+                   v_LBSKH=jnp.zeros(shape, dtype, device=on.v_LBSKH),
+                   lengths_B=jnp.zeros((batch_size,), jnp.int32, device=on.lengths_B))
 
 
 def cache_bytes_per_token(config: ModelConfig, dtype=None) -> int:
@@ -63,6 +69,10 @@ def write_block(cache_LBSKH: jax.Array, layer: jax.Array, new_BTKH: jax.Array) -
 
 def write_tokens(cache_LBSKH: jax.Array, layer: jax.Array, slots_BT: jax.Array, new_BTKH: jax.Array) -> jax.Array:
     """Write token (b, t) at slot ``slots_BT[b, t]`` of ``layer``; out-of-range slots are dropped."""
-    B, T = slots_BT.shape
-    b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    return cache_LBSKH.at[layer, b_BT, slots_BT].set(new_BTKH.astype(cache_LBSKH.dtype), mode="drop")
+
+    # Mapped over rows, the scatter keeps B as a batching dimension: a cache split by batch
+    # (llm_jax.sharding) is then written shard by shard, with no collective.
+    def write_row(cache_LSKH, slots_T, new_TKH):
+        return cache_LSKH.at[layer, slots_T].set(new_TKH.astype(cache_LSKH.dtype), mode="drop")
+
+    return jax.vmap(write_row, in_axes=(1, 0, 0), out_axes=1)(cache_LBSKH, slots_BT, new_BTKH)

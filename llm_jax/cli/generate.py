@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from llm_jax.loading import Model
 
 STDIN = "-"
+# The story model trained by scripts/train_tiny.py, shipped in the repository's checkpoints/ folder; found
+# relative to this file, so it works from any current directory of a source checkout or editable install.
+DEFAULT_MODEL = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "stories-1m"
 
 DESCRIPTION = "Generate text with llm_jax, streaming it to stdout as it is generated."
 EPILOG = """\
@@ -51,9 +54,11 @@ errors:
   One line 'error: ...' on stderr; exit status 1 (2 for a misused flag, 130 on Ctrl-C).
 
 examples:
+  generate.py --prompt "Once upon a time"      # the story model shipped in checkpoints/
   generate.py --model stories260K.bin --prompt "Once upon a time" --max-new-tokens 100
   echo "Once upon a time" | generate.py --model stories260K.bin --prompt - --json
   generate.py --model path/to/chat-model --chat --system "You are terse."
+  generate.py --model path/to/big-model --dtype bfloat16 --mesh model=8 --prompt "Hi"     # 8 GPUs
 """
 
 
@@ -66,12 +71,15 @@ def build_parser() -> CliParser:
     _add_processor_flags(parser.add_argument_group("logits processors (greedy and sampled)"))
     _add_search_flags(parser.add_argument_group("several completions"))
     _add_output_flags(parser.add_argument_group("output"))
+    _add_device_flags(parser.add_argument_group(
+        "many devices and hosts (docs/running_on_many_devices.md; on several hosts run the same command on each)"))
     return parser
 
 
 def _add_model_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--model", required=True, metavar="PATH",
-                       help="llama2.c .bin file, Hugging Face model folder, or llm_jax checkpoint folder")
+    group.add_argument("--model", default=str(DEFAULT_MODEL), metavar="PATH",
+                       help="llama2.c .bin file, Hugging Face model folder, or llm_jax checkpoint folder "
+                            "(default: the story model shipped in checkpoints/)")
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                        help="parameter and compute dtype (default: the checkpoint's)")
     group.add_argument("--attention", choices=["xla", "pallas"], default="xla",
@@ -176,6 +184,18 @@ def _add_output_flags(group: argparse._ArgumentGroup) -> None:
                        help="no metrics line on stderr (--json has the metrics in its object)")
 
 
+def _add_device_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--mesh", metavar="SPEC",
+                       help="shard the model over devices: 'model=8', 'data=2,model=4', ... (default: one device; "
+                            "with several processes, model over each host's devices and data across hosts)")
+    group.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="address of process 0 of a multi-process run (default: $JAX_COORDINATOR_ADDRESS)")
+    group.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=non_negative_int, metavar="I", help="this process, 0 to N-1")
+    group.add_argument("--distributed", action="store_true",
+                       help="join the multi-process run the cluster describes (Slurm, Open MPI, Kubernetes, Cloud TPU)")
+
+
 def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
     """Combinations argparse cannot express; usage errors (exit 2) before anything is loaded."""
     id_prompts = [p for p in args.prompts if not isinstance(p, str)]
@@ -197,6 +217,14 @@ def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
             parser.error("--system needs --chat")
         if not args.prompts:
             parser.error("give a --prompt or --prompt-ids (or --chat)")
+    if args.chat and _distributed(args):
+        parser.error("--chat runs in one process: it cannot be combined with several processes")
+
+
+def _distributed(args: argparse.Namespace) -> bool:
+    from llm_jax import distributed
+
+    return args.distributed or distributed.requested(args.coordinator, args.num_processes, args.process_id)
 
 
 def read_prompts(prompts: list[str | list[int]]) -> list[str | list[int]]:
@@ -228,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_flags(parser, args)
+    if args.model == str(DEFAULT_MODEL) and not DEFAULT_MODEL.exists():
+        raise CliError(f"the default model {DEFAULT_MODEL} is missing: it ships with the llm_jax repository "
+                       "(a non-editable install has no checkpoints/ folder); pass --model")
     if not pathlib.Path(args.model).exists():
         raise CliError(f"model path {args.model} does not exist")
     template = _chat_template(args.model) if args.chat else None
@@ -235,10 +266,19 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    from llm_jax import distributed
     from llm_jax.loading import load
+    from llm_jax.sharding import make_mesh
 
+    if _distributed(args):
+        try:
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        except distributed.DistributedError as e:
+            raise CliError(str(e)) from None
+    # Every process runs the same program; several processes always shard over all their devices.
+    mesh = args.mesh if args.mesh is not None or jax.process_count() == 1 else make_mesh()
     try:
-        model = load(args.model, dtype=args.dtype, attention=args.attention)
+        model = load(args.model, dtype=args.dtype, attention=args.attention, mesh=mesh)
         if args.chat:
             return run_chat(model, template, system=args.system, first_messages=prompts,
                             generation=generation_options(args), quiet=args.quiet)
@@ -255,9 +295,15 @@ def _chat_template(model_path: str):
 
 
 def _generate(args: argparse.Namespace, model: Model, prompts: list[str | list[int]]) -> int:
+    import jax
+
     from llm_jax.generate import generate_stream
 
     stream = generate_stream(model, prompts, **generation_options(args))
+    if jax.process_index() != 0:  # runs its part of every step; process 0 reports
+        for _ in stream:
+            pass
+        return 0
     if args.json:
         for _ in stream:
             pass

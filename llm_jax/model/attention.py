@@ -7,13 +7,17 @@ query heads as [K, G] so several query heads share one K/V head without material
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from flax import linen as nn
+from jax.sharding import Mesh
 
 import pallas_kernels
 from llm_jax.config import AttentionImpl, ModelConfig
 from llm_jax.model.layers import RMSNorm, _init, dense
 from llm_jax.model.rope import apply_rope, inverse_frequencies, rope_angles
+from llm_jax.sharding import attention_on_shards
 
 # Masked scores get a large finite negative value rather than -inf, so a row with no visible key
 # (padding) gives zeros instead of NaN.
@@ -85,19 +89,21 @@ def xla_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, *, scale
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, *, config: ModelConfig,
-              window: int | None, queries_from_zero: bool) -> jnp.ndarray:
+              window: int | None, queries_from_zero: bool, mesh: Mesh | None = None) -> jnp.ndarray:
     """Attention of ``q`` over keys/values [B, S, K, H] with the implementation the config selects.
 
     ``queries_from_zero`` says that query t sits at position t (prefill and full forward), which the
     fused prefill kernel assumes; otherwise a single query per row sits at ``kv_lengths_B - 1`` (decode).
+    ``mesh``: the mesh of a sharded run, on whose shards a kernel runs (XLA cannot partition a kernel).
     """
     common = dict(sm_scale=config.attn_scale, sliding_window=window, logit_softcap=config.attn_logit_softcap)
     match config.attention_impl:
         case AttentionImpl.PALLAS if queries_from_zero:
-            return pallas_kernels.flash_attention(q_BTNH, k_BSKH, v_BSKH, kv_lengths_B, **common)
+            kernel = functools.partial(pallas_kernels.flash_attention, **common)
+            return attention_on_shards(kernel, mesh, q_BTNH, k_BSKH, v_BSKH, kv_lengths_B)
         case AttentionImpl.PALLAS if q_BTNH.shape[1] == 1:
-            o_BNH = pallas_kernels.decode_attention(q_BTNH[:, 0], k_BSKH, v_BSKH, kv_lengths_B, **common)
-            return o_BNH[:, None]
+            kernel = functools.partial(pallas_kernels.decode_attention, **common)
+            return attention_on_shards(kernel, mesh, q_BTNH[:, 0], k_BSKH, v_BSKH, kv_lengths_B)[:, None]
         case _:
             return xla_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, scale=config.attn_scale,
                                  window=window, softcap=config.attn_logit_softcap)

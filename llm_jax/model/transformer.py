@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from jax.sharding import Mesh
 
 from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
@@ -199,14 +200,14 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     return x_BTD, cache, None if recorded is None else recorded.transpose(1, 2, 0, 3)
 
 
-def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool):
+def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool, mesh: Mesh | None = None):
     """Attention over this call's own keys (queries at positions 0..T-1); optionally store them."""
 
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
         B, T = q_BTNH.shape[:2]
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         o_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, lengths_B, config=config, window=window,
-                           queries_from_zero=True)
+                           queries_from_zero=True, mesh=mesh)
         if write_cache:
             cache = KVCache(k_LBSKH=kvc.write_block(cache.k_LBSKH, layer, k_BTKH),
                             v_LBSKH=kvc.write_block(cache.v_LBSKH, layer, v_BTKH), lengths_B=cache.lengths_B)
@@ -242,24 +243,29 @@ def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B
 
 
 def forward_prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
-                    cache: KVCache, *, hooks: LayerHooks | None = None):
+                    cache: KVCache, mesh: Mesh | None = None, *, hooks: LayerHooks | None = None):
     """Run right-padded prompts from an empty cache: final hidden states [B, T, D] and the filled cache
-    (plus the recorded layers when ``hooks`` is given)."""
+    (plus the recorded layers when ``hooks`` is given).
+
+    ``mesh``: the mesh params and cache are laid out on (``llm_jax.sharding``), for attention kernels.
+    """
     B, T = tokens_BT.shape
     if T > cache.max_len:
         raise ValueError(f"prompt block of {T} tokens does not fit a cache of {cache.max_len} slots")
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
-                                            _attend_fresh(config, lengths_B, write_cache=True), cache, hooks)
+                                            _attend_fresh(config, lengths_B, write_cache=True, mesh=mesh), cache,
+                                            hooks)
     return (x_BTD, dataclasses.replace(cache, lengths_B=lengths_B.astype(jnp.int32)), *recorded)
 
 
 def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, cache: KVCache,
-                   active_B: jax.Array, *, hooks: LayerHooks | None = None):
+                   active_B: jax.Array, mesh: Mesh | None = None, *, hooks: LayerHooks | None = None):
     """Append T tokens per active row after its ``cache.lengths_B`` tokens (decode): hidden [B, T, D]
     and the cache (plus the recorded layers when ``hooks`` is given).
 
-    Inactive rows (finished sequences) write nothing and keep their length.
+    Inactive rows (finished sequences) write nothing and keep their length. ``mesh`` as for
+    :func:`forward_prefill`.
     """
     B, T = tokens_BT.shape
     positions_BT = cache.lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)
@@ -271,7 +277,7 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
         k_LBSKH = kvc.write_tokens(cache.k_LBSKH, layer, slots_BT, k_BTKH)
         v_LBSKH = kvc.write_tokens(cache.v_LBSKH, layer, slots_BT, v_BTKH)
         o_BTNH = attention(q_BTNH, k_LBSKH[layer], v_LBSKH[layer], positions_BT, positions_BT[:, -1] + 1,
-                           config=config, window=window, queries_from_zero=False)
+                           config=config, window=window, queries_from_zero=False, mesh=mesh)
         return o_BTNH, KVCache(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH, lengths_B=cache.lengths_B)
 
     x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT, attend,
