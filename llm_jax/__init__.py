@@ -38,15 +38,19 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "stop_strings": ("StopStringMatcher",),
     "chat_template": ("ChatTemplate", "ChatTemplateError", "encode_chat", "load_chat_template"),
     # The model as pure functions.
-    "model": ("forward", "init_params", "stack_layers", "unstack_layers"),
+    "model": ("LayerHooks", "forward", "init_params"),
     "kv_cache": ("KVCache", "init_cache"),
     # Jitted stages for research code.
-    "prefill": ("prefill",),
-    "decode": ("PAD_ID", "DecodeControls", "DecodeState", "FinishReason", "decode", "start"),
+    "prefill": ("prefill", "prefill_with_extras"),
+    "decode": ("PAD_ID", "DecodeControls", "DecodeState", "Emitted", "FinishReason", "Logprobs", "decode", "start"),
     "sampling": ("GREEDY", "Sampling", "SamplingParams"),
+    "beam_search": ("BeamSearch", "EarlyStopping", "beam_search"),
+    "score": ("Score", "continuation_logprobs", "score"),
     # Orchestration.
     "generate": ("GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError",
                  "StreamEvent", "generate", "generate_stream"),
+    # Running on many devices (more in ``llm_jax.sharding`` and ``llm_jax.distributed``).
+    "sharding": ("make_mesh",),
 }
 
 __all__ = [name for names in _EXPORTS.values() for name in names]
@@ -67,8 +71,9 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
     def __setattr__(self, name: str, value) -> None:
-        # Importing a submodule binds it on the package; ``decode``, ``prefill`` and ``generate`` are
-        # also public functions, and must stay the functions (as ``from llm_jax import generate`` says).
+        # Importing a submodule binds it on the package; ``decode``, ``prefill``, ``generate``,
+        # ``beam_search`` and ``score`` are also public functions, and must stay the functions (as
+        # ``from llm_jax import generate`` says).
         if name in _HOME and isinstance(value, types.ModuleType):
             return
         super().__setattr__(name, value)

@@ -1,12 +1,9 @@
-"""Compilation settings: JAX's persistent compilation cache, and the XLA options our programs need.
+"""JAX's persistent compilation cache for llm_jax's programs.
 
-**Persistent cache.** A process that compiles ``prefill`` and ``decode`` stores the executables on
+A process that compiles ``prefill`` and ``decode`` stores the executables on
 disk; the next process running the same model with the same buckets loads them instead of compiling
 (tracing and lowering still run, compilation does not). Command-line programs turn it on with
 :func:`enable_persistent_cache`; library users decide for themselves (it is process-wide state).
-
-**XLA options.** :data:`COMPILER_OPTIONS` is passed to the ``jax.jit`` of the stages that carry a KV
-cache (see its comment).
 """
 
 from __future__ import annotations
@@ -45,11 +42,4 @@ def enable_persistent_cache(directory: str | os.PathLike | None = None) -> pathl
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
-
-
-# For the jitted stages that update a KV cache (prefill, decode). XLA:CPU's default copy insertion
-# cannot prove that a decode loop's in-place cache updates are safe and copies every layer's cache
-# buffers three times per step; its region analysis proves them safe (no copies left in the HLO).
-# Options of other backends' compilers ignore these keys.
-COMPILER_OPTIONS: dict[str, bool] = {"xla_cpu_copy_insertion_use_region_analysis": True}
 

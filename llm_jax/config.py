@@ -37,7 +37,7 @@ class AttentionImpl(enum.Enum):
 class MatmulImpl(enum.Enum):
     """How the model's matrix products run; chosen in exactly one place (``llm_jax.model.layers.dense``)."""
 
-    AUTO = "auto"  # on CPU, cpu_kernels for decode-sized products and bfloat16 weights; XLA otherwise
+    AUTO = "auto"  # on one CPU device, cpu_kernels for bfloat16 weights; XLA otherwise
     XLA = "xla"  # XLA's own products everywhere
 
     @classmethod

@@ -1,8 +1,10 @@
 """Decode: generate tokens one step at a time inside a ``lax.scan``, entirely on device.
 
-A step feeds each running sequence its last token, appends its K/V to the cache, samples the next
-token and checks the stop conditions. A finished sequence stops changing: it writes nothing to the
-cache and emits ``PAD_ID``. The host sees tokens only once per call (a chunk of ``num_steps`` steps).
+A step feeds each running sequence its last token, appends its K/V to the cache, runs the logits
+processors, samples the next token and checks the stop conditions — EOS and stop ids, stop strings
+(:mod:`llm_jax.stop_matching`), the token budget, the cache's room. A finished sequence stops changing:
+it writes nothing to the cache and emits ``PAD_ID``. The host sees tokens only once per call (a chunk of
+``num_steps`` steps), with their log-probabilities and hidden states when asked for.
 """
 
 from __future__ import annotations
@@ -15,20 +17,24 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from llm_jax.compilation import COMPILER_OPTIONS
+from llm_jax import stop_matching
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
-from llm_jax.model import Params, forward_extend, unembed
-from llm_jax.sampling import Sampling, SamplingParams, sample
-
-PAD_ID = -1  # emitted by finished sequences
+from llm_jax.logits_processors import PAD_ID, History
+from llm_jax.logprobs import chosen_and_top
+from llm_jax.model import LayerHooks, Params, forward_extend, unembed
+from llm_jax.sampling import Sampling, SamplingParams, process_logits, sample
+from llm_jax.sharding import constrain_cache, constrain_replicated
+from llm_jax.stop_matching import StopTable
+from llm_jax.tokenizer import Tokenizer
 
 
 class FinishReason(enum.IntEnum):
     RUNNING = 0
     EOS = 1  # an end-of-sequence id
-    STOP = 2  # a user stop token id (or stop string, detected on the host)
+    STOP = 2  # a user stop token id or stop string
     LENGTH = 3  # the token budget or the cache is exhausted
 
     @property
@@ -36,93 +42,224 @@ class FinishReason(enum.IntEnum):
         return None if self is FinishReason.RUNNING else self.name.lower()
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Logprobs:
+    """Log-probabilities to report for each generated token: the chosen token's and the ``top_n`` most
+    likely tokens'. By default from the distribution the token was chosen from — after the processors,
+    temperature and filters, as the OpenAI API reports them; with ``raw``, from the model's logits."""
+
+    top_n: int = 0
+    raw: bool = False
+
+    def __post_init__(self) -> None:
+        if self.top_n < 0:
+            raise ValueError(f"top_n must be >= 0, got {self.top_n}")
+
+
+def _padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
+    out = np.full((len(rows), max(1, max((len(r) for r in rows), default=0))), PAD_ID, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeControls:
-    """What each sequence stops on and how it samples (fixed for a whole generation)."""
+    """What each sequence stops on, how it samples and what it reports (fixed for a whole generation).
+
+    Every array except ``stop_table``'s has the batch first; None fields are features no row uses.
+    """
 
     sampling: SamplingParams
     eos_ids_BE: jax.Array  # int32, padded with PAD_ID
     stop_ids_BX: jax.Array  # int32, padded with PAD_ID
     max_new_tokens_B: jax.Array  # int32
+    # int32: EOS and stop ids are banned before; stop strings are looked for in the text after them.
+    min_new_tokens_B: jax.Array | None = None
+    stop_strings_BQ: jax.Array | None = None  # bool: which of stop_table's strings each row stops on
+    stop_table: StopTable | None = None  # shared by the batch
+    hooks: LayerHooks | None = None  # steering vectors, layers whose hidden states to report
+    logprobs: Logprobs | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
     def create(cls, sampling: Sequence[Sampling], *, eos_ids: Sequence[Sequence[int]],
-               stop_ids: Sequence[Sequence[int]], max_new_tokens: Sequence[int]) -> "DecodeControls":
-        def padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
-            out = np.full((len(rows), max(1, max((len(r) for r in rows), default=0))), PAD_ID, np.int32)
-            for i, r in enumerate(rows):
-                out[i, : len(r)] = r
-            return out
-
+               stop_ids: Sequence[Sequence[int]], max_new_tokens: Sequence[int],
+               min_new_tokens: Sequence[int] | None = None, stop_strings: Sequence[Sequence[str]] | None = None,
+               tokenizer: Tokenizer | None = None, vocab_size: int | None = None, logprobs: Logprobs | None = None,
+               samples: Sequence[int] | None = None, steering_BLD: np.ndarray | None = None,
+               record_layers: Sequence[int] = ()) -> "DecodeControls":
+        """Per-row settings from host values; ``stop_strings`` (per row) need the ``tokenizer``; ``samples``
+        numbers the rows that are samples of one prompt (their randomness differs)."""
         budgets = np.asarray(max_new_tokens, np.int32)
         if (budgets < 1).any():
             raise ValueError(f"max_new_tokens must be >= 1, got {list(max_new_tokens)}")
-        return cls(sampling=SamplingParams.stack(sampling), eos_ids_BE=padded(eos_ids),
-                   stop_ids_BX=padded(stop_ids), max_new_tokens_B=budgets)
+        minimum = None
+        if min_new_tokens is not None and any(min_new_tokens):
+            minimum = np.asarray(min_new_tokens, np.int32)
+            if (minimum < 0).any():
+                raise ValueError(f"min_new_tokens must be >= 0, got {list(min_new_tokens)}")
+        table = active = None
+        if stop_strings is not None and any(stop_strings):
+            if tokenizer is None:
+                raise ValueError("stop strings need a tokenizer (their token forms come from its vocabulary)")
+            union = list(dict.fromkeys(s for row in stop_strings for s in row))
+            table, active = StopTable.build(tokenizer, union), stop_matching.active_rows(union, stop_strings)
+        hooks = None
+        if steering_BLD is not None or record_layers:
+            hooks = LayerHooks(steering_BLD=None if steering_BLD is None else jnp.asarray(steering_BLD),
+                               record_layers=tuple(int(l) for l in record_layers))
+        return cls(sampling=SamplingParams.stack(sampling, vocab_size=vocab_size, samples=samples),
+                   eos_ids_BE=_padded(eos_ids), stop_ids_BX=_padded(stop_ids), max_new_tokens_B=budgets,
+                   min_new_tokens_B=minimum, stop_strings_BQ=active, stop_table=table, hooks=hooks, logprobs=logprobs)
+
+    def take_rows(self, index_B: jax.Array) -> "DecodeControls":
+        """The controls of rows ``index_B`` (n samples of a prompt, beams)."""
+        table, self_without_table = self.stop_table, dataclasses.replace(self, stop_table=None)
+        taken = jax.tree.map(lambda a: jnp.asarray(a)[index_B], self_without_table)
+        return dataclasses.replace(taken, stop_table=table)
+
+    @property
+    def end_ids_BE(self) -> jax.Array:
+        """Ids that end a sequence (EOS and stop ids)."""
+        return jnp.concatenate([jnp.asarray(self.eos_ids_BE), jnp.asarray(self.stop_ids_BX)], axis=1)
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeState:
     tokens_B: jax.Array  # int32: each row's latest token, not yet in the cache
     num_generated_B: jax.Array  # int32: tokens generated so far, the latest included
     finish_reason_B: jax.Array  # int32 FinishReason
+    history: History  # prompt and output tokens as the processors need them
+    stop_window_BP: jax.Array | None = None  # the last bytes of each output (stop strings)
 
     @property
     def done_B(self) -> jax.Array:
         return self.finish_reason_B != FinishReason.RUNNING
 
 
-def _advance(token_B: jax.Array, running_B: jax.Array, num_generated_B: jax.Array, finish_B: jax.Array,
-             controls: DecodeControls, cache_lengths_B: jax.Array, cache_len: int) -> DecodeState:
-    """The state after ``running_B`` rows produced ``token_B``: count it, check stop conditions."""
-    num_generated_B = num_generated_B + running_B.astype(jnp.int32)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Emitted:
+    """What a call hands the host per row and step; PAD_ID tokens mark steps after a row finished."""
+
+    tokens_BS: jax.Array  # int32
+    logprobs_BS: jax.Array | None = None  # float32: the chosen token's log-probability
+    top_ids_BSN: jax.Array | None = None  # int32: the most likely tokens
+    top_logprobs_BSN: jax.Array | None = None  # float32
+    # Recorded layers at the position fed in this step (the token emitted the step before).
+    hidden_BSRD: jax.Array | None = None
+
+
+def _nothing_emitted(pad_B: jax.Array, controls: DecodeControls, config: ModelConfig) -> Emitted:
+    """What a step of finished rows emits: PAD_ID tokens, zeros for everything else asked for."""
+    B = pad_B.shape[0]
+    report, hooks = controls.logprobs, controls.hooks
+    top = (B, report.top_n) if report is not None and report.top_n else None
+    R = len(hooks.record_layers) if hooks is not None else 0
+    return Emitted(tokens_BS=pad_B, logprobs_BS=None if report is None else jnp.zeros((B,), jnp.float32),
+                   top_ids_BSN=None if top is None else jnp.zeros(top, jnp.int32),
+                   top_logprobs_BSN=None if top is None else jnp.zeros(top, jnp.float32),
+                   hidden_BSRD=jnp.zeros((B, R, config.d_model), config.compute_jnp_dtype) if R else None)
+
+
+def take_cache_rows(cache: KVCache, index_B: jax.Array) -> KVCache:
+    """A cache holding rows ``index_B`` of ``cache`` (copies: n samples of a prompt, reordered beams)."""
+    return KVCache(k_LBSKH=cache.k_LBSKH[:, index_B], v_LBSKH=cache.v_LBSKH[:, index_B],
+                   lengths_B=cache.lengths_B[index_B])
+
+
+def _choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls) -> tuple[jax.Array, Emitted]:
+    """Process the logits, pick each row's next token, and its log-probabilities when asked."""
+    minimum = controls.min_new_tokens_B
+    scores_BV = process_logits(logits_BV, controls.sampling, state.history, num_generated_B=state.num_generated_B,
+                               end_ids_BE=None if minimum is None else controls.end_ids_BE, min_new_tokens_B=minimum)
+    if controls.logprobs is None:
+        token_B = sample(scores_BV, controls.sampling, state.num_generated_B)
+        return token_B, Emitted(tokens_BS=token_B)
+    token_B, chosen_from_BV = sample(scores_BV, controls.sampling, state.num_generated_B, with_scores=True)
+    reported_BV = logits_BV if controls.logprobs.raw else chosen_from_BV
+    logprob_B, top_ids_BN, top_logprobs_BN = chosen_and_top(reported_BV, token_B, controls.logprobs.top_n)
+    return token_B, Emitted(tokens_BS=token_B, logprobs_BS=logprob_B, top_ids_BSN=top_ids_BN,
+                            top_logprobs_BSN=top_logprobs_BN)
+
+
+def _advance(token_B: jax.Array, running_B: jax.Array, state: DecodeState, controls: DecodeControls,
+             cache_lengths_B: jax.Array, cache_len: int) -> DecodeState:
+    """The state after ``running_B`` rows produced ``token_B``: record it, check the stop conditions."""
+    num_generated_B = state.num_generated_B + running_B.astype(jnp.int32)
     is_eos_B = jnp.any(token_B[:, None] == controls.eos_ids_BE, axis=-1)
     is_stop_B = jnp.any(token_B[:, None] == controls.stop_ids_BX, axis=-1)
+    window_BP = state.stop_window_BP
+    if controls.stop_table is not None:
+        # The first min_new_tokens tokens are not part of the text stop strings are looked for in.
+        counted_B = running_B if controls.min_new_tokens_B is None else (
+            running_B & (num_generated_B > controls.min_new_tokens_B))
+        window_BP, hit_B = stop_matching.push(window_BP, token_B, counted_B, controls.stop_table,
+                                              controls.stop_strings_BQ)
+        is_stop_B |= hit_B
     # No room for this token in the cache, or the budget is spent.
     out_of_room_B = (num_generated_B >= controls.max_new_tokens_B) | (cache_lengths_B >= cache_len)
     reason_B = jnp.select([is_eos_B, is_stop_B, out_of_room_B],
                           [FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH], FinishReason.RUNNING)
-    finish_B = jnp.where(running_B, reason_B, finish_B).astype(jnp.int32)
     return DecodeState(tokens_B=jnp.where(running_B, token_B, PAD_ID).astype(jnp.int32),
-                       num_generated_B=num_generated_B, finish_reason_B=finish_B)
+                       num_generated_B=num_generated_B,
+                       finish_reason_B=jnp.where(running_B, reason_B, state.finish_reason_B).astype(jnp.int32),
+                       history=state.history.append(token_B, running_B), stop_window_BP=window_BP)
 
 
-@jax.jit
-def start(last_logits_BV: jax.Array, cache: KVCache, controls: DecodeControls) -> DecodeState:
-    """Sample each sequence's first token from its prefill logits."""
-    B = last_logits_BV.shape[0]
+@functools.partial(jax.jit, static_argnames=("mesh",))
+def start(last_logits_BV: jax.Array, prompts_BT: jax.Array, cache: KVCache, controls: DecodeControls, *,
+          mesh: Mesh | None = None) -> tuple[DecodeState, Emitted]:
+    """Choose each sequence's first token from its prefill logits; the state starts from the prompts
+    (right-padded ``prompts_BT``, ``cache.lengths_B`` tokens each). The emitted arrays are [B, 1]; they
+    and the state come back whole on every device of ``mesh``, for the host to read."""
+    B, V = last_logits_BV.shape
     zeros_B = jnp.zeros((B,), jnp.int32)
-    token_B = sample(last_logits_BV, controls.sampling, zeros_B)
-    return _advance(token_B, jnp.ones((B,), bool), zeros_B, zeros_B, controls, cache.lengths_B, cache.max_len)
+    history = controls.sampling.new_history(prompts_BT, cache.lengths_B, V=V, capacity=cache.max_len + 1)
+    window_BP = None if controls.stop_table is None else stop_matching.empty_window(B, controls.stop_table)
+    state = DecodeState(tokens_B=zeros_B, num_generated_B=zeros_B, finish_reason_B=zeros_B, history=history,
+                        stop_window_BP=window_BP)
+    token_B, emitted = _choose(last_logits_BV, state, controls)
+    state = _advance(token_B, jnp.ones((B,), bool), state, controls, cache.lengths_B, cache.max_len)
+    emitted = dataclasses.replace(emitted, tokens_BS=state.tokens_B)
+    return constrain_replicated((state, jax.tree.map(lambda a: a[:, None], emitted)), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps"), donate_argnames=("cache", "state"),
-                   compiler_options=COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "mesh"), donate_argnames=("cache", "state"))
 def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeState, controls: DecodeControls,
-           *, num_steps: int) -> tuple[KVCache, DecodeState, jax.Array]:
-    """Run ``num_steps`` decode steps: the new cache and state, and the emitted tokens [B, num_steps]
-    (``PAD_ID`` for rows that had already finished). ``cache`` and ``state`` are donated."""
+           *, num_steps: int, mesh: Mesh | None = None) -> tuple[KVCache, DecodeState, Emitted]:
+    """Run ``num_steps`` decode steps: the new cache and state, and what each row emitted per step
+    ([B, num_steps, ...]; ``PAD_ID`` tokens for rows that had already finished). ``cache`` and ``state``
+    are donated.
+
+    With a ``mesh`` (params and cache laid out by ``llm_jax.sharding``) the cache stays sharded from step
+    to step; the state and what was emitted come back whole on every device, for the host to read.
+    """
+    hooks = controls.hooks
+    cache, state = constrain_cache(cache, mesh), constrain_replicated(state, mesh)
 
     def step(carry, _):
         cache, state = carry
 
         def run(cache, state):
             running_B = ~state.done_B
-            x_B1D, cache = forward_extend(params, config, state.tokens_B[:, None], cache, running_B)
-            logits_BV = unembed(params, config, x_B1D)[:, 0]
-            token_B = sample(logits_BV, controls.sampling, state.num_generated_B)
-            new_state = _advance(token_B, running_B, state.num_generated_B, state.finish_reason_B, controls,
-                                 cache.lengths_B, cache.max_len)
-            return cache, new_state
+            x_B1D, cache, *hidden = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh,
+                                                   hooks=hooks)
+            token_B, emitted = _choose(unembed(params, config, x_B1D)[:, 0], state, controls)
+            state = _advance(token_B, running_B, state, controls, cache.lengths_B, cache.max_len)
+            hidden_BRD = hidden[0][:, 0] if hidden and hidden[0] is not None else None
+            return cache, state, dataclasses.replace(emitted, tokens_BS=state.tokens_B, hidden_BSRD=hidden_BRD)
 
         def idle(cache, state):
-            return cache, dataclasses.replace(state, tokens_B=jnp.full_like(state.tokens_B, PAD_ID))
+            state = dataclasses.replace(state, tokens_B=jnp.full_like(state.tokens_B, PAD_ID))
+            return cache, state, _nothing_emitted(state.tokens_B, controls, config)
 
         # Once every row has finished, the remaining steps of the chunk cost nothing.
-        cache, state = jax.lax.cond(jnp.all(state.done_B), idle, run, cache, state)
-        return (cache, state), state.tokens_B
+        cache, state, emitted = jax.lax.cond(jnp.all(state.done_B), idle, run, cache, state)
+        return (cache, state), emitted
 
-    (cache, state), tokens_SB = jax.lax.scan(step, (cache, state), None, length=num_steps)
-    return cache, state, tokens_SB.T
+    (cache, state), emitted_S = jax.lax.scan(step, (cache, state), None, length=num_steps)
+    emitted = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), emitted_S)
+    return constrain_cache(cache, mesh), *constrain_replicated((state, emitted), mesh)

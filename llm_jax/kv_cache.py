@@ -1,22 +1,9 @@
 """The KV cache: an immutable pytree of every layer's keys and values plus per-sequence lengths.
 
-Layout: one pair of arrays per layer, keys transposed: ``k_BKHS[l]`` [batch, kv head, head dim, slot]
-and ``v_BKSH[l]`` [batch, kv head, slot, head dim]. Slot s holds position s of its sequence (prompts are
-right-padded), and ``lengths_B[b]`` slots of row b are valid; slots past it hold stale values that
-attention masks out and later writes overwrite.
-
-Why this layout (each choice measured on XLA:CPU decode, see ``scripts/benchmark.py``):
-
-- one buffer per layer, not one stacked [L, ...] array: attention reads a layer's keys where they
-  are and XLA updates them in place, whereas a layer sliced out of a stacked array is a copy, made
-  every step;
-- heads before slots, so that attention is a batched matrix product over (b, k) with the batch
-  dimensions leading; with [B, S, K, H] XLA transposes the layer's whole cache first, every step
-  (2× slower decode at batch 32 for the 15M story model);
-- keys as [H, S]: scores = q [G·T, H] @ k [H, S] and outputs = p [G·T, S] @ v [S, H] are then both
-  plain row-major products; with keys as [S, H] XLA again transposes them on every step.
-
-Functions return a new cache; jitted callers donate the old one so XLA updates the buffers in place.
+Layout: ``k_LBSKH`` / ``v_LBSKH`` — layer, batch, cache slot, kv head, head dim. Slot s holds position s
+of its sequence (prompts are right-padded), and ``lengths_B[b]`` slots of row b are valid; slots past it
+hold stale values that attention masks out and later writes overwrite. Functions return a new cache;
+jitted callers donate the old one so XLA updates the buffers in place.
 """
 
 from __future__ import annotations
@@ -32,35 +19,39 @@ from llm_jax.config import ModelConfig
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k_BKHS: tuple[jax.Array, ...]  # one per layer
-    v_BKSH: tuple[jax.Array, ...]
+    k_LBSKH: jax.Array
+    v_LBSKH: jax.Array
     lengths_B: jax.Array  # int32: valid slots per sequence
 
     @property
     def batch_size(self) -> int:
-        return self.v_BKSH[0].shape[0]
+        return self.k_LBSKH.shape[1]
 
     @property
     def max_len(self) -> int:
-        return self.v_BKSH[0].shape[2]
+        return self.k_LBSKH.shape[2]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (*self.k_BKHS, *self.v_BKSH)) + self.lengths_B.nbytes
+        return self.k_LBSKH.nbytes + self.v_LBSKH.nbytes + self.lengths_B.nbytes
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
-    """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens (default dtype: compute)."""
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None, *, sharding=None) -> KVCache:
+    """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens (default dtype: compute).
+
+    ``sharding``: a :class:`KVCache` of shardings (``llm_jax.sharding.cache_shardings``); each device
+    then allocates only its own shard.
+    """
     if max_len > config.max_seq_len:
         raise ValueError(f"cache max_len={max_len} exceeds the model's context of {config.max_seq_len} tokens")
     if batch_size <= 0 or max_len <= 0:
         raise ValueError(f"cache needs a positive batch_size and max_len, got {batch_size=} {max_len=}")
     dtype = jnp.dtype(dtype or config.compute_dtype)
-    B, K, S, H = batch_size, config.n_kv_heads, max_len, config.head_dim
-    layers = range(config.n_layers)
-    return KVCache(k_BKHS=tuple(jnp.zeros((B, K, H, S), dtype) for _ in layers),
-                   v_BKSH=tuple(jnp.zeros((B, K, S, H), dtype) for _ in layers),
-                   lengths_B=jnp.zeros((batch_size,), jnp.int32))
+    shape = (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim)
+    on = sharding or KVCache(k_LBSKH=None, v_LBSKH=None, lengths_B=None)
+    return KVCache(k_LBSKH=jnp.zeros(shape, dtype, device=on.k_LBSKH),
+                   v_LBSKH=jnp.zeros(shape, dtype, device=on.v_LBSKH),
+                   lengths_B=jnp.zeros((batch_size,), jnp.int32, device=on.lengths_B))
 
 
 def cache_bytes_per_token(config: ModelConfig, dtype=None) -> int:
@@ -69,20 +60,19 @@ def cache_bytes_per_token(config: ModelConfig, dtype=None) -> int:
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * itemsize
 
 
-def write_prefix(k_BKHS: jax.Array, v_BKSH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array):
+def write_block(cache_LBSKH: jax.Array, layer: jax.Array, new_BTKH: jax.Array) -> jax.Array:
     """Write a block of T tokens at slots [0, T) of every row (prefill)."""
     zero = jnp.zeros((), jnp.int32)
-    start = (zero, zero, zero, zero)
-    k_BKHT = k_BTKH.transpose(0, 2, 3, 1).astype(k_BKHS.dtype)
-    v_BKTH = v_BTKH.transpose(0, 2, 1, 3).astype(v_BKSH.dtype)
-    return jax.lax.dynamic_update_slice(k_BKHS, k_BKHT, start), jax.lax.dynamic_update_slice(v_BKSH, v_BKTH, start)
+    return jax.lax.dynamic_update_slice(cache_LBSKH, new_BTKH[None].astype(cache_LBSKH.dtype),
+                                        (layer, zero, zero, zero, zero))
 
 
-def write_tokens(k_BKHS: jax.Array, v_BKSH: jax.Array, slots_BT: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array):
-    """Write token (b, t) at slot ``slots_BT[b, t]``; out-of-range slots are dropped (finished rows)."""
-    B, T = slots_BT.shape
-    b_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    # Advanced indices around sliced axes put their [B, T] shape first: both updates are [B, T, K, H].
-    k_BKHS = k_BKHS.at[b_BT, :, :, slots_BT].set(k_BTKH.astype(k_BKHS.dtype), mode="drop")
-    v_BKSH = v_BKSH.at[b_BT, :, slots_BT].set(v_BTKH.astype(v_BKSH.dtype), mode="drop")
-    return k_BKHS, v_BKSH
+def write_tokens(cache_LBSKH: jax.Array, layer: jax.Array, slots_BT: jax.Array, new_BTKH: jax.Array) -> jax.Array:
+    """Write token (b, t) at slot ``slots_BT[b, t]`` of ``layer``; out-of-range slots are dropped."""
+
+    # Mapped over rows, the scatter keeps B as a batching dimension: a cache split by batch
+    # (llm_jax.sharding) is then written shard by shard, with no collective.
+    def write_row(cache_LSKH, slots_T, new_TKH):
+        return cache_LSKH.at[layer, slots_T].set(new_TKH.astype(cache_LSKH.dtype), mode="drop")
+
+    return jax.vmap(write_row, in_axes=(1, 0, 0), out_axes=1)(cache_LBSKH, slots_BT, new_BTKH)

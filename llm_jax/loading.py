@@ -13,9 +13,11 @@ import os
 import pathlib
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from llm_jax.config import AttentionImpl, ModelConfig
-from llm_jax.model import Params, unstack_layers
+from llm_jax.model import Params, param_shapes
+from llm_jax.sharding import make_mesh, param_shardings, shard_params
 from llm_jax.tokenizer import Tokenizer, load_tokenizer
 from llm_jax.weights import sources
 from llm_jax.weights.checkpoint import load_checkpoint
@@ -33,22 +35,35 @@ class Model:
     eos_ids: tuple[int, ...]  # generation ends on these (finish_reason "eos")
     stop_ids: tuple[int, ...] = ()  # format-specific extra stops (finish_reason "stop")
     path: str = ""
+    mesh: Mesh | None = None  # the mesh the params are laid out on (``llm_jax.sharding``); None: one device
+
+    def shard(self, mesh: Mesh) -> "Model":
+        """This model laid out on ``mesh``; its config repeats K/V heads where the mesh needs it."""
+        config, params = shard_params(self.config, self.params, mesh)
+        return dataclasses.replace(self, config=config, params=params, mesh=mesh)
 
     def with_attention(self, attention: AttentionImpl | str) -> "Model":
         return dataclasses.replace(self, config=self.config.replace(attention_impl=AttentionImpl.parse(attention)))
 
 
-def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None,
+def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None, mesh: Mesh | str | None = None,
          attention: AttentionImpl | str = AttentionImpl.XLA, tokenizer: str | os.PathLike | None = None,
          verify: bool = True) -> Model:
     """Load an llm_jax checkpoint, a Hugging Face folder or a llama2.c ``.bin``.
 
     ``dtype`` sets both parameter and compute dtype (default: the checkpoint's own; float32 for
     llama2.c). ``sharding`` places each tensor (a ``Sharding``, a pytree of them, or a callable
-    ``config -> either``; see ``weights/placement.py``); default: the first device. ``tokenizer``
-    overrides the tokenizer found with the weights. ``verify`` checks an llm_jax checkpoint's checksums.
+    ``config -> either``; see ``weights/placement.py``); default: the first device. ``mesh`` (a ``Mesh``
+    or a spec like ``"data=2,model=4"``) instead lays the params out by the table of ``llm_jax.sharding``,
+    each device receiving only its shard, and runs the model on it. ``tokenizer`` overrides the tokenizer
+    found with the weights. ``verify`` checks an llm_jax checkpoint's checksums.
     """
     attention = AttentionImpl.parse(attention)  # before any slow work
+    if mesh is not None:
+        if sharding is not None:
+            raise ValueError("give load() a mesh or a sharding, not both")
+        mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+        sharding = _table_layout(mesh)
     path = pathlib.Path(path)
     fmt = sources.detect_format(path)
     if fmt is WeightFormat.LLM_JAX:
@@ -64,11 +79,16 @@ def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None,
         params = sources.source_params(path, fmt, config, dtype=config.param_jnp_dtype, place=place)
         tok = _tokenizer(tokenizer, sources.tokenizer_source(path, fmt, config))
         eos_ids, stop_ids = sources.generation_ids(fmt, tok)
+    if mesh is not None:  # K/V heads repeated where the mesh needs it (nothing moves otherwise)
+        config, params = shard_params(config, params, mesh)
     config = config.replace(attention_impl=attention)
-    if sharding is None:
-        # One device: per-layer buffers, which inference reads in place (llm_jax.model.transformer).
-        params = unstack_layers(params)
-    return Model(config=config, params=params, tokenizer=tok, eos_ids=eos_ids, stop_ids=stop_ids, path=str(path))
+    return Model(config=config, params=params, tokenizer=tok, eos_ids=eos_ids, stop_ids=stop_ids, path=str(path),
+                 mesh=mesh)
+
+
+def _table_layout(mesh: Mesh):
+    """The ``sharding`` argument that lays params out by the table of ``llm_jax.sharding`` on ``mesh``."""
+    return lambda config: param_shardings(param_shapes(config), mesh)
 
 
 def _tokenizer(override: str | os.PathLike | None, found: pathlib.Path | None) -> Tokenizer | None:

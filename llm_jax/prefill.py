@@ -7,29 +7,64 @@ overwrites the padded slots. (Right padding keeps slot = position, so RoPE posit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
-from llm_jax.compilation import COMPILER_OPTIONS
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
-from llm_jax.model import Params, forward_prefill, unembed
+from llm_jax.logprobs import TokenLogprobs, token_logprobs
+from llm_jax.model import LayerHooks, Params, forward_prefill, unembed
+from llm_jax.sharding import constrain, constrain_cache, constrain_replicated
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",), compiler_options=COMPILER_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("config", "mesh"), donate_argnames=("cache",))
 def prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
-            cache: KVCache) -> tuple[jax.Array, KVCache]:
+            cache: KVCache, *, mesh: Mesh | None = None) -> tuple[jax.Array, KVCache]:
     """Logits [B, V] (float32) of each row's last real token, and the cache holding the prompts.
 
-    ``cache`` must be empty (fresh from ``init_cache``) with at least T slots; it is donated.
+    ``cache`` must be empty (fresh from ``init_cache``) with at least T slots; it is donated. With a
+    ``mesh``, params and cache are laid out by ``llm_jax.sharding``: the cache keeps its sharding and
+    the logits stay split by batch and vocabulary.
     """
-    x_BTD, cache = forward_prefill(params, config, tokens_BT, lengths_B, cache)
+    tokens_BT, lengths_B = constrain(tokens_BT, "BT", mesh), constrain(lengths_B, "B", mesh)
+    x_BTD, cache = forward_prefill(params, config, tokens_BT, lengths_B, constrain_cache(cache, mesh), mesh)
     last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
-    return unembed(params, config, last_B1D)[:, 0], cache
+    return constrain(unembed(params, config, last_B1D)[:, 0], "BV", mesh), constrain_cache(cache, mesh)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillExtras:
+    """What ``prefill_with_extras`` returns besides the last logits and the cache."""
+
+    hidden_BTRD: jax.Array | None  # the hook's recorded layers at every prompt position
+    # Position t: log p(prompt token t + 1 | tokens <= t) and the top alternatives there (raw model).
+    prompt_logprobs: TokenLogprobs | None
+
+
+@functools.partial(jax.jit, static_argnames=("config", "prompt_logprobs", "mesh"), donate_argnames=("cache",))
+def prefill_with_extras(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
+                        cache: KVCache, hooks: LayerHooks, *, prompt_logprobs: int | None = None,
+                        mesh: Mesh | None = None) -> tuple[jax.Array, KVCache, PrefillExtras]:
+    """``prefill`` with research hooks (steering vectors, recorded layers) and, when ``prompt_logprobs`` is
+    an int, the prompt tokens' log-probabilities with that many top alternatives per position. The
+    extras come back whole on every device of ``mesh``."""
+    tokens_BT, lengths_B = constrain(tokens_BT, "BT", mesh), constrain(lengths_B, "B", mesh)
+    x_BTD, cache, hidden_BTRD = forward_prefill(params, config, tokens_BT, lengths_B, constrain_cache(cache, mesh),
+                                                mesh, hooks=hooks)
+    last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
+    scored = None
+    if prompt_logprobs is not None:
+        next_BT = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros_like(tokens_BT[:, :1])], axis=1)
+        scored = token_logprobs(params, config, x_BTD, next_BT, top_n=prompt_logprobs)
+    return (constrain(unembed(params, config, last_B1D)[:, 0], "BV", mesh), constrain_cache(cache, mesh),
+            constrain_replicated(PrefillExtras(hidden_BTRD, scored), mesh))
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -1,32 +1,54 @@
-"""Choosing the next token inside jit: greedy, temperature, top-k, top-p, min-p — per sequence.
+"""Choosing the next token inside jit, per sequence: logits processors, then greedy or a filtered draw.
 
-Every row of a batch carries its own settings (a :class:`SamplingParams` pytree of [B] arrays) and its
-own randomness: the key for a row's n-th generated token is ``fold_in(key(seed), n)``, so a sequence
-samples the same tokens alone or in any batch, at any position.
+Every row of a batch carries its own settings (a :class:`SamplingParams` pytree of [B] arrays and
+padded [B, X] tables) and its own randomness: the key for a row's n-th generated token is
+``fold_in(fold_in(key(seed), sample), n)`` (``sample`` numbers the n > 1 completions of one prompt), so a
+sequence draws the same tokens alone or in any batch, at any position.
+
+Settings no row uses are None in :class:`SamplingParams` and cost nothing: plain greedy decoding runs
+exactly the argmax it always did.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import math
+import types
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from llm_jax import logits_processors as lp
+from llm_jax.logits_processors import PAD_ID, History
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Sampling:
     """One sequence's sampling settings (host side). ``temperature=0`` is greedy decoding.
 
-    Filters apply in the order of Hugging Face ``transformers``: temperature, top-k, top-p, min-p.
-    ``top_k=0``, ``top_p=1`` and ``min_p=0`` disable their filter.
+    Processors (greedy and sampled rows), in ``transformers``' order: ``logit_bias`` (OpenAI; token id →
+    additive bias), ``repetition_penalty`` (``transformers``: > 1 discourages tokens of the prompt and
+    output), ``presence_penalty`` / ``frequency_penalty`` (OpenAI: subtracted per output occurrence),
+    ``no_repeat_ngram_size``, ``suppress_tokens`` (banned ids) and ``bad_words_ids`` (banned sequences).
+    Warpers (sampled rows only): temperature, ``top_k``, ``top_p``, ``min_p``, ``typical_p``.
+    ``top_k=0``, ``top_p=1``, ``min_p=0``, ``typical_p=1``, ``repetition_penalty=1`` and penalties of 0
+    disable their step.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = dataclasses.field(default_factory=dict)
+    suppress_tokens: Sequence[int] = ()
+    bad_words_ids: Sequence[Sequence[int]] = ()
+    no_repeat_ngram_size: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -38,44 +60,184 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 < self.typical_p <= 1:
+            raise ValueError(f"typical_p must be in (0, 1], got {self.typical_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size must be >= 0 (0 disables it), got {self.no_repeat_ngram_size}")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+        if any(math.isnan(v) for v in bias.values()):
+            raise ValueError(f"logit_bias values must not be NaN, got {bias}")
+        object.__setattr__(self, "logit_bias", types.MappingProxyType(bias))  # read-only, like the rest
+        object.__setattr__(self, "suppress_tokens", tuple(int(t) for t in self.suppress_tokens))
+        words = tuple(tuple(int(t) for t in w) for w in self.bad_words_ids)
+        if any(not w for w in words):
+            raise ValueError(f"bad_words_ids entries must be non-empty token sequences, got {words}")
+        object.__setattr__(self, "bad_words_ids", words)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def token_ids(self) -> set[int]:
+        """Every token id these settings name (for range checks against a vocabulary)."""
+        return {*self.logit_bias, *self.suppress_tokens, *(t for w in self.bad_words_ids for t in w)}
+
 
 GREEDY = Sampling()
 
 
+def _static():
+    return dataclasses.field(default=0, metadata=dict(static=True))
+
+
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """Device-side settings, one row per sequence."""
+    """Device-side settings, one row per sequence. Optional fields are None when no row uses them."""
 
     temperature_B: jax.Array  # float32; 0 = greedy
     top_k_B: jax.Array  # int32; 0 = off
     top_p_B: jax.Array  # float32; 1 = off
     min_p_B: jax.Array  # float32; 0 = off
     seed_B: jax.Array  # uint32
+    sample_B: jax.Array  # int32: which of a prompt's n completions this row is
+    typical_p_B: jax.Array | None = None  # float32; 1 = off
+    repetition_penalty_B: jax.Array | None = None  # float32; 1 = off
+    presence_penalty_B: jax.Array | None = None  # float32; 0 = off (set together with frequency)
+    frequency_penalty_B: jax.Array | None = None  # float32; 0 = off
+    bias_ids_BX: jax.Array | None = None  # int32, PAD_ID-padded
+    bias_values_BX: jax.Array | None = None  # float32
+    banned_BQJ: jax.Array | None = None  # int32: banned sequences, left-padded with PAD_ID
+    no_repeat_ngram_B: jax.Array | None = None  # int32; 0 = off
+    max_ngram_size: int = _static()  # static: the largest no_repeat_ngram_size of the batch
 
     @classmethod
-    def stack(cls, rows: Sequence[Sampling]) -> "SamplingParams":
+    def stack(cls, rows: Sequence[Sampling], *, vocab_size: int | None = None,
+              samples: Sequence[int] | None = None) -> "SamplingParams":
+        """Device settings for ``rows``; ``vocab_size`` checks the token ids they name."""
+        if vocab_size is not None:
+            for i, r in enumerate(rows):
+                bad = sorted(t for t in r.token_ids() if not 0 <= t < vocab_size)
+                if bad:
+                    raise ValueError(f"sampling settings of row {i} name token ids {bad[:5]} outside the "
+                                     f"vocabulary [0, {vocab_size})")
+
+        def column(name: str, dtype, off) -> np.ndarray | None:
+            values = np.array([getattr(r, name) for r in rows], dtype)
+            return None if (values == off).all() else values
+
+        presence = column("presence_penalty", np.float32, 0.0)
+        frequency = column("frequency_penalty", np.float32, 0.0)
+        if presence is not None or frequency is not None:
+            presence = np.array([r.presence_penalty for r in rows], np.float32)
+            frequency = np.array([r.frequency_penalty for r in rows], np.float32)
+        bias_ids = bias_values = None
+        if any(r.logit_bias for r in rows):
+            bias_ids = _pad_rows([list(r.logit_bias) for r in rows], PAD_ID, np.int32)
+            bias_values = _pad_rows([list(r.logit_bias.values()) for r in rows], 0.0, np.float32)
+        banned = None
+        sequences = [[(t,) for t in r.suppress_tokens] + list(r.bad_words_ids) for r in rows]
+        if any(sequences):
+            width = max(len(w) for ws in sequences for w in ws)
+            banned = np.full((len(rows), max(map(len, sequences)), width), PAD_ID, np.int32)
+            for i, ws in enumerate(sequences):
+                for q, w in enumerate(ws):
+                    banned[i, q, width - len(w):] = w
+        ngram = column("no_repeat_ngram_size", np.int32, 0)
         return cls(temperature_B=np.array([r.temperature for r in rows], np.float32),
                    top_k_B=np.array([r.top_k for r in rows], np.int32),
                    top_p_B=np.array([r.top_p for r in rows], np.float32),
                    min_p_B=np.array([r.min_p for r in rows], np.float32),
-                   seed_B=np.array([r.seed for r in rows], np.uint32))
+                   seed_B=np.array([r.seed for r in rows], np.uint32),
+                   sample_B=np.zeros(len(rows), np.int32) if samples is None else np.asarray(samples, np.int32),
+                   typical_p_B=column("typical_p", np.float32, 1.0),
+                   repetition_penalty_B=column("repetition_penalty", np.float32, 1.0),
+                   presence_penalty_B=presence, frequency_penalty_B=frequency,
+                   bias_ids_BX=bias_ids, bias_values_BX=bias_values, banned_BQJ=banned,
+                   no_repeat_ngram_B=ngram, max_ngram_size=0 if ngram is None else int(ngram.max()))
+
+    @property
+    def needs_token_history(self) -> bool:
+        """Whether a processor reads past tokens in order (n-grams, multi-token banned sequences)."""
+        return self.no_repeat_ngram_B is not None or (self.banned_BQJ is not None and self.banned_BQJ.shape[-1] > 1)
+
+    def new_history(self, prompts_BT: jax.Array, prompt_lengths_B: jax.Array, *, V: int,
+                    capacity: int) -> History:
+        """The token history these settings need, starting from the right-padded prompts."""
+        return History.create(prompts_BT, prompt_lengths_B, V=V,
+                              capacity=capacity if self.needs_token_history else None,
+                              seen=self.repetition_penalty_B is not None,
+                              counts=self.presence_penalty_B is not None)
 
 
-def row_keys(seed_B: jax.Array, step_B: jax.Array) -> jax.Array:
-    """One PRNG key per row, from the row's seed and how many tokens it has generated."""
-    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seed_B, step_B)
+def _pad_rows(rows: Sequence[Sequence], fill, dtype) -> np.ndarray:
+    out = np.full((len(rows), max(1, max(map(len, rows)))), fill, dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def process_logits(scores_BV: jax.Array, params: SamplingParams, history: History, *,
+                   num_generated_B: jax.Array, end_ids_BE: jax.Array | None = None,
+                   min_new_tokens_B: jax.Array | None = None) -> jax.Array:
+    """Apply every processor the batch uses, in ``transformers``' order, to float32 scores [B, V].
+
+    ``end_ids_BE`` (EOS and stop ids) are banned while a row has fewer than ``min_new_tokens_B`` tokens.
+    """
+    scores_BV = scores_BV.astype(jnp.float32)
+    V = scores_BV.shape[-1]
+    if params.bias_ids_BX is not None:
+        scores_BV = lp.logit_bias(scores_BV, params.bias_ids_BX, params.bias_values_BX)
+    if params.repetition_penalty_B is not None:
+        scores_BV = lp.repetition_penalty(scores_BV, params.repetition_penalty_B, history.seen_BV)
+    if params.presence_penalty_B is not None:
+        scores_BV = lp.presence_frequency_penalty(scores_BV, params.presence_penalty_B,
+                                                  params.frequency_penalty_B, history.counts_BV)
+    if params.no_repeat_ngram_B is not None:
+        scores_BV = lp.ban(scores_BV, lp.no_repeat_ngram_mask(
+            history.tokens_BS, history.length_B, params.no_repeat_ngram_B, max_ngram_size=params.max_ngram_size,
+            V=V))
+    if params.banned_BQJ is not None:
+        scores_BV = lp.ban(scores_BV, lp.bad_words_mask(history.tokens_BS, history.length_B, params.banned_BQJ, V))
+    if min_new_tokens_B is not None:
+        scores_BV = lp.ban(scores_BV, lp.min_new_tokens_mask(end_ids_BE, num_generated_B, min_new_tokens_B, V))
+    return scores_BV
+
+
+def row_keys(seed_B: jax.Array, sample_B: jax.Array, step_B: jax.Array) -> jax.Array:
+    """One PRNG key per row, from its seed, which completion of its prompt it is, and its step."""
+    def key(seed, sample, step):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), sample), step)
+
+    return jax.vmap(key)(seed_B, sample_B, step_B)
+
+
+def typical_filter(scores_BV: jax.Array, mass_B: jax.Array) -> jax.Array:
+    """Locally typical sampling (Meister et al. 2023, ``TypicalLogitsWarper``): keep the tokens whose
+    surprisal is closest to the entropy, in that order, until their mass reaches ``mass_B``."""
+    logp_BV = jax.nn.log_softmax(scores_BV, axis=-1)
+    p_BV = jnp.exp(logp_BV)
+    entropy_B1 = -jnp.nansum(logp_BV * p_BV, axis=-1, keepdims=True)  # filtered tokens: -inf * 0 = nan
+    shifted_BV = jnp.abs(-logp_BV - entropy_B1)
+    order_BV = jnp.argsort(shifted_BV, axis=-1)
+    sorted_shifted_BV = jnp.take_along_axis(shifted_BV, order_BV, axis=-1)
+    mass_BV = jnp.cumsum(jax.nn.softmax(jnp.take_along_axis(scores_BV, order_BV, axis=-1), axis=-1), axis=-1)
+    last_B1 = jnp.minimum(jnp.sum(mass_BV < mass_B[:, None], axis=-1, keepdims=True), scores_BV.shape[-1] - 1)
+    cutoff_B1 = jnp.take_along_axis(sorted_shifted_BV, last_B1, axis=-1)
+    remove_BV = (shifted_BV > cutoff_B1) & (mass_B[:, None] < 1)
+    return jnp.where(remove_BV, -jnp.inf, scores_BV)
 
 
 def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature-scaled logits with tokens outside each row's top-k / top-p / min-p set at -inf."""
+    """Temperature-scaled scores with tokens outside each row's top-k / top-p / min-p / typical-p set at
+    -inf, in ``transformers``' order."""
     temperature_B1 = jnp.where(params.temperature_B > 0, params.temperature_B, 1.0)[:, None]
     logits_BV = logits_BV.astype(jnp.float32) / temperature_B1
     V = logits_BV.shape[-1]
@@ -102,18 +264,28 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     min_p_logit_B1 = max_B1 + jnp.log(jnp.maximum(params.min_p_B[:, None], 1e-38))
     filtered_BV = jnp.where((params.min_p_B[:, None] > 0) & (filtered_BV < min_p_logit_B1), -jnp.inf,
                             filtered_BV)
+    if params.typical_p_B is not None:
+        filtered_BV = typical_filter(filtered_BV, params.typical_p_B)
     return filtered_BV
 
 
-def sample(logits_BV: jax.Array, params: SamplingParams, step_B: jax.Array) -> jax.Array:
-    """Next token per row [B] (int32): argmax for greedy rows, a draw from the filtered distribution else."""
-    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+def sample(scores_BV: jax.Array, params: SamplingParams, step_B: jax.Array, *,
+           with_scores: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Next token per row [B] (int32) from processed scores: argmax for greedy rows, a draw from the
+    filtered distribution for the others. ``with_scores`` also returns the scores the token was chosen
+    from (filtered and temperature-scaled for sampled rows), for log-probabilities."""
+    greedy_B = jnp.argmax(scores_BV, axis=-1).astype(jnp.int32)
 
     def draw(_):
-        keys_B = row_keys(params.seed_B, step_B)
-        filtered_BV = filter_logits(logits_BV, params)
+        keys_B = row_keys(params.seed_B, params.sample_B, step_B)
+        filtered_BV = filter_logits(scores_BV, params)
         drawn_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV).astype(jnp.int32)
-        return jnp.where(params.temperature_B > 0, drawn_B, greedy_B)
+        sampled_B1 = params.temperature_B[:, None] > 0
+        token_B = jnp.where(sampled_B1[:, 0], drawn_B, greedy_B)
+        return (token_B, jnp.where(sampled_B1, filtered_BV, scores_BV)) if with_scores else token_B
+
+    def argmax(_):
+        return (greedy_B, scores_BV) if with_scores else greedy_B
 
     # Skip the sort entirely when every row is greedy.
-    return jax.lax.cond(jnp.any(params.temperature_B > 0), draw, lambda _: greedy_B, None)
+    return jax.lax.cond(jnp.any(params.temperature_B > 0), draw, argmax, None)

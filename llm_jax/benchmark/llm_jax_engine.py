@@ -96,8 +96,8 @@ class LlmJaxEngine:
         first_ttft = time.perf_counter() - t0
         memory = self._decode_memory(cache, state)
         with measure_compilation() as second:
-            cache, state, tokens = self._decode(cache, state)
-            np.asarray(tokens)
+            cache, state, emitted = self._decode(cache, state)
+            np.asarray(emitted.tokens_BS)
         return Compiled(prefill_s=first.seconds, decode_s=second.seconds, first_ttft_s=first_ttft,
                         decode_memory=memory)
 
@@ -116,8 +116,8 @@ class LlmJaxEngine:
         chunks, step_s = [first_BS], []
         for _ in range(self.workload.decode_steps // self.workload.chunk_steps):
             t_chunk = time.perf_counter()
-            cache, state, tokens = self._decode(cache, state)
-            chunks.append(np.asarray(tokens))
+            cache, state, emitted = self._decode(cache, state)
+            chunks.append(np.asarray(emitted.tokens_BS))
             step_s.append((time.perf_counter() - t_chunk) / self.workload.chunk_steps)
         decode_s = time.perf_counter() - t0 - ttft
         tokens_BS = np.concatenate(chunks, axis=1)
@@ -127,7 +127,8 @@ class LlmJaxEngine:
     def _prefill(self):
         cache = init_cache(self.config, self.workload.batch, self.cache_len)
         logits_BV, cache = prefill(self.params, self.config, self.tokens_BT, self.lengths_B, cache)
-        return cache, start(logits_BV, cache, self.controls)
+        state, _ = start(logits_BV, self.tokens_BT, cache, self.controls)
+        return cache, state
 
     def _decode(self, cache, state):
         return decode(self.params, self.config, cache, state, self.controls, num_steps=self.workload.chunk_steps)

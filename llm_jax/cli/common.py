@@ -104,5 +104,7 @@ positive_int = _ranged(_integer, lambda v: v >= 1, "a positive integer")
 non_negative_int = _ranged(_integer, lambda v: v >= 0, "an integer >= 0")
 uint32 = _ranged(_integer, lambda v: 0 <= v < 2**32, "an integer in [0, 2**32)")
 non_negative_float = _ranged(_number, lambda v: v >= 0, "a number >= 0")
+positive_float = _ranged(_number, lambda v: v > 0, "a number > 0")
+finite_float = _ranged(_number, lambda v: True, "a finite number")
 probability = _ranged(_number, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 open_probability = _ranged(_number, lambda v: 0 < v <= 1, "a number in (0, 1]")  # a nucleus mass: 0 keeps nothing

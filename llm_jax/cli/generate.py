@@ -14,14 +14,18 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from llm_jax.cli.chat import run_chat
-from llm_jax.cli.common import (CliError, CliParser, non_negative_float, non_negative_int, one_line,
-                                open_probability, positive_int, probability, run_main, token_ids, uint32)
+from llm_jax.cli.common import (CliError, CliParser, finite_float, non_negative_float, non_negative_int, one_line,
+                                open_probability, positive_float, positive_int, probability, run_main, token_ids,
+                                uint32)
 from llm_jax.cli.output import json_report, metrics_fields, print_status, prompt_echo, write_stream
 
 if TYPE_CHECKING:
     from llm_jax.loading import Model
 
 STDIN = "-"
+# The story model trained by scripts/train_tiny.py, shipped in the repository's checkpoints/ folder; found
+# relative to this file, so it works from any current directory of a source checkout or editable install.
+DEFAULT_MODEL = pathlib.Path(__file__).resolve().parents[2] / "checkpoints" / "stories-1m"
 
 DESCRIPTION = "Generate text with llm_jax, streaming it to stdout as it is generated."
 EPILOG = """\
@@ -50,9 +54,11 @@ errors:
   One line 'error: ...' on stderr; exit status 1 (2 for a misused flag, 130 on Ctrl-C).
 
 examples:
+  generate.py --prompt "Once upon a time"      # the story model shipped in checkpoints/
   generate.py --model stories260K.bin --prompt "Once upon a time" --max-new-tokens 100
   echo "Once upon a time" | generate.py --model stories260K.bin --prompt - --json
   generate.py --model path/to/chat-model --chat --system "You are terse."
+  generate.py --model path/to/big-model --dtype bfloat16 --mesh model=8 --prompt "Hi"     # 8 GPUs
 """
 
 
@@ -62,13 +68,18 @@ def build_parser() -> CliParser:
     _add_prompt_flags(parser.add_argument_group("prompts"))
     _add_generation_flags(parser.add_argument_group("generation"))
     _add_sampling_flags(parser.add_argument_group("sampling (default: greedy)"))
+    _add_processor_flags(parser.add_argument_group("logits processors (greedy and sampled)"))
+    _add_search_flags(parser.add_argument_group("several completions"))
     _add_output_flags(parser.add_argument_group("output"))
+    _add_device_flags(parser.add_argument_group(
+        "many devices and hosts (docs/running_on_many_devices.md; on several hosts run the same command on each)"))
     return parser
 
 
 def _add_model_flags(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--model", required=True, metavar="PATH",
-                       help="llama2.c .bin file, Hugging Face model folder, or llm_jax checkpoint folder")
+    group.add_argument("--model", default=str(DEFAULT_MODEL), metavar="PATH",
+                       help="llama2.c .bin file, Hugging Face model folder, or llm_jax checkpoint folder "
+                            "(default: the story model shipped in checkpoints/)")
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                        help="parameter and compute dtype (default: the checkpoint's)")
     group.add_argument("--attention", choices=["xla", "pallas"], default="xla",
@@ -94,6 +105,10 @@ def _add_generation_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--stop", action="append", default=[], metavar="STRING",
                        help="end generation where this text appears, cutting it from the output; repeatable. "
                             "Taken literally: in bash, $'\\n' is a newline")
+    group.add_argument("--stop-token-ids", type=token_ids, default=[], metavar="IDS",
+                       help="comma-separated token ids that end generation (kept in the output)")
+    group.add_argument("--min-new-tokens", type=non_negative_int, default=0, metavar="N",
+                       help="end tokens and stop strings end nothing before N tokens (default: 0)")
 
 
 def _add_sampling_flags(group: argparse._ArgumentGroup) -> None:
@@ -105,13 +120,80 @@ def _add_sampling_flags(group: argparse._ArgumentGroup) -> None:
                        help="sample among the most likely tokens holding probability mass P (1 = all)")
     group.add_argument("--min-p", type=probability, default=0.0, metavar="P",
                        help="drop tokens less likely than P times the most likely one (0 = none)")
+    group.add_argument("--typical-p", type=open_probability, default=1.0, metavar="P",
+                       help="locally typical sampling: keep the most typical tokens holding mass P (1 = all)")
     group.add_argument("--seed", type=uint32, default=0, help="random seed of sampling (default: %(default)s)")
+
+
+def logit_bias(text: str) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: ``{"50256": -100}`` (JSON) or ``50256:-100,13:2``."""
+    try:
+        pairs = json.loads(text).items() if text.lstrip().startswith("{") else (
+            part.split(":") for part in text.split(",") if part.strip())
+        return {int(k): float(v) for k, v in pairs}
+    except (ValueError, TypeError, AttributeError):
+        raise argparse.ArgumentTypeError(f"expected token:bias pairs (13:2.5,50256:-100) or a JSON object, "
+                                         f"got {text!r}") from None
+
+
+def early_stopping(text: str) -> bool | str:
+    """``transformers``' ``early_stopping``: true, false or never."""
+    choices = {"true": True, "false": False, "never": "never"}
+    if text.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"expected true, false or never, got {text!r}")
+    return choices[text.lower()]
+
+
+def _add_processor_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--repetition-penalty", type=positive_float, default=1.0,
+                       metavar="X", help="transformers': divide scores of prompt and output tokens by X (1 = off)")
+    group.add_argument("--presence-penalty", type=finite_float, default=0.0, metavar="X",
+                       help="OpenAI's: subtract X from scores of tokens the output contains")
+    group.add_argument("--frequency-penalty", type=finite_float, default=0.0, metavar="X",
+                       help="OpenAI's: subtract X times the count of each token in the output")
+    group.add_argument("--logit-bias", type=logit_bias, default={}, metavar="ID:BIAS,...",
+                       help="add BIAS to token ID's score (or a JSON object, as OpenAI's logit_bias)")
+    group.add_argument("--suppress-tokens", type=token_ids, default=[], metavar="IDS",
+                       help="comma-separated token ids never to generate")
+    group.add_argument("--bad-words-ids", action="append", type=token_ids, default=[], metavar="IDS",
+                       help="a token sequence never to generate, comma-separated; repeatable")
+    group.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=0, metavar="N",
+                       help="never repeat an N-gram of the prompt and output (0 = off)")
+
+
+def _add_search_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--n", type=positive_int, default=1, help="samples per prompt, sharing one prefill")
+    group.add_argument("--num-beams", type=positive_int, default=1, help="beam search when > 1 (greedy only)")
+    group.add_argument("--length-penalty", type=finite_float, default=1.0, metavar="X",
+                       help="beam search: a finished hypothesis scores log-probability / length**X")
+    group.add_argument("--early-stopping", type=early_stopping, default=False, metavar="WHEN",
+                       help="beam search: true, false (default) or never, as transformers")
+    group.add_argument("--num-return-sequences", type=positive_int, default=1, metavar="N",
+                       help="beam search: return the N best hypotheses")
 
 
 def _add_output_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    group.add_argument("--logprobs", type=non_negative_int, default=None, metavar="N",
+                       help="with --json: each output token's log-probability and the N most likely tokens'")
+    group.add_argument("--raw-logprobs", action="store_true",
+                       help="--logprobs from the model's own distribution, before processors and filters")
+    group.add_argument("--prompt-logprobs", type=non_negative_int, default=None, metavar="N",
+                       help="with --json: each prompt token's log-probability and the N most likely tokens'")
     group.add_argument("--quiet", action="store_true",
                        help="no metrics line on stderr (--json has the metrics in its object)")
+
+
+def _add_device_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--mesh", metavar="SPEC",
+                       help="shard the model over devices: 'model=8', 'data=2,model=4', ... (default: one device; "
+                            "with several processes, model over each host's devices and data across hosts)")
+    group.add_argument("--coordinator", metavar="HOST:PORT",
+                       help="address of process 0 of a multi-process run (default: $JAX_COORDINATOR_ADDRESS)")
+    group.add_argument("--num-processes", type=positive_int, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=non_negative_int, metavar="I", help="this process, 0 to N-1")
+    group.add_argument("--distributed", action="store_true",
+                       help="join the multi-process run the cluster describes (Slurm, Open MPI, Kubernetes, Cloud TPU)")
 
 
 def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
@@ -119,9 +201,13 @@ def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
     id_prompts = [p for p in args.prompts if not isinstance(p, str)]
     if args.prompts.count(STDIN) > 1:
         parser.error(f"--prompt {STDIN} reads stdin, which can be read once")
+    if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
+        parser.error("--logprobs and --prompt-logprobs are reported in the --json object: add --json")
     if args.chat:
         if args.json:
             parser.error("--json and --chat exclude each other")
+        if args.n > 1 or args.num_beams > 1:
+            parser.error("--chat writes one reply per turn: --n and --num-beams cannot be used with it")
         if id_prompts:
             parser.error("--chat takes messages as text: use --prompt, not --prompt-ids")
         if STDIN in args.prompts:
@@ -131,6 +217,14 @@ def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
             parser.error("--system needs --chat")
         if not args.prompts:
             parser.error("give a --prompt or --prompt-ids (or --chat)")
+    if args.chat and _distributed(args):
+        parser.error("--chat runs in one process: it cannot be combined with several processes")
+
+
+def _distributed(args: argparse.Namespace) -> bool:
+    from llm_jax import distributed
+
+    return args.distributed or distributed.requested(args.coordinator, args.num_processes, args.process_id)
 
 
 def read_prompts(prompts: list[str | list[int]]) -> list[str | list[int]]:
@@ -147,14 +241,24 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
     from llm_jax.sampling import Sampling
 
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        seed=args.seed)
-    return dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, ignore_eos=args.ignore_eos)
+                        typical_p=args.typical_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+                        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                        logit_bias=args.logit_bias, suppress_tokens=args.suppress_tokens,
+                        bad_words_ids=args.bad_words_ids, no_repeat_ngram_size=args.no_repeat_ngram_size)
+    return dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, ignore_eos=args.ignore_eos,
+                stop_token_ids=args.stop_token_ids, min_new_tokens=args.min_new_tokens, n=args.n,
+                num_beams=args.num_beams, length_penalty=args.length_penalty, early_stopping=args.early_stopping,
+                num_return_sequences=args.num_return_sequences, logprobs=args.logprobs,
+                raw_logprobs=args.raw_logprobs, prompt_logprobs=args.prompt_logprobs)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_flags(parser, args)
+    if args.model == str(DEFAULT_MODEL) and not DEFAULT_MODEL.exists():
+        raise CliError(f"the default model {DEFAULT_MODEL} is missing: it ships with the llm_jax repository "
+                       "(a non-editable install has no checkpoints/ folder); pass --model")
     if not pathlib.Path(args.model).exists():
         raise CliError(f"model path {args.model} does not exist")
     template = _chat_template(args.model) if args.chat else None
@@ -162,13 +266,21 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    from llm_jax import distributed
     from llm_jax.compilation import enable_persistent_cache
     from llm_jax.loading import load
+    from llm_jax.sharding import make_mesh
 
     enable_persistent_cache()  # a second run of the same model and prompt bucket skips compilation
-
+    if _distributed(args):
+        try:
+            distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        except distributed.DistributedError as e:
+            raise CliError(str(e)) from None
+    # Every process runs the same program; several processes always shard over all their devices.
+    mesh = args.mesh if args.mesh is not None or jax.process_count() == 1 else make_mesh()
     try:
-        model = load(args.model, dtype=args.dtype, attention=args.attention)
+        model = load(args.model, dtype=args.dtype, attention=args.attention, mesh=mesh)
         if args.chat:
             return run_chat(model, template, system=args.system, first_messages=prompts,
                             generation=generation_options(args), quiet=args.quiet)
@@ -185,15 +297,22 @@ def _chat_template(model_path: str):
 
 
 def _generate(args: argparse.Namespace, model: Model, prompts: list[str | list[int]]) -> int:
+    import jax
+
     from llm_jax.generate import generate_stream
 
     stream = generate_stream(model, prompts, **generation_options(args))
+    if jax.process_index() != 0:  # runs its part of every step; process 0 reports
+        for _ in stream:
+            pass
+        return 0
     if args.json:
         for _ in stream:
             pass
         print(json.dumps(json_report(args.model, stream)))
         return 0
-    write_stream(stream, sys.stdout, echoes=[prompt_echo(model, p) for p in prompts],
+    per_prompt = args.num_return_sequences if args.num_beams > 1 else args.n  # completions, prompt-major
+    write_stream(stream, sys.stdout, echoes=[prompt_echo(model, p) for p in prompts for _ in range(per_prompt)],
                  with_text=model.tokenizer is not None)
     if not args.quiet:
         print_status(metrics_fields(stream.metrics), sys.stderr)

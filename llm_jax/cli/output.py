@@ -71,11 +71,19 @@ def json_report(model_arg: str, stream: GenerationStream) -> dict:
     m = stream.metrics
     return {
         "model": model_arg,
-        "results": [{"prompt": r.prompt, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "text": r.text,
-                     "finish_reason": r.finish_reason} for r in stream.results],
+        "results": [_result(r) for r in stream.results],
         "metrics": {"compile_s": m.compile_s, "ttft_s": m.ttft_s, "itl_s": m.itl_s,
                     "decode_tokens_per_s": m.decode_tokens_per_s},
     }
+
+
+def _result(r) -> dict:
+    """One completion; the optional outputs (several completions, log-probabilities) only when present."""
+    out = {"prompt": r.prompt, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids, "text": r.text,
+           "finish_reason": r.finish_reason}
+    optional = {"sample": r.sample or None, "score": r.score, "logprobs": r.logprobs, "top_logprobs": r.top_logprobs,
+                "prompt_logprobs": r.prompt_logprobs, "prompt_top_logprobs": r.prompt_top_logprobs}
+    return out | {k: v for k, v in optional.items() if v is not None}
 
 
 def metrics_fields(m: GenerationMetrics) -> list[str]:

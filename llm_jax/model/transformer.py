@@ -1,18 +1,8 @@
 """The decoder stack: embed → L × (attention + MLP) → final norm → logits.
 
-``params["layers"]`` comes in two layouts:
-
-- **stacked** (what converters, checkpoints and :func:`init_params` produce): one array per weight
-  with a leading L axis. Without a KV cache (full forward, training) the layers run in a ``lax.scan``,
-  so compile time does not grow with depth; layers whose attention differs (Gemma 2 alternates
-  sliding-window and global layers) are scanned in groups of one period, keeping each window static.
-- **per layer** (:func:`unstack_layers`, what ``load`` hands to inference): a tuple of L per-layer
-  dicts, run by an unrolled loop. On XLA:CPU a matrix product cannot read one layer out of a stacked
-  array where it lies: XLA copies the layer's weights first, on every decode step, which costs more
-  than the product (decode 2.5-3× slower). Separate buffers are read in place.
-
-With a KV cache (prefill, decode) layers always run unrolled: each layer's cache is its own buffer
-(``llm_jax.kv_cache``), addressed by a static index.
+Layers are stacked (every layer parameter has a leading L axis) and run by ``lax.scan``, so compile
+time does not grow with depth. Layers whose attention differs (Gemma 2 alternates sliding-window and
+global layers) are scanned in groups of one period, keeping each layer's window a static value.
 """
 
 from __future__ import annotations
@@ -25,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from jax.sharding import Mesh
 
 from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
-from llm_jax.model.attention import Attention, attention, cached_attention
+from llm_jax.model.attention import Attention, attention
 from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, dense
 
 Params = dict[str, Any]
@@ -137,115 +128,145 @@ def _layer_period(windows: tuple[int | None, ...]) -> int:
                 if L % p == 0 and all(windows[i] == windows[i % p] for i in range(L)))
 
 
-def unstack_layers(params: Params) -> Params:
-    """The per-layer layout: ``params["layers"]`` as a tuple of L dicts (see the module docstring).
-    Works on host (NumPy) or device arrays; returns ``params`` unchanged if already per layer."""
-    layers = params["layers"]
-    if isinstance(layers, tuple):
-        return params
-    n_layers = len(jax.tree.leaves(layers)[0])
-    return {**params, "layers": tuple(jax.tree.map(lambda a: a[i], layers) for i in range(n_layers))}
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LayerHooks:
+    """Research access to the residual stream between layers.
 
+    ``steering_BLD`` is added to every token's residual stream after each layer (activation addition,
+    Turner et al. 2023): row b gets ``steering_BLD[b, l]`` after layer l. ``record_layers`` (static) lists
+    the layers whose output — the residual stream after the layer (and its steering), before the final
+    norm; ``transformers``' ``hidden_states[l + 1]`` except for the last layer, which it returns normed —
+    the forward functions return as a third output [B, T, len(record_layers), D].
+    """
 
-def stack_layers(params: Params) -> Params:
-    """The stacked layout (converters, checkpoints): one [L, ...] array per weight."""
-    layers = params["layers"]
-    if not isinstance(layers, tuple):
-        return params
-    xp = np if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(layers)) else jnp
-    return {**params, "layers": jax.tree.map(lambda *a: xp.stack(a), *layers)}
+    steering_BLD: jax.Array | None = None
+    record_layers: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
-
-def _layer_params(layers: Params | tuple[Params, ...], index: int) -> Params:
-    if isinstance(layers, tuple):
-        return layers[index]
-    return jax.tree.map(lambda a: a[index], layers)  # stacked weights with a cache: a copy per call
+    def check(self, config: ModelConfig, batch_size: int) -> None:
+        L = config.n_layers
+        bad = [l for l in self.record_layers if not 0 <= l < L]
+        if bad:
+            raise ValueError(f"record_layers {bad} outside the model's layers [0, {L})")
+        expected = (batch_size, L, config.d_model)
+        if self.steering_BLD is not None and tuple(self.steering_BLD.shape) != expected:
+            raise ValueError(f"steering_BLD has shape {tuple(self.steering_BLD.shape)}, expected {expected} "
+                             "(batch, layers, d_model)")
 
 
 def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positions_BT: jax.Array,
-                  attend: AttendFn, cache: KVCache | None) -> tuple[jax.Array, KVCache | None]:
-    """Run every layer over ``x_BTD``; ``attend`` decides what attention sees and how the cache changes."""
-    windows = config.layer_windows()
-    layer = DecoderLayer(config)
-    layers = params["layers"]
-    if cache is None and not isinstance(layers, tuple):
-        return _scan_layers(layer, layers, config, x_BTD, positions_BT, attend), None
-    for index in range(config.n_layers):
-        x_BTD, cache = layer.apply({"params": _layer_params(layers, index)}, x_BTD, positions_BT,
-                                   functools.partial(attend, index, window=windows[index], cache=cache))
-    return x_BTD, cache
+                  attend: AttendFn, cache: KVCache | None, hooks: LayerHooks | None = None):
+    """Run every layer over ``x_BTD``; ``attend`` decides what attention sees and how the cache changes.
 
-
-def _scan_layers(layer: DecoderLayer, stacked: Params, config: ModelConfig, x_BTD: jax.Array,
-                 positions_BT: jax.Array, attend: AttendFn) -> jax.Array:
+    Returns the final residual stream and the cache, plus the recorded layers [B, T, R, D] (or None)
+    when ``hooks`` is given.
+    """
     windows = config.layer_windows()
     period = _layer_period(windows)
-    grouped = jax.tree.map(lambda a: a.reshape(config.n_layers // period, period, *a.shape[1:]), stacked)
+    groups = config.n_layers // period
+    layer = DecoderLayer(config)
+    grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), params["layers"])
+    steering = recorded = slot_L = None
+    if hooks is not None:
+        hooks.check(config, x_BTD.shape[0])
+        if hooks.steering_BLD is not None:
+            B, L, D = hooks.steering_BLD.shape
+            steering = hooks.steering_BLD.transpose(1, 0, 2).reshape(groups, period, B, D)
+        if hooks.record_layers:
+            R = len(hooks.record_layers)
+            recorded = jnp.zeros((R, *x_BTD.shape), x_BTD.dtype)
+            # Layer l writes slot slot_L[l]; layers not recorded write slot R, which is dropped.
+            slot_L = jnp.asarray([hooks.record_layers.index(l) if l in hooks.record_layers else R
+                                  for l in range(config.n_layers)], jnp.int32)
 
-    def group_step(carry, group_params):
-        x_BTD, group = carry
+    def group_step(carry, inputs):
+        x_BTD, cache, group, recorded = carry
+        group_params, steering_PBD = inputs
         for j in range(period):
             layer_params = jax.tree.map(lambda a: a[j], group_params)
-            x_BTD, _ = layer.apply({"params": layer_params}, x_BTD, positions_BT,
-                                   functools.partial(attend, group * period + j, window=windows[j], cache=None))
-        return (x_BTD, group + 1), None
+            index = group * period + j
+            x_BTD, cache = layer.apply(
+                {"params": layer_params}, x_BTD, positions_BT,
+                functools.partial(attend, index, window=windows[j], cache=cache))
+            if steering_PBD is not None:
+                x_BTD = x_BTD + steering_PBD[j][:, None, :].astype(x_BTD.dtype)
+            if recorded is not None:
+                recorded = recorded.at[slot_L[index]].set(x_BTD, mode="drop")
+        return (x_BTD, cache, group + 1, recorded), None
 
-    (x_BTD, _), _ = jax.lax.scan(group_step, (x_BTD, jnp.zeros((), jnp.int32)), grouped)
-    return x_BTD
+    carry = (x_BTD, cache, jnp.zeros((), jnp.int32), recorded)
+    (x_BTD, cache, _, recorded), _ = jax.lax.scan(group_step, carry, (grouped, steering))
+    if hooks is None:
+        return x_BTD, cache
+    return x_BTD, cache, None if recorded is None else recorded.transpose(1, 2, 0, 3)
 
 
-def _with_layer(cache: KVCache, layer: int, k_BKHS: jax.Array, v_BKSH: jax.Array) -> KVCache:
-    replace = lambda layers, new: layers[:layer] + (new,) + layers[layer + 1:]
-    return dataclasses.replace(cache, k_BKHS=replace(cache.k_BKHS, k_BKHS), v_BKSH=replace(cache.v_BKSH, v_BKSH))
-
-
-def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool):
+def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool, mesh: Mesh | None = None):
     """Attention over this call's own keys (queries at positions 0..T-1); optionally store them."""
 
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
         B, T = q_BTNH.shape[:2]
         positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        o_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, lengths_B, config=config, window=window)
+        o_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, lengths_B, config=config, window=window,
+                           queries_from_zero=True, mesh=mesh)
         if write_cache:
-            written = kvc.write_prefix(cache.k_BKHS[layer], cache.v_BKSH[layer], k_BTKH, v_BTKH)
-            cache = _with_layer(cache, layer, *written)
+            cache = KVCache(k_LBSKH=kvc.write_block(cache.k_LBSKH, layer, k_BTKH),
+                            v_LBSKH=kvc.write_block(cache.v_LBSKH, layer, v_BTKH), lengths_B=cache.lengths_B)
         return o_BTNH, cache
 
     return attend
 
 
-def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array,
-            lengths_B: jax.Array | None = None) -> jax.Array:
-    """Full-sequence causal forward pass without a cache: logits [B, T, V] (float32).
+def forward_hidden(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array | None = None,
+                   *, hooks: LayerHooks | None = None):
+    """Full-sequence causal pass without a cache: the final residual stream [B, T, D] (before the final
+    norm), plus the recorded layers when ``hooks`` is given. ``lengths_B`` marks right padding."""
+    B, T = tokens_BT.shape
+    lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B
+    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    out = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
+                        _attend_fresh(config, lengths_B, write_cache=False), None, hooks)
+    return out[0] if hooks is None else (out[0], out[2])
+
+
+def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array | None = None,
+            *, hooks: LayerHooks | None = None):
+    """Full-sequence causal forward pass without a cache: logits [B, T, V] (float32), plus the recorded
+    layers when ``hooks`` is given.
 
     ``lengths_B`` marks right padding (default: every token is real); logits at padded positions are
     meaningless.
     """
-    B, T = tokens_BT.shape
-    lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B
-    positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x_BTD, _ = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
-                             _attend_fresh(config, lengths_B, write_cache=False), None)
-    return unembed(params, config, x_BTD)
+    if hooks is None:
+        return unembed(params, config, forward_hidden(params, config, tokens_BT, lengths_B))
+    x_BTD, recorded = forward_hidden(params, config, tokens_BT, lengths_B, hooks=hooks)
+    return unembed(params, config, x_BTD), recorded
 
 
 def forward_prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
-                    cache: KVCache) -> tuple[jax.Array, KVCache]:
-    """Run right-padded prompts from an empty cache: final hidden states [B, T, D] and the filled cache."""
+                    cache: KVCache, mesh: Mesh | None = None, *, hooks: LayerHooks | None = None):
+    """Run right-padded prompts from an empty cache: final hidden states [B, T, D] and the filled cache
+    (plus the recorded layers when ``hooks`` is given).
+
+    ``mesh``: the mesh params and cache are laid out on (``llm_jax.sharding``), for attention kernels.
+    """
     B, T = tokens_BT.shape
     if T > cache.max_len:
         raise ValueError(f"prompt block of {T} tokens does not fit a cache of {cache.max_len} slots")
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    x_BTD, cache = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
-                                 _attend_fresh(config, lengths_B, write_cache=True), cache)
-    return x_BTD, dataclasses.replace(cache, lengths_B=lengths_B.astype(jnp.int32))
+    x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
+                                            _attend_fresh(config, lengths_B, write_cache=True, mesh=mesh), cache,
+                                            hooks)
+    return (x_BTD, dataclasses.replace(cache, lengths_B=lengths_B.astype(jnp.int32)), *recorded)
 
 
 def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, cache: KVCache,
-                   active_B: jax.Array) -> tuple[jax.Array, KVCache]:
-    """Append T tokens per active row after its ``cache.lengths_B`` tokens (decode): hidden [B, T, D].
+                   active_B: jax.Array, mesh: Mesh | None = None, *, hooks: LayerHooks | None = None):
+    """Append T tokens per active row after its ``cache.lengths_B`` tokens (decode): hidden [B, T, D]
+    and the cache (plus the recorded layers when ``hooks`` is given).
 
-    Inactive rows (finished sequences) write nothing and keep their length.
+    Inactive rows (finished sequences) write nothing and keep their length. ``mesh`` as for
+    :func:`forward_prefill`.
     """
     B, T = tokens_BT.shape
     positions_BT = cache.lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)
@@ -254,13 +275,12 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
     new_lengths_B = cache.lengths_B + jnp.where(active_B, T, 0).astype(jnp.int32)
 
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
-        def write(k_BKHS, v_BKSH):
-            return kvc.write_tokens(k_BKHS, v_BKSH, slots_BT, k_BTKH, v_BTKH)
+        k_LBSKH = kvc.write_tokens(cache.k_LBSKH, layer, slots_BT, k_BTKH)
+        v_LBSKH = kvc.write_tokens(cache.v_LBSKH, layer, slots_BT, v_BTKH)
+        o_BTNH = attention(q_BTNH, k_LBSKH[layer], v_LBSKH[layer], positions_BT, positions_BT[:, -1] + 1,
+                           config=config, window=window, queries_from_zero=False, mesh=mesh)
+        return o_BTNH, KVCache(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH, lengths_B=cache.lengths_B)
 
-        o_BTNH, k_BKHS, v_BKSH = cached_attention(q_BTNH, k_BTKH, v_BTKH, cache.k_BKHS[layer], cache.v_BKSH[layer],
-                                                  cache.lengths_B, write, config=config, window=window)
-        return o_BTNH, _with_layer(cache, layer, k_BKHS, v_BKSH)
-
-    x_BTD, cache = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT, attend, cache)
-    return x_BTD, dataclasses.replace(cache, lengths_B=new_lengths_B)
-
+    x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT, attend,
+                                            cache, hooks)
+    return (x_BTD, dataclasses.replace(cache, lengths_B=new_lengths_B), *recorded)

@@ -31,7 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from llm_jax.config import ConfigError, ModelConfig
-from llm_jax.model import Params, stack_layers
+from llm_jax.model import Params
 from llm_jax.weights import checksum
 from llm_jax.weights.layout import WeightsError
 from llm_jax.weights.placement import (Path, ShardingArg, expected_shapes, leaves_by_path, resolve_shardings,
@@ -86,7 +86,6 @@ def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Par
     checkpoint itself.
     """
     path = pathlib.Path(path)
-    params = stack_layers(params)  # a loaded model's per-layer buffers are stored stacked
     stored_dtype = _check_params(params, config, where=str(path))
     config = config.replace(param_dtype=stored_dtype)
     copies = _tokenizer_copies(tokenizer_files)

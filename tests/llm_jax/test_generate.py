@@ -1,4 +1,7 @@
-"""generate / generate_stream end to end: stories260K against transformers, batching, streaming, errors."""
+"""generate / generate_stream end to end: stories260K against transformers, batching, streaming, errors;
+generation controls (processors, logprobs, hidden states, n samples, stop strings) against transformers."""
+
+import importlib
 
 import numpy as np
 import pytest
@@ -8,6 +11,7 @@ import transformers
 import llm_jax
 from llm_jax.config import ModelConfig
 from llm_jax.model import init_params
+from tests.hf_models import save_tiny_llama
 
 PROMPTS = ["Once upon a time", "The little dog wanted to", "Tom and Sue went to the park. They",
            "One day, a big bird"]
@@ -120,3 +124,122 @@ def test_input_errors(stories_bin):
         llm_jax.generate(bare, [[1, 2]], max_new_tokens=4, stop=["x"])
     result = llm_jax.generate(bare, [[1, 2]], max_new_tokens=4)[0]
     assert result.text is None and len(result.output_ids) == 4
+
+
+# Generation controls on a tiny random Llama, against transformers.
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_controls")
+    reference = save_tiny_llama(folder, seed=5)
+    return llm_jax.load(folder), reference
+
+
+def test_greedy_with_processors_equals_transformers(tiny):
+    """Two rows with different processors in one batch, each against transformers.generate alone."""
+    model, reference = tiny
+    prompts = [[1, 5, 17, 33, 8, 5, 17], [1, 40, 2, 9]]
+    rows = [(llm_jax.Sampling(repetition_penalty=1.3, no_repeat_ngram_size=2, logit_bias={21: 1.5}), 4),
+            (llm_jax.Sampling(repetition_penalty=0.8, bad_words_ids=((33,), (87, 33))), 6)]
+    results = llm_jax.generate(model, prompts, sampling=[r for r, _ in rows], min_new_tokens=[m for _, m in rows],
+                               max_new_tokens=12, chunk_steps=12)
+    for prompt, (row, minimum), result in zip(prompts, rows, results):
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([prompt]), do_sample=False, max_new_tokens=12, min_new_tokens=minimum, eos_token_id=2,
+                pad_token_id=2, repetition_penalty=row.repetition_penalty,
+                no_repeat_ngram_size=row.no_repeat_ngram_size or None,
+                bad_words_ids=[list(w) for w in row.bad_words_ids] or None,
+                sequence_bias=[[[t], b] for t, b in row.logit_bias.items()] or None)
+        expected = out[0, len(prompt):].tolist()
+        with torch.no_grad():
+            plain = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=2,
+                                       pad_token_id=2)[0, len(prompt):].tolist()
+        assert plain != expected, "the processors changed nothing; the test would prove little"
+        assert result.output_ids == expected[: len(result.output_ids)]
+        assert expected[len(result.output_ids):] == [2] * (len(expected) - len(result.output_ids))
+
+
+def steered(reference, steering_LD):
+    """transformers' model with ``steering_LD[l]`` added to decoder layer l's output (a forward hook)."""
+    def adder(vector):
+        def hook(module, inputs, output):
+            return (output[0] + vector, *output[1:]) if isinstance(output, tuple) else output + vector
+        return hook
+
+    return [layer.register_forward_hook(adder(torch.tensor(steering_LD[l])))
+            for l, layer in enumerate(reference.model.layers)]
+
+
+def test_research_outputs_equal_transformers(tiny):
+    """Token and prompt logprobs, hidden states of chosen layers, steering vectors, the final KV cache."""
+    model, reference = tiny
+    prompts = [[1, 5, 17, 33, 8], [1, 40, 2, 9, 64, 3]]
+    steering = np.random.default_rng(6).normal(0, 0.3, (2, model.config.n_layers, model.config.d_model))
+    steering[1] = 0.0  # the second prompt is not steered
+    stream = llm_jax.generate_stream(model, prompts, max_new_tokens=7, ignore_eos=True, logprobs=3,
+                                     prompt_logprobs=2, hidden_layers=(0, 1), steering=steering.astype(np.float32),
+                                     return_kv_cache=True, chunk_steps=4)
+    list(stream)
+    for row, (prompt, result) in enumerate(zip(prompts, stream.results)):
+        sequence = prompt + result.output_ids
+        handles = steered(reference, steering[row].astype(np.float32))
+        try:
+            with torch.no_grad():
+                out = reference(torch.tensor([sequence[:-1]]), output_hidden_states=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        logp = torch.log_softmax(out.logits[0], -1).numpy()
+        positions = np.arange(len(prompt) - 1, len(sequence) - 1)
+        np.testing.assert_allclose(result.logprobs, logp[positions, result.output_ids], atol=1e-4, rtol=0)
+        for step, top in zip(positions, result.top_logprobs):
+            assert list(top) == np.argsort(-logp[step])[:3].tolist()
+            np.testing.assert_allclose(list(top.values()), np.sort(logp[step])[::-1][:3], atol=1e-4, rtol=0)
+        assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(prompt)
+        np.testing.assert_allclose(result.prompt_logprobs[1:], logp[np.arange(len(prompt) - 1), prompt[1:]],
+                                   atol=1e-4, rtol=0)
+        assert [len(t) for t in result.prompt_top_logprobs[1:]] == [2] * (len(prompt) - 1)
+        # Every position the model processed: the prompt, then each output token but the last.
+        assert result.hidden_states.shape == (len(sequence) - 1, 2, model.config.d_model)
+        for i, layer in enumerate((0, 1)):
+            np.testing.assert_allclose(result.hidden_states[:, i], out.hidden_states[layer + 1][0].numpy(),
+                                       atol=1e-4, rtol=0)
+        assert int(stream.kv_cache.lengths_B[row]) == len(sequence) - 1
+
+
+def test_n_samples_share_one_prefill(tiny, monkeypatch):
+    model, _ = tiny
+    prompts = [[1, 5, 17], [1, 40, 2, 9]]
+    sampling = llm_jax.Sampling(temperature=1.0, seed=3)
+    calls = []
+    generate_module = importlib.import_module("llm_jax.generate")
+    real_prefill = generate_module.prefill
+    monkeypatch.setattr(generate_module, "prefill", lambda params, config, tokens, *rest: calls.append(
+        tokens.shape) or real_prefill(params, config, tokens, *rest))
+    results = llm_jax.generate(model, prompts, n=3, sampling=sampling, max_new_tokens=10, ignore_eos=True)
+    assert calls == [(2, 16)]  # one prefill of the two prompts, not six
+    assert [(r.prompt_ids, r.sample) for r in results] == [(p, i) for p in prompts for i in range(3)]
+    for p in range(2):
+        assert len({tuple(r.output_ids) for r in results[3 * p:3 * p + 3]}) == 3  # each sample its own draws
+
+
+def test_stop_string_across_tokens_ends_generation_without_extra_syncs(stories_bin, reference):
+    tok = stories_bin.tokenizer
+    prompt = "Once upon a time"
+    prompt_ids = tok.encode(prompt)
+    free_ids = hf_greedy(reference, prompt_ids, 48)  # ours is equal (test_stories260k_greedy_...)
+    free_text = tok.decode(prompt_ids + free_ids)[len(tok.decode(prompt_ids)):]
+    ends = [len(tok.decode(prompt_ids + free_ids[:i + 1])) - len(tok.decode(prompt_ids)) for i in range(48)]
+    # Two characters on each side of a token boundary, at a place the stop string first occurs.
+    i = next(i for i in range(10, 40) if ends[i] - ends[i - 1] >= 2 and ends[i + 1] - ends[i] >= 2
+             and free_text.find(free_text[ends[i] - 2:ends[i] + 2]) == ends[i] - 2)
+    stop = free_text[ends[i] - 2:ends[i] + 2]
+    stream = llm_jax.generate_stream(stories_bin, [prompt], max_new_tokens=48, ignore_eos=True, chunk_steps=48,
+                                     stop=[stop])
+    list(stream)
+    result = stream.results[0]
+    assert result.finish_reason == "stop" and result.text == free_text[: ends[i] - 2]
+    assert result.output_ids == free_ids[: i + 2]
+    # The first token, then one chunk in which the device stopped the row: no per-step round trips.
+    assert stream.metrics.host_syncs == 2

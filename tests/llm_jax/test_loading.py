@@ -8,7 +8,6 @@ import torch
 
 import llm_jax
 from llm_jax.config import AttentionImpl, ConfigError
-from llm_jax.model import stack_layers
 from llm_jax.weights.convert import convert
 from llm_jax.weights.placement import leaves_by_path
 from tests.hf_models import save_tiny_llama
@@ -30,8 +29,8 @@ def reference(paths):
 def test_every_format_loads_the_same_model(paths, reference, kind):
     model = llm_jax.load(paths[kind])
     assert model.config == reference.config and model.path == str(paths[kind])
-    for path, x in leaves_by_path(stack_layers(reference.params)).items():
-        np.testing.assert_array_equal(np.asarray(leaves_by_path(stack_layers(model.params))[path]), np.asarray(x))
+    for path, x in leaves_by_path(reference.params).items():
+        np.testing.assert_array_equal(np.asarray(leaves_by_path(model.params)[path]), np.asarray(x))
     assert model.tokenizer.encode("Once upon a time") == reference.tokenizer.encode("Once upon a time")
     assert model.eos_ids == (2,)
     assert model.stop_ids == ((1,) if kind != "hf" else ())  # llama2.c's BOS stop travels with a conversion
@@ -47,8 +46,8 @@ def test_dtype_sharding_and_attention(paths, reference, kind):
     assert seen == ["bfloat16"]
     assert (model.config.param_dtype, model.config.compute_dtype) == ("bfloat16", "bfloat16")
     assert model.config.attention_impl is AttentionImpl.PALLAS
-    for path, x in leaves_by_path(stack_layers(reference.params)).items():
-        ours = leaves_by_path(model.params)[path]  # placed by ``sharding``: stacked, as converted
+    for path, x in leaves_by_path(reference.params).items():
+        ours = leaves_by_path(model.params)[path]
         assert ours.sharding == sharding and ours.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(x.astype(jnp.bfloat16)))
 

@@ -1,13 +1,19 @@
-"""Sampling inside jit: greedy limit, filter sets over many draws, seeds."""
+"""Sampling inside jit: greedy limit, filter sets over many draws, seeds; warpers and processors against
+``transformers``' classes (same order, per-row settings)."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+from transformers.generation import logits_process as tlp
 
-from llm_jax.sampling import Sampling, SamplingParams, sample
+from llm_jax.sampling import GREEDY, Sampling, SamplingParams, filter_logits, process_logits, sample
 
 V = 50
+VOCAB = 300  # for the comparisons with transformers
 DRAWS = 2000
 
 
@@ -113,3 +119,105 @@ def test_mixed_batch_rows_match_rows_alone(logits_V):
 def test_invalid_settings_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Sampling(**kwargs)
+
+
+ROWS = [
+    Sampling(temperature=1.0),
+    Sampling(temperature=0.7, top_k=20),
+    Sampling(temperature=1.3, top_p=0.8),
+    Sampling(temperature=1.0, min_p=0.05),
+    Sampling(temperature=0.9, typical_p=0.6),
+    Sampling(temperature=1.1, top_k=50, top_p=0.9, min_p=0.02, typical_p=0.8),
+    Sampling(temperature=2.0, top_k=1),
+    Sampling(temperature=0.5, typical_p=0.2, min_p=0.1),
+]
+
+
+def transformers_warpers(row: Sampling) -> tlp.LogitsProcessorList:
+    """The warper list ``GenerationMixin._get_logits_processor`` builds for ``do_sample=True``."""
+    warpers = tlp.LogitsProcessorList()
+    if row.temperature != 1.0:
+        warpers.append(tlp.TemperatureLogitsWarper(row.temperature))
+    if row.top_k:
+        warpers.append(tlp.TopKLogitsWarper(row.top_k))
+    if row.top_p < 1:
+        warpers.append(tlp.TopPLogitsWarper(row.top_p))
+    if row.min_p:
+        warpers.append(tlp.MinPLogitsWarper(row.min_p))
+    if row.typical_p < 1:
+        warpers.append(tlp.TypicalLogitsWarper(row.typical_p))
+    return warpers
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_filter_logits_matches_transformers_warpers(seed):
+    logits = np.random.default_rng(seed).normal(0, 2.5, (len(ROWS), VOCAB)).astype(np.float32)
+    ours = np.asarray(jax.jit(filter_logits)(jnp.asarray(logits), SamplingParams.stack(ROWS)))
+    for b, row in enumerate(ROWS):
+        expected = transformers_warpers(row)(torch.zeros((1, 1), dtype=torch.long), torch.tensor(logits[b:b + 1]))
+        expected = expected.numpy()[0]
+        np.testing.assert_array_equal(np.isneginf(ours[b]), np.isneginf(expected), err_msg=f"row {b}: {row}")
+        finite = np.isfinite(expected)
+        np.testing.assert_allclose(ours[b][finite], expected[finite], atol=1e-6, rtol=0, err_msg=f"row {b}")
+    assert np.isneginf(ours).sum(axis=1).min() >= 0 and np.isneginf(ours[6]).sum() == VOCAB - 1
+
+
+def test_off_settings_leave_a_row_bit_identical():
+    """A row with every setting off is unchanged by a batch where other rows use every processor."""
+    logits = np.random.default_rng(5).normal(0, 2, (2, VOCAB)).astype(np.float32)
+    busy = Sampling(temperature=0.8, top_k=5, typical_p=0.5, repetition_penalty=1.3, presence_penalty=0.5,
+                    frequency_penalty=0.2, logit_bias={3: 2.0}, suppress_tokens=(4,), bad_words_ids=((1, 2),),
+                    no_repeat_ngram_size=2)
+    params = SamplingParams.stack([Sampling(temperature=1.0), busy])
+
+    @jax.jit
+    def processed_and_filtered(logits_BV):
+        prompts = jnp.array([[1, 2, 1, 2], [1, 2, 1, 2]])
+        history = params.new_history(prompts, jnp.array([4, 4]), V=VOCAB, capacity=16)
+        history = history.append(jnp.array([7, 7]), jnp.array([True, True]))
+        processed = process_logits(logits_BV, params, history, num_generated_B=jnp.array([1, 1]))
+        return processed, filter_logits(processed, params)
+
+    processed, filtered = processed_and_filtered(jnp.asarray(logits))
+    np.testing.assert_array_equal(processed[0], logits[0])
+    assert not np.array_equal(processed[1], logits[1])
+    np.testing.assert_array_equal(filtered[0], logits[0])
+
+
+def test_processors_run_in_transformers_order():
+    """Bias, repetition penalty, n-grams, bad words: one row against transformers' processor list."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 2, (1, VOCAB)).astype(np.float32)
+    prompt = [5, 9, 5, 12, 5]
+    row = Sampling(repetition_penalty=1.4, logit_bias={5: 3.0, 40: -2.0}, no_repeat_ngram_size=2,
+                   suppress_tokens=(41,), bad_words_ids=((5, 12, 77), (12, 5, 78)))
+    params = SamplingParams.stack([row])
+
+    @jax.jit
+    def processed(logits_BV):
+        history = params.new_history(jnp.array([prompt]), jnp.array([len(prompt)]), V=VOCAB, capacity=8)
+        return process_logits(logits_BV, params, history, num_generated_B=jnp.array([0]))
+
+    ours = np.asarray(processed(jnp.asarray(logits)))
+    reference = tlp.LogitsProcessorList([
+        tlp.SequenceBiasLogitsProcessor([[[5], 3.0], [[40], -2.0]]),
+        tlp.RepetitionPenaltyLogitsProcessor(1.4),
+        tlp.NoRepeatNGramLogitsProcessor(2),
+        tlp.NoBadWordsLogitsProcessor([[41], [5, 12, 77], [12, 5, 78]]),
+    ])(torch.tensor([prompt]), torch.tensor(logits)).numpy()
+    np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(reference))
+    assert np.isneginf(ours[0, [9, 12, 41, 78]]).all() and not np.isneginf(ours[0, 77])
+    finite = np.isfinite(reference)
+    np.testing.assert_allclose(ours[finite], reference[finite], atol=1e-6, rtol=0)
+
+
+def test_processor_settings_are_validated():
+    with pytest.raises(ValueError, match="typical_p"):
+        Sampling(typical_p=0.0)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        Sampling(repetition_penalty=0.0)
+    with pytest.raises(ValueError, match="bad_words_ids"):
+        Sampling(bad_words_ids=((),))
+    with pytest.raises(ValueError, match=r"row 1 name token ids \[300\]"):
+        SamplingParams.stack([GREEDY, Sampling(logit_bias={300: 1.0})], vocab_size=300)
+    assert dataclasses.replace(GREEDY, logit_bias={"3": 1}).logit_bias == {3: 1.0}

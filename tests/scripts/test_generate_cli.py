@@ -293,7 +293,7 @@ def test_chat_keeps_history_through_the_template_and_ends_on_ctrl_c(env, chat_mo
             proc.stdin.flush()
             status = [line.strip() for line in stderr.until(lambda line: line.startswith("[context"), 3)]
             proc.send_signal(signal.SIGINT)  # waiting for the next message: Ctrl-C leaves, without a traceback
-            proc.wait(timeout=60)
+            proc.wait(timeout=TIMEOUT_S)  # Ctrl-C lands after a compile in progress
             stdout, rest = proc.stdout.read(), stderr.rest()
         finally:
             proc.kill()

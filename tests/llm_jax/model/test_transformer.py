@@ -11,7 +11,7 @@ import transformers
 
 import llm_jax
 from llm_jax.kv_cache import init_cache
-from llm_jax.model import forward, forward_extend, forward_prefill, unembed
+from llm_jax.model import LayerHooks, forward, forward_extend, forward_prefill, unembed
 from tests.hf_models import save_tiny_llama
 
 ATOL = 1e-4  # float32 max |Δlogit| against transformers
@@ -115,3 +115,58 @@ def test_stories260k_logits_match_transformers(stories260k_dir, source):
         ours = np.asarray(jit_forward(model.params, model.config, jnp.asarray(ids)))
         worst = max(worst, float(np.abs(ours - torch_logits(reference, ids)).max()))
     assert worst <= ATOL, f"max |Δlogit| {worst:.2e} > {ATOL}"
+
+
+@pytest.fixture(scope="module")
+def gqa_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hooks")
+    torch_model = save_tiny_llama(folder, **CONFIGS["gqa"])
+    return torch_model, llm_jax.load(folder, dtype="float32")
+
+
+def test_recorded_layers_equal_transformers_hidden_states(gqa_llama):
+    torch_model, model = gqa_llama
+    tokens = np.random.default_rng(3).integers(0, model.config.vocab_size, size=(2, 12))
+    hooks = LayerHooks(record_layers=(1, 0))
+    logits, hidden = jax.jit(forward, static_argnums=1)(model.params, model.config, jnp.asarray(tokens), hooks=hooks)
+    with torch.no_grad():
+        out = torch_model(torch.tensor(tokens), output_hidden_states=True)
+    assert hidden.shape == (2, 12, 2, model.config.d_model)
+    # transformers' hidden_states[l + 1] is layer l's output (all but the last layer, which it norms).
+    np.testing.assert_allclose(hidden[:, :, 0], out.hidden_states[2].numpy(), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(hidden[:, :, 1], out.hidden_states[1].numpy(), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(logits, out.logits.numpy(), atol=ATOL, rtol=0)
+
+
+def test_steering_equals_a_torch_forward_hook(gqa_llama):
+    """Adding vector l after layer l equals a forward hook adding it to the layer's output in torch."""
+    torch_model, model = gqa_llama
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(0, model.config.vocab_size, size=(2, 10))
+    steering = rng.normal(0, 0.5, (2, model.config.n_layers, model.config.d_model)).astype(np.float32)
+
+    def adder(vector):
+        def hook(module, inputs, output):
+            added = torch.tensor(vector)[:, None, :]
+            return (output[0] + added, *output[1:]) if isinstance(output, tuple) else output + added
+        return hook
+
+    handles = [layer.register_forward_hook(adder(steering[:, l])) for l, layer in enumerate(torch_model.model.layers)]
+    try:
+        expected = torch_logits(torch_model, tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    steered, _ = jax.jit(forward, static_argnums=1)(model.params, model.config, jnp.asarray(tokens),
+                                                    hooks=LayerHooks(steering_BLD=jnp.asarray(steering)))
+    np.testing.assert_allclose(steered, expected, atol=ATOL, rtol=0)
+    assert np.abs(expected - torch_logits(torch_model, tokens)).max() > 10 * ATOL  # the steering mattered
+
+
+def test_hooks_reject_bad_shapes(gqa_llama):
+    _, model = gqa_llama
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="record_layers \\[7\\] outside"):
+        forward(model.params, model.config, tokens, hooks=LayerHooks(record_layers=(7,)))
+    with pytest.raises(ValueError, match="steering_BLD has shape"):
+        forward(model.params, model.config, tokens, hooks=LayerHooks(steering_BLD=jnp.zeros((1, 2, 5))))
