@@ -17,6 +17,17 @@ class ConfigError(ValueError):
     """An invalid or self-contradictory model configuration."""
 
 
+def _parse_choice(cls: type[enum.Enum], value: Any, what: str) -> Any:
+    """The member of ``cls`` named by ``value`` (a member, or its value in any case)."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(str(value).lower())
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ConfigError(f"unknown {what} {value!r}; choose one of {choices}") from None
+
+
 class AttentionImpl(enum.Enum):
     """How attention is computed; chosen in exactly one place (``llm_jax.model.attention``)."""
 
@@ -25,13 +36,7 @@ class AttentionImpl(enum.Enum):
 
     @classmethod
     def parse(cls, value: "AttentionImpl | str") -> "AttentionImpl":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in cls)
-            raise ConfigError(f"unknown attention implementation {value!r}; choose one of {choices}") from None
+        return _parse_choice(cls, value, "attention implementation")
 
 
 class MatmulImpl(enum.Enum):
@@ -42,13 +47,7 @@ class MatmulImpl(enum.Enum):
 
     @classmethod
     def parse(cls, value: "MatmulImpl | str") -> "MatmulImpl":
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in cls)
-            raise ConfigError(f"unknown matmul implementation {value!r}; choose one of {choices}") from None
+        return _parse_choice(cls, value, "matmul implementation")
 
 
 class Activation(enum.Enum):

@@ -1,6 +1,6 @@
 import pytest
 
-from llm_jax.config import (AttentionImpl, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig)
+from llm_jax.config import (AttentionImpl, ConfigError, DefaultRope, LinearRope, Llama3Rope, MatmulImpl, ModelConfig)
 
 BASE = dict(vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=24, max_seq_len=64)
 
@@ -58,3 +58,11 @@ def test_num_params_matches_pytree():
         c = ModelConfig(**BASE, tie_embeddings=tie)
         params = init_params(c, seed=0)
         assert c.num_params() == sum(x.size for x in jax.tree.leaves(params))
+
+
+def test_implementations_parse_at_the_edge():
+    c = ModelConfig(**BASE, attention_impl="PALLAS", matmul_impl="xla")
+    assert (c.attention_impl, c.matmul_impl) == (AttentionImpl.PALLAS, MatmulImpl.XLA)
+    assert ModelConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ConfigError, match="unknown matmul implementation 'blas'; choose one of 'auto', 'xla'"):
+        ModelConfig(**BASE, matmul_impl="blas")

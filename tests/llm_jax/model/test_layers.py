@@ -1,0 +1,57 @@
+"""dense(): which products run the CPU kernels, and that every route computes the same einsum."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llm_jax.config import MatmulImpl
+from llm_jax.model.layers import dense, dense_many
+
+KERNEL_TARGET = "llm_jax_matmul"
+
+# (equation, x shape, w shape): the model's products — leading and trailing contracted weight axes, two
+# contracted axes (o_proj), and one the kernels do not take (a contracted axis in the middle of x).
+CASES = [("BTD,DNH->BTNH", (2, 3, 16), (16, 4, 8)), ("BTNH,NHD->BTD", (1, 1, 4, 8), (4, 8, 16)),
+         ("BTD,VD->BTV", (1, 2, 16), (40, 16)), ("BDT,DF->BTF", (1, 16, 2), (16, 24))]
+
+
+def _bf16_values(rng, shape) -> jnp.ndarray:
+    """float32 inputs that bfloat16 holds exactly: the kernels read x in float32, XLA's route casts it to
+    the weights' dtype; on such inputs both compute the same products."""
+    return jnp.asarray(rng.normal(size=shape), jnp.bfloat16).astype(jnp.float32)
+
+
+def _lowered(f, *args) -> str:
+    return jax.jit(f).lower(*args).as_text()
+
+
+@pytest.mark.parametrize("equation,x_shape,w_shape", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("impl", list(MatmulImpl), ids=[m.value for m in MatmulImpl])
+def test_every_route_is_the_einsum(equation, x_shape, w_shape, impl):
+    rng = np.random.default_rng(0)
+    x = _bf16_values(rng, x_shape)
+    w = jnp.asarray(rng.normal(size=w_shape), jnp.bfloat16)
+    f = lambda x, w: dense(equation, x, w, jnp.float32, impl)
+    expected = np.einsum(equation, np.asarray(x.astype(jnp.bfloat16), np.float64), np.asarray(w, np.float64))
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(x, w)), expected, rtol=1e-5, atol=1e-4)
+    kernel = impl is MatmulImpl.AUTO and not equation.startswith("BDT")
+    assert (KERNEL_TARGET in _lowered(f, x, w)) == kernel
+
+
+def test_float32_weights_keep_xlas_product():
+    """Float32 products stay XLA's (its summation order, which other parity tests rely on)."""
+    x, w = jnp.ones((1, 1, 16)), jnp.ones((16, 24))
+    assert KERNEL_TARGET not in _lowered(lambda x, w: dense("BTD,DF->BTF", x, w, jnp.float32), x, w)
+
+
+def test_several_weights_in_one_kernel_call():
+    rng = np.random.default_rng(1)
+    x = _bf16_values(rng, (1, 1, 16))
+    ws = [jnp.asarray(rng.normal(size=(16, n, 8)), jnp.bfloat16) for n in (4, 2, 2)]
+    equations = ["BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTD,DKH->BTKH"]
+    f = lambda x, ws: dense_many(equations, x, ws, jnp.float32)
+    assert _lowered(f, x, ws).count(KERNEL_TARGET) == 1
+    for y, eq, w in zip(jax.jit(f)(x, ws), equations, ws):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(dense(eq, x, w, jnp.float32, MatmulImpl.XLA)),
+                                   rtol=1e-5, atol=1e-4)
