@@ -30,8 +30,10 @@ def available() -> bool:
 
 
 def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tuple[jax.Array, ...]:
+    # The kernels' arithmetic: x in float32 times the weights' exact values, summed in float32.
     spec = "RK,NK->RN" if transposed else "RK,KN->RN"
-    return tuple(jnp.einsum(spec, x_RK.astype(w.dtype), w, preferred_element_type=jnp.float32) for w in ws)
+    x32 = x_RK.astype(jnp.float32)
+    return tuple(jnp.einsum(spec, x32, w.astype(jnp.float32), preferred_element_type=jnp.float32) for w in ws)
 
 
 def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tuple[jax.Array, ...]:

@@ -69,12 +69,16 @@ def compile_library(compiler: str) -> pathlib.Path:
     return target
 
 
+def find_compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
 @functools.cache
 def load() -> bool:
     """Build, load and register the kernels once per process; False (after one warning) if impossible."""
     if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
         return False
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    compiler = find_compiler()
     if compiler is None:
         warnings.warn("cpu_kernels: no C++ compiler found (set CXX); using XLA's matrix products, which are "
                       "slower for decode and much slower with bfloat16 weights", RuntimeWarning, stacklevel=3)
@@ -82,9 +86,10 @@ def load() -> bool:
     try:
         library = ctypes.cdll.LoadLibrary(str(compile_library(compiler)))
     except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
+        lines = (getattr(e, "stderr", "") or str(e)).strip().splitlines() or ["no message"]
+        error = next((line for line in lines if "error" in line), lines[-1]).strip()[:300]
         warnings.warn(f"cpu_kernels: building {SOURCE.name} with {compiler} failed, using XLA's matrix products: "
-                      f"{detail.strip()[-1000:]}", RuntimeWarning, stacklevel=3)
+                      f"{error}", RuntimeWarning, stacklevel=3)
         return False
     for name, symbol in HANDLERS.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cpu_kernels
 from llm_jax.config import MatmulImpl
 from llm_jax.model.layers import dense, dense_many
 
@@ -35,7 +36,7 @@ def test_every_route_is_the_einsum(equation, x_shape, w_shape, impl):
     f = lambda x, w: dense(equation, x, w, jnp.float32, impl)
     expected = np.einsum(equation, np.asarray(x.astype(jnp.bfloat16), np.float64), np.asarray(w, np.float64))
     np.testing.assert_allclose(np.asarray(jax.jit(f)(x, w)), expected, rtol=1e-5, atol=1e-4)
-    kernel = impl is MatmulImpl.AUTO and not equation.startswith("BDT")
+    kernel = impl is MatmulImpl.AUTO and not equation.startswith("BDT") and cpu_kernels.available()
     assert (KERNEL_TARGET in _lowered(f, x, w)) == kernel
 
 
@@ -51,7 +52,7 @@ def test_several_weights_in_one_kernel_call():
     ws = [jnp.asarray(rng.normal(size=(16, n, 8)), jnp.bfloat16) for n in (4, 2, 2)]
     equations = ["BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTD,DKH->BTKH"]
     f = lambda x, ws: dense_many(equations, x, ws, jnp.float32)
-    assert _lowered(f, x, ws).count(KERNEL_TARGET) == 1
+    assert _lowered(f, x, ws).count(KERNEL_TARGET) == (1 if cpu_kernels.available() else 0)
     for y, eq, w in zip(jax.jit(f)(x, ws), equations, ws):
         np.testing.assert_allclose(np.asarray(y), np.asarray(dense(eq, x, w, jnp.float32, MatmulImpl.XLA)),
                                    rtol=1e-5, atol=1e-4)
