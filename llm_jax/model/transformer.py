@@ -165,13 +165,17 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     period = _layer_period(windows)
     groups = config.n_layers // period
     layer = DecoderLayer(config)
-    grouped = jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), params["layers"])
+    # Without windows (period 1) the scan runs over the [L, ...] params as they are: a [L, 1, ...] view
+    # costs XLA:CPU a copy of every stacked weight on every decode step (a layout change of the unit axis).
+    grouped = params["layers"] if period == 1 else jax.tree.map(
+        lambda a: a.reshape(groups, period, *a.shape[1:]), params["layers"])
     steering = recorded = slot_L = None
     if hooks is not None:
         hooks.check(config, x_BTD.shape[0])
         if hooks.steering_BLD is not None:
             B, L, D = hooks.steering_BLD.shape
-            steering = hooks.steering_BLD.transpose(1, 0, 2).reshape(groups, period, B, D)
+            steering = hooks.steering_BLD.transpose(1, 0, 2)
+            steering = steering if period == 1 else steering.reshape(groups, period, B, D)
         if hooks.record_layers:
             R = len(hooks.record_layers)
             recorded = jnp.zeros((R, *x_BTD.shape), x_BTD.dtype)
@@ -182,6 +186,9 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     def group_step(carry, inputs):
         x_BTD, cache, group, recorded = carry
         group_params, steering_PBD = inputs
+        if period == 1:
+            group_params = jax.tree.map(lambda a: a[None], group_params)
+            steering_PBD = None if steering_PBD is None else steering_PBD[None]
         for j in range(period):
             layer_params = jax.tree.map(lambda a: a[j], group_params)
             index = group * period + j
