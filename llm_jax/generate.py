@@ -400,14 +400,18 @@ class GenerationStream:
             for rank in range(search.num_return_sequences):
                 output = beams.tokens_BWM[p, rank, : beams.lengths_BW[p, rank]].tolist()
                 reason = "eos" if output and output[-1] in end_ids else "length"
+                text = _RowText(tok, ids, ())  # detokenized after the prompt, as streamed text is
+                text.push(output, last=True)
                 self.results.append(GenerationResult(
                     prompt=self.prompts[p] if isinstance(self.prompts[p], str) else None, prompt_ids=ids,
-                    output_ids=output, text=tok.decode(output) if tok else None, finish_reason=reason,
+                    output_ids=output, text=text.text, finish_reason=reason,
                     sample=rank, score=float(beams.scores_BW[p, rank]), **prompt_extras["logprobs"][p]))
         generated = sum(len(r.output_ids) for r in self.results)
+        run_s = t_end - t_start - compiled.seconds  # one program: its run time, without compiling it
         self.metrics = GenerationMetrics(
             compile_s=compiled.seconds, prefill_s=t_end - t_start, ttft_s=t_end - t_start, itl_s=0.0, itl_p50_s=0.0,
-            itl_p90_s=0.0, decode_s=t_end - t_start, decode_tokens_per_s=0.0,
+            itl_p90_s=0.0, decode_s=t_end - t_start,
+            decode_tokens_per_s=generated / run_s if generated and run_s > 0 else 0.0,
             prompt_tokens=sum(map(len, self.prompt_ids)), generated_tokens=generated, host_syncs=1)
         self.results = [dataclasses.replace(r, metrics=self.metrics) for r in self.results]
         for index, result in enumerate(self.results):

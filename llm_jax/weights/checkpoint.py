@@ -17,6 +17,8 @@ read, and its checksum after (where its shards live): a corrupt checkpoint raise
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import json
 import os
@@ -29,6 +31,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 
 from llm_jax.config import ConfigError, ModelConfig
 from llm_jax.model import Params
@@ -45,7 +48,8 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "generation_config.json")
 PARAM_DTYPES = ("float32", "bfloat16", "float16")
 # Loading into another dtype than stored holds this much of the stored dtype at once, besides the result.
-CAST_GROUP_BYTES = 1 << 30
+# Tensors are stored in chunks of at most this size, so a shard is read without staging its whole tensor.
+CHUNK_BYTES = 16 << 20
 
 
 class CheckpointError(WeightsError):
@@ -100,7 +104,8 @@ def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Par
             if progress is not None:
                 progress(name)
         with ocp.Checkpointer(_save_handler()) as checkpointer:  # synchronous
-            checkpointer.save((staging / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params))
+            chunks = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
+            checkpointer.save((staging / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params, save_args=chunks))
         for name, file in copies.items():
             if isinstance(file, bytes):
                 (staging / name).write_bytes(file)
@@ -255,11 +260,11 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, sharding: ShardingAr
                     verify: bool = True) -> tuple[ModelConfig, Params, CheckpointMeta]:
     """Restore a checkpoint: ``(config, params, meta)``.
 
-    Each tensor is read from disk straight into ``dtype`` (default: as stored) on the devices its
-    ``sharding`` names (see ``weights/placement.py``; default: the first device), so no full host copy
-    is made. ``dtype`` also becomes the config's param and compute dtype. With ``verify`` every tensor's
-    checksum is checked where its shards live; loading into another dtype than stored then reads and
-    checks the stored dtype and casts, a group of tensors at a time.
+    Each tensor is read from disk shard by shard onto the devices its ``sharding`` names (see
+    ``weights/placement.py``; default: the first device), so no full host copy is made: host memory
+    peaks near one copy of what the devices hold (``tests/llm_jax/sharded_load_memory.py`` measures
+    it). With ``verify`` every tensor's checksum is checked where its shards live, then the tensor is
+    cast to ``dtype`` (default: as stored), which also becomes the config's param and compute dtype.
     """
     config, meta, manifest = read_metadata(path)
     params_dir = (meta.path / PARAMS_DIR).absolute()  # orbax accepts absolute paths only
@@ -275,37 +280,80 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, sharding: ShardingAr
     def abstract(p: Path, dt: np.dtype) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(tuple(manifest[p]["shape"]), dt, sharding=shardings[p])
 
-    if not verify or target == stored:
-        leaves = _restore(params_dir, {p: abstract(p, target) for p in manifest})
+    # One tensor at a time, each device's shard read on its own: host memory holds the params once, plus
+    # one chunk (CHUNK_BYTES) in flight. Checksums cover the stored bits, so a tensor is checked in the
+    # stored dtype, then cast.
+    leaves = {}
+    for p in manifest:
+        leaf = _read_tensor(params_dir, p, abstract(p, stored))
         if verify:
-            _verify(params_dir, leaves, manifest)
-    else:
-        # Checksums cover the stored bits, so read in the stored dtype, check, then cast: a group of
-        # tensors at a time, so at most CAST_GROUP_BYTES exist twice.
-        leaves = {}
-        for group in _groups(manifest, stored.itemsize):
-            stored_leaves = _restore(params_dir, {p: abstract(p, stored) for p in group}, partial=True)
-            _verify(params_dir, stored_leaves, manifest)
-            leaves.update(_cast(stored_leaves, target))
-            del stored_leaves
+            _verify(params_dir, {p: leaf}, manifest)
+        leaves[p] = leaf if target == stored else _cast(leaf, target)
+        del leaf
+        _release_freed_memory()
     return config, tree_from_paths(leaves), meta
 
 
-_cast = jax.jit(lambda tensors, dtype: {k: x.astype(dtype) for k, x in tensors.items()}, static_argnums=1)
+_cast = jax.jit(lambda x, dtype: x.astype(dtype), static_argnums=1)
 
 
-def _groups(manifest: Mapping[Path, dict], itemsize: int) -> list[list[Path]]:
-    """Consecutive tensors in groups of at most CAST_GROUP_BYTES (a larger tensor is a group alone)."""
-    groups: list[list[Path]] = [[]]
-    size = 0
-    for p, entry in manifest.items():
-        nbytes = int(np.prod(entry["shape"])) * itemsize
-        if groups[-1] and size + nbytes > CAST_GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(p)
-        size += nbytes
-    return groups
+def _read_tensor(params_dir: pathlib.Path, p: Path, target: jax.ShapeDtypeStruct) -> jax.Array:
+    """Tensor ``p`` laid out as ``target`` says, read shard by shard from its TensorStore.
+
+    Orbax restores all shards of a tensor at once, staging a host copy of the whole tensor; reading each
+    addressable shard on its own and handing it to its device stages one chunk. A folder whose layout
+    this reader does not know (another orbax storage format) is restored by orbax instead.
+    """
+    try:
+        store = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{params_dir}/",
+                                                        "path": ".".join(p)}},
+                        open=True, read=True, context=_TS_CONTEXT).result()
+    except Exception:  # noqa: BLE001 — not the layout this reader knows: orbax reads it (and names errors)
+        return _restore(params_dir, {p: target}, partial=True)[p]
+    if tuple(store.shape) != target.shape or np.dtype(store.dtype.numpy_dtype) != target.dtype:
+        return _restore(params_dir, {p: target}, partial=True)[p]
+    devices_by_shard: dict[tuple, list] = {}  # a replicated shard is read once for all its devices
+    for device, index in target.sharding.addressable_devices_indices_map(target.shape).items():
+        devices_by_shard.setdefault(tuple(_bounds(index, target.shape)), []).append(device)
+    on_device = {}
+    try:
+        for bounds, devices in devices_by_shard.items():
+            host = store[tuple(slice(a, b) for a, b in bounds)].read().result()
+            for device in devices:
+                on_device[device] = jax.device_put(host, device)
+            jax.block_until_ready([on_device[d] for d in devices])  # the host copy can go now
+            del host
+    except Exception as e:  # noqa: BLE001 — TensorStore's errors name no tensor
+        raise CheckpointError(f"{params_dir}: cannot read tensor {tensor_name(p)!r} (data files truncated or "
+                              f"corrupt?): {type(e).__name__}: {str(e)[:400]}") from None
+    shards = [on_device[d] for d in target.sharding.addressable_devices_indices_map(target.shape)]
+    return jax.make_array_from_single_device_arrays(target.shape, target.sharding, shards)
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    return [sl.indices(n)[:2] for sl, n in zip(index, shape)]
+
+
+# No TensorStore cache: a chunk read once is not read again.
+_TS_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+
+def _release_freed_memory() -> None:
+    """Hand memory freed by the last tensor back to the OS (glibc keeps freed chunks under its growing
+    mmap threshold in the heap, which would count as resident until the process ends)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+_LIBC = _load_libc()
 
 
 def _check_orbax_metadata(params_dir: pathlib.Path, manifest: Mapping[Path, dict], dtype: str) -> None:

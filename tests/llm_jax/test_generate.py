@@ -215,8 +215,8 @@ def test_n_samples_share_one_prefill(tiny, monkeypatch):
     calls = []
     generate_module = importlib.import_module("llm_jax.generate")
     real_prefill = generate_module.prefill
-    monkeypatch.setattr(generate_module, "prefill", lambda params, config, tokens, *rest: calls.append(
-        tokens.shape) or real_prefill(params, config, tokens, *rest))
+    monkeypatch.setattr(generate_module, "prefill", lambda params, config, tokens, *rest, **kw: calls.append(
+        tokens.shape) or real_prefill(params, config, tokens, *rest, **kw))
     results = llm_jax.generate(model, prompts, n=3, sampling=sampling, max_new_tokens=10, ignore_eos=True)
     assert calls == [(2, 16)]  # one prefill of the two prompts, not six
     assert [(r.prompt_ids, r.sample) for r in results] == [(p, i) for p in prompts for i in range(3)]
