@@ -8,7 +8,7 @@ first); on other platforms, and when the kernels cannot be built (no C++ compile
 product. Gradients are XLA's.
 
     available() -> bool          # the kernels are built and registered for this process
-    matmul(x_RK, w, *, transposed=False) -> y_RN (float32)
+    matmul(x_RK, w, *, transposed=False) -> y_RN (float32; x is rounded to w's dtype first, as in XLA)
     matmuls(x_RK, ws, *, transposed=False) -> (y_RN, ...)   # several weights sharing x, one call
 """
 
@@ -30,10 +30,8 @@ def available() -> bool:
 
 
 def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tuple[jax.Array, ...]:
-    # The kernels' arithmetic: x in float32 times the weights' exact values, summed in float32.
     spec = "RK,NK->RN" if transposed else "RK,KN->RN"
-    x32 = x_RK.astype(jnp.float32)
-    return tuple(jnp.einsum(spec, x32, w.astype(jnp.float32), preferred_element_type=jnp.float32) for w in ws)
+    return tuple(jnp.einsum(spec, x_RK.astype(w.dtype), w, preferred_element_type=jnp.float32) for w in ws)
 
 
 def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tuple[jax.Array, ...]:
@@ -42,7 +40,8 @@ def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tup
     shapes = [jax.ShapeDtypeStruct((x_RK.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32)
               for w in ws]
     call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
-    return tuple(call(x_RK.astype(jnp.float32), *ws))
+    # x rounded to the weights' dtype, as XLA's product (``_xla``) does: both routes compute the same.
+    return tuple(call(x_RK.astype(ws[0].dtype).astype(jnp.float32), *ws))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -62,11 +61,12 @@ def _matmuls_bwd(transposed, residuals, dys):
     dws = []
     for w, dy_RN in zip(ws, dys):
         dy_RN, w32 = dy_RN.astype(jnp.float32), w.astype(jnp.float32)
+        # The forward reads x rounded to w's dtype: its cotangent is rounded the same way (as XLA's is).
         if transposed:
-            dx_RK += dy_RN @ w32
+            dx_RK += (dy_RN @ w32).astype(w.dtype).astype(jnp.float32)
             dws.append((dy_RN.T @ x32).astype(w.dtype))
         else:
-            dx_RK += dy_RN @ w32.T
+            dx_RK += (dy_RN @ w32.T).astype(w.dtype).astype(jnp.float32)
             dws.append((x32.T @ dy_RN).astype(w.dtype))
     return dx_RK.astype(x_RK.dtype), tuple(dws)
 

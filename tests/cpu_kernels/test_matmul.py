@@ -27,7 +27,7 @@ def test_kernels_are_built_where_a_compiler_exists():
 
 def case(R, K, N, dtype, transposed, seed=0):
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(R, K)).astype(np.float32)
+    x = np.asarray(jnp.asarray(rng.normal(size=(R, K)), dtype).astype(jnp.float32))  # x as the product reads it
     w = jnp.asarray(rng.normal(size=(N, K) if transposed else (K, N)), dtype)
     w64 = np.asarray(w.astype(jnp.float32), np.float64)  # what the kernel reads, exactly
     expected = x.astype(np.float64) @ (w64.T if transposed else w64)
@@ -59,7 +59,8 @@ def test_runs_inside_a_decode_like_loop():
     w64 = np.asarray(w.astype(jnp.float32), np.float64)
     h = np.asarray(x, np.float64)
     for t in range(20):
-        y = (h.astype(np.float32).astype(np.float64) @ w64)[:, :48]
+        h_read = np.asarray(jnp.asarray(h, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+        y = (h_read @ w64)[:, :48]
         np.testing.assert_allclose(ys[t], y, rtol=1e-4, atol=1e-4)
         h = np.tanh(ys[t])
 
@@ -103,7 +104,7 @@ def test_a_broken_compiler_falls_back_with_a_warning(monkeypatch, tmp_path):
 def test_several_weights_sharing_the_input(dtype, transposed):
     """q/k/v-like products of one input in one call: each equals its own product."""
     rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.normal(size=(3, 40)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(3, 40)), dtype).astype(jnp.float32)
     ns = (48, 16, 1040)
     ws = [jnp.asarray(rng.normal(size=(n, 40) if transposed else (40, n)), dtype) for n in ns]
     ys = jax.jit(functools.partial(cpu_kernels.matmuls, transposed=transposed))(x, ws)
@@ -114,8 +115,10 @@ def test_several_weights_sharing_the_input(dtype, transposed):
     grads = jax.grad(lambda x, ws: sum(jnp.sum(jnp.cos(y)) for y in cpu_kernels.matmuls(x, ws, transposed=transposed)),
                      argnums=(0, 1))(x, ws)
     spec = "RK,NK->RN" if transposed else "RK,KN->RN"
-    expected = jax.grad(lambda x, ws: sum(jnp.sum(jnp.cos(jnp.einsum(spec, x, w.astype(jnp.float32)))) for w in ws),
-                        argnums=(0, 1))(x, ws)
-    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(expected[0]), rtol=1e-4, atol=1e-4)
+    product = lambda x, w: jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    expected = jax.grad(lambda x, ws: sum(jnp.sum(jnp.cos(product(x, w))) for w in ws), argnums=(0, 1))(x, ws)
+    # With bfloat16 weights each dx term is rounded to bfloat16: sums in another order may differ by an ulp.
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(expected[0]), rtol=tol, atol=tol)
     for a, b in zip(grads[1], expected[1]):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
