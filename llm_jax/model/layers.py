@@ -46,6 +46,18 @@ def dense_many(equations: Sequence[str], x: jnp.ndarray, ws: Sequence[jnp.ndarra
     return [y.reshape(form[4]).astype(out_dtype) for y, form in zip(ys, forms)]
 
 
+def as_bits(a: jnp.ndarray) -> jnp.ndarray:
+    """bfloat16 arrays as uint16, for slicing and gathering: XLA:CPU has no bfloat16 dynamic-slice or
+    gather, and around one it converts the whole operand to float32 (for stacked weights in a loop,
+    hoisted: a float32 copy of the model in every decode call)."""
+    return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a
+
+
+def from_bits(a: jnp.ndarray, dtype) -> jnp.ndarray:
+    """Undoes :func:`as_bits` for an array that was of ``dtype``."""
+    return jax.lax.bitcast_convert_type(a, jnp.bfloat16) if dtype == jnp.bfloat16 else a
+
+
 def _use_kernel(dtype) -> bool:
     # bfloat16 only: XLA:CPU has no bfloat16 product and converts every weight matrix to float32 in memory
     # on every call, which the kernels avoid by reading bfloat16 in place (1B decode: 0.2 → several tok/s).
@@ -108,7 +120,8 @@ class Embedder(nn.Module):
         self.embedding = self.param("embedding", _init, (self.vocab_size, self.d_model))
 
     def encode(self, tokens_BT: jnp.ndarray, out_dtype: jnp.dtype) -> jnp.ndarray:
-        return jnp.take(self.embedding, tokens_BT, axis=0).astype(out_dtype)
+        rows_BTD = jnp.take(as_bits(self.embedding), tokens_BT, axis=0)
+        return from_bits(rows_BTD, self.embedding.dtype).astype(out_dtype)
 
     def decode(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
         """Logits [B, T, V] in float32 against the (tied) embedding table."""

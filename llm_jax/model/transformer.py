@@ -21,7 +21,7 @@ from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.model.attention import Attention, attention
-from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, dense
+from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, as_bits, dense, from_bits
 
 Params = dict[str, Any]
 # attend(layer, q_BTNH, k_BTKH, v_BTKH, window, cache) -> (o_BTNH, cache)
@@ -167,8 +167,9 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     layer = DecoderLayer(config)
     # Without windows (period 1) the scan runs over the [L, ...] params as they are: a [L, 1, ...] view
     # costs XLA:CPU a copy of every stacked weight on every decode step (a layout change of the unit axis).
-    grouped = params["layers"] if period == 1 else jax.tree.map(
-        lambda a: a.reshape(groups, period, *a.shape[1:]), params["layers"])
+    # The layer scan slices bfloat16 weights as uint16 (see ``as_bits``).
+    layers = jax.tree.map(as_bits, params["layers"])
+    grouped = layers if period == 1 else jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), layers)
     steering = recorded = slot_L = None
     if hooks is not None:
         hooks.check(config, x_BTD.shape[0])
@@ -186,6 +187,7 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     def group_step(carry, inputs):
         x_BTD, cache, group, recorded = carry
         group_params, steering_PBD = inputs
+        group_params = jax.tree.map(lambda a, like: from_bits(a, like.dtype), group_params, params["layers"])
         if period == 1:
             group_params = jax.tree.map(lambda a: a[None], group_params)
             steering_PBD = None if steering_PBD is None else steering_PBD[None]
