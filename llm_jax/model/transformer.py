@@ -162,9 +162,11 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     when ``hooks`` is given.
     """
     windows = config.layer_windows()
+    layer = DecoderLayer(config)
+    if isinstance(params["layers"], tuple):
+        return _unrolled_stack(layer, params["layers"], windows, x_BTD, positions_BT, attend, cache, hooks, config)
     period = _layer_period(windows)
     groups = config.n_layers // period
-    layer = DecoderLayer(config)
     # Without windows (period 1) the scan runs over the [L, ...] params as they are: a [L, 1, ...] view
     # costs XLA:CPU a copy of every stacked weight on every decode step (a layout change of the unit axis).
     # The layer scan slices bfloat16 weights as uint16 (see ``as_bits``).
@@ -208,6 +210,37 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     if hooks is None:
         return x_BTD, cache
     return x_BTD, cache, None if recorded is None else recorded.transpose(1, 2, 0, 3)
+
+
+def split_layers(params: Params) -> Params:
+    """``params`` with ``params["layers"]`` as a tuple of L per-layer dicts (inside ``jit``: one copy of
+    the weights). :func:`decoder_stack` runs such params as an unrolled loop, reading every layer's
+    weights where they lie; see :func:`llm_jax.decode.decode` for why decode wants that on CPU."""
+    stacked = jax.tree.map(as_bits, params["layers"])
+    layers = tuple(jax.tree.map(lambda a, like: from_bits(a[i], like.dtype), stacked, params["layers"])
+                   for i in range(len(jax.tree.leaves(stacked)[0])))
+    return {**params, "layers": layers}
+
+
+def _unrolled_stack(layer: "DecoderLayer", layers: tuple[Params, ...], windows, x_BTD: jax.Array,
+                    positions_BT: jax.Array, attend: AttendFn, cache: KVCache | None, hooks: LayerHooks | None,
+                    config: ModelConfig):
+    """:func:`decoder_stack` over per-layer params (:func:`split_layers`): one layer after the other."""
+    if hooks is not None:
+        hooks.check(config, x_BTD.shape[0])
+    recorded = {}
+    for index, layer_params in enumerate(layers):
+        x_BTD, cache = layer.apply({"params": layer_params}, x_BTD, positions_BT,
+                                   functools.partial(attend, index, window=windows[index], cache=cache))
+        if hooks is not None and hooks.steering_BLD is not None:
+            x_BTD = x_BTD + hooks.steering_BLD[:, index][:, None, :].astype(x_BTD.dtype)
+        if hooks is not None and index in hooks.record_layers:
+            recorded[index] = x_BTD
+    if hooks is None:
+        return x_BTD, cache
+    if not hooks.record_layers:
+        return x_BTD, cache, None
+    return x_BTD, cache, jnp.stack([recorded[l] for l in hooks.record_layers], axis=2)
 
 
 def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool, mesh: Mesh | None = None):
