@@ -8,8 +8,9 @@ first); on other platforms, and when the kernels cannot be built (no C++ compile
 product. Gradients are XLA's.
 
     available() -> bool          # the kernels are built and registered for this process
-    matmul(x_RK, w, *, transposed=False) -> y_RN (float32; x is rounded to w's dtype first, as in XLA)
-    matmuls(x_RK, ws, *, transposed=False) -> (y_RN, ...)   # several weights sharing x, one call
+    matmul(x_RK, w, *, transposed=False, layer=None) -> y_RN (float32; x is rounded to w's dtype first, as
+        in XLA; with ``layer``, w is a stack [L, ...] of which that layer is read, in place)
+    matmuls(x_RK, ws, *, transposed=False, layer=None) -> (y_RN, ...)   # several weights sharing x, one call
 """
 
 from __future__ import annotations
@@ -29,69 +30,85 @@ def available() -> bool:
     return jax.default_backend() == "cpu" and build.load()
 
 
-def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tuple[jax.Array, ...]:
+def _layer(w: jax.Array, layer: jax.Array | None) -> jax.Array:
+    """Layer ``layer`` of a stack of weights [L, ...] (``w`` itself when not stacked)."""
+    return w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+
+
+def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, transposed: bool):
     spec = "RK,NK->RN" if transposed else "RK,KN->RN"
-    return tuple(jnp.einsum(spec, x_RK.astype(w.dtype), w, preferred_element_type=jnp.float32) for w in ws)
+    return tuple(jnp.einsum(spec, x_RK.astype(w.dtype), _layer(w, layer), preferred_element_type=jnp.float32)
+                 for w in ws)
 
 
-def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tuple[jax.Array, ...]:
+def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, transposed: bool):
     dtype = "bf16" if ws[0].dtype == jnp.bfloat16 else "f32"
     target = f"llm_jax_matmul_{'nk' if transposed else 'kn'}_{dtype}"
-    shapes = [jax.ShapeDtypeStruct((x_RK.shape[0], w.shape[0] if transposed else w.shape[1]), jnp.float32)
+    shapes = [jax.ShapeDtypeStruct((x_RK.shape[0], w.shape[-2] if transposed else w.shape[-1]), jnp.float32)
               for w in ws]
     call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
+    index = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     # x rounded to the weights' dtype, as XLA's product (``_xla``) does: both routes compute the same.
-    return tuple(call(x_RK.astype(ws[0].dtype).astype(jnp.float32), *ws))
+    return tuple(call(index, x_RK.astype(ws[0].dtype).astype(jnp.float32), *ws))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmuls(x_RK: jax.Array, ws: tuple[jax.Array, ...], transposed: bool) -> tuple[jax.Array, ...]:
-    return jax.lax.platform_dependent(x_RK, ws, cpu=functools.partial(_kernel, transposed=transposed),
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmuls(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, transposed: bool):
+    return jax.lax.platform_dependent(x_RK, ws, layer, cpu=functools.partial(_kernel, transposed=transposed),
                                       default=functools.partial(_xla, transposed=transposed))
 
 
-def _matmuls_fwd(x_RK, ws, transposed):
-    return _matmuls(x_RK, ws, transposed), (x_RK, ws)
+def _matmuls_fwd(x_RK, ws, layer, transposed):
+    return _matmuls(x_RK, ws, layer, transposed), (x_RK, ws, layer)
 
 
 def _matmuls_bwd(transposed, residuals, dys):
-    x_RK, ws = residuals
+    x_RK, ws, layer = residuals
     x32 = x_RK.astype(jnp.float32)
     dx_RK = jnp.zeros(x_RK.shape, jnp.float32)
     dws = []
     for w, dy_RN in zip(ws, dys):
-        dy_RN, w32 = dy_RN.astype(jnp.float32), w.astype(jnp.float32)
+        dy_RN, w32 = dy_RN.astype(jnp.float32), _layer(w, layer).astype(jnp.float32)
         # The forward reads x rounded to w's dtype: its cotangent is rounded the same way (as XLA's is).
         if transposed:
             dx_RK += (dy_RN @ w32).astype(w.dtype).astype(jnp.float32)
-            dws.append((dy_RN.T @ x32).astype(w.dtype))
+            dw = (dy_RN.T @ x32).astype(w.dtype)
         else:
             dx_RK += (dy_RN @ w32.T).astype(w.dtype).astype(jnp.float32)
-            dws.append((x32.T @ dy_RN).astype(w.dtype))
-    return dx_RK.astype(x_RK.dtype), tuple(dws)
+            dw = (x32.T @ dy_RN).astype(w.dtype)
+        dws.append(dw if layer is None else jnp.zeros_like(w).at[layer].set(dw))
+    return dx_RK.astype(x_RK.dtype), tuple(dws), None
 
 
 _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
 
 
-def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False) -> tuple[jax.Array, ...]:
+def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, layer: jax.Array | int | None = None):
     """x [R, K] · W_i → [R, N_i] float32 for each W_i in ``ws`` ([K, N_i], or [N_i, K] when ``transposed``;
     all float32 or all bfloat16). On CPU one kernel call streams every W_i: one fork-join for all.
+
+    With ``layer`` (an int32 scalar, may be traced), every W_i is a stack [L, K, N_i] (or [L, N_i, K]) and
+    its layer ``layer`` is used: the kernel reads it inside the stack, with no copy.
 
     Uses the kernels when :func:`available`, XLA's products otherwise.
     """
     ws = tuple(ws)
-    k_axis = 1 if transposed else 0
+    k_axis = -1 if transposed else -2
+    rank = 2 if layer is None else 3
     for w in ws:
-        if x_RK.ndim != 2 or w.ndim != 2 or x_RK.shape[1] != w.shape[k_axis]:
-            raise ValueError(f"matmul needs x [R, K] and w {'[N, K]' if transposed else '[K, N]'} with the same K, "
-                             f"got x {x_RK.shape} and w {w.shape}")
+        if x_RK.ndim != 2 or w.ndim != rank or x_RK.shape[1] != w.shape[k_axis]:
+            stack = "" if layer is None else "L, "
+            raise ValueError(f"matmul needs x [R, K] and w [{stack}{'N, K' if transposed else 'K, N'}] with the same "
+                             f"K, got x {x_RK.shape} and w {w.shape}")
+    if layer is not None:
+        layer = jnp.asarray(layer, jnp.int32)
     dtypes = {w.dtype for w in ws}
     if len(dtypes) != 1 or dtypes.pop() not in (jnp.float32, jnp.bfloat16) or not available():
-        return _xla(x_RK, ws, transposed)
-    return _matmuls(x_RK, ws, transposed)
+        return _xla(x_RK, ws, layer, transposed)
+    return _matmuls(x_RK, ws, layer, transposed)
 
 
-def matmul(x_RK: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
-    """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``), float32 or bfloat16."""
-    return matmuls(x_RK, (w,), transposed=transposed)[0]
+def matmul(x_RK: jax.Array, w: jax.Array, *, transposed: bool = False, layer: jax.Array | int | None = None):
+    """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``; with ``layer``, a stack
+    [L, ...] of them), float32 or bfloat16."""
+    return matmuls(x_RK, (w,), transposed=transposed, layer=layer)[0]

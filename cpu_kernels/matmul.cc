@@ -1,10 +1,13 @@
 // Matrix products for LLM decode on CPU, as XLA FFI custom calls: y_i[R, N_i] = x[R, K] · W_i, few rows R,
-// for one or several weight matrices W_i sharing the input.
+// for one or several weight matrices W_i sharing the input; each W_i may be one layer of a stack
+// [L, ...] of every layer's weights, read in place.
 //
 // Decode reads every weight once per step and does two flops with each, so its speed is the speed of
 // streaming the weights from memory. XLA:CPU's matrix products fall short there in two ways this file
 // fixes: bfloat16 weights have no kernel (XLA converts the whole matrix to float32 in memory first,
-// every step), and a matrix-vector product does not reach the bandwidth of both cores.
+// every step), a matrix-vector product does not reach the bandwidth of both cores, and inside a loop
+// over stacked layers XLA copies each layer's weights out of the stack before its product (a dynamic
+// slice is never a view there); here the layer index is an operand and the stack is read in place.
 //
 // W comes in the two layouts the model has: [K, N] ("kn": every projection, in × out) and [N, K] ("nk":
 // a tied embedding table [V, D] used as the LM head). Either may be float32 or bfloat16; x and y are
@@ -212,11 +215,15 @@ void nk_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*
 template <ffi::DataType T>
 using Matrix = ffi::Buffer<T, 2>;
 
-// x [R, K], then M weight matrices (all of dtype T, all [K, N_i], or [N_i, K] when transposed); M
-// results y_i [R, N_i].
+// x [R, K]; the layer index l (int32 scalar); then M weight matrices, all of dtype T: each [K, N_i] (or
+// [N_i, K] when transposed), or a stack [L, K, N_i] of which layer l is used, read where it lies (a
+// decode loop over stacked layers then never copies a layer's weights out of the stack). M results
+// y_i [R, N_i].
 template <bool kTransposed, ffi::DataType T, typename W>
-ffi::Error Matmul(ffi::ThreadPool pool, Matrix<ffi::F32> x, ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Matrix<ffi::F32> x,
+                  ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const int64_t R = x.dimensions()[0], K = x.dimensions()[1];
+  const int64_t layer = *layer_index.typed_data();
   if (weights.size() != outs.size() || weights.size() == 0) {
     return ffi::Error::InvalidArgument("cpu_kernels matmul: one result per weight matrix");
   }
@@ -224,17 +231,23 @@ ffi::Error Matmul(ffi::ThreadPool pool, Matrix<ffi::F32> x, ffi::RemainingArgs w
   std::vector<float*> ys;
   std::vector<int64_t> ns;
   for (size_t i = 0; i < weights.size(); ++i) {
-    auto w = weights.get<Matrix<T>>(i);
+    auto w = weights.get<ffi::Buffer<T>>(i);
     auto y = outs.get<Matrix<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value()) {
-      return ffi::Error::InvalidArgument("cpu_kernels matmul: weights must be 2-D of one dtype, results 2-D float32");
+    if (!w.has_value() || !y.has_value() || (w->dimensions().size() != 2 && w->dimensions().size() != 3)) {
+      return ffi::Error::InvalidArgument(
+          "cpu_kernels matmul: weights must be 2-D (or 3-D stacks) of one dtype, results 2-D float32");
     }
     const auto wd = w->dimensions();
-    const int64_t N = kTransposed ? wd[0] : wd[1], w_k = kTransposed ? wd[1] : wd[0];
+    const bool stacked = wd.size() == 3;
+    const int64_t L = stacked ? wd[0] : 1, rows = wd[stacked ? 1 : 0], cols = wd[stacked ? 2 : 1];
+    const int64_t N = kTransposed ? rows : cols, w_k = kTransposed ? cols : rows;
     if (w_k != K || (*y)->dimensions()[0] != R || (*y)->dimensions()[1] != N) {
       return ffi::Error::InvalidArgument("cpu_kernels matmul: shapes of x, w and y do not match");
     }
-    ws.push_back(reinterpret_cast<const W*>(w->untyped_data()));
+    if (layer < 0 || layer >= L) {
+      return ffi::Error::InvalidArgument("cpu_kernels matmul: layer index outside the stack of weights");
+    }
+    ws.push_back(reinterpret_cast<const W*>(w->untyped_data()) + layer * rows * cols);
     ys.push_back((*y)->typed_data());
     ns.push_back(N);
   }
@@ -247,7 +260,12 @@ ffi::Error Matmul(ffi::ThreadPool pool, Matrix<ffi::F32> x, ffi::RemainingArgs w
 }
 
 auto Binding() {
-  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<Matrix<ffi::F32>>().RemainingArgs().RemainingRets();
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32, 0>>()
+      .Arg<Matrix<ffi::F32>>()
+      .RemainingArgs()
+      .RemainingRets();
 }
 
 }  // namespace

@@ -24,7 +24,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.logits_processors import PAD_ID, History
 from llm_jax.logprobs import chosen_and_top
-from llm_jax.model import LayerHooks, Params, forward_extend, split_layers, unembed
+from llm_jax.model import LayerHooks, Params, forward_extend, unembed
 from llm_jax.sampling import Sampling, SamplingParams, process_logits, sample
 from llm_jax.sharding import constrain_cache, constrain_replicated
 from llm_jax.stop_matching import StopTable
@@ -239,19 +239,12 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
     """
     hooks = controls.hooks
     cache, state = constrain_cache(cache, mesh), constrain_replicated(state, mesh)
-    # XLA:CPU copies a layer's weights out of the stacked [L, ...] arrays before every product (a
-    # dynamic slice is never a view there), which more than halves decode speed. On one CPU device the
-    # layers are therefore split into separate buffers once per call, and each step reads them in place:
-    # one extra copy of the weights per chunk of steps, not one per step. Elsewhere (accelerators,
-    # meshes) the stacked weights are used as they are.
-    step_params = split_layers(params) if mesh is None and jax.default_backend() == "cpu" else params
-
     def step(carry, _):
         cache, state = carry
 
         def run(cache, state):
             running_B = ~state.done_B
-            x_B1D, cache, *hidden = forward_extend(step_params, config, state.tokens_B[:, None], cache, running_B, mesh,
+            x_B1D, cache, *hidden = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh,
                                                    hooks=hooks)
             token_B, emitted = _choose(unembed(params, config, x_B1D)[:, 0], state, controls)
             state = _advance(token_B, running_B, state, controls, cache.lengths_B, cache.max_len)

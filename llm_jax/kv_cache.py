@@ -69,10 +69,6 @@ def write_block(cache_LBSKH: jax.Array, layer: jax.Array, new_BTKH: jax.Array) -
 
 def write_tokens(cache_LBSKH: jax.Array, layer: jax.Array, slots_BT: jax.Array, new_BTKH: jax.Array) -> jax.Array:
     """Write token (b, t) at slot ``slots_BT[b, t]`` of ``layer``; out-of-range slots are dropped."""
-
-    # Mapped over rows, the scatter keeps B as a batching dimension: a cache split by batch
-    # (llm_jax.sharding) is then written shard by shard, with no collective.
-    def write_row(cache_LSKH, slots_T, new_TKH):
-        return cache_LSKH.at[layer, slots_T].set(new_TKH.astype(cache_LSKH.dtype), mode="drop")
-
-    return jax.vmap(write_row, in_axes=(1, 0, 0), out_axes=1)(cache_LBSKH, slots_BT, new_BTKH)
+    B = cache_LBSKH.shape[1]
+    rows_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
+    return cache_LBSKH.at[layer, rows_B1, slots_BT].set(new_BTKH.astype(cache_LBSKH.dtype), mode="drop")

@@ -2,6 +2,12 @@
 
 Flax linen modules used as pure functions: parameters live in an explicit pytree passed to ``apply``.
 Matrix products accumulate in float32 (``preferred_element_type``) whatever the parameter dtype.
+
+A module built with ``stack=L`` is one layer of a stack of L: its params hold every layer's weights
+([L, ...]) and each call names the ``layer`` to use (a traced index, in a loop over layers). Products
+then hand the whole stack and the index to :func:`dense_many`, so the CPU kernels read the layer's
+weights where they lie; slicing them out first would cost XLA:CPU a copy of every weight on every
+decode step.
 """
 
 from __future__ import annotations
@@ -20,30 +26,45 @@ _init = nn.initializers.normal(stddev=0.02)
 
 
 def dense(equation: str, x: jnp.ndarray, w: jnp.ndarray, out_dtype: jnp.dtype,
-          impl: MatmulImpl = MatmulImpl.AUTO) -> jnp.ndarray:
-    """``einsum(equation, x, w)`` with float32 accumulation, cast to ``out_dtype``.
+          impl: MatmulImpl = MatmulImpl.AUTO, layer: jnp.ndarray | None = None) -> jnp.ndarray:
+    """``einsum(equation, x, w)`` with float32 accumulation, cast to ``out_dtype``; with ``layer``, ``w``
+    is a stack [L, ...] of every layer's weights and ``w[layer]`` is used.
 
     With ``MatmulImpl.AUTO``, when ``equation`` contracts trailing axes of ``x`` with leading
-    (``"BTD,DF->BTF"``) or trailing (``"BTD,VD->BTV"``) axes of ``w``, products with bfloat16 weights on
-    one CPU device run the streaming kernels of :mod:`cpu_kernels` (XLA's own product elsewhere).
+    (``"BTD,DF->BTF"``) or trailing (``"BTD,VD->BTV"``) axes of ``w``, products on one CPU device run the
+    streaming kernels of :mod:`cpu_kernels` (XLA's own product elsewhere): with bfloat16 weights always,
+    with float32 weights for up to :data:`KERNEL_MAX_ROWS` rows (decode).
     """
-    return dense_many([equation], x, [w], out_dtype, impl)[0]
+    return dense_many([equation], x, [w], out_dtype, impl, layer)[0]
 
 
 def dense_many(equations: Sequence[str], x: jnp.ndarray, ws: Sequence[jnp.ndarray], out_dtype: jnp.dtype,
-               impl: MatmulImpl = MatmulImpl.AUTO) -> list[jnp.ndarray]:
+               impl: MatmulImpl = MatmulImpl.AUTO, layer: jnp.ndarray | None = None) -> list[jnp.ndarray]:
     """:func:`dense` of one input with several weights (q/k/v, gate/up). When the CPU kernels run, one
     call streams all the weights: one fork-join of the threads instead of one per product."""
-    forms = [_as_matmul(eq, x.shape, w.shape) for eq, w in zip(equations, ws)]
+    lead = 0 if layer is None else 1
+    forms = [_as_matmul(eq, x.shape, w.shape[lead:]) for eq, w in zip(equations, ws)]
     kernel = (impl is MatmulImpl.AUTO and all(forms) and len({(f[0], f[1], f[3]) for f in forms}) == 1
-              and len({w.dtype for w in ws}) == 1 and _use_kernel(ws[0].dtype))
+              and len({w.dtype for w in ws}) == 1 and _use_kernel(ws[0].dtype, forms[0][0]))
     if not kernel:
+        ws = ws if layer is None else [layer_of(w, layer) for w in ws]
         return [jnp.einsum(eq, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
                 for eq, w in zip(equations, ws)]
     R, K, _, transposed, _ = forms[0]
-    ws_2d = [w.reshape(N, K) if transposed else w.reshape(K, N) for w, (_, _, N, _, _) in zip(ws, forms)]
-    ys = cpu_kernels.matmuls(x.reshape(R, K), ws_2d, transposed=transposed)
+    ws_2d = [w.reshape(*w.shape[:lead], *((N, K) if transposed else (K, N))) for w, (_, _, N, _, _) in zip(ws, forms)]
+    ys = cpu_kernels.matmuls(x.reshape(R, K), ws_2d, transposed=transposed, layer=layer)
     return [y.reshape(form[4]).astype(out_dtype) for y, form in zip(ys, forms)]
+
+
+def layer_of(w_L: jnp.ndarray, layer: jnp.ndarray) -> jnp.ndarray:
+    """``w_L[layer]`` for a stack of weights [L, ...] and a traced index (bfloat16 sliced as uint16, see
+    :func:`as_bits`)."""
+    return from_bits(jax.lax.dynamic_index_in_dim(as_bits(w_L), layer, keepdims=False), w_L.dtype)
+
+
+def stacked_param(module: nn.Module, name: str, init, shape: tuple[int, ...], stack: int | None) -> jnp.ndarray:
+    """``module.param(name, init, shape)``, with a leading axis of ``stack`` layers when given."""
+    return module.param(name, init, shape if stack is None else (stack, *shape))
 
 
 def as_bits(a: jnp.ndarray) -> jnp.ndarray:
@@ -58,13 +79,20 @@ def from_bits(a: jnp.ndarray, dtype) -> jnp.ndarray:
     return jax.lax.bitcast_convert_type(a, jnp.bfloat16) if dtype == jnp.bfloat16 else a
 
 
-def _use_kernel(dtype) -> bool:
-    # bfloat16 only: XLA:CPU has no bfloat16 product and converts every weight matrix to float32 in memory
-    # on every call, which the kernels avoid by reading bfloat16 in place (1B decode: 0.2 → several tok/s).
-    # For float32 weights XLA's products are as fast under load and keep its exact summation order.
-    # The kernels are single-device custom calls: on several devices GSPMD would gather their operands
-    # (every weight, every step), so sharded programs keep XLA's products.
-    return dtype == jnp.bfloat16 and jax.device_count() == 1 and cpu_kernels.available()
+# Float32 products of at most this many rows (batch × tokens: decode) run the CPU kernels. They stream
+# the weights at the speed of XLA's matrix-vector product, and take a layer of stacked weights in place;
+# XLA:CPU copies a layer out of the stack before its product (110M float32 decode, a 12-layer scan:
+# 2.1× faster with the kernels). Prefill's many rows are compute-bound: XLA's matrix-matrix product.
+KERNEL_MAX_ROWS = 32
+
+
+def _use_kernel(dtype, rows: int) -> bool:
+    # bfloat16 always: XLA:CPU has no bfloat16 product and converts every weight matrix to float32 in
+    # memory on every call, which the kernels avoid by reading bfloat16 in place (1B decode: 0.2 → several
+    # tok/s). The kernels are single-device custom calls: on several devices GSPMD would gather their
+    # operands (every weight, every step), so sharded programs keep XLA's products.
+    wanted = dtype == jnp.bfloat16 or (dtype == jnp.float32 and rows <= KERNEL_MAX_ROWS)
+    return wanted and jax.device_count() == 1 and cpu_kernels.available()
 
 
 def _as_matmul(equation: str, x_shape, w_shape):
@@ -99,11 +127,13 @@ class RMSNorm(nn.Module):
 
     eps: float
     weight_offset: float = 0.0
+    stack: int | None = None
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, layer: jnp.ndarray | None = None) -> jnp.ndarray:
         init = nn.initializers.zeros if self.weight_offset else nn.initializers.ones
-        scale = self.param("scale", init, (x.shape[-1],))
+        scale = stacked_param(self, "scale", init, (x.shape[-1],), self.stack)
+        scale = scale if layer is None else layer_of(scale, layer)
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * (self.weight_offset + scale.astype(jnp.float32))).astype(x.dtype)
@@ -134,17 +164,19 @@ class GatedMLP(nn.Module):
     d_ff: int
     activation: Activation
     matmul: MatmulImpl = MatmulImpl.AUTO
+    stack: int | None = None
 
     @nn.compact
-    def __call__(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
+    def __call__(self, x_BTD: jnp.ndarray, layer: jnp.ndarray | None = None) -> jnp.ndarray:
         D = x_BTD.shape[-1]
-        gate_DF = self.param("gate_proj", _init, (D, self.d_ff))
-        up_DF = self.param("up_proj", _init, (D, self.d_ff))
-        down_FD = self.param("down_proj", _init, (self.d_ff, D))
-        gate_BTF, up_BTF = dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, self.matmul)
+        gate_DF = stacked_param(self, "gate_proj", _init, (D, self.d_ff), self.stack)
+        up_DF = stacked_param(self, "up_proj", _init, (D, self.d_ff), self.stack)
+        down_FD = stacked_param(self, "down_proj", _init, (self.d_ff, D), self.stack)
+        gate_BTF, up_BTF = dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, self.matmul,
+                                      layer)
         match self.activation:
             case Activation.SILU:
                 act_BTF = jax.nn.silu(gate_BTF)
             case Activation.GELU_TANH:
                 act_BTF = jax.nn.gelu(gate_BTF, approximate=True)
-        return dense("BTF,FD->BTD", (act_BTF * up_BTF).astype(x_BTD.dtype), down_FD, x_BTD.dtype, self.matmul)
+        return dense("BTF,FD->BTD", (act_BTF * up_BTF).astype(x_BTD.dtype), down_FD, x_BTD.dtype, self.matmul, layer)

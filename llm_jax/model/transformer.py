@@ -1,7 +1,9 @@
 """The decoder stack: embed → L × (attention + MLP) → final norm → logits.
 
-Layers are stacked (every layer parameter has a leading L axis) and run by ``lax.scan``, so compile
-time does not grow with depth. Layers whose attention differs (Gemma 2 alternates sliding-window and
+Layers are stacked (every layer parameter has a leading L axis) and run by ``lax.scan`` over the layer
+index, so compile time does not grow with depth. The scan does not slice the params: each layer hands
+the whole stacks and its index to the matrix products (see :mod:`llm_jax.model.layers`), which on CPU
+read the layer's weights in place. Layers whose attention differs (Gemma 2 alternates sliding-window and
 global layers) are scanned in groups of one period, keeping each layer's window a static value.
 """
 
@@ -21,7 +23,7 @@ from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.model.attention import Attention, attention
-from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, as_bits, dense, from_bits
+from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, dense
 
 Params = dict[str, Any]
 # attend(layer, q_BTNH, k_BTKH, v_BTKH, window, cache) -> (o_BTNH, cache)
@@ -29,28 +31,31 @@ AttendFn = Callable[..., tuple[jax.Array, KVCache | None]]
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block; with ``sandwich_norm`` (Gemma 2) each sub-block output is normed too."""
+    """Pre-norm residual block; with ``sandwich_norm`` (Gemma 2) each sub-block output is normed too.
+
+    Its params are every layer's, stacked [L, ...]; a call runs layer ``layer`` (an int32 scalar).
+    """
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, attend: Callable):
-        c = self.config
+    def __call__(self, x_BTD, positions_BT, attend: Callable, layer: jax.Array):
+        c, L = self.config, self.config.n_layers
 
-        def norm(name: str) -> RMSNorm:
-            return RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, name=name)
+        def norm(name: str, x_BTD: jax.Array) -> jax.Array:
+            return RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L, name=name)(x_BTD, layer)
 
-        attn = Attention(c, name="attn")
-        q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm")(x_BTD), positions_BT)
+        attn = Attention(c, stack=L, name="attn")
+        q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm", x_BTD), positions_BT, layer)
         o_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)
-        y_BTD = attn.output(o_BTNH)
+        y_BTD = attn.output(o_BTNH, layer)
         if c.sandwich_norm:
-            y_BTD = norm("post_attn_norm")(y_BTD)
+            y_BTD = norm("post_attn_norm", y_BTD)
         x_BTD = x_BTD + y_BTD
-        mlp = GatedMLP(d_ff=c.d_ff, activation=c.activation, matmul=c.matmul_impl, name="mlp")
-        y_BTD = mlp(norm("mlp_norm")(x_BTD))
+        mlp = GatedMLP(d_ff=c.d_ff, activation=c.activation, matmul=c.matmul_impl, stack=L, name="mlp")
+        y_BTD = mlp(norm("mlp_norm", x_BTD), layer)
         if c.sandwich_norm:
-            y_BTD = norm("post_mlp_norm")(y_BTD)
+            y_BTD = norm("post_mlp_norm", y_BTD)
         return x_BTD + y_BTD, aux
 
 
@@ -64,10 +69,9 @@ def param_shapes(config: ModelConfig) -> Params:
     def init(module: nn.Module, *arrays, **kwargs) -> Params:
         return jax.eval_shape(lambda k, *a: module.init(k, *a, **kwargs)["params"], key, *arrays)
 
-    layer = init(DecoderLayer(config), x, tokens, attend=lambda q, k, v: (q, None))
     shapes: Params = {
         "embedder": init(Embedder(config.vocab_size, D), tokens, out_dtype=jnp.float32, method=Embedder.encode),
-        "layers": jax.tree.map(lambda s: jax.ShapeDtypeStruct((config.n_layers, *s.shape), s.dtype), layer),
+        "layers": init(DecoderLayer(config), x, tokens, attend=lambda q, k, v: (q, None), layer=0),
         "final_norm": init(RMSNorm(eps=config.norm_eps), x),
     }
     if not config.tie_embeddings:
@@ -163,22 +167,14 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     """
     windows = config.layer_windows()
     layer = DecoderLayer(config)
-    if isinstance(params["layers"], tuple):
-        return _unrolled_stack(layer, params["layers"], windows, x_BTD, positions_BT, attend, cache, hooks, config)
     period = _layer_period(windows)
     groups = config.n_layers // period
-    # Without windows (period 1) the scan runs over the [L, ...] params as they are: a [L, 1, ...] view
-    # costs XLA:CPU a copy of every stacked weight on every decode step (a layout change of the unit axis).
-    # The layer scan slices bfloat16 weights as uint16 (see ``as_bits``).
-    layers = jax.tree.map(as_bits, params["layers"])
-    grouped = layers if period == 1 else jax.tree.map(lambda a: a.reshape(groups, period, *a.shape[1:]), layers)
     steering = recorded = slot_L = None
     if hooks is not None:
         hooks.check(config, x_BTD.shape[0])
         if hooks.steering_BLD is not None:
             B, L, D = hooks.steering_BLD.shape
-            steering = hooks.steering_BLD.transpose(1, 0, 2)
-            steering = steering if period == 1 else steering.reshape(groups, period, B, D)
+            steering = hooks.steering_BLD.transpose(1, 0, 2).reshape(groups, period, B, D)
         if hooks.record_layers:
             R = len(hooks.record_layers)
             recorded = jnp.zeros((R, *x_BTD.shape), x_BTD.dtype)
@@ -186,19 +182,13 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
             slot_L = jnp.asarray([hooks.record_layers.index(l) if l in hooks.record_layers else R
                                   for l in range(config.n_layers)], jnp.int32)
 
-    def group_step(carry, inputs):
+    def group_step(carry, steering_PBD):
         x_BTD, cache, group, recorded = carry
-        group_params, steering_PBD = inputs
-        group_params = jax.tree.map(lambda a, like: from_bits(a, like.dtype), group_params, params["layers"])
-        if period == 1:
-            group_params = jax.tree.map(lambda a: a[None], group_params)
-            steering_PBD = None if steering_PBD is None else steering_PBD[None]
         for j in range(period):
-            layer_params = jax.tree.map(lambda a: a[j], group_params)
             index = group * period + j
             x_BTD, cache = layer.apply(
-                {"params": layer_params}, x_BTD, positions_BT,
-                functools.partial(attend, index, window=windows[j], cache=cache))
+                {"params": params["layers"]}, x_BTD, positions_BT,
+                functools.partial(attend, index, window=windows[j], cache=cache), index)
             if steering_PBD is not None:
                 x_BTD = x_BTD + steering_PBD[j][:, None, :].astype(x_BTD.dtype)
             if recorded is not None:
@@ -206,41 +196,10 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
         return (x_BTD, cache, group + 1, recorded), None
 
     carry = (x_BTD, cache, jnp.zeros((), jnp.int32), recorded)
-    (x_BTD, cache, _, recorded), _ = jax.lax.scan(group_step, carry, (grouped, steering))
+    (x_BTD, cache, _, recorded), _ = jax.lax.scan(group_step, carry, steering, length=groups)
     if hooks is None:
         return x_BTD, cache
     return x_BTD, cache, None if recorded is None else recorded.transpose(1, 2, 0, 3)
-
-
-def split_layers(params: Params) -> Params:
-    """``params`` with ``params["layers"]`` as a tuple of L per-layer dicts (inside ``jit``: one copy of
-    the weights). :func:`decoder_stack` runs such params as an unrolled loop, reading every layer's
-    weights where they lie; see :func:`llm_jax.decode.decode` for why decode wants that on CPU."""
-    stacked = jax.tree.map(as_bits, params["layers"])
-    layers = tuple(jax.tree.map(lambda a, like: from_bits(a[i], like.dtype), stacked, params["layers"])
-                   for i in range(len(jax.tree.leaves(stacked)[0])))
-    return {**params, "layers": layers}
-
-
-def _unrolled_stack(layer: "DecoderLayer", layers: tuple[Params, ...], windows, x_BTD: jax.Array,
-                    positions_BT: jax.Array, attend: AttendFn, cache: KVCache | None, hooks: LayerHooks | None,
-                    config: ModelConfig):
-    """:func:`decoder_stack` over per-layer params (:func:`split_layers`): one layer after the other."""
-    if hooks is not None:
-        hooks.check(config, x_BTD.shape[0])
-    recorded = {}
-    for index, layer_params in enumerate(layers):
-        x_BTD, cache = layer.apply({"params": layer_params}, x_BTD, positions_BT,
-                                   functools.partial(attend, index, window=windows[index], cache=cache))
-        if hooks is not None and hooks.steering_BLD is not None:
-            x_BTD = x_BTD + hooks.steering_BLD[:, index][:, None, :].astype(x_BTD.dtype)
-        if hooks is not None and index in hooks.record_layers:
-            recorded[index] = x_BTD
-    if hooks is None:
-        return x_BTD, cache
-    if not hooks.record_layers:
-        return x_BTD, cache, None
-    return x_BTD, cache, jnp.stack([recorded[l] for l in hooks.record_layers], axis=2)
 
 
 def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool, mesh: Mesh | None = None):

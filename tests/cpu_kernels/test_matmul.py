@@ -122,3 +122,45 @@ def test_several_weights_sharing_the_input(dtype, transposed):
     np.testing.assert_allclose(np.asarray(grads[0]), np.asarray(expected[0]), rtol=tol, atol=tol)
     for a, b in zip(grads[1], expected[1]):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+def test_a_layer_of_stacked_weights(dtype, transposed):
+    """With ``layer``, W is a stack [L, ...]: every layer (a traced index, as in a scan over layers) gives
+    that layer's product, reading the stack as it is (the stack, not a slice, is the kernel's operand)."""
+    rng = np.random.default_rng(4)
+    L, R, K, N = 3, 2, 33, 70
+    x = jnp.asarray(rng.normal(size=(R, K)), dtype).astype(jnp.float32)
+    ws = [jnp.asarray(rng.normal(size=(L, N, K) if transposed else (L, K, N)), dtype) for _ in range(2)]
+    f = jax.jit(lambda x, ws, layer: cpu_kernels.matmuls(x, ws, transposed=transposed, layer=layer))
+    for layer in range(L):
+        for w, y in zip(ws, f(x, ws, layer)):
+            w64 = np.asarray(w[layer].astype(jnp.float32), np.float64)
+            expected = np.asarray(x, np.float64) @ (w64.T if transposed else w64)
+            np.testing.assert_allclose(np.asarray(y), expected, rtol=RTOL, atol=ATOL)
+    if cpu_kernels.available():
+        hlo = f.lower(x, ws, 0).compile().as_text()
+        calls = [line for line in hlo.splitlines() if 'custom_call_target="llm_jax_matmul' in line]
+        stack = ("bf16" if dtype == jnp.bfloat16 else "f32") + f"[{L},"
+        assert len(calls) == 1 and calls[0].count(stack) == 2 and "dynamic-slice" not in hlo
+
+
+def test_gradient_of_a_stacked_layer_is_xlas():
+    rng = np.random.default_rng(5)
+    x, w = jnp.asarray(rng.normal(size=(2, 12)), jnp.float32), jnp.asarray(rng.normal(size=(3, 12, 10)), jnp.float32)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+    ours = jax.grad(loss(lambda x, w: cpu_kernels.matmul(x, w, layer=1)), argnums=(0, 1))(x, w)
+    theirs = jax.grad(loss(lambda x, w: x @ w[1]), argnums=(0, 1))(x, w)
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_outside_the_stack_is_an_error():
+    x, w = jnp.ones((1, 8)), jnp.ones((3, 8, 4))
+    f = jax.jit(lambda x, w, layer: cpu_kernels.matmul(x, w, layer=layer))
+    if cpu_kernels.available():
+        with pytest.raises(Exception, match="layer index outside the stack of weights"):
+            f(x, w, 3).block_until_ready()
+    with pytest.raises(ValueError, match=r"w \[L, K, N\]"):
+        cpu_kernels.matmul(x, jnp.ones((8, 4)), layer=0)

@@ -7,7 +7,7 @@ import pytest
 
 import cpu_kernels
 from llm_jax.config import MatmulImpl
-from llm_jax.model.layers import dense, dense_many
+from llm_jax.model.layers import KERNEL_MAX_ROWS, dense, dense_many
 
 KERNEL_TARGET = "llm_jax_matmul"
 
@@ -40,10 +40,39 @@ def test_every_route_is_the_einsum(equation, x_shape, w_shape, impl):
     assert (KERNEL_TARGET in _lowered(f, x, w)) == kernel
 
 
-def test_float32_weights_keep_xlas_product():
-    """Float32 products stay XLA's (its summation order, which other parity tests rely on)."""
-    x, w = jnp.ones((1, 1, 16)), jnp.ones((16, 24))
-    assert KERNEL_TARGET not in _lowered(lambda x, w: dense("BTD,DF->BTF", x, w, jnp.float32), x, w)
+def test_float32_weights_use_the_kernels_for_decode_rows_only():
+    """Float32 products of up to KERNEL_MAX_ROWS rows (decode) run the kernels; more rows (prefill) are
+    XLA's matrix-matrix product, which is compute-bound there."""
+    f = lambda x, w: dense("BTD,DF->BTF", x, w, jnp.float32)
+    w = jnp.ones((16, 24))
+    decode_x, prefill_x = jnp.ones((KERNEL_MAX_ROWS, 1, 16)), jnp.ones((1, KERNEL_MAX_ROWS + 1, 16))
+    assert (KERNEL_TARGET in _lowered(f, decode_x, w)) == cpu_kernels.available()
+    assert KERNEL_TARGET not in _lowered(f, prefill_x, w)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("impl", list(MatmulImpl), ids=[m.value for m in MatmulImpl])
+def test_a_layer_of_stacked_weights(dtype, impl):
+    """With ``layer``, every route computes the einsum with that layer of the stack [L, ...]; the kernels
+    get the whole stack (no dynamic slice of the weights in the program)."""
+    rng = np.random.default_rng(2)
+    x = _bf16_values(rng, (1, 1, 16))
+    ws = [jnp.asarray(rng.normal(size=(3, 16, 4, 8)), dtype), jnp.asarray(rng.normal(size=(3, 4, 8, 16)), dtype)]
+    equations = ["BTD,DNH->BTNH", "BTNH,NHD->BTD"]
+    f = jax.jit(lambda x, ws, layer: [dense(equations[0], x, ws[0], jnp.float32, impl, layer),
+                                      dense(equations[1], x.reshape(1, 1, 4, 4).repeat(2, -1), ws[1], jnp.float32,
+                                            impl, layer)])
+    for layer in (0, 2):
+        ys = f(x, ws, jnp.int32(layer))
+        xs = [x, x.reshape(1, 1, 4, 4).repeat(2, -1)]
+        for y, eq, xi, w in zip(ys, equations, xs, ws):
+            expected = np.einsum(eq, np.asarray(xi.astype(dtype), np.float64), np.asarray(w[layer], np.float64))
+            np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-4)
+    hlo = f.lower(x, ws, jnp.int32(0)).compile().as_text()
+    kernel = impl is MatmulImpl.AUTO and cpu_kernels.available()
+    assert (KERNEL_TARGET in hlo) == kernel
+    if kernel:
+        assert "dynamic-slice" not in hlo
 
 
 def test_several_weights_in_one_kernel_call():
