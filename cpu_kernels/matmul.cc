@@ -99,20 +99,52 @@ void parallel_for(ffi::ThreadPool& pool, int64_t units, const Fn& fn) {
 // ---- kn: W [K, N] ---------------------------------------------------------------------------------
 
 constexpr int64_t kPrefetchRows = 4;
+// Rows of W taken together: y is loaded and stored once per four rows instead of once per row, which
+// leaves the core's load/store ports to the weights (bfloat16 110M decode: 1.x× faster).
+constexpr int64_t kRowBlock = 4;
 
 // y[r, n0:n1] += Σ_{k in [k0, k1)} x[r, k] · W[k, n0:n1]; y rows are ldy apart.
 template <typename W>
 void kn_unit(const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N, int64_t ldy, int64_t n0,
              int64_t n1, int64_t k0, int64_t k1) {
   const int64_t n_vec = n0 + (n1 - n0) / 16 * 16;
-  for (int64_t k = k0; k < k1; ++k) {
-    const W* row = w + k * N;
+  int64_t k = k0;
+  for (; k + kRowBlock <= k1; k += kRowBlock) {
+    const W* row[kRowBlock];
+    for (int j = 0; j < kRowBlock; ++j) row[j] = w + (k + j) * N;
     // The tile's part of each row is a short contiguous run: the hardware prefetcher has no time to
     // find it, so ask for the rows ahead (measured: 1.4× faster, at 88% of a streaming read).
-    const W* ahead = row + kPrefetchRows * N;
-    const bool prefetch = k + kPrefetchRows < k1;
+    const bool prefetch = k + kRowBlock + kPrefetchRows <= k1;
     for (int64_t n = n0; n < n_vec; n += 16) {
-      if (prefetch) __builtin_prefetch(ahead + n, 0, 0);
+      if (prefetch) {
+        for (int j = 0; j < kRowBlock; ++j) __builtin_prefetch(row[j] + kPrefetchRows * N + n, 0, 0);
+      }
+      f32x8 a[kRowBlock], b[kRowBlock];
+      for (int j = 0; j < kRowBlock; ++j) a[j] = load8(row[j] + n), b[j] = load8(row[j] + n + 8);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* xr = x + r * K + k;
+        float* yr = y + r * ldy + n;
+        f32x8 lo = load8(yr), hi = load8(yr + 8);
+        for (int j = 0; j < kRowBlock; ++j) {
+          const f32x8 xv = splat(xr[j]);
+          lo += xv * a[j];
+          hi += xv * b[j];
+        }
+        store8(yr, lo);
+        store8(yr + 8, hi);
+      }
+    }
+    for (int64_t n = n_vec; n < n1; ++n) {
+      for (int64_t r = 0; r < R; ++r) {
+        float acc = y[r * ldy + n];
+        for (int j = 0; j < kRowBlock; ++j) acc += x[r * K + k + j] * load1(row[j] + n);
+        y[r * ldy + n] = acc;
+      }
+    }
+  }
+  for (; k < k1; ++k) {
+    const W* row = w + k * N;
+    for (int64_t n = n0; n < n_vec; n += 16) {
       const f32x8 a = load8(row + n), b = load8(row + n + 8);
       for (int64_t r = 0; r < R; ++r) {
         const f32x8 xv = splat(x[r * K + k]);

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from llm_jax import kv_cache as kvc
 from llm_jax import stop_matching
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
@@ -259,6 +260,9 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
         cache, state, emitted = jax.lax.cond(jnp.all(state.done_B), idle, run, cache, state)
         return (cache, state), emitted
 
-    (cache, state), emitted_S = jax.lax.scan(step, (cache, state), None, length=num_steps)
+    # The loop carries a bfloat16 cache as its bits, which XLA:CPU updates in place (see kv_cache.as_bits).
+    dtype = cache.k_LBSKH.dtype
+    (cache, state), emitted_S = jax.lax.scan(step, (kvc.as_bits(cache), state), None, length=num_steps)
+    cache = kvc.from_bits(cache, dtype)
     emitted = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1), emitted_S)
     return constrain_cache(cache, mesh), *constrain_replicated((state, emitted), mesh)

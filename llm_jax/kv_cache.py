@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from llm_jax import bits
 from llm_jax.config import ModelConfig
 
 
@@ -60,15 +61,46 @@ def cache_bytes_per_token(config: ModelConfig, dtype=None) -> int:
     return 2 * config.n_layers * config.n_kv_heads * config.head_dim * itemsize
 
 
+def as_bits(cache: KVCache) -> KVCache:
+    """The cache with bfloat16 keys and values held as their bits (uint16), for a loop that writes it:
+    XLA:CPU updates a uint16 cache in place, but copies a bfloat16 one whole on every write (it has no
+    bfloat16 dynamic-update-slice). The functions below take either form; :func:`from_bits` undoes it."""
+    return dataclasses.replace(cache, k_LBSKH=bits.as_bits(cache.k_LBSKH), v_LBSKH=bits.as_bits(cache.v_LBSKH))
+
+
+def from_bits(cache: KVCache, dtype) -> KVCache:
+    """Undoes :func:`as_bits` for a cache that was of ``dtype``."""
+    return dataclasses.replace(cache, k_LBSKH=bits.from_bits(cache.k_LBSKH, dtype),
+                               v_LBSKH=bits.from_bits(cache.v_LBSKH, dtype))
+
+
+def _values(cache_LBSKH: jax.Array) -> jnp.dtype:
+    """The dtype of the values ``cache_LBSKH`` holds (uint16: bfloat16 held as bits)."""
+    return jnp.dtype(jnp.bfloat16) if cache_LBSKH.dtype == jnp.uint16 else cache_LBSKH.dtype
+
+
+def _stored(cache_LBSKH: jax.Array, new: jax.Array) -> jax.Array:
+    """``new`` as ``cache_LBSKH`` stores it (rounded to the cache's values, as bits when it holds bits)."""
+    new = new.astype(_values(cache_LBSKH))
+    return bits.as_bits(new) if cache_LBSKH.dtype == jnp.uint16 else new
+
+
 def write_block(cache_LBSKH: jax.Array, layer: jax.Array, new_BTKH: jax.Array) -> jax.Array:
     """Write a block of T tokens at slots [0, T) of every row (prefill)."""
     zero = jnp.zeros((), jnp.int32)
-    return jax.lax.dynamic_update_slice(cache_LBSKH, new_BTKH[None].astype(cache_LBSKH.dtype),
+    return jax.lax.dynamic_update_slice(cache_LBSKH, _stored(cache_LBSKH, new_BTKH[None]),
                                         (layer, zero, zero, zero, zero))
 
 
 def write_tokens(cache_LBSKH: jax.Array, layer: jax.Array, slots_BT: jax.Array, new_BTKH: jax.Array) -> jax.Array:
     """Write token (b, t) at slot ``slots_BT[b, t]`` of ``layer``; out-of-range slots are dropped."""
-    B = cache_LBSKH.shape[1]
-    rows_B1 = jnp.arange(B, dtype=jnp.int32)[:, None]
-    return cache_LBSKH.at[layer, rows_B1, slots_BT].set(new_BTKH.astype(cache_LBSKH.dtype), mode="drop")
+    # Rows are indexed explicitly: a scatter vmapped over B made XLA:CPU lay the cache out batch-major
+    # inside the layer loop and copy the whole cache twice per layer and step.
+    rows_B1 = jnp.arange(cache_LBSKH.shape[1], dtype=jnp.int32)[:, None]
+    return cache_LBSKH.at[layer, rows_B1, slots_BT].set(_stored(cache_LBSKH, new_BTKH), mode="drop")
+
+
+def read_layer(cache_LBSKH: jax.Array, layer: jax.Array) -> jax.Array:
+    """The keys or values of layer ``layer``: [B, S, K, H] (bfloat16 for a cache of bits)."""
+    layer_BSKH = jax.lax.dynamic_index_in_dim(bits.as_bits(cache_LBSKH), layer, keepdims=False)
+    return bits.from_bits(layer_BSKH, _values(cache_LBSKH))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 import cpu_kernels
+from llm_jax.bits import as_bits, from_bits
 from llm_jax.config import Activation, MatmulImpl
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -65,18 +66,6 @@ def layer_of(w_L: jnp.ndarray, layer: jnp.ndarray) -> jnp.ndarray:
 def stacked_param(module: nn.Module, name: str, init, shape: tuple[int, ...], stack: int | None) -> jnp.ndarray:
     """``module.param(name, init, shape)``, with a leading axis of ``stack`` layers when given."""
     return module.param(name, init, shape if stack is None else (stack, *shape))
-
-
-def as_bits(a: jnp.ndarray) -> jnp.ndarray:
-    """bfloat16 arrays as uint16, for slicing and gathering: XLA:CPU has no bfloat16 dynamic-slice or
-    gather, and around one it converts the whole operand to float32 (for stacked weights in a loop,
-    hoisted: a float32 copy of the model in every decode call)."""
-    return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a
-
-
-def from_bits(a: jnp.ndarray, dtype) -> jnp.ndarray:
-    """Undoes :func:`as_bits` for an array that was of ``dtype``."""
-    return jax.lax.bitcast_convert_type(a, jnp.bfloat16) if dtype == jnp.bfloat16 else a
 
 
 # Float32 products of at most this many rows (batch × tokens: decode) run the CPU kernels. They stream

@@ -255,10 +255,11 @@ def forward_prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, l
     if T > cache.max_len:
         raise ValueError(f"prompt block of {T} tokens does not fit a cache of {cache.max_len} slots")
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    dtype = cache.k_LBSKH.dtype
     x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
-                                            _attend_fresh(config, lengths_B, write_cache=True, mesh=mesh), cache,
-                                            hooks)
-    return (x_BTD, dataclasses.replace(cache, lengths_B=lengths_B.astype(jnp.int32)), *recorded)
+                                            _attend_fresh(config, lengths_B, write_cache=True, mesh=mesh),
+                                            kvc.as_bits(cache), hooks)
+    return (x_BTD, dataclasses.replace(kvc.from_bits(cache, dtype), lengths_B=lengths_B.astype(jnp.int32)), *recorded)
 
 
 def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, cache: KVCache,
@@ -278,7 +279,7 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
         k_LBSKH = kvc.write_tokens(cache.k_LBSKH, layer, slots_BT, k_BTKH)
         v_LBSKH = kvc.write_tokens(cache.v_LBSKH, layer, slots_BT, v_BTKH)
-        o_BTNH = attention(q_BTNH, k_LBSKH[layer], v_LBSKH[layer], positions_BT, positions_BT[:, -1] + 1,
+        o_BTNH = attention(q_BTNH, kvc.read_layer(k_LBSKH, layer), kvc.read_layer(v_LBSKH, layer), positions_BT, positions_BT[:, -1] + 1,
                            config=config, window=window, queries_from_zero=False, mesh=mesh)
         return o_BTNH, KVCache(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH, lengths_B=cache.lengths_B)
 
