@@ -1,4 +1,5 @@
-"""Matrix products for LLM decode on CPU: XLA FFI custom calls written in C++ (``matmul.cc``).
+"""Matrix products and attention for LLM decode on CPU: XLA FFI custom calls written in C++
+(``matmul.cc``, ``decode_attention.cc``).
 
 Depends on jax only. ``matmul(x_RK, w)`` computes x [R, K] · W in float32 for W [K, N] or, with
 ``transposed=True``, W [N, K], in float32 or bfloat16 — the product decode runs for every weight
@@ -11,6 +12,7 @@ product. Gradients are XLA's.
     matmul(x_RK, w, *, transposed=False, layer=None) -> y_RN (float32; x is rounded to w's dtype first, as
         in XLA; with ``layer``, w is a stack [L, ...] of which that layer is read, in place)
     matmuls(x_RK, ws, *, transposed=False, layer=None) -> (y_RN, ...)   # several weights sharing x, one call
+    decode_attention(q_BNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BNH  # one query per row, cache read in place
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from cpu_kernels import build
+from cpu_kernels.decode_attention import decode_attention
 
-__all__ = ["available", "matmul", "matmuls"]
+__all__ = ["available", "decode_attention", "matmul", "matmuls"]
 
 
 def available() -> bool:

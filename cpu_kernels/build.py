@@ -1,8 +1,9 @@
-"""Compiling ``matmul.cc`` once per machine and registering its handlers with XLA.
+"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``) once per machine and registering their
+handlers with XLA.
 
 The library is built on first use with the system C++ compiler (``$CXX``, else ``c++``) against the
 XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``), and kept in a cache
-folder keyed by everything that changes the binary: the source, the compiler, the jaxlib version and
+folder keyed by everything that changes the binary: the sources, the compiler, the jaxlib version and
 the CPU's instruction sets. Without a compiler (or with ``LLM_JAX_CPU_KERNELS=off``) nothing is built
 and callers fall back to XLA's own matrix products.
 """
@@ -22,7 +23,9 @@ import warnings
 
 import jax
 
-SOURCE = pathlib.Path(__file__).with_name("matmul.cc")
+HERE = pathlib.Path(__file__).parent
+SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc")
+HEADERS = (HERE / "common.h",)
 ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
 CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
 HANDLERS = {  # registered target name → symbol in the library
@@ -30,6 +33,9 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_matmul_kn_bf16": "MatmulKnBF16",
     "llm_jax_matmul_nk_f32": "MatmulNkF32",
     "llm_jax_matmul_nk_bf16": "MatmulNkBF16",
+    "llm_jax_decode_attention_f32": "DecodeAttentionF32",
+    "llm_jax_decode_attention_bf16": "DecodeAttentionBF16",
+    "llm_jax_decode_attention_u16": "DecodeAttentionBits",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
@@ -54,16 +60,18 @@ def _cache_dir() -> pathlib.Path:
 def compile_library(compiler: str) -> pathlib.Path:
     """Build (or find already built) the shared library; raises on a compiler error."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, jax.__version__, _cpu_features(), *FLAGS])
+    texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, version, jax.__version__, _cpu_features(), *FLAGS])
                          .encode()).hexdigest()[:16]
-    target = _cache_dir() / f"matmul-{key}.so"
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: concurrent processes never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = pathlib.Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-w", f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)],
+        subprocess.run([compiler, *FLAGS, "-w", f"-I{jax.ffi.include_dir()}", f"-I{HERE}", *map(str, SOURCES), "-o",
+                        str(built)],
                        capture_output=True, text=True, check=True)
         os.replace(built, target)
     return target
@@ -88,7 +96,7 @@ def load() -> bool:
     except (OSError, subprocess.CalledProcessError) as e:
         lines = (getattr(e, "stderr", "") or str(e)).strip().splitlines() or ["no message"]
         error = next((line for line in lines if "error" in line), lines[-1]).strip()[:300]
-        warnings.warn(f"cpu_kernels: building {SOURCE.name} with {compiler} failed, using XLA's matrix products: "
+        warnings.warn(f"cpu_kernels: building the kernels with {compiler} failed, using XLA's matrix products: "
                       f"{error}", RuntimeWarning, stacklevel=3)
         return False
     for name, symbol in HANDLERS.items():

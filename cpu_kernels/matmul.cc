@@ -24,77 +24,16 @@
 // (or never) cannot stall the call.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using namespace llm_jax_kernels;
 
 namespace {
-
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-inline f32x8 load8(const float* p) {
-  f32x8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// bfloat16 is the top half of a float32: widen to 32 bits and shift.
-inline f32x8 load8(const uint16_t* p) {
-  u16x8 h;
-  std::memcpy(&h, p, sizeof h);
-  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  f32x8 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
-inline float load1(const float* p) { return *p; }
-
-inline float load1(const uint16_t* p) {
-  uint32_t w = uint32_t(*p) << 16;
-  float v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
-
-inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
-
-inline f32x8 splat(float v) { return f32x8{v, v, v, v, v, v, v, v}; }
-
-inline float hsum(f32x8 v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
-}
-
-// Runs fn(unit) for unit in [0, units) on the caller and up to threads - 1 pool tasks.
-template <typename Fn>
-void parallel_for(ffi::ThreadPool& pool, int64_t units, const Fn& fn) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  auto drain = [shared, units, &fn] {
-    for (int64_t i; (i = shared->next.fetch_add(1, std::memory_order_relaxed)) < units;) {
-      fn(i);
-      shared->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(units, std::max<int64_t>(pool.num_threads(), 1)) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([drain] { drain(); });
-  drain();
-  while (shared->done.load(std::memory_order_acquire) < units) std::this_thread::yield();
-}
 
 // ---- kn: W [K, N] ---------------------------------------------------------------------------------
 

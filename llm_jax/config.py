@@ -42,7 +42,9 @@ class AttentionImpl(enum.Enum):
 class MatmulImpl(enum.Enum):
     """How the model's matrix products run; chosen in exactly one place (``llm_jax.model.layers.dense``)."""
 
-    AUTO = "auto"  # on one CPU device, cpu_kernels for bfloat16 weights; XLA otherwise
+    # On one CPU device, the cpu_kernels for bfloat16 products, decode-sized float32 products and decode
+    # attention (one query per row, with AttentionImpl.XLA); XLA otherwise.
+    AUTO = "auto"
     XLA = "xla"  # XLA's own products everywhere
 
     @classmethod

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from jax.sharding import Mesh
 
+import cpu_kernels
 import pallas_kernels
-from llm_jax.config import AttentionImpl, ModelConfig
+from llm_jax import kv_cache as kvc
+from llm_jax.config import AttentionImpl, MatmulImpl, ModelConfig
 from llm_jax.model.layers import RMSNorm, _init, dense, dense_many, layer_of, stacked_param
 from llm_jax.model.rope import apply_rope, inverse_frequencies, rope_angles
 from llm_jax.sharding import attention_on_shards
@@ -117,3 +120,23 @@ def attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, *, config: M
         case _:
             return xla_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, scale=config.attn_scale,
                                  window=window, softcap=config.attn_logit_softcap)
+
+
+def cached_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, q_positions_BT, kv_lengths_B, *, config: ModelConfig,
+                     window: int | None, mesh: Mesh | None = None) -> jnp.ndarray:
+    """:func:`attention` of new queries over layer ``layer`` of the stacked cache [L, B, S, K, H] (decode).
+
+    One query per row with XLA attention on one CPU device (``MatmulImpl.AUTO``) runs the CPU kernel,
+    which reads the layer where it lies in the cache: XLA would slice it out and transpose it for its
+    dot products, two copies of the layer's cache per layer and step. Otherwise the layer is sliced out
+    for :func:`attention`.
+    """
+    B, T, N, H = q_BTNH.shape
+    if (T == 1 and config.attention_impl is AttentionImpl.XLA and config.matmul_impl is MatmulImpl.AUTO
+            and mesh is None and jax.device_count() == 1 and cpu_kernels.available()):
+        o_BNH = cpu_kernels.decode_attention(q_BTNH[:, 0], k_LBSKH, v_LBSKH, layer, q_positions_BT[:, 0],
+                                             kv_lengths_B, scale=config.attn_scale, window=window,
+                                             softcap=config.attn_logit_softcap)
+        return o_BNH[:, None].astype(q_BTNH.dtype)
+    return attention(q_BTNH, kvc.read_layer(k_LBSKH, layer), kvc.read_layer(v_LBSKH, layer), q_positions_BT,
+                     kv_lengths_B, config=config, window=window, queries_from_zero=False, mesh=mesh)

@@ -1,0 +1,62 @@
+"""cpu_kernels.decode_attention against llm_jax's pure-JAX attention (xla_attention): odd shapes, grouped
+query heads, sliding windows, soft-capping, float32 / bfloat16 / bfloat16-as-bits caches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+from llm_jax.model.attention import xla_attention
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the kernels are not built "
+                                "(test_matmul's first test checks that a compiler, where present, builds them)")
+
+# L, B, S, K, G, H, window, softcap
+CASES = [(3, 2, 11, 2, 3, 16, None, None), (2, 3, 9, 1, 4, 5, 3, None), (2, 2, 13, 2, 2, 8, None, 5.0),
+         (1, 1, 7, 3, 1, 24, 2, 30.0), (2, 4, 33, 4, 2, 64, None, None)]
+
+
+def _bits(a):
+    return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("L,B,S,K,G,H,window,softcap", CASES)
+def test_matches_xla_attention(L, B, S, K, G, H, window, softcap, dtype):
+    rng = np.random.default_rng(S * H + G)
+    k, v = (jnp.asarray(rng.normal(size=(L, B, S, K, H)), dtype) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(B, K * G, H)), dtype)
+    positions = jnp.asarray(rng.integers(0, S, B), jnp.int32).at[0].set(0)  # row 0 sees one key
+    lengths = positions + 1
+    f = jax.jit(lambda q, k, v, layer: cpu_kernels.decode_attention(q, k, v, layer, positions, lengths, scale=0.3,
+                                                                    window=window, softcap=softcap))
+    for layer in range(L):
+        expected = xla_attention(q[:, None], k[layer], v[layer], positions[:, None], lengths, scale=0.3,
+                                 window=window, softcap=softcap)[:, 0]
+        ours = f(q, k, v, layer)
+        assert ours.dtype == jnp.float32 and ours.shape == q.shape
+        # bfloat16: both round the probabilities to bfloat16; sums in another order may differ by an ulp.
+        tol = 1e-6 if dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(np.asarray(ours.astype(dtype).astype(jnp.float32)),
+                                   np.asarray(expected.astype(jnp.float32)), rtol=tol, atol=tol)
+        np.testing.assert_array_equal(np.asarray(f(q, _bits(k), _bits(v), layer)), np.asarray(ours))
+
+
+def test_rows_without_visible_keys_are_zero():
+    k = v = jnp.ones((1, 2, 5, 1, 8))
+    q = jnp.ones((2, 2, 8))
+    o = cpu_kernels.decode_attention(q, k, v, 0, jnp.array([3, 4]), jnp.array([0, 5]), scale=1.0, window=None,
+                                     softcap=None)
+    np.testing.assert_array_equal(np.asarray(o[0]), 0.0)
+    np.testing.assert_allclose(np.asarray(o[1]), 1.0, rtol=1e-6)
+
+
+def test_bad_inputs_are_named():
+    k = jnp.ones((1, 2, 5, 2, 8))
+    with pytest.raises(ValueError, match=r"q \(2, 3, 8\)"):
+        cpu_kernels.decode_attention(jnp.ones((2, 3, 8)), k, k, 0, jnp.zeros(2), jnp.ones(2), scale=1.0,
+                                     window=None, softcap=None)
+    with pytest.raises(Exception, match="layer index outside the cache"):
+        cpu_kernels.decode_attention(jnp.ones((2, 4, 8)), k, k, 1, jnp.zeros(2), jnp.ones(2), scale=1.0,
+                                     window=None, softcap=None).block_until_ready()
