@@ -86,6 +86,13 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
                ttft_s_spread=Spread.of([r.ttft_s for r in runs]), prefill_tokens_per_s_spread=Spread.of(prefill_rate))
 
 
+def at_bandwidth(row: Row, bandwidth_gbps: float, measured_gbps: float) -> Row:
+    """``row`` (its roofline from ``bandwidth_gbps``) with the roofline of ``measured_gbps`` instead."""
+    scale = measured_gbps / bandwidth_gbps
+    return dataclasses.replace(row, roofline_tokens_per_s=row.roofline_tokens_per_s * scale,
+                               roofline_fraction=row.roofline_fraction / scale)
+
+
 def _mib(nbytes: int | None) -> float | None:
     return None if nbytes is None else nbytes / 2**20
 
