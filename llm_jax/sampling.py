@@ -117,6 +117,9 @@ class SamplingParams:
     banned_BQJ: jax.Array | None = None  # int32: banned sequences, left-padded with PAD_ID
     no_repeat_ngram_B: jax.Array | None = None  # int32; 0 = off
     max_ngram_size: int = _static()  # static: the largest no_repeat_ngram_size of the batch
+    # static: some row samples (temperature > 0). False: every row is greedy and ``sample`` is an argmax,
+    # without the sampling filters in the program (less to trace, lower and run).
+    sampled: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @classmethod
     def stack(cls, rows: Sequence[Sampling], *, vocab_size: int | None = None,
@@ -161,7 +164,8 @@ class SamplingParams:
                    repetition_penalty_B=column("repetition_penalty", np.float32, 1.0),
                    presence_penalty_B=presence, frequency_penalty_B=frequency,
                    bias_ids_BX=bias_ids, bias_values_BX=bias_values, banned_BQJ=banned,
-                   no_repeat_ngram_B=ngram, max_ngram_size=0 if ngram is None else int(ngram.max()))
+                   no_repeat_ngram_B=ngram, max_ngram_size=0 if ngram is None else int(ngram.max()),
+                   sampled=any(r.temperature > 0 for r in rows))
 
     @property
     def needs_token_history(self) -> bool:
@@ -287,5 +291,7 @@ def sample(scores_BV: jax.Array, params: SamplingParams, step_B: jax.Array, *,
     def argmax(_):
         return (greedy_B, scores_BV) if with_scores else greedy_B
 
+    if not params.sampled:
+        return argmax(None)
     # Skip the sort entirely when every row is greedy.
     return jax.lax.cond(jnp.any(params.temperature_B > 0), draw, argmax, None)

@@ -221,3 +221,19 @@ def test_processor_settings_are_validated():
     with pytest.raises(ValueError, match=r"row 1 name token ids \[300\]"):
         SamplingParams.stack([GREEDY, Sampling(logit_bias={300: 1.0})], vocab_size=300)
     assert dataclasses.replace(GREEDY, logit_bias={"3": 1}).logit_bias == {3: 1.0}
+
+
+def test_an_all_greedy_batch_leaves_the_sampling_filters_out_of_the_program():
+    """``SamplingParams.sampled`` is static: all-greedy rows compile to an argmax (no sort of the
+    vocabulary), and give the same tokens as the same rows in a program that can sample."""
+    scores = jnp.asarray(np.random.default_rng(0).normal(size=(3, 50)), jnp.float32)
+    greedy = SamplingParams.stack([Sampling()] * 3)
+    mixed = SamplingParams.stack([Sampling(), Sampling(temperature=0.7, top_p=0.9, seed=1), Sampling()])
+    assert not greedy.sampled and mixed.sampled
+    step = jnp.zeros((3,), jnp.int32)
+    f = jax.jit(sample)
+    assert "sort" not in f.lower(scores, greedy, step).as_text()
+    assert "sort" in f.lower(scores, mixed, step).as_text()
+    np.testing.assert_array_equal(np.asarray(f(scores, greedy, step)), np.argmax(np.asarray(scores), -1))
+    np.testing.assert_array_equal(np.asarray(f(scores, mixed, step))[[0, 2]],
+                                  np.argmax(np.asarray(scores), -1)[[0, 2]])
