@@ -79,16 +79,16 @@ def main(argv: list[str] | None = None) -> int:
                       bandwidth_gbps=bandwidth, matmuls=tuple(MatmulImpl.parse(m) for m in args.matmul))
     results = run_matrix(models, args.dtype, args.batch, options)
     rows = [row for result in results for row in result.rows]
+    ratios = {}
+    for result in results:
+        if result.hf_ratio is not None:
+            ratios[rows.index(result.rows[0])] = result.hf_ratio
     if not args.bandwidth:
         # The best of a measurement before and one after the runs: on a shared machine one measurement can
         # land in a busy moment, understate the bandwidth and overstate every roofline fraction.
         log_stderr("measuring memory bandwidth again...")
         best = max(bandwidth, machine_lib.measure_bandwidth(threads=threads))
         rows, bandwidth, machine = [at_bandwidth(r, bandwidth, best) for r in rows], best, machine_lib.describe(best)
-    ratios = {}
-    for result in results:
-        if result.hf_ratio is not None:
-            ratios[rows.index(result.rows[0])] = result.hf_ratio
     print(f"\nmachine: {machine.cpu}, {machine.threads} threads, measured bandwidth {bandwidth:.1f} GB/s")
     print(table(rows, ratios or None))
     for result in results:

@@ -104,3 +104,19 @@ def test_generate_cli_twice_with_a_fresh_compilation_cache(stories260k_dir):
     for value in (result.first_ttft_s, result.second_ttft_s, result.first_compile_s):
         assert positive_finite(value)
     assert positive_finite(result.ratio)
+
+
+def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path, monkeypatch):
+    """Without --bandwidth the harness measures before and after the runs and keeps the best, for every
+    row (llm_jax's and transformers', whose × hf ratio is still reported)."""
+    measured = iter([4.0, 8.0])
+    monkeypatch.setattr(machine, "measure_bandwidth", lambda **kwargs: next(measured))
+    path = tmp_path / "bench.json"
+    status = benchmark_main(["--model", "260K", "--compare", "hf", "--new-tokens", "5", "--chunk-steps", "4",
+                             "--repeats", "1", "--json", str(path)])
+    assert status == 0
+    report = json.loads(path.read_text())
+    assert report["machine"]["bandwidth_gbps"] == 8.0
+    assert {row["engine"] for row in report["rows"]} == {"llm_jax", "transformers"}
+    for row in report["rows"]:
+        assert row["roofline_tokens_per_s"] == pytest.approx(8.0e9 / row["bytes_per_step"], rel=1e-6)
