@@ -78,7 +78,9 @@ void attend_unit(const float* q, const C* k_cache, const C* v_cache, float* o, c
   const int64_t slot_stride = K * H;  // between slots s and s + 1 of one row and head
   const C* k0 = k_cache + (b * S * K + kh) * H;
   const C* v0 = v_cache + (b * S * K + kh) * H;
-  std::vector<float> scores(static_cast<size_t>(G * (hi - lo)));
+  // One buffer per thread, kept between calls: no allocation per layer and step.
+  thread_local std::vector<float> scores;
+  scores.resize(static_cast<size_t>(G * (hi - lo)));
   for (int64_t s = lo; s < hi; ++s) {
     const C* key = k0 + s * slot_stride;
     for (int64_t g = 0; g < G; ++g) {

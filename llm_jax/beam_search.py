@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
 from llm_jax.decode import DecodeControls, take_cache_rows
 from llm_jax.kv_cache import KVCache
@@ -176,6 +177,9 @@ def beam_search(params: Params, config: ModelConfig, last_logits_BV: jax.Array, 
         beams_open = ~(jnp.all(s.is_finished_BW) & (search.early_stopping is EarlyStopping.FIRST))
         return (s.step < M) & jnp.any(s.improvable_B) & beams_open & ~s.all_stopped
 
+    # The loop carries a bfloat16 cache as its bits, which XLA:CPU reorders and updates without
+    # converting it (see kv_cache.as_bits).
+    cache = kvc.as_bits(cache)
     empty_BWM = jnp.full((B, W, M), PAD_ID, jnp.int32)
     # Only the first beam starts "alive", so the first step does not pick W copies of one continuation.
     s = _Search(step=jnp.zeros((), jnp.int32), logits_NV=last_logits_BV[rows_N], cache=cache, history=history,

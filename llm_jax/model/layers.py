@@ -71,8 +71,8 @@ def stacked_param(module: nn.Module, name: str, init, shape: tuple[int, ...], st
 # Float32 products of at most this many rows (batch × tokens: decode) run the CPU kernels. They stream
 # the weights at the speed of XLA's matrix-vector product, and take a layer of stacked weights in place;
 # XLA:CPU copies a layer out of the stack before its product (a loop over 110M's 12 layers of products,
-# one row: 24 ms with the kernels, 50 ms with XLA). Up to 32 rows the kernels also beat XLA's product
-# with the layer copied out (15M, batch 32: 23 vs 34 ms per step); prefill's many rows are
+# one row: 24 ms with the kernels, 50 ms with XLA). Up to 32 rows they are as fast as XLA's product with
+# the layer copied out (15M decode at batch 32: 24 ms per step either way); prefill's many rows are
 # compute-bound, for XLA's matrix-matrix product.
 KERNEL_MAX_ROWS = 32
 
