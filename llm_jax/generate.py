@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from llm_jax import buckets, sharding
+from llm_jax import buckets, executable_cache, sharding
 from llm_jax.beam_search import BeamSearch, EarlyStopping, beam_search
 from llm_jax.compile_stats import measure_compilation
 from llm_jax.decode import PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, decode, start, take_cache_rows
@@ -29,6 +29,14 @@ from llm_jax.model import LayerHooks
 from llm_jax.prefill import PrefillExtras, pad_prompts, prefill, prefill_with_extras
 from llm_jax.sampling import GREEDY, Sampling
 from llm_jax.stop_strings import StopStringMatcher
+
+# The jitted programs, run from llm_jax.executable_cache's files when it is enabled (the CLI enables it
+# with the persistent compilation cache), so that a second process neither traces nor lowers them.
+_prefill = executable_cache.cached(prefill, ("config", "mesh"))
+_prefill_with_extras = executable_cache.cached(prefill_with_extras, ("config", "prompt_logprobs", "mesh"))
+_start = executable_cache.cached(start, ("mesh",))
+_decode = executable_cache.cached(decode, ("config", "num_steps", "mesh"))
+_beam_search = executable_cache.cached(beam_search, ("config", "search", "max_new_tokens", "mesh"))
 
 Prompt = str | Sequence[int]
 
@@ -282,8 +290,8 @@ class GenerationStream:
         cache = init_cache(config, P, self.cache_len, sharding=layout)
         hooks = self.prompt_hooks
         if hooks.steering_BLD is None and not hooks.record_layers and self.prompt_logprobs is None:
-            return (*prefill(params, config, tokens_BT, lengths_B, cache, mesh=mesh), None)
-        return prefill_with_extras(params, config, tokens_BT, lengths_B, cache, hooks,
+            return (*_prefill(params, config, tokens_BT, lengths_B, cache, mesh=mesh), None)
+        return _prefill_with_extras(params, config, tokens_BT, lengths_B, cache, hooks,
                                    prompt_logprobs=self.prompt_logprobs, mesh=mesh)
 
     def _run(self) -> Iterator[StreamEvent]:
@@ -298,7 +306,7 @@ class GenerationStream:
             rows = jnp.asarray(self.rows)
             if self.n > 1:  # the samples of a prompt share its prefill: copy its cache rows
                 logits_BV, cache = logits_BV[rows], take_cache_rows(cache, rows)
-            state, emitted = start(logits_BV, tokens_BT[self.rows], cache, self.controls, mesh=mesh)
+            state, emitted = _start(logits_BV, tokens_BT[self.rows], cache, self.controls, mesh=mesh)
             emitted = jax.device_get(emitted)
             t_first, compile_before_decode = time.perf_counter(), compiled.seconds
             texts = [_RowText(model.tokenizer, self.prompt_ids[p], stops, minimum)
@@ -333,7 +341,7 @@ class GenerationStream:
                     finish_B[stopped_by_text] = FinishReason.STOP
                     state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
                 t_chunk, compile_before_chunk = time.perf_counter(), compiled.seconds
-                cache, state, emitted = decode(model.params, config, cache, state, self.controls,
+                cache, state, emitted = _decode(model.params, config, cache, state, self.controls,
                                                num_steps=self.chunk_steps, mesh=mesh)
                 emitted = jax.device_get(emitted)
                 host_syncs += 1
@@ -390,7 +398,7 @@ class GenerationStream:
 
     def _run_beams(self, logits_BV, tokens_BT, cache, extras, t_start, compiled) -> Iterator[StreamEvent]:
         model, search = self.model, self.beams
-        beams = jax.device_get(beam_search(model.params, model.config, logits_BV, tokens_BT, cache, self.controls,
+        beams = jax.device_get(_beam_search(model.params, model.config, logits_BV, tokens_BT, cache, self.controls,
                                            search=search, max_new_tokens=self.max_new_tokens, mesh=model.mesh))
         t_end = time.perf_counter()
         end_ids = set(model.eos_ids) | set(int(t) for t in np.asarray(self.controls.stop_ids_BX).ravel())

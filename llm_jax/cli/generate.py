@@ -48,7 +48,9 @@ chat:
   stderr shows '[context USED/SIZE tokens · metrics]'. Commands: /reset, /exit (or Ctrl-D), /help.
 
 speed:
-  Each run compiles its programs; set JAX_COMPILATION_CACHE_DIR=DIR to keep them across runs.
+  Compiled programs are kept in ~/.cache/llm_jax/xla (LLM_JAX_COMPILATION_CACHE=DIR: elsewhere; =off: not
+  kept). A second run of the same model and prompt bucket loads prefill, start and decode whole, without
+  tracing, lowering or compiling them.
 
 errors:
   One line 'error: ...' on stderr; exit status 1 (2 for a misused flag, 130 on Ctrl-C).
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_jax.loading import load
     from llm_jax.sharding import make_mesh
 
-    enable_persistent_cache()  # a second run of the same model and prompt bucket skips compilation
+    enable_persistent_cache()  # a second run of the same model and prompt bucket loads its programs whole
     if _distributed(args):
         try:
             distributed.initialize(args.coordinator, args.num_processes, args.process_id)

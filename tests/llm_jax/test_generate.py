@@ -214,8 +214,8 @@ def test_n_samples_share_one_prefill(tiny, monkeypatch):
     sampling = llm_jax.Sampling(temperature=1.0, seed=3)
     calls = []
     generate_module = importlib.import_module("llm_jax.generate")
-    real_prefill = generate_module.prefill
-    monkeypatch.setattr(generate_module, "prefill", lambda params, config, tokens, *rest, **kw: calls.append(
+    real_prefill = generate_module._prefill
+    monkeypatch.setattr(generate_module, "_prefill", lambda params, config, tokens, *rest, **kw: calls.append(
         tokens.shape) or real_prefill(params, config, tokens, *rest, **kw))
     results = llm_jax.generate(model, prompts, n=3, sampling=sampling, max_new_tokens=10, ignore_eos=True)
     assert calls == [(2, 16)]  # one prefill of the two prompts, not six
