@@ -14,7 +14,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ comp
 
 # L, B, S, K, G, H, window, softcap
 CASES = [(3, 2, 11, 2, 3, 16, None, None), (2, 3, 9, 1, 4, 5, 3, None), (2, 2, 13, 2, 2, 8, None, 5.0),
-         (1, 1, 7, 3, 1, 24, 2, 30.0), (2, 4, 33, 4, 2, 64, None, None)]
+         (1, 1, 7, 3, 1, 24, 2, 30.0), (2, 4, 33, 4, 2, 64, None, None),
+         (2, 1, 10, 5, 2, 8, None, None)]  # one row: its 5 kv heads split in uneven groups across threads
 
 
 def _bits(a):
