@@ -11,6 +11,10 @@
 #include <memory>
 #include <thread>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace llm_jax_kernels {
@@ -29,9 +33,16 @@ inline f32x8 load8(const float* p) {
 
 // bfloat16 is the top half of a float32: widen to 32 bits and shift.
 inline f32x8 load8(const uint16_t* p) {
+#if defined(__AVX2__)
+  // One widening load and a shift. GCC 12 (-march=native on Zen 3) compiles the portable form below
+  // into two 4-wide widenings, a byte shift and an insert per 8 values (110M bfloat16 decode step,
+  // alternating runs: 21.1 ms with it, 19.7 ms with this).
+  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
   u16x8 h;
   std::memcpy(&h, p, sizeof h);
-  u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+#endif
   f32x8 v;
   std::memcpy(&v, &w, sizeof v);
   return v;
