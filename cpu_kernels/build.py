@@ -40,7 +40,7 @@ HANDLERS = {  # registered target name → symbol in the library
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
 
-def _cpu_features() -> str:
+def cpu_features() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -61,7 +61,7 @@ def compile_library(compiler: str) -> pathlib.Path:
     """Build (or find already built) the shared library; raises on a compiler error."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, version, jax.__version__, _cpu_features(), *FLAGS])
+    key = hashlib.sha256("\0".join([*texts, version, jax.__version__, cpu_features(), *FLAGS])
                          .encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():

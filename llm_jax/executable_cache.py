@@ -11,12 +11,12 @@ milliseconds.
 
 A program is stored under a hash of everything it is built from: the function's name, the static
 arguments (``repr``), the tree structure, shapes, dtypes and weak types of the others, the sources of
-``llm_jax`` and ``cpu_kernels``, the jax and jaxlib versions, the devices, and the environment variables
-that start with ``JAX_``, ``XLA_`` or ``LLM_JAX_``. Calls with a mesh, on more than one device, or with
-arguments that are not arrays go through jit as usual. Files are written to a temporary name and
-renamed; one that cannot be read is compiled again and replaced, and storing a program deletes its
-builds by other sources or versions. Programs are compiled for this cache
-with JAX's persistent cache switched off (see ``_fresh_compilation``).
+``llm_jax`` and ``cpu_kernels``, the jax and jaxlib versions, the devices and the CPU's instruction
+sets, and the environment variables that start with ``JAX_``, ``XLA_`` or ``LLM_JAX_`` (read once per
+process). Calls with a mesh, on more than one device, or with arguments that are not arrays go through
+jit as usual. Files are written to a temporary name and renamed; one that cannot be read is compiled
+again and replaced, and storing a program deletes its builds by other sources or versions. Programs
+are compiled for this cache with JAX's persistent cache switched off (see ``_fresh_compilation``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import inspect
 import os
 import pathlib
 import pickle
+import platform
 import tempfile
 import warnings
 from typing import Any, Callable
@@ -67,10 +68,12 @@ def _build_fingerprint() -> str:
     roots = [pathlib.Path(__file__).parent]
     try:
         import cpu_kernels
+        from cpu_kernels.build import cpu_features
 
         roots.append(pathlib.Path(cpu_kernels.__file__).parent)
+        h.update(cpu_features().encode())  # XLA:CPU compiles for this CPU's instruction sets
     except ImportError:
-        pass
+        h.update(platform.processor().encode())
     for root in roots:
         for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cc", ".h")):
             h.update(str(path.relative_to(root.parent)).encode())
