@@ -36,7 +36,6 @@ from typing import Any, Callable
 import jax
 import jaxlib
 import numpy as np
-from jax.experimental import serialize_executable
 
 _FORMAT = 2  # bump when the file layout (or what goes in it) changes
 _directory: pathlib.Path | None = None
@@ -115,12 +114,23 @@ def cached(jitted: Callable, static_argnames: tuple[str, ...]) -> Callable:
             return jitted(*args, **kwargs)
         memo = (name, static, tree, shapes)
         compiled = _loaded.get(memo)
+        if compiled is None and _serializer() is None:
+            return jitted(*args, **kwargs)
         if compiled is None:
             compiled = _load_or_compile(jitted, name, static, tree, shapes, bound)
             _loaded[memo] = compiled
         return compiled(**dynamic)
 
     return call
+
+
+def _serializer():
+    """``jax.experimental.serialize_executable``, or None where this JAX has no such module."""
+    try:
+        from jax.experimental import serialize_executable
+    except ImportError:
+        return None
+    return serialize_executable
 
 
 def _load_or_compile(jitted, name, static, tree, shapes, bound):
@@ -140,7 +150,7 @@ def _load_or_compile(jitted, name, static, tree, shapes, bound):
     if not fresh.ok:  # from XLA's cache after all: incomplete once serialized again, so not stored
         return compiled
     try:
-        blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+        blob, in_tree, out_tree = _serializer().serialize(compiled)
         data = pickle.dumps((_FORMAT, blob, in_tree, out_tree))
     except Exception:  # a program this JAX cannot serialize runs all the same
         return compiled
@@ -182,8 +192,10 @@ def _fresh_compilation():
     read from that cache serializes without some of its kernels (stories260K's prefill: 94 KB instead
     of 159 KB) and, loaded again, fails with "Function ... not found". ``fresh.ok`` turns False if one
     was served from the cache all the same (the switch below is JAX's private state and may change)."""
-    from jax._src import compilation_cache as jax_cache
-
+    try:
+        from jax._src import compilation_cache as jax_cache
+    except ImportError:
+        jax_cache = None
     _listen()
     fresh = _Fresh()
     _fresh_blocks.append(fresh)
@@ -207,4 +219,4 @@ def _load(path: pathlib.Path):
         import cpu_kernels  # a loaded program calls the kernels' handlers: register them first
 
         cpu_kernels.available()
-    return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+    return _serializer().deserialize_and_load(blob, in_tree, out_tree)
