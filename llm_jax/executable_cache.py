@@ -6,14 +6,14 @@ process still traces and lowers each program to find it there: for the 110M shap
 serialized executable itself (``jax.experimental.serialize_executable``) and loads it in a few tens of
 milliseconds.
 
-    cached(jitted, static_argnames) -> call   # calls ``jitted``; through this cache while it is enabled
+    cached(jitted) -> call   # calls ``jitted``; through this cache while it is enabled
     enable(directory) / disable() / directory()
 
 A program is stored under a hash of everything it is built from: the function's name, the static
-arguments (``repr``), the tree structure, shapes, dtypes and weak types of the others, the sources of
+arguments (``repr``), the tree structure, shapes, dtypes and weak types of the array ones, the sources of
 ``llm_jax`` and ``cpu_kernels``, the jax and jaxlib versions, the devices and the CPU's instruction
 sets, and the environment variables that start with ``JAX_``, ``XLA_`` or ``LLM_JAX_`` (read once per
-process). Calls with a mesh, on more than one device, or with arguments that are not arrays go through
+process). Calls with a mesh, on more than one device, or with an unhashable static argument go through
 jit as usual. Files are written to a temporary name and renamed; one that cannot be read is compiled
 again and replaced, and storing a program deletes its builds by other sources or versions. Programs
 are compiled for this cache with JAX's persistent cache switched off (see ``_fresh_compilation``).
@@ -87,39 +87,38 @@ def _build_fingerprint() -> str:
     return h.hexdigest()
 
 
-def _leaf_signature(leaf) -> tuple | None:
-    if isinstance(leaf, (jax.Array, np.ndarray)):
-        return tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False))
-    return None
+def _argument_key(value) -> tuple:
+    """An argument as it decides the program: arrays by structure, shapes, dtypes and weak types; any
+    other value (a static argument: a config, a step count, a mesh) by itself."""
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    if all(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves):
+        return "arrays", tree, tuple((tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
+                                     for x in leaves)
+    return "value", value
 
 
-def cached(jitted: Callable, static_argnames: tuple[str, ...]) -> Callable:
-    """``jitted`` (a ``jax.jit`` function with these static arguments), loading and storing its compiled
-    programs in this cache while it is enabled. Same arguments, same results, same donation."""
+def cached(jitted: Callable) -> Callable:
+    """``jitted`` (a ``jax.jit`` function), loading and storing its compiled programs in this cache while
+    it is enabled. Same arguments, same results, same donation. Which arguments are static is jit's
+    to say: the program is called with the ones it takes (``args_info``)."""
     signature = inspect.signature(jitted)
     name = f"{jitted.__module__}.{getattr(jitted, '__qualname__', jitted.__name__)}"
 
     @functools.wraps(jitted)
     def call(*args, **kwargs):
-        if _directory is None or jax.device_count() != 1:
+        if _directory is None or jax.device_count() != 1 or _serializer() is None:
             return jitted(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
-        static = tuple((k, bound.arguments.get(k)) for k in static_argnames)
-        if any(k == "mesh" and v is not None for k, v in static):
+        arguments = signature.bind(*args, **kwargs).arguments
+        if arguments.get("mesh") is not None:
             return jitted(*args, **kwargs)
-        dynamic = {k: v for k, v in bound.arguments.items() if k not in static_argnames}
-        leaves, tree = jax.tree_util.tree_flatten(dynamic)
-        shapes = tuple(map(_leaf_signature, leaves))
-        if any(s is None for s in shapes):
-            return jitted(*args, **kwargs)
-        memo = (name, static, tree, shapes)
-        compiled = _loaded.get(memo)
-        if compiled is None and _serializer() is None:
+        key = (name, tuple((k, _argument_key(v)) for k, v in arguments.items()))
+        try:
+            compiled = _loaded.get(key)
+        except TypeError:  # an unhashable static argument
             return jitted(*args, **kwargs)
         if compiled is None:
-            compiled = _load_or_compile(jitted, name, static, tree, shapes, bound)
-            _loaded[memo] = compiled
-        return compiled(**dynamic)
+            compiled = _loaded[key] = _load_or_compile(jitted, key, arguments)
+        return compiled(**{k: arguments[k] for k in compiled.args_info[1]})
 
     return call
 
@@ -133,10 +132,11 @@ def _serializer():
     return serialize_executable
 
 
-def _load_or_compile(jitted, name, static, tree, shapes, bound):
+def _load_or_compile(jitted, key, arguments):
     # <function>-<signature>-<build>: a program built by other sources or versions has the same first two
     # parts, and is replaced (deleted) when this one is stored.
-    signature = hashlib.sha256(repr((name, static, str(tree), shapes)).encode()).hexdigest()[:20]
+    name = key[0]
+    signature = hashlib.sha256(repr(key).encode()).hexdigest()[:20]
     prefix = f"{name.rsplit('.', 1)[-1]}-{signature}-"
     path = _directory / f"{prefix}{_build_fingerprint()[:20]}.jaxexec"
     if path.exists():
@@ -144,7 +144,7 @@ def _load_or_compile(jitted, name, static, tree, shapes, bound):
             return _load(path)
         except Exception as e:  # unreadable (truncated, another jaxlib): compile it again
             warnings.warn(f"llm_jax: compiled program {path} could not be loaded ({e}); compiling it again")
-    lowered = jitted.lower(**bound.arguments)
+    lowered = jitted.lower(**arguments)
     with _fresh_compilation() as fresh:
         compiled = lowered.compile()
     if not fresh.ok:  # from XLA's cache after all: incomplete once serialized again, so not stored

@@ -32,11 +32,11 @@ from llm_jax.stop_strings import StopStringMatcher
 
 # The jitted programs, run from llm_jax.executable_cache's files when it is enabled (the CLI enables it
 # with the persistent compilation cache), so that a second process neither traces nor lowers them.
-_prefill = executable_cache.cached(prefill, ("config", "mesh"))
-_prefill_with_extras = executable_cache.cached(prefill_with_extras, ("config", "prompt_logprobs", "mesh"))
-_start = executable_cache.cached(start, ("mesh",))
-_decode = executable_cache.cached(decode, ("config", "num_steps", "mesh"))
-_beam_search = executable_cache.cached(beam_search, ("config", "search", "max_new_tokens", "mesh"))
+_prefill = executable_cache.cached(prefill)
+_prefill_with_extras = executable_cache.cached(prefill_with_extras)
+_start = executable_cache.cached(start)
+_decode = executable_cache.cached(decode)
+_beam_search = executable_cache.cached(beam_search)
 
 Prompt = str | Sequence[int]
 

@@ -17,7 +17,7 @@ from llm_jax.prefill import pad_prompts, prefill
 
 CONFIG = ModelConfig(vocab_size=67, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
                      max_seq_len=64)
-cached_prefill = executable_cache.cached(prefill, ("config", "mesh"))
+cached_prefill = executable_cache.cached(prefill)
 
 
 @pytest.fixture(scope="module")
