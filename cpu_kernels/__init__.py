@@ -3,8 +3,9 @@
 
 Depends on jax only. ``matmul(x_RK, w)`` computes x [R, K] · W in float32 for W [K, N] or, with
 ``transposed=True``, W [N, K], in float32 or bfloat16 — the product decode runs for every weight
-matrix, with few rows R. On CPU it streams the weights at memory bandwidth on every core and reads
-bfloat16 weights as they are (XLA:CPU has no bfloat16 kernel and converts whole matrices to float32
+matrix. On CPU, with few rows R (decode), it streams the weights at memory bandwidth on every core;
+with many (batched decode, prefill) it runs register-tiled products on packed panels of the weights;
+either way it reads bfloat16 weights as they are (XLA:CPU has no bfloat16 kernel and converts whole matrices to float32
 first); on other platforms, and when the kernels cannot be built (no C++ compiler), it is XLA's
 product. Gradients are XLA's.
 

@@ -87,6 +87,36 @@ void parallel_for(ffi::ThreadPool& pool, int64_t units, const Fn& fn) {
   while (shared->done.load(std::memory_order_acquire) < units) std::this_thread::yield();
 }
 
+// Runs fn(unit, next) for unit in [0, units), like parallel_for, but each worker (the caller and up to
+// threads - 1 pool tasks) first takes the units of its own contiguous range in order, so `next` — the
+// unit it will most likely run next, -1 at the end of its range — can be prefetched while `unit` runs.
+// A worker done with its range takes units from the others' (a task that starts late, or never, has
+// its range done by the others).
+template <typename Fn>
+void parallel_for_ranges(ffi::ThreadPool& pool, int64_t units, const Fn& fn) {
+  const int64_t workers = std::min<int64_t>(units, std::max<int64_t>(pool.num_threads(), 1));
+  if (workers <= 0) return;
+  struct Shared {
+    std::unique_ptr<std::atomic<int64_t>[]> next;
+    std::atomic<int64_t> done{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->next.reset(new std::atomic<int64_t>[workers]);
+  for (int64_t w = 0; w < workers; ++w) shared->next[w].store(w * units / workers, std::memory_order_relaxed);
+  auto drain = [shared, units, workers, &fn](int64_t self) {
+    for (int64_t j = 0; j < workers; ++j) {
+      const int64_t w = (self + j) % workers, end = (w + 1) * units / workers;
+      for (int64_t i; (i = shared->next[w].fetch_add(1, std::memory_order_relaxed)) < end;) {
+        fn(i, i + 1 < end ? i + 1 : -1);
+        shared->done.fetch_add(1, std::memory_order_release);
+      }
+    }
+  };
+  for (int64_t t = 1; t < workers; ++t) pool.Schedule([drain, t] { drain(t); });
+  drain(0);
+  while (shared->done.load(std::memory_order_acquire) < units) std::this_thread::yield();
+}
+
 }  // namespace llm_jax_kernels
 
 #endif  // LLM_JAX_CPU_KERNELS_COMMON_H_

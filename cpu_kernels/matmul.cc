@@ -1,5 +1,5 @@
-// Matrix products for LLM decode on CPU, as XLA FFI custom calls: y_i[R, N_i] = x[R, K] · W_i, few rows R,
-// for one or several weight matrices W_i sharing the input; each W_i may be one layer of a stack
+// Matrix products for LLM inference on CPU, as XLA FFI custom calls: y_i[R, N_i] = x[R, K] · W_i, for one
+// or several weight matrices W_i sharing the input; each W_i may be one layer of a stack
 // [L, ...] of every layer's weights, read in place.
 //
 // Decode reads every weight once per step and does two flops with each, so its speed is the speed of
@@ -18,6 +18,10 @@
 //       rows of W); slices beyond the first accumulate into scratch partial sums, added at the end.
 //   nk: y[r, n] = ⟨W[n, :], x[r, :]⟩ — each row of W streams once, against up to four rows of x at a
 //       time (x stays in L1). Work units are ranges of n.
+//
+// That is for few rows (decode at small batch). From kTiledMinRows rows on (batched decode, prefill)
+// the products are bound by arithmetic instead, and both layouts run the packed, register-tiled
+// kernels of the section "many rows" below.
 //
 // Units are shared out through an atomic counter among the caller and tasks on XLA's intra-op thread
 // pool; the caller works too and then waits only for units already taken, so a task that starts late
@@ -191,6 +195,211 @@ void nk_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*
   });
 }
 
+// ---- many rows: packed panels and register tiles -----------------------------------------------
+//
+// With many rows (batched decode, prefill) each weight is used R times and the products are bound by
+// arithmetic, not memory. Here a tile of y — up to kMR rows × 16 columns — stays in 12 registers while
+// k runs (per k: 2 loads of W, up to 6 broadcasts of x, 12 multiply-adds; 80 % of a core's peak for the
+// tile alone). W is first packed, a block at a time, into panels of 16 columns [kc, 16] (nk: 8 × 8
+// transposes; bfloat16 widened once here, not once per tile), which stay in L2 while every tile of rows
+// of x passes over them. The next block of W is prefetched a few cache lines per tile, so memory and
+// arithmetic overlap: without it a core waits for each block it packs.
+
+constexpr int kMR = 6;             // rows of x and y per tile
+constexpr int64_t kPanel = 16;     // columns of y per tile: two 8-wide vectors
+constexpr int64_t kKC = 512;       // rows of K per block: a panel is at most 32 KiB
+constexpr int64_t kBlockBytes = 192 * 1024;  // a unit's packed panels, in L2
+// From this many rows of x on, products use the tiles; fewer rows stream. (15M decode, alternating
+// runs: 4 rows 6.0–7.1 ms per step streaming, 7.8–8.1 tiled; 8 rows the same within the noise, 7.6–9.9
+// ms; 32 rows 23.5 / 22.1 ms streaming, 16.2 / 15.4 tiled.)
+constexpr int64_t kTiledMinRows = 8;
+
+// Cache lines of a block of W — `left` lines of runs `run` bytes long, `stride` apart — asked for one
+// at a time.
+struct Prefetcher {
+  const char* p = nullptr;
+  int64_t stride = 0, run = 0, offset = 0, left = 0;
+  void one() {
+    if (left <= 0) return;
+    __builtin_prefetch(p + offset, 0, 3);
+    if ((offset += 64) >= run) offset = 0, p += stride;
+    --left;
+  }
+};
+
+// y[0:MR, 0:16] (+= when `add`) x[0:MR, 0:kc] · P[0:kc, 0:16], P a packed panel; x and y rows ldx and
+// ldy apart. Asks `pf` for `lines` lines on the way, spread over k.
+template <int MR>
+void tile(const float* x, int64_t ldx, int64_t kc, const float* p, float* y, int64_t ldy, bool add, Prefetcher& pf,
+          int64_t lines) {
+  f32x8 acc[MR][2];
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = add ? load8(y + r * ldy) : f32x8{};
+    acc[r][1] = add ? load8(y + r * ldy + 8) : f32x8{};
+  }
+  const int64_t every = lines > 0 ? std::max<int64_t>(1, kc / lines) : kc + 1;
+  for (int64_t k = 0, next = 0; k < kc; ++k) {
+    if (k == next) pf.one(), next += every;
+    const f32x8 b0 = load8(p + k * kPanel), b1 = load8(p + k * kPanel + 8);
+    for (int r = 0; r < MR; ++r) {
+      const f32x8 a = splat(x[r * ldx + k]);
+      acc[r][0] += a * b0;
+      acc[r][1] += a * b1;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    store8(y + r * ldy, acc[r][0]);
+    store8(y + r * ldy + 8, acc[r][1]);
+  }
+}
+
+void tile_rows(int64_t mr, const float* x, int64_t ldx, int64_t kc, const float* p, float* y, int64_t ldy, bool add,
+               Prefetcher& pf, int64_t lines) {
+  switch (mr) {
+    case 6: return tile<6>(x, ldx, kc, p, y, ldy, add, pf, lines);
+    case 5: return tile<5>(x, ldx, kc, p, y, ldy, add, pf, lines);
+    case 4: return tile<4>(x, ldx, kc, p, y, ldy, add, pf, lines);
+    case 3: return tile<3>(x, ldx, kc, p, y, ldy, add, pf, lines);
+    case 2: return tile<2>(x, ldx, kc, p, y, ldy, add, pf, lines);
+    default: return tile<1>(x, ldx, kc, p, y, ldy, add, pf, lines);
+  }
+}
+
+// dst[k, 0:8] (rows kPanel apart) = W[0:8, k] for k < 8: an 8 × 8 block of W [N, K] (rows K apart)
+// transposed.
+template <typename W>
+void transpose8(const W* w, int64_t K, float* dst) {
+  f32x8 r[8], t[8], s[8];
+  for (int i = 0; i < 8; ++i) r[i] = load8(w + i * K);
+  for (int i = 0; i < 4; ++i) {  // pairs of rows interleaved
+    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 2; ++i) {  // quadruples of rows; columns j and j + 4 in the two halves
+    const f32x8 *a = t + 4 * i, *b = t + 4 * i + 2;
+    s[4 * i] = __builtin_shufflevector(a[0], b[0], 0, 1, 8, 9, 4, 5, 12, 13);
+    s[4 * i + 1] = __builtin_shufflevector(a[0], b[0], 2, 3, 10, 11, 6, 7, 14, 15);
+    s[4 * i + 2] = __builtin_shufflevector(a[1], b[1], 0, 1, 8, 9, 4, 5, 12, 13);
+    s[4 * i + 3] = __builtin_shufflevector(a[1], b[1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {
+    store8(dst + i * kPanel, __builtin_shufflevector(s[i], s[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+    store8(dst + (i + 4) * kPanel, __builtin_shufflevector(s[i], s[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+  }
+}
+
+// P[k, j] = W[n0 + j, k0 + k] (nk) or W[k0 + k, n0 + j] (kn) as float32, for k < kc and j < cols <= 16;
+// zero for j >= cols.
+template <bool kTransposed, typename W>
+void pack(const W* w, int64_t K, int64_t N, int64_t k0, int64_t kc, int64_t n0, int64_t cols, float* p) {
+  if (kTransposed && cols == kPanel) {
+    const int64_t k_vec = kc / 8 * 8;
+    for (int64_t half = 0; half < 2; ++half) {
+      const W* rows = w + (n0 + 8 * half) * K + k0;
+      for (int64_t k = 0; k < k_vec; k += 8) transpose8(rows + k, K, p + k * kPanel + 8 * half);
+      for (int64_t k = k_vec; k < kc; ++k) {
+        for (int j = 0; j < 8; ++j) p[k * kPanel + 8 * half + j] = load1(rows + j * K + k);
+      }
+    }
+  } else if (!kTransposed && cols == kPanel) {
+    for (int64_t k = 0; k < kc; ++k) {
+      const W* row = w + (k0 + k) * N + n0;
+      store8(p + k * kPanel, load8(row));
+      store8(p + k * kPanel + 8, load8(row + 8));
+    }
+  } else {
+    for (int64_t k = 0; k < kc; ++k) {
+      for (int64_t j = 0; j < kPanel; ++j) {
+        p[k * kPanel + j] = j >= cols       ? 0.f
+                            : kTransposed ? load1(w + (n0 + j) * K + k0 + k)
+                                          : load1(w + (k0 + k) * N + n0 + j);
+      }
+    }
+  }
+}
+
+// The lines of W that columns [n0, n1) of y and rows [k0, k1) of K read.
+template <bool kTransposed, typename W>
+Prefetcher block_of(const W* w, int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t k0, int64_t k1) {
+  const int64_t size = sizeof(W);
+  Prefetcher pf;
+  pf.p = reinterpret_cast<const char*>(kTransposed ? w + n0 * K + k0 : w + k0 * N + n0);
+  pf.stride = (kTransposed ? K : N) * size;
+  pf.run = (kTransposed ? k1 - k0 : n1 - n0) * size;
+  pf.left = (kTransposed ? n1 - n0 : k1 - k0) * ((pf.run + 63) / 64);
+  return pf;
+}
+
+// y[:, n0:n1] = x · W's columns n0:n1 of y, kc rows of K at a time: the block's panels are packed, then
+// every tile of rows runs over every panel while the next block — this unit's next rows of K, else
+// `next` (the first block of the unit this thread runs next) — is prefetched.
+template <bool kTransposed, typename W>
+void tiled_unit(const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                Prefetcher next) {
+  const int64_t panels = (n1 - n0 + kPanel - 1) / kPanel, kc_max = std::min(K, kKC);
+  thread_local std::vector<float> packed, tail;
+  packed.resize(panels * kc_max * kPanel);
+  tail.resize(kMR * kPanel);  // a panel narrower than 16 columns (the last) computes into this
+  const int64_t tiles = (R + kMR - 1) / kMR;
+  for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+    const int64_t kc = std::min(kc_max, K - k0);
+    for (int64_t q = 0; q < panels; ++q) {
+      const int64_t n = n0 + q * kPanel;
+      pack<kTransposed>(w, K, N, k0, kc, n, std::min(kPanel, n1 - n), packed.data() + q * kc * kPanel);
+    }
+    Prefetcher pf = k0 + kc < K ? block_of<kTransposed>(w, K, N, n0, n1, k0 + kc, std::min(K, k0 + kc + kc_max))
+                                : next;
+    const int64_t lines_per_tile = (pf.left + tiles * panels - 1) / (tiles * panels);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t r0 = R * t / tiles, mr = R * (t + 1) / tiles - r0;  // even tiles: 32 rows = 5 + 5 + 6 + ...
+      for (int64_t q = 0; q < panels; ++q) {
+        const int64_t n = n0 + q * kPanel, cols = std::min(kPanel, n1 - n);
+        const bool narrow = cols < kPanel;
+        float* out = narrow ? tail.data() : y + r0 * N + n;
+        if (narrow && k0 > 0) {
+          for (int64_t r = 0; r < mr; ++r) std::copy_n(y + (r0 + r) * N + n, cols, tail.data() + r * kPanel);
+        }
+        tile_rows(mr, x + r0 * K + k0, K, kc, packed.data() + q * kc * kPanel, out, narrow ? kPanel : N, k0 > 0, pf,
+                  lines_per_tile);
+        if (narrow) {
+          for (int64_t r = 0; r < mr; ++r) std::copy_n(tail.data() + r * kPanel, cols, y + (r0 + r) * N + n);
+        }
+      }
+    }
+  }
+}
+
+// y_i = x · W_i for R >= kTiledMinRows. Work units are runs of up to 8 panels of one y_i (packed, one
+// block at most kBlockBytes), at least four per thread where there are enough panels.
+template <bool kTransposed, typename W>
+void tiled_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws,
+                  const std::vector<float*>& ys, const std::vector<int64_t>& ns, int64_t R, int64_t K) {
+  const size_t M = ws.size();
+  int64_t panels = 0;
+  for (size_t i = 0; i < M; ++i) panels += (ns[i] + kPanel - 1) / kPanel;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t fit = kBlockBytes / (kPanel * std::min(K, kKC) * static_cast<int64_t>(sizeof(float)));
+  const int64_t width = kPanel * std::clamp<int64_t>(std::min(fit, panels / (4 * threads)), 1, 8);
+  std::vector<int64_t> first_unit(M + 1, 0);
+  for (size_t i = 0; i < M; ++i) first_unit[i + 1] = first_unit[i] + (ns[i] + width - 1) / width;
+  auto locate = [&](int64_t unit, size_t* i, int64_t* n0, int64_t* n1) {
+    *i = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
+    *n0 = (unit - first_unit[*i]) * width;
+    *n1 = std::min(ns[*i], *n0 + width);
+  };
+  parallel_for_ranges(pool, first_unit[M], [&](int64_t unit, int64_t next_unit) {
+    size_t i, j;
+    int64_t n0, n1, v0, v1;
+    locate(unit, &i, &n0, &n1);
+    Prefetcher next;
+    if (next_unit >= 0) {
+      locate(next_unit, &j, &v0, &v1);
+      next = block_of<kTransposed>(ws[j], K, ns[j], v0, v1, 0, std::min(K, kKC));
+    }
+    tiled_unit<kTransposed>(x, ws[i], ys[i], R, K, ns[i], n0, n1, next);
+  });
+}
+
 // ---- FFI handlers ---------------------------------------------------------------------------------
 
 template <ffi::DataType T>
@@ -232,7 +441,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Ma
     ys.push_back((*y)->typed_data());
     ns.push_back(N);
   }
-  if (kTransposed) {
+  if (R >= kTiledMinRows) {
+    tiled_matmul<kTransposed>(pool, x.typed_data(), ws, ys, ns, R, K);
+  } else if (kTransposed) {
     nk_matmul(pool, x.typed_data(), ws, ys, ns, R, K);
   } else {
     kn_matmul(pool, x.typed_data(), ws, ys, ns, R, K);

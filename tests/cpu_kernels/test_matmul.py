@@ -36,7 +36,10 @@ def case(R, K, N, dtype, transposed, seed=0):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
-@pytest.mark.parametrize("R,K,N", [(1, 64, 3000), (1, 7, 5), (3, 40, 1030), (5, 33, 17), (9, 16, 2100), (2, 770, 64)])
+@pytest.mark.parametrize("R,K,N", [(1, 64, 3000), (1, 7, 5), (3, 40, 1030), (5, 33, 17), (2, 770, 64),
+                                   # 8 rows and more: packed panels and register tiles (uneven tiles of
+                                   # rows, a last panel narrower than 16 columns, K in several blocks)
+                                   (9, 16, 2100), (8, 20, 4100), (32, 288, 100), (13, 1030, 37), (45, 9, 3)])
 def test_matmul_matches_numpy(R, K, N, dtype, transposed):
     x, w, expected = case(R, K, N, dtype, transposed, seed=R * K + N)
     ours = jax.jit(functools.partial(cpu_kernels.matmul, transposed=transposed))(x, w)
@@ -101,10 +104,12 @@ def test_a_broken_compiler_falls_back_with_a_warning(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
-def test_several_weights_sharing_the_input(dtype, transposed):
-    """q/k/v-like products of one input in one call: each equals its own product."""
+@pytest.mark.parametrize("R", [3, 11])
+def test_several_weights_sharing_the_input(dtype, transposed, R):
+    """q/k/v-like products of one input in one call: each equals its own product (work units of the
+    tiled kernels, R >= 8, run across the matrices)."""
     rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.normal(size=(3, 40)), dtype).astype(jnp.float32)
+    x = jnp.asarray(rng.normal(size=(R, 40)), dtype).astype(jnp.float32)
     ns = (48, 16, 1040)
     ws = [jnp.asarray(rng.normal(size=(n, 40) if transposed else (40, n)), dtype) for n in ns]
     ys = jax.jit(functools.partial(cpu_kernels.matmuls, transposed=transposed))(x, ws)
@@ -126,11 +131,12 @@ def test_several_weights_sharing_the_input(dtype, transposed):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
-def test_a_layer_of_stacked_weights(dtype, transposed):
+@pytest.mark.parametrize("R", [2, 9])
+def test_a_layer_of_stacked_weights(dtype, transposed, R):
     """With ``layer``, W is a stack [L, ...]: every layer (a traced index, as in a scan over layers) gives
     that layer's product, reading the stack as it is (the stack, not a slice, is the kernel's operand)."""
     rng = np.random.default_rng(4)
-    L, R, K, N = 3, 2, 33, 70
+    L, K, N = 3, 33, 70
     x = jnp.asarray(rng.normal(size=(R, K)), dtype).astype(jnp.float32)
     ws = [jnp.asarray(rng.normal(size=(L, N, K) if transposed else (L, K, N)), dtype) for _ in range(2)]
     f = jax.jit(lambda x, ws, layer: cpu_kernels.matmuls(x, ws, transposed=transposed, layer=layer))

@@ -7,7 +7,7 @@ import pytest
 
 import cpu_kernels
 from llm_jax.config import MatmulImpl
-from llm_jax.model.layers import KERNEL_MAX_ROWS, dense, dense_many
+from llm_jax.model.layers import dense, dense_many
 
 KERNEL_TARGET = "llm_jax_matmul"
 
@@ -40,14 +40,15 @@ def test_every_route_is_the_einsum(equation, x_shape, w_shape, impl):
     assert (KERNEL_TARGET in _lowered(f, x, w)) == kernel
 
 
-def test_float32_weights_use_the_kernels_for_decode_rows_only():
-    """Float32 products of up to KERNEL_MAX_ROWS rows (decode) run the kernels; more rows (prefill) are
-    XLA's matrix-matrix product, which is compute-bound there."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_decode_and_prefill_products_use_the_kernels(dtype):
+    """One row (decode), batched decode and a long prompt all run the kernels (streaming or tiled, chosen
+    inside by the number of rows), for both weight dtypes; a float16 weight goes to XLA."""
     f = lambda x, w: dense("BTD,DF->BTF", x, w, jnp.float32)
-    w = jnp.ones((16, 24))
-    decode_x, prefill_x = jnp.ones((KERNEL_MAX_ROWS, 1, 16)), jnp.ones((1, KERNEL_MAX_ROWS + 1, 16))
-    assert (KERNEL_TARGET in _lowered(f, decode_x, w)) == cpu_kernels.available()
-    assert KERNEL_TARGET not in _lowered(f, prefill_x, w)
+    w = jnp.ones((16, 24), dtype)
+    for x_shape in [(1, 1, 16), (64, 1, 16), (1, 300, 16)]:
+        assert (KERNEL_TARGET in _lowered(f, jnp.ones(x_shape), w)) == cpu_kernels.available()
+    assert KERNEL_TARGET not in _lowered(f, jnp.ones((1, 1, 16)), jnp.ones((16, 24), jnp.float16))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
