@@ -441,7 +441,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Ma
     ys.push_back((*y)->typed_data());
     ns.push_back(N);
   }
-  if (R >= kTiledMinRows) {
+  if (K == 0) {  // an empty sum: zeros
+    for (size_t i = 0; i < ys.size(); ++i) std::fill(ys[i], ys[i] + R * ns[i], 0.f);
+  } else if (R >= kTiledMinRows) {
     tiled_matmul<kTransposed>(pool, x.typed_data(), ws, ys, ns, R, K);
   } else if (kTransposed) {
     nk_matmul(pool, x.typed_data(), ws, ys, ns, R, K);

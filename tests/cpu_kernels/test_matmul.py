@@ -47,6 +47,14 @@ def test_matmul_matches_numpy(R, K, N, dtype, transposed):
     np.testing.assert_allclose(np.asarray(ours), expected, rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("R", [1, 9])
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+def test_an_empty_contraction_is_zeros(R, transposed):
+    x, w = jnp.ones((R, 0)), jnp.ones((5, 0) if transposed else (0, 5))
+    y = jax.jit(functools.partial(cpu_kernels.matmul, transposed=transposed))(x, w)
+    np.testing.assert_array_equal(np.asarray(y), np.zeros((R, 5), np.float32))
+
+
 def test_runs_inside_a_decode_like_loop():
     """Called from a while loop many times (the decode scan), results stay exact."""
     x, w, _ = case(1, 48, 96, jnp.bfloat16, False)
