@@ -285,11 +285,14 @@ def test_chat_keeps_history_through_the_template_and_ends_on_ctrl_c(env, chat_mo
     # The first message comes from --prompt, the rest from stdin, which stays open: a live conversation.
     command = [sys.executable, str(SCRIPT), "--model", str(chat_model), "--chat", "--system", system,
                "--prompt", first, "--max-new-tokens", str(max_new)]
-    # Ctrl-C's default action in the child even where this test runs with SIGINT ignored (a job started
-    # in the background by a non-interactive shell), which the child would inherit.
-    with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env, cwd=REPO_ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
-                          ) as proc:  # leaving closes the pipes and waits
+    # The CLI gets Ctrl-C's default action (KeyboardInterrupt) even where this test runs with SIGINT
+    # ignored — a job started in the background by a non-interactive shell — which a child inherits:
+    # a small launcher restores it, then becomes the CLI.
+    launcher = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+    with subprocess.Popen([sys.executable, "-c", launcher, *command[1:]], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          cwd=REPO_ROOT) as proc:  # leaving closes the pipes and waits
         try:
             stderr = LineReader(proc.stderr)
             proc.stdin.write(f"{second}\n{'Once upon a time ' * 150}\n/reset\n{second}\n")
