@@ -1,13 +1,13 @@
-"""Matrix products and attention for LLM decode on CPU: XLA FFI custom calls written in C++
+"""Matrix products and decode attention for LLM inference on CPU: XLA FFI custom calls written in C++
 (``matmul.cc``, ``decode_attention.cc``).
 
 Depends on jax only. ``matmul(x_RK, w)`` computes x [R, K] · W in float32 for W [K, N] or, with
 ``transposed=True``, W [N, K], in float32 or bfloat16 — the product decode runs for every weight
 matrix. On CPU, with few rows R (decode), it streams the weights at memory bandwidth on every core;
 with many (batched decode, prefill) it runs register-tiled products on packed panels of the weights;
-either way it reads bfloat16 weights as they are (XLA:CPU has no bfloat16 kernel and converts whole matrices to float32
-first); on other platforms, and when the kernels cannot be built (no C++ compiler), it is XLA's
-product. Gradients are XLA's.
+either way it reads bfloat16 weights as they are (XLA:CPU has no bfloat16 kernel and converts whole
+matrices to float32 first); on other platforms, and when the kernels cannot be built (no C++
+compiler), it is XLA's product. Gradients are XLA's.
 
     available() -> bool          # the kernels are built and registered for this process
     matmul(x_RK, w, *, transposed=False, layer=None) -> y_RN (float32; x is rounded to w's dtype first, as

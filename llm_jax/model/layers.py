@@ -46,7 +46,7 @@ def dense_many(equations: Sequence[str], x: jnp.ndarray, ws: Sequence[jnp.ndarra
     lead = 0 if layer is None else 1
     forms = [_as_matmul(eq, x.shape, w.shape[lead:]) for eq, w in zip(equations, ws)]
     kernel = (impl is MatmulImpl.AUTO and all(forms) and len({(f[0], f[1], f[3]) for f in forms}) == 1
-              and len({w.dtype for w in ws}) == 1 and _use_kernel(ws[0].dtype, forms[0][0]))
+              and len({w.dtype for w in ws}) == 1 and _use_kernel(ws[0].dtype))
     if not kernel:
         ws = ws if layer is None else [layer_of(w, layer) for w in ws]
         return [jnp.einsum(eq, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
@@ -68,7 +68,7 @@ def stacked_param(module: nn.Module, name: str, init, shape: tuple[int, ...], st
     return module.param(name, init, shape if stack is None else (stack, *shape))
 
 
-def _use_kernel(dtype, rows: int) -> bool:
+def _use_kernel(dtype) -> bool:
     # bfloat16: XLA:CPU has no bfloat16 product and converts every weight matrix to float32 in memory on
     # every call, which the kernels avoid by reading bfloat16 in place (1B decode: 0.2 → several tok/s).
     # float32: the kernels take a layer of stacked weights in place, where XLA:CPU copies it out of the
