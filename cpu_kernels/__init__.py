@@ -14,6 +14,7 @@ compiler), it is XLA's product. Gradients are XLA's.
         in XLA; with ``layer``, w is a stack [L, ...] of which that layer is read, in place)
     matmuls(x_RK, ws, *, transposed=False, layer=None) -> (y_RN, ...)   # several weights sharing x, one call
     decode_attention(q_BNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BNH  # one query per row, cache read in place
+    prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import jax.numpy as jnp
 
 from cpu_kernels import build
 from cpu_kernels.decode_attention import decode_attention
+from cpu_kernels.prefill_attention import prefill_attention
 
-__all__ = ["available", "decode_attention", "matmul", "matmuls"]
+__all__ = ["available", "decode_attention", "matmul", "matmuls", "prefill_attention"]
 
 
 def available() -> bool:

@@ -1,4 +1,4 @@
-"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``) once per machine and registering their
+"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``) once per machine and
 handlers with XLA.
 
 The library is built on first use with the system C++ compiler (``$CXX``, else ``c++``) against the
@@ -24,7 +24,7 @@ import warnings
 import jax
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc")
+SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc")
 HEADERS = (HERE / "common.h",)
 ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
 CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
@@ -36,6 +36,9 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_decode_attention_f32": "DecodeAttentionF32",
     "llm_jax_decode_attention_bf16": "DecodeAttentionBF16",
     "llm_jax_decode_attention_u16": "DecodeAttentionBits",
+    "llm_jax_prefill_attention_f32": "PrefillAttentionF32",
+    "llm_jax_prefill_attention_bf16": "PrefillAttentionBF16",
+    "llm_jax_prefill_attention_u16": "PrefillAttentionBits",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 

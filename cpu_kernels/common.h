@@ -61,6 +61,60 @@ inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
 
 inline f32x8 splat(float v) { return f32x8{v, v, v, v, v, v, v, v}; }
 
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+inline i32x8 splat_i32(int32_t v) { return i32x8{v, v, v, v, v, v, v, v}; }
+
+inline f32x8 as_f32(u32x8 v) {
+  f32x8 f;
+  std::memcpy(&f, &v, sizeof f);
+  return f;
+}
+
+inline u32x8 as_u32(f32x8 v) {
+  u32x8 u;
+  std::memcpy(&u, &v, sizeof u);
+  return u;
+}
+
+// float32 rounded to the nearest bfloat16 (ties to even), as float32: what XLA's convert does.
+inline float round_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline f32x8 round_to_bf16(f32x8 v) {
+  u32x8 u = as_u32(v);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return as_f32(u & 0xffff0000u);
+}
+
+// e^x for 8 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial for e^r; within
+// 2 ulp of the true value). Flushes to 0 below -87.3 and saturates at e^88.
+inline f32x8 exp8(f32x8 x) {
+  x = x < splat(-87.33654f) ? splat(-87.33654f) : x;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
+  const f32x8 magic = splat(12582912.f);  // 1.5 · 2^23: adding and subtracting it rounds to an integer
+  const f32x8 n = (x * splat(1.44269504088896341f) + magic) - magic;
+  const f32x8 r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+  f32x8 y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * r * r + r + splat(1.f);
+  const i32x8 two_n = (__builtin_convertvector(n, i32x8) + 127) << 23;
+  f32x8 scale;
+  std::memcpy(&scale, &two_n, sizeof scale);
+  return y * scale;
+}
+
 inline float hsum(f32x8 v) {
   float s = 0.f;
   for (int i = 0; i < 8; ++i) s += v[i];

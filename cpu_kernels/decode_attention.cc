@@ -27,16 +27,6 @@ using namespace llm_jax_kernels;
 
 namespace {
 
-// float32 rounded to the nearest bfloat16 (ties to even), as float32: what XLA's convert does.
-inline float round_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  u &= 0xffff0000u;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 inline float rounded(float p, const float*) { return p; }
 inline float rounded(float p, const uint16_t*) { return round_to_bf16(p); }
 

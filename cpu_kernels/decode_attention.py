@@ -12,10 +12,8 @@ Callers check :func:`cpu_kernels.available` first.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-_TARGETS = {np.dtype(jnp.float32): "f32", np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.uint16): "u16"}
+from cpu_kernels.attention_call import attention_call
 
 
 def decode_attention(q_BNH: jax.Array, k_LBSKH: jax.Array, v_LBSKH: jax.Array, layer: jax.Array,
@@ -29,12 +27,5 @@ def decode_attention(q_BNH: jax.Array, k_LBSKH: jax.Array, v_LBSKH: jax.Array, l
         raise ValueError(f"decode_attention needs q [B, N, H] with N a multiple of K and caches [L, B, S, K, H] "
                          f"alike, got q {q_BNH.shape}, k {k_LBSKH.shape} {k_LBSKH.dtype}, v {v_LBSKH.shape} "
                          f"{v_LBSKH.dtype}")
-    if np.dtype(k_LBSKH.dtype) not in _TARGETS:
-        raise ValueError(f"decode_attention: caches of {k_LBSKH.dtype} are not supported (float32, bfloat16)")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    call = jax.ffi.ffi_call(f"llm_jax_decode_attention_{_TARGETS[np.dtype(k_LBSKH.dtype)]}",
-                            jax.ShapeDtypeStruct(q_BNH.shape, jnp.float32), vmap_method="sequential")
-    return call(jnp.asarray(layer, jnp.int32), q_BNH.astype(jnp.float32), k_LBSKH, v_LBSKH,
-                q_positions_B.astype(jnp.int32), kv_lengths_B.astype(jnp.int32), scale=np.float32(scale),
-                window=np.int64(window or 0), softcap=np.float32(softcap or 0.0))
+    return attention_call("decode", q_BNH, k_LBSKH, v_LBSKH, layer, q_positions_B, kv_lengths_B, scale=scale,
+                          window=window, softcap=softcap)

@@ -42,8 +42,8 @@ class AttentionImpl(enum.Enum):
 class MatmulImpl(enum.Enum):
     """How the model's matrix products run; chosen in exactly one place (``llm_jax.model.layers.dense``)."""
 
-    # On one CPU device, the cpu_kernels for bfloat16 products, decode-sized float32 products and decode
-    # attention (one query per row, with AttentionImpl.XLA); XLA otherwise.
+    # On one CPU device, the cpu_kernels for float32 and bfloat16 products and, with AttentionImpl.XLA, for
+    # attention (decode and prefill); XLA otherwise.
     AUTO = "auto"
     XLA = "xla"  # XLA's own products everywhere
 

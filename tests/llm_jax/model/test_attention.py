@@ -36,32 +36,69 @@ def test_stories260k_greedy_is_identical_with_pallas_attention(stories260k_dir):
         is llm_jax.AttentionImpl.PALLAS
 
 
+def _config(dtype, **kw):
+    from llm_jax.config import ModelConfig
+
+    return ModelConfig(vocab_size=32, d_model=24, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=4, d_ff=8,
+                       max_seq_len=16, param_dtype=dtype, compute_dtype=dtype, **kw)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cached_attention_routes_agree(dtype):
-    """Decode attention over the stacked cache: the CPU kernel (MatmulImpl.AUTO, one device) reads the layer
-    in place and equals the XLA route (the layer sliced out, xla_attention); prefill-sized queries and
-    MatmulImpl.XLA take the XLA route."""
+    """Attention over the stacked cache: the CPU kernels (MatmulImpl.AUTO, one device) read the layer in
+    place — decode's for one query per row, prefill's for several (a prompt continuing a cache) — and equal
+    the XLA route (the layer sliced out, xla_attention), which MatmulImpl.XLA takes."""
     import cpu_kernels
-    from llm_jax.config import ModelConfig
     from llm_jax.model.attention import cached_attention
 
-    config = ModelConfig(vocab_size=32, d_model=24, n_layers=3, n_heads=6, n_kv_heads=2, head_dim=4, d_ff=8,
-                         max_seq_len=16, param_dtype=dtype, compute_dtype=dtype)
+    config = _config(dtype)
     rng = np.random.default_rng(3)
     k, v = (jnp.asarray(rng.normal(size=(3, 2, 11, 2, 4)), dtype) for _ in range(2))
     q = jnp.asarray(rng.normal(size=(2, 1, 6, 4)), dtype)
-    positions = jnp.array([[4], [10]], jnp.int32)
+    positions = jnp.array([[4], [8]], jnp.int32)
 
     def run(config, q, positions):
         f = lambda q, k, v, layer: cached_attention(q, k, v, layer, positions, positions[:, -1] + 1, config=config,
                                                     window=3)
         return jax.jit(f)(q, k, v, jnp.int32(1)), jax.jit(f).lower(q, k, v, jnp.int32(1)).as_text()
 
-    ours, hlo = run(config, q, positions)
-    theirs, xla_hlo = run(config.replace(matmul_impl="xla"), q, positions)
-    assert ("llm_jax_decode_attention" in hlo) == cpu_kernels.available()
-    assert "llm_jax_decode_attention" not in xla_hlo
     tol = 1e-6 if dtype == "float32" else 1e-2
-    np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32), rtol=tol, atol=tol)
-    _, prefill_hlo = run(config, jnp.concatenate([q, q], axis=1), jnp.concatenate([positions, positions + 1], 1))
-    assert "llm_jax_decode_attention" not in prefill_hlo
+    many_q = jnp.concatenate([q, q[:, :, ::-1], q * 2], axis=1)
+    many_positions = jnp.concatenate([positions, positions + 1, positions + 2], 1)
+    for (q, positions), target in [((q, positions), "llm_jax_decode_attention"),
+                                   ((many_q, many_positions), "llm_jax_prefill_attention")]:
+        ours, hlo = run(config, q, positions)
+        theirs, xla_hlo = run(config.replace(matmul_impl="xla"), q, positions)
+        assert (target in hlo) == cpu_kernels.available()
+        assert "llm_jax_" not in xla_hlo
+        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32), rtol=tol, atol=tol)
+
+
+def test_prompt_attention_runs_the_kernel_with_xla_gradients():
+    """Queries over their own keys (prefill, forward, training): on one CPU device the prefill kernel
+    computes them (equal to xla_attention) and gradients are xla_attention's; MatmulImpl.XLA keeps XLA."""
+    import cpu_kernels
+    from llm_jax.model.attention import attention
+
+    rng = np.random.default_rng(4)
+    B, T = 2, 7
+    q = jnp.asarray(rng.normal(size=(B, T, 6, 4)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, T, 2, 4)), jnp.float32) for _ in range(2))
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    lengths = jnp.array([T, 4], jnp.int32)
+    config = _config("float32", attn_logit_softcap=9.0)
+
+    def loss(config):
+        def f(q, k, v):
+            o = attention(q, k, v, positions, lengths, config=config, window=5, queries_from_zero=True)
+            return jnp.sum(jnp.sin(o)), o
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+
+    (ours, o), grads = loss(config)(q, k, v)
+    (theirs, o_xla), xla_grads = loss(config.replace(matmul_impl="xla"))(q, k, v)
+    hlo = jax.jit(lambda q, k, v: attention(q, k, v, positions, lengths, config=config, window=5,
+                                            queries_from_zero=True)).lower(q, k, v).as_text()
+    assert ("llm_jax_prefill_attention" in hlo) == cpu_kernels.available()
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_xla), rtol=2e-6, atol=2e-6)
+    for g, g_xla in zip(grads, xla_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_xla), rtol=1e-5, atol=1e-5)
