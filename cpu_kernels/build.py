@@ -1,5 +1,5 @@
-"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``) once per machine and
-handlers with XLA.
+"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``) once per machine
+and registering their handlers with XLA.
 
 The library is built on first use with the system C++ compiler (``$CXX``, else ``c++``) against the
 XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``), and kept in a cache
