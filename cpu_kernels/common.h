@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -120,6 +121,29 @@ inline float hsum(f32x8 v) {
   for (int i = 0; i < 8; ++i) s += v[i];
   return s;
 }
+
+// n rows of H values (`stride` apart) as float32: in place when they are (*ld = stride), else widened into
+// `scratch` [n, H] (*ld = H).
+inline const float* as_f32_rows(const float* x, int64_t stride, int64_t, int64_t, std::vector<float>&, int64_t* ld) {
+  *ld = stride;
+  return x;
+}
+
+inline const float* as_f32_rows(const uint16_t* x, int64_t stride, int64_t n, int64_t H, std::vector<float>& scratch,
+                                int64_t* ld) {
+  scratch.resize(static_cast<size_t>(n * H));
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t h = 0;
+    for (; h + 8 <= H; h += 8) store8(scratch.data() + j * H + h, load8(x + j * stride + h));
+    for (; h < H; ++h) scratch[j * H + h] = load1(x + j * stride + h);
+  }
+  *ld = H;
+  return scratch.data();
+}
+
+// Whether probabilities are rounded to bfloat16 before they meet values of this type (as XLA does).
+inline bool rounds_to_bf16(const float*) { return false; }
+inline bool rounds_to_bf16(const uint16_t*) { return true; }
 
 // Runs fn(unit) for unit in [0, units) on the caller and up to threads - 1 pool tasks.
 template <typename Fn>

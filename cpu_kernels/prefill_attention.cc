@@ -95,28 +95,6 @@ void pv_tiles(int mr, const float* p, int64_t r0, const float* v, int64_t stride
   }
 }
 
-// Rows [s0, s0 + n) of one kv head (slots `stride` apart) as float32: in place when they are, else
-// widened into `scratch` [n, H].
-inline const float* as_f32_rows(const float* x, int64_t stride, int64_t, int64_t, std::vector<float>&, int64_t* ld) {
-  *ld = stride;
-  return x;
-}
-
-inline const float* as_f32_rows(const uint16_t* x, int64_t stride, int64_t n, int64_t H, std::vector<float>& scratch,
-                                int64_t* ld) {
-  scratch.resize(static_cast<size_t>(n * H));
-  for (int64_t j = 0; j < n; ++j) {
-    int64_t h = 0;
-    for (; h + 8 <= H; h += 8) store8(scratch.data() + j * H + h, load8(x + j * stride + h));
-    for (; h < H; ++h) scratch[j * H + h] = load1(x + j * stride + h);
-  }
-  *ld = H;
-  return scratch.data();
-}
-
-inline bool rounds_to_bf16(const float*) { return false; }
-inline bool rounds_to_bf16(const uint16_t*) { return true; }
-
 // Query rows [first, first + 16) of row b and kv head kh — row i is position t = i / G, query head
 // kh · G + i % G — against the keys they see.
 template <typename C>

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ comp
 # L, B, S, K, G, H, window, softcap
 CASES = [(3, 2, 11, 2, 3, 16, None, None), (2, 3, 9, 1, 4, 5, 3, None), (2, 2, 13, 2, 2, 8, None, 5.0),
          (1, 1, 7, 3, 1, 24, 2, 30.0), (2, 4, 33, 4, 2, 64, None, None),
-         (2, 1, 10, 5, 2, 8, None, None)]  # one row: its 5 kv heads split in uneven groups across threads
+         (2, 1, 10, 5, 2, 8, None, None),  # one row: its 5 kv heads split in uneven groups across threads
+         # Few rows, hundreds of slots: each row's slots split in chunks across threads.
+         (1, 1, 300, 2, 3, 16, None, None), (2, 3, 517, 1, 2, 12, 300, 10.0), (1, 2, 263, 4, 1, 64, None, None)]
 
 
 def _bits(a):
@@ -28,7 +30,8 @@ def test_matches_xla_attention(L, B, S, K, G, H, window, softcap, dtype):
     rng = np.random.default_rng(S * H + G)
     k, v = (jnp.asarray(rng.normal(size=(L, B, S, K, H)), dtype) for _ in range(2))
     q = jnp.asarray(rng.normal(size=(B, K * G, H)), dtype)
-    positions = jnp.asarray(rng.integers(0, S, B), jnp.int32).at[0].set(0)  # row 0 sees one key
+    # Row 0 sees one key (with more rows), the last row every slot.
+    positions = jnp.asarray(rng.integers(0, S, B), jnp.int32).at[0].set(0).at[-1].set(S - 1)
     lengths = positions + 1
     f = jax.jit(lambda q, k, v, layer: cpu_kernels.decode_attention(q, k, v, layer, positions, lengths, scale=0.3,
                                                                     window=window, softcap=softcap))
