@@ -159,21 +159,11 @@ void pv_shared(const float* p, int64_t ldp, int64_t heads, const float* v, int64
   }
 }
 
-// Asks for the cache lines of one kv head's H values in `rows` slots, `stride` apart.
-template <typename C>
-inline void prefetch_head(const C* x, int64_t rows, int64_t stride, int64_t H) {
-  for (int64_t j = 0; j < rows; ++j) {
-    const char* c = reinterpret_cast<const char*>(x + j * stride);
-    for (int64_t off = 0; off < H * static_cast<int64_t>(sizeof(C)); off += 64) __builtin_prefetch(c + off, 0, 3);
-  }
-}
-
 struct Shape {
   int64_t B, S, K, G, H;
 };
 
-constexpr int64_t kAhead = 16;    // slots between those scored and those asked for
-constexpr int64_t kPvBlock = 64;  // slots per p·v pass: their values stay in L1 while each head takes them
+constexpr int64_t kPvBlock = 64;  // slots per p·v pass (bfloat16 values are widened a block at a time)
 constexpr int64_t kChunkedMinSlots = 256;  // from this many slots on, few rows split their slots among threads
 
 // One row's visible slots [lo, lo + n) seen by the query heads of kv heads [kh0, kh1), and where their
@@ -204,16 +194,11 @@ void score_slots(const Span<C>& sp, int64_t j0, int64_t j1, float scale, float s
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t width = sp.heads / sp.G * sp.H;  // the span's kv heads, side by side in a slot
   thread_local std::vector<float> scratch;
-  const int64_t end = std::min(j1, sp.n);
   for (int64_t j = j0; j < j1; j += 8) {
     const int nk = static_cast<int>(std::min<int64_t>(8, sp.n - j));
     int64_t ld;
     const float* k = as_f32_rows(sp.k + j * sp.slot, sp.slot, nk, width, scratch, &ld);
     for (int64_t i = 0; i < sp.heads; ++i) {  // query head i reads kv head kh0 + i / G
-      if (i % sp.G == 0 && j + kAhead < end) {  // the same kv head's keys kAhead slots on
-        prefetch_head(sp.k + (j + kAhead) * sp.slot + (i / sp.G) * sp.H, std::min<int64_t>(8, end - j - kAhead),
-                      sp.slot, sp.H);
-      }
       f32x8 x = dots8(sp.q + i * sp.H, k + (i / sp.G) * sp.H, ld, sp.H, nk) * splat(scale);
       if (softcap > 0.f) {
         for (int e = 0; e < nk; ++e) x[e] = softcap * std::tanh(x[e] / softcap);
@@ -270,10 +255,6 @@ void pv_slots(const Span<C>& sp, int64_t j0, int64_t j1, float* out) {
     int64_t ld;
     const float* v = as_f32_rows(sp.v + j * sp.slot, sp.slot, m, width, scratch, &ld);
     for (int64_t i = 0; i < sp.heads; i += sp.G) {  // the G query heads of one kv head
-      if (j + kPvBlock < j1) {
-        prefetch_head(sp.v + (j + kPvBlock) * sp.slot + (i / sp.G) * sp.H, std::min(kPvBlock, j1 - j - kPvBlock),
-                      sp.slot, sp.H);
-      }
       pv_shared(sp.scores + i * sp.ld + j, sp.ld, sp.G, v + (i / sp.G) * sp.H, ld, m, sp.H, out + i * sp.H);
     }
   }

@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers on the same weights")
     p.add_argument("--matmul", nargs="+", choices=["auto", "xla"], default=["auto"],
-                   help="llm_jax matrix products: auto (CPU kernels for bfloat16 weights) and/or xla (XLA's own); "
-                        "several run as separate engines, alternating")
+                   help="llm_jax kernels: auto (on one CPU device, the CPU kernels for matrix products and "
+                        "attention) and/or xla (XLA's own everywhere); several run as separate engines, alternating")
     p.add_argument("--threads", type=positive_int, help="threads for torch and the bandwidth probe (default: all)")
     p.add_argument("--bandwidth", type=float, help="memory bandwidth in GB/s to use instead of measuring it")
     p.add_argument("--compile-layers", nargs="+", type=positive_int,
