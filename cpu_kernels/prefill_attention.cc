@@ -33,6 +33,7 @@ namespace {
 constexpr int64_t kRows = 16;  // query rows per unit: one column of two 8-wide vectors per key
 constexpr int kKeys = 6;       // keys per q·k register tile (12 accumulators)
 constexpr int kOutRows = 6;    // query rows per p·v register tile
+constexpr int64_t kValueBlock = 256;  // keys per pass of p·v
 
 struct Dims {
   int64_t B, T, S, K, G, H;
@@ -65,11 +66,14 @@ void qk_tiles(int n, const float* k, int64_t stride, const float* qt, int64_t H,
   }
 }
 
-// o[r, 0:8·NV] = Σ_j p[j, r0 + r] · v_j[0:8·NV] for MR query rows, over n keys v_j (rows `stride` apart);
+// o[r, 0:8·NV] += Σ_j p[j, r0 + r] · v_j[0:8·NV] for MR query rows, over n keys v_j (rows `stride` apart);
 // p is [n, 16], o rows `ldo` apart.
 template <int MR, int NV>
 void pv_tile(const float* p, int64_t r0, const float* v, int64_t stride, int64_t n, float* o, int64_t ldo) {
-  f32x8 acc[MR][NV] = {};
+  f32x8 acc[MR][NV];
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < NV; ++c) acc[r][c] = load8(o + r * ldo + 8 * c);
+  }
   for (int64_t j = 0; j < n; ++j) {
     f32x8 b[NV];
     for (int c = 0; c < NV; ++c) b[c] = load8(v + j * stride + 8 * c);
@@ -121,13 +125,16 @@ void attend_unit(const float* q, const C* k_layer, const C* v_layer, const int32
   const int64_t n = s_hi - s_lo;
   if (n > 0) {
     const int64_t slot = K * H;  // between slots s and s + 1 of one row
-    int64_t ldk, ldv;
-    const float* k = as_f32_rows(k_layer + ((b * S + s_lo) * K + kh) * H, slot, n, H, keys, &ldk);
-    const float* v = as_f32_rows(v_layer + ((b * S + s_lo) * K + kh) * H, slot, n, H, values, &ldv);
+    const C* k0 = k_layer + ((b * S + s_lo) * K + kh) * H;
+    const C* v0 = v_layer + ((b * S + s_lo) * K + kh) * H;
     scores.resize(static_cast<size_t>(n * kRows));
     float* sc = scores.data();  // [n, 16]: key j's scores for the 16 rows side by side
+    // bfloat16 keys and values are widened a tile (a block) at a time: scratch stays small at any length.
     for (int64_t j = 0; j < n; j += kKeys) {
-      qk_tiles(static_cast<int>(std::min<int64_t>(kKeys, n - j)), k + j * ldk, ldk, qt.data(), H, sc + j * kRows);
+      const int nj = static_cast<int>(std::min<int64_t>(kKeys, n - j));
+      int64_t ldk;
+      const float* k = as_f32_rows(k0 + j * slot, slot, nj, H, keys, &ldk);
+      qk_tiles(nj, k, ldk, qt.data(), H, sc + j * kRows);
     }
     // Softmax down each column, 8 rows at a time.
     const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -161,17 +168,24 @@ void attend_unit(const float* q, const C* k_layer, const C* v_layer, const int32
         store8(sc + j * kRows + c, rounds_to_bf16(v_layer) ? round_to_bf16(p) : p);
       }
     }
-    // o = p · v: tiles of rows (6 + 5 + 5) × 16 (then 8, then single) columns of H.
-    for (int64_t r0 = 0; r0 < rows; r0 += kOutRows) {
-      const int mr = static_cast<int>(std::min<int64_t>(kOutRows, rows - r0));
-      int64_t h = 0;
-      for (; h + 16 <= H; h += 16) pv_tiles<2>(mr, sc, r0, v + h, ldv, n, out.data() + r0 * H + h, H);
-      for (; h + 8 <= H; h += 8) pv_tiles<1>(mr, sc, r0, v + h, ldv, n, out.data() + r0 * H + h, H);
-      for (; h < H; ++h) {
-        for (int r = 0; r < mr; ++r) {
-          float acc = 0.f;
-          for (int64_t j = 0; j < n; ++j) acc += sc[j * kRows + r0 + r] * v[j * ldv + h];
-          out[(r0 + r) * H + h] = acc;
+    // o += p · v, kValueBlock keys at a time: tiles of rows (6 + 6 + 4) × 16 (then 8, then single)
+    // columns of H. Each sum still runs over the keys in order.
+    for (int64_t j = 0; j < n; j += kValueBlock) {
+      const int64_t m = std::min(kValueBlock, n - j);
+      int64_t ldv;
+      const float* v = as_f32_rows(v0 + j * slot, slot, m, H, values, &ldv);
+      const float* p = sc + j * kRows;
+      for (int64_t r0 = 0; r0 < rows; r0 += kOutRows) {
+        const int mr = static_cast<int>(std::min<int64_t>(kOutRows, rows - r0));
+        int64_t h = 0;
+        for (; h + 16 <= H; h += 16) pv_tiles<2>(mr, p, r0, v + h, ldv, m, out.data() + r0 * H + h, H);
+        for (; h + 8 <= H; h += 8) pv_tiles<1>(mr, p, r0, v + h, ldv, m, out.data() + r0 * H + h, H);
+        for (; h < H; ++h) {
+          for (int r = 0; r < mr; ++r) {
+            float acc = out[(r0 + r) * H + h];
+            for (int64_t i = 0; i < m; ++i) acc += p[i * kRows + r0 + r] * v[i * ldv + h];
+            out[(r0 + r) * H + h] = acc;
+          }
         }
       }
     }

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ comp
 # 8-wide and single columns of the p·v tiles.
 CASES = [(2, 13, 2, 3, 16, None, None), (1, 37, 1, 1, 8, 5, None), (2, 21, 3, 2, 24, None, 30.0),
          (3, 19, 2, 4, 64, None, None), (1, 40, 4, 2, 5, 7, 20.0), (2, 8, 1, 12, 12, None, None),
-         (1, 70, 2, 1, 33, 64, None)]
+         (1, 70, 2, 1, 33, 64, None),
+         (1, 300, 1, 2, 16, None, None)]  # more keys than one p·v pass takes (256)
 
 
 def _bits(a):
