@@ -141,6 +141,30 @@ inline const float* as_f32_rows(const uint16_t* x, int64_t stride, int64_t n, in
   return scratch.data();
 }
 
+// o[r, 0:8·NV] += Σ_{j < n} p[r · p_row + j · p_key] · v_j[0:8·NV] for MR query rows sharing the values
+// v_j (`stride` apart), outputs `ldo` apart: the p · v register tile of both attention kernels (decode:
+// a row of scores per query head; prefill: 16 rows' scores side by side per key). Each value is loaded
+// once for the MR rows.
+template <int MR, int NV>
+inline void pv_tile(const float* p, int64_t p_row, int64_t p_key, const float* v, int64_t stride, int64_t n, float* o,
+                    int64_t ldo) {
+  f32x8 acc[MR][NV];
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < NV; ++c) acc[r][c] = load8(o + r * ldo + 8 * c);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    f32x8 b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = load8(v + j * stride + 8 * c);
+    for (int r = 0; r < MR; ++r) {
+      const f32x8 a = splat(p[r * p_row + j * p_key]);
+      for (int c = 0; c < NV; ++c) acc[r][c] += a * b[c];
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < NV; ++c) store8(o + r * ldo + 8 * c, acc[r][c]);
+  }
+}
+
 // Whether probabilities are rounded to bfloat16 before they meet values of this type (as XLA does).
 inline bool rounds_to_bf16(const float*) { return false; }
 inline bool rounds_to_bf16(const uint16_t*) { return true; }

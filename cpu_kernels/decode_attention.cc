@@ -106,32 +106,11 @@ void pv(const float* p, const float* v, int64_t stride, int64_t n, int64_t H, fl
   }
 }
 
-// o_r[0:8·NV] += Σ_{j < n} p_r[j] · v_j[0:8·NV] for MR query heads r sharing the values v_j (`stride`
-// apart); scores rows ldp apart, outputs ldo apart. Each value is loaded once for the MR heads.
-template <int MR, int NV>
-inline void pv_tile(const float* p, int64_t ldp, const float* v, int64_t stride, int64_t n, float* o, int64_t ldo) {
-  f32x8 acc[MR][NV];
-  for (int r = 0; r < MR; ++r) {
-    for (int c = 0; c < NV; ++c) acc[r][c] = load8(o + r * ldo + 8 * c);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    f32x8 b[NV];
-    for (int c = 0; c < NV; ++c) b[c] = load8(v + j * stride + 8 * c);
-    for (int r = 0; r < MR; ++r) {
-      const f32x8 a = splat(p[r * ldp + j]);
-      for (int c = 0; c < NV; ++c) acc[r][c] += a * b[c];
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    for (int c = 0; c < NV; ++c) store8(o + r * ldo + 8 * c, acc[r][c]);
-  }
-}
-
 template <int MR>
 void pv_heads(const float* p, int64_t ldp, const float* v, int64_t stride, int64_t n, int64_t H, float* o) {
   int64_t h = 0;
-  for (; h + 16 <= H; h += 16) pv_tile<MR, 2>(p, ldp, v + h, stride, n, o + h, H);
-  for (; h + 8 <= H; h += 8) pv_tile<MR, 1>(p, ldp, v + h, stride, n, o + h, H);
+  for (; h + 16 <= H; h += 16) pv_tile<MR, 2>(p, ldp, 1, v + h, stride, n, o + h, H);
+  for (; h + 8 <= H; h += 8) pv_tile<MR, 1>(p, ldp, 1, v + h, stride, n, o + h, H);
   for (; h < H; ++h) {
     for (int r = 0; r < MR; ++r) {
       float acc = o[r * H + h];
@@ -313,8 +292,17 @@ void attend_chunked(ffi::ThreadPool& pool, const float* q, const C* k_cache, con
     chunk_slots[b] = std::max<int64_t>(8, (rows[b].n_pad / chunks + 7) / 8 * 8);
     total += N * rows[b].ld;
   }
-  std::vector<float> scores(total), chunk_max(B * chunks * N), chunk_sum(B * chunks * N, 0.f),
-      partial(B * chunks * N * H, 0.f);
+  // The caller's buffers, kept between calls (no allocation per layer and step). The lambdas below must
+  // reach them through these references: a thread_local named in a lambda is the running thread's own.
+  thread_local std::vector<float> scores_buf, chunk_max_buf, chunk_sum_buf, partial_buf;
+  std::vector<float>& scores = scores_buf;
+  std::vector<float>& chunk_max = chunk_max_buf;
+  std::vector<float>& chunk_sum = chunk_sum_buf;
+  std::vector<float>& partial = partial_buf;
+  scores.resize(total);
+  chunk_max.resize(B * chunks * N);
+  chunk_sum.assign(B * chunks * N, 0.f);
+  partial.assign(B * chunks * N * H, 0.f);
   for (int64_t b = 0, offset = 0; b < B; offset += N * rows[b].ld, ++b) rows[b].scores = scores.data() + offset;
   auto chunk_range = [&](int64_t unit, int64_t* b, int64_t* c, int64_t* j0, int64_t* j1) {
     *b = unit / chunks, *c = unit % chunks;

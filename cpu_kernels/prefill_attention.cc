@@ -66,36 +66,16 @@ void qk_tiles(int n, const float* k, int64_t stride, const float* qt, int64_t H,
   }
 }
 
-// o[r, 0:8·NV] += Σ_j p[j, r0 + r] · v_j[0:8·NV] for MR query rows, over n keys v_j (rows `stride` apart);
-// p is [n, 16], o rows `ldo` apart.
-template <int MR, int NV>
-void pv_tile(const float* p, int64_t r0, const float* v, int64_t stride, int64_t n, float* o, int64_t ldo) {
-  f32x8 acc[MR][NV];
-  for (int r = 0; r < MR; ++r) {
-    for (int c = 0; c < NV; ++c) acc[r][c] = load8(o + r * ldo + 8 * c);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    f32x8 b[NV];
-    for (int c = 0; c < NV; ++c) b[c] = load8(v + j * stride + 8 * c);
-    for (int r = 0; r < MR; ++r) {
-      const f32x8 a = splat(p[j * kRows + r0 + r]);
-      for (int c = 0; c < NV; ++c) acc[r][c] += a * b[c];
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    for (int c = 0; c < NV; ++c) store8(o + r * ldo + 8 * c, acc[r][c]);
-  }
-}
-
+// o[r, :] += Σ_j p[j, r0 + r] · v_j for mr query rows; p is [n, 16].
 template <int NV>
 void pv_tiles(int mr, const float* p, int64_t r0, const float* v, int64_t stride, int64_t n, float* o, int64_t ldo) {
   switch (mr) {
-    case 6: return pv_tile<6, NV>(p, r0, v, stride, n, o, ldo);
-    case 5: return pv_tile<5, NV>(p, r0, v, stride, n, o, ldo);
-    case 4: return pv_tile<4, NV>(p, r0, v, stride, n, o, ldo);
-    case 3: return pv_tile<3, NV>(p, r0, v, stride, n, o, ldo);
-    case 2: return pv_tile<2, NV>(p, r0, v, stride, n, o, ldo);
-    default: return pv_tile<1, NV>(p, r0, v, stride, n, o, ldo);
+    case 6: return pv_tile<6, NV>(p + r0, 1, kRows, v, stride, n, o, ldo);
+    case 5: return pv_tile<5, NV>(p + r0, 1, kRows, v, stride, n, o, ldo);
+    case 4: return pv_tile<4, NV>(p + r0, 1, kRows, v, stride, n, o, ldo);
+    case 3: return pv_tile<3, NV>(p + r0, 1, kRows, v, stride, n, o, ldo);
+    case 2: return pv_tile<2, NV>(p + r0, 1, kRows, v, stride, n, o, ldo);
+    default: return pv_tile<1, NV>(p + r0, 1, kRows, v, stride, n, o, ldo);
   }
 }
 
