@@ -39,7 +39,10 @@ def case(R, K, N, dtype, transposed, seed=0):
 @pytest.mark.parametrize("R,K,N", [(1, 64, 3000), (1, 7, 5), (3, 40, 1030), (5, 33, 17), (2, 770, 64),
                                    # 8 rows and more: packed panels and register tiles (uneven tiles of
                                    # rows, a last panel narrower than 16 columns, K in several blocks)
-                                   (9, 16, 2100), (8, 20, 4100), (32, 288, 100), (13, 1030, 37), (45, 9, 3)])
+                                   (9, 16, 2100), (8, 20, 4100), (32, 288, 100), (13, 1030, 37), (45, 9, 3),
+                                   # nk up to 32 rows (W's rows broadcast): 17 rows in two panels, the
+                                   # last tile of W's rows short, K in two blocks, units of 48 rows
+                                   (17, 600, 1001), (32, 5, 50), (33, 40, 70)])
 def test_matmul_matches_numpy(R, K, N, dtype, transposed):
     x, w, expected = case(R, K, N, dtype, transposed, seed=R * K + N)
     ours = jax.jit(functools.partial(cpu_kernels.matmul, transposed=transposed))(x, w)
