@@ -1,5 +1,5 @@
-"""Matrix products and decode attention for LLM inference on CPU: XLA FFI custom calls written in C++
-(``matmul.cc``, ``decode_attention.cc``).
+"""Matrix products, attention and greedy argmax for LLM inference on CPU: XLA FFI custom calls written
+in C++ (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``).
 
 Depends on jax only. ``matmul(x_RK, w)`` computes x [R, K] · W in float32 for W [K, N] or, with
 ``transposed=True``, W [N, K], in float32 or bfloat16 — the product decode runs for every weight
@@ -15,6 +15,7 @@ compiler), it is XLA's product. Gradients are XLA's.
     matmuls(x_RK, ws, *, transposed=False, layer=None) -> (y_RN, ...)   # several weights sharing x, one call
     decode_attention(q_BNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BNH  # one query per row, cache read in place
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
+    argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from cpu_kernels import build
 from cpu_kernels.decode_attention import decode_attention
 from cpu_kernels.prefill_attention import prefill_attention
 
-__all__ = ["available", "decode_attention", "matmul", "matmuls", "prefill_attention"]
+__all__ = ["argmax", "available", "decode_attention", "matmul", "matmuls", "prefill_attention"]
 
 
 def available() -> bool:
@@ -118,3 +119,17 @@ def matmul(x_RK: jax.Array, w: jax.Array, *, transposed: bool = False, layer: ja
     """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``; with ``layer``, a stack
     [L, ...] of them), float32 or bfloat16."""
     return matmuls(x_RK, (w,), transposed=transposed, layer=layer)[0]
+
+
+def argmax(x_BV: jax.Array) -> jax.Array:
+    """``jnp.argmax(x_BV, axis=-1)`` as int32 [B] for float32 x [B, V]: the first index of each row's
+    maximum (of its first NaN, if any). On CPU a kernel (XLA:CPU reduces (value, index) pairs one element
+    at a time: 1.3 ms for [32, 32000]); XLA's elsewhere and when the kernels are not available."""
+    if x_BV.ndim != 2 or x_BV.dtype != jnp.float32:
+        raise ValueError(f"argmax needs float32 x [B, V], got {x_BV.dtype} {x_BV.shape}")
+    xla = lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if not available():
+        return xla(x_BV)
+    call = jax.ffi.ffi_call("llm_jax_argmax_f32", jax.ShapeDtypeStruct(x_BV.shape[:1], jnp.int32),
+                            vmap_method="sequential")
+    return jax.lax.platform_dependent(x_BV, cpu=call, default=xla)

@@ -1,5 +1,5 @@
-"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``) once per machine
-and registering their handlers with XLA.
+"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``) once
+per machine and registering their handlers with XLA.
 
 The library is built on first use with the system C++ compiler (``$CXX``, else ``c++``) against the
 XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``), and kept in a cache
@@ -24,7 +24,7 @@ import warnings
 import jax
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc")
+SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc", HERE / "argmax.cc")
 HEADERS = (HERE / "common.h",)
 ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
 CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
@@ -39,6 +39,7 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_prefill_attention_f32": "PrefillAttentionF32",
     "llm_jax_prefill_attention_bf16": "PrefillAttentionBF16",
     "llm_jax_prefill_attention_u16": "PrefillAttentionBits",
+    "llm_jax_argmax_f32": "ArgmaxF32",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 
