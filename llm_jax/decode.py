@@ -260,7 +260,8 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
         cache, state, emitted = jax.lax.cond(jnp.all(state.done_B), idle, run, cache, state)
         return (cache, state), emitted
 
-    # The loop carries a bfloat16 cache as its bits, which XLA:CPU updates in place (see kv_cache.as_bits).
+    # The loop carries a bfloat16 cache as its bits, which XLA:CPU updates in place (kv_cache's docstring);
+    # init_cache makes it so, and a cache of bfloat16 arrays is converted here and back.
     dtype = cache.k_LBSKH.dtype
     (cache, state), emitted_S = jax.lax.scan(step, (kvc.as_bits(cache), state), None, length=num_steps)
     cache = kvc.from_bits(cache, dtype)

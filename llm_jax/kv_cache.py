@@ -4,6 +4,12 @@ Layout: ``k_LBSKH`` / ``v_LBSKH`` — layer, batch, cache slot, kv head, head di
 of its sequence (prompts are right-padded), and ``lengths_B[b]`` slots of row b are valid; slots past it
 hold stale values that attention masks out and later writes overwrite. Functions return a new cache;
 jitted callers donate the old one so XLA updates the buffers in place.
+
+A bfloat16 cache holds its keys and values as their bits (uint16; ``KVCache.dtype`` is still bfloat16,
+and :func:`from_bits` gives the bfloat16 arrays): XLA:CPU has no bfloat16 dynamic-update-slice and
+copies a bfloat16 cache whole on every write, and converting between the two forms around each prefill
+or decode call is itself a copy of the cache (110M, a 1000-token bfloat16 cache of 36 MiB: two copies
+and 36 MiB of scratch per decode call).
 """
 
 from __future__ import annotations
@@ -33,12 +39,18 @@ class KVCache:
         return self.k_LBSKH.shape[2]
 
     @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of the keys and values (bfloat16 for a cache that holds their bits)."""
+        return _values(self.k_LBSKH)
+
+    @property
     def nbytes(self) -> int:
         return self.k_LBSKH.nbytes + self.v_LBSKH.nbytes + self.lengths_B.nbytes
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None, *, sharding=None) -> KVCache:
-    """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens (default dtype: compute).
+    """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens (default dtype: compute;
+    bfloat16 is held as its bits, see the module's docstring).
 
     ``sharding``: a :class:`KVCache` of shardings (``llm_jax.sharding.cache_shardings``); each device
     then allocates only its own shard.
@@ -48,10 +60,11 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None, *
     if batch_size <= 0 or max_len <= 0:
         raise ValueError(f"cache needs a positive batch_size and max_len, got {batch_size=} {max_len=}")
     dtype = jnp.dtype(dtype or config.compute_dtype)
+    stored = jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
     shape = (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim)
     on = sharding or KVCache(k_LBSKH=None, v_LBSKH=None, lengths_B=None)
-    return KVCache(k_LBSKH=jnp.zeros(shape, dtype, device=on.k_LBSKH),
-                   v_LBSKH=jnp.zeros(shape, dtype, device=on.v_LBSKH),
+    return KVCache(k_LBSKH=jnp.zeros(shape, stored, device=on.k_LBSKH),
+                   v_LBSKH=jnp.zeros(shape, stored, device=on.v_LBSKH),
                    lengths_B=jnp.zeros((batch_size,), jnp.int32, device=on.lengths_B))
 
 
@@ -62,9 +75,9 @@ def cache_bytes_per_token(config: ModelConfig, dtype=None) -> int:
 
 
 def as_bits(cache: KVCache) -> KVCache:
-    """The cache with bfloat16 keys and values held as their bits (uint16), for a loop that writes it:
-    XLA:CPU updates a uint16 cache in place, but copies a bfloat16 one whole on every write (it has no
-    bfloat16 dynamic-update-slice). The functions below take either form; :func:`from_bits` undoes it."""
+    """The cache with bfloat16 keys and values held as their bits (uint16), as :func:`init_cache` makes
+    them (for a cache built from bfloat16 arrays elsewhere). The functions below take either form;
+    :func:`from_bits` undoes it."""
     return dataclasses.replace(cache, k_LBSKH=bits.as_bits(cache.k_LBSKH), v_LBSKH=bits.as_bits(cache.v_LBSKH))
 
 

@@ -1,6 +1,8 @@
 """Decode: greedy tokens equal teacher-forced argmax; stop conditions (ids, strings on device) freeze finished
 rows; per-row controls give each row what it gets alone; log-probabilities."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,6 +94,24 @@ def test_finished_rows_do_not_touch_the_cache(params):
     assert (np.asarray(out.tokens_BS) == PAD_ID).all()
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(cache)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_bfloat16_cache_is_updated_in_place():
+    """init_cache holds a bfloat16 cache as its bits, which the decode loop updates in place: the cache is
+    aliased to the result and no scratch of its size is needed (converting it to bits and back around
+    the loop would be two copies of the whole cache per call)."""
+    config = dataclasses.replace(CONFIG, head_dim=64, max_seq_len=256, param_dtype="bfloat16",
+                                 compute_dtype="bfloat16")
+    params = init_params(config, seed=1)
+    controls = DecodeControls.create([GREEDY] * 2, eos_ids=[()] * 2, stop_ids=[()] * 2, max_new_tokens=[3] * 2)
+    tokens, lengths = pad_prompts(PROMPTS[:2], 16)
+    logits, cache = prefill(params, config, tokens, lengths, init_cache(config, 2, 256))
+    assert cache.k_LBSKH.dtype == jnp.uint16 and cache.dtype == jnp.bfloat16
+    state, _ = start(logits, tokens, cache, controls)
+    memory = decode.lower(params, config, cache, state, controls, num_steps=4).compile().memory_analysis()
+    cache_bytes = cache.k_LBSKH.nbytes + cache.v_LBSKH.nbytes
+    assert memory.alias_size_in_bytes >= cache_bytes
+    assert memory.temp_size_in_bytes < cache_bytes / 4, (memory.temp_size_in_bytes, cache_bytes)
 
 
 def test_controls_validate():

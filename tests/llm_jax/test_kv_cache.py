@@ -13,9 +13,9 @@ CONFIG = ModelConfig(vocab_size=32, d_model=16, n_layers=3, n_heads=4, n_kv_head
 
 
 def _forms(dtype):
-    """The same empty cache as it is and, for bfloat16, as bits."""
+    """The same empty cache as init_cache makes it (bfloat16: as bits) and, for bfloat16, as bfloat16 arrays."""
     cache = kvc.init_cache(CONFIG, batch_size=2, max_len=7, dtype=dtype)
-    return [cache] if dtype == jnp.float32 else [cache, kvc.as_bits(cache)]
+    return [cache] if dtype == jnp.float32 else [cache, kvc.from_bits(cache, dtype)]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -48,3 +48,11 @@ def test_bits_round_trip_exactly():
     back = kvc.from_bits(bits, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(back.k_LBSKH), np.asarray(values))
     np.testing.assert_array_equal(np.asarray(back.v_LBSKH), np.asarray(-values))
+
+
+def test_a_bfloat16_cache_is_made_as_bits():
+    cache = kvc.init_cache(CONFIG, batch_size=2, max_len=7, dtype=jnp.bfloat16)
+    assert cache.k_LBSKH.dtype == cache.v_LBSKH.dtype == jnp.uint16 and cache.dtype == jnp.bfloat16
+    values = kvc.from_bits(cache, cache.dtype)
+    assert values.k_LBSKH.dtype == jnp.bfloat16 and not np.asarray(values.k_LBSKH.astype(jnp.float32)).any()
+    assert kvc.init_cache(CONFIG, batch_size=2, max_len=7).dtype == jnp.float32
