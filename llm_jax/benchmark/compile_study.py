@@ -36,6 +36,9 @@ class DepthCompile:
 def compile_vs_depth(shape: str, dtype: str, layer_counts: Sequence[int], workload: Workload) -> list[DepthCompile]:
     out = []
     for n_layers in layer_counts:
+        # A program this process compiled before (the benchmark's own run of the same shape) would come
+        # from JAX's in-memory caches and time as zero.
+        jax.clear_caches()
         config = shape_config(shape, dtype=dtype, n_layers=n_layers)
         params = jax.tree.map(jnp.asarray, init_params(config))
         compiled = LlmJaxEngine(params, config, workload).compile()

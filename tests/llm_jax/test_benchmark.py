@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from llm_jax.benchmark import machine
-from llm_jax.benchmark.compile_study import cli_ttft
+from llm_jax.benchmark.compile_study import cli_ttft, compile_vs_depth
+from llm_jax.benchmark.llm_jax_engine import Workload
 from llm_jax.benchmark.results import agreement
 from llm_jax.benchmark.roofline import decode_roofline, weight_bytes_per_step
 from llm_jax.benchmark.shapes import SHAPES, shape_config
@@ -57,6 +58,16 @@ def test_numbers_are_well_formed(report):
     ours, theirs = report["rows"]
     assert ours["compile_s"] > 0 and theirs["compile_s"] == 0  # torch runs eagerly
     assert ours["roofline_tokens_per_s"] == theirs["roofline_tokens_per_s"]
+
+
+def test_compile_time_is_measured_at_every_depth():
+    """Each depth compiles afresh: the same depth twice (as after the benchmark's own run of the shape)
+    reports a real compile time both times, not a hit in JAX's in-memory caches."""
+    workload = Workload(batch=1, prompt_len=8, new_tokens=5, chunk_steps=4)
+    depth = compile_vs_depth("260K", "float32", [2, 2], workload)
+    assert [d.n_layers for d in depth] == [2, 2]
+    for d in depth:
+        assert positive_finite(d.prefill_s) and positive_finite(d.decode_s), d
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
