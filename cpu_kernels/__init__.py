@@ -4,7 +4,8 @@ in C++ (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argm
 Depends on jax only. ``matmul(x_RK, w)`` computes x [R, K] · W in float32 for W [K, N] or, with
 ``transposed=True``, W [N, K], in float32 or bfloat16 — the product decode runs for every weight
 matrix. On CPU, with few rows R (decode), it streams the weights at memory bandwidth on every core;
-with many (batched decode, prefill) it runs register-tiled products on packed panels of the weights;
+with many (batched decode, prefill) it runs register-tiled products on packed panels of the weights
+(a tied LM head [N, K] at up to 32 rows: on its rows as they lie, against x transposed);
 either way it reads bfloat16 weights as they are (XLA:CPU has no bfloat16 kernel and converts whole
 matrices to float32 first); on other platforms, and when the kernels cannot be built (no C++
 compiler), it is XLA's product. Gradients are XLA's.
