@@ -1,7 +1,9 @@
-"""Running the benchmark matrix: models × dtypes × batch sizes, engines alternating within each cell.
+"""Running the benchmark matrix: models × dtypes × batch sizes, engines and batch sizes alternating.
 
 Alternating (llm_jax run, transformers run, llm_jax run, ...) exposes both engines to the same
-machine conditions, so their ratio holds even when other processes disturb the absolute numbers.
+machine conditions, so their ratio holds even when other processes disturb the absolute numbers. For
+the same reason the batch sizes of one model and dtype take turns too (each repeat runs every batch
+size once), so that throughput ratios between batch sizes compare runs of the same moments.
 """
 
 from __future__ import annotations
@@ -89,38 +91,53 @@ class ModelSource:
         return config, jax.tree.map(jnp.asarray, init_params(config))
 
 
-def run_cell(source: ModelSource, config: ModelConfig, params, cell: Cell, options: Options, log: Log) -> CellResult:
-    workload = Workload(batch=cell.batch, prompt_len=options.prompt_len, new_tokens=options.new_tokens,
-                        chunk_steps=options.chunk_steps)
-    engines = [LlmJaxEngine(params, config.replace(matmul_impl=m), workload) for m in options.matmuls]
-    if options.compare_hf:
-        threads = options.threads or machine_lib.cpu_threads()
-        engines.append(HfEngine(source.hf_folder, config, workload, threads=threads))
-    compiled, runs, peaks = {}, {e.name: [] for e in engines}, {e.name: 0.0 for e in engines}
-    for engine in engines:
-        machine_lib.reset_peak_rss()
-        done = compiled[engine.name] = engine.compile()
-        peaks[engine.name] = machine_lib.peak_rss_mb()
-        log(f"  {engine.name}: compiled in {done.prefill_s:.1f}+{done.decode_s:.1f} s")
-    for rep in range(options.repeats):
+def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[Cell], options: Options,
+              log: Log) -> list[CellResult]:
+    """Every cell's engines compiled, then ``options.repeats`` rounds in which each cell runs each of its
+    engines once."""
+    plans = []
+    for cell in cells:
+        workload = Workload(batch=cell.batch, prompt_len=options.prompt_len, new_tokens=options.new_tokens,
+                            chunk_steps=options.chunk_steps)
+        engines = [LlmJaxEngine(params, config.replace(matmul_impl=m), workload) for m in options.matmuls]
+        if options.compare_hf:
+            threads = options.threads or machine_lib.cpu_threads()
+            engines.append(HfEngine(source.hf_folder, config, workload, threads=threads))
+        plans.append((cell, workload, engines))
+    compiled, runs, peaks = {}, {}, {}
+    for cell, _, engines in plans:
         for engine in engines:
+            key = (cell.batch, engine.name)
             machine_lib.reset_peak_rss()
-            run = engine.run()
-            peaks[engine.name] = max(peaks[engine.name], machine_lib.peak_rss_mb())
-            runs[engine.name].append(run)
-            log(f"  {engine.name} run {rep + 1}/{options.repeats}: ttft {run.ttft_s * 1e3:.1f} ms, "
-                f"decode {run.decode_tokens / run.decode_s:.1f} tok/s")
-    roofline = decode_roofline(config, batch=cell.batch, prompt_len=options.prompt_len,
-                               new_tokens=1 + workload.decode_steps, bandwidth_gbps=options.bandwidth_gbps)
-    rows = [summarise(engine=e.name, shape=source.label, dtype=cell.dtype, workload=workload,
-                      compiled=compiled[e.name], runs=runs[e.name], roofline=roofline,
-                      kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[e.name])
-            for e in engines]
-    if not options.compare_hf:
-        return CellResult(rows=rows, hf_ratio=None, agreement=None)
-    ratio = rows[0].decode_tokens_per_s / rows[-1].decode_tokens_per_s
-    agree = agreement(runs[engines[0].name][0].tokens, runs["transformers"][0].tokens)
-    return CellResult(rows=rows, hf_ratio=ratio, agreement=agree)
+            done = compiled[key] = engine.compile()
+            peaks[key], runs[key] = machine_lib.peak_rss_mb(), []
+            log(f"  {source.label} {cell.dtype} batch {cell.batch}, {engine.name}: compiled in "
+                f"{done.prefill_s:.1f}+{done.decode_s:.1f} s")
+    for rep in range(options.repeats):
+        for cell, _, engines in plans:
+            for engine in engines:
+                key = (cell.batch, engine.name)
+                machine_lib.reset_peak_rss()
+                run = engine.run()
+                peaks[key] = max(peaks[key], machine_lib.peak_rss_mb())
+                runs[key].append(run)
+                log(f"  batch {cell.batch}, {engine.name} run {rep + 1}/{options.repeats}: ttft "
+                    f"{run.ttft_s * 1e3:.1f} ms, decode {run.decode_tokens / run.decode_s:.1f} tok/s")
+    results = []
+    for cell, workload, engines in plans:
+        roofline = decode_roofline(config, batch=cell.batch, prompt_len=options.prompt_len,
+                                   new_tokens=1 + workload.decode_steps, bandwidth_gbps=options.bandwidth_gbps)
+        rows = [summarise(engine=e.name, shape=source.label, dtype=cell.dtype, workload=workload,
+                          compiled=compiled[cell.batch, e.name], runs=runs[cell.batch, e.name], roofline=roofline,
+                          kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[cell.batch, e.name])
+                for e in engines]
+        if not options.compare_hf:
+            results.append(CellResult(rows=rows, hf_ratio=None, agreement=None))
+            continue
+        ratio = rows[0].decode_tokens_per_s / rows[-1].decode_tokens_per_s
+        agree = agreement(runs[cell.batch, engines[0].name][0].tokens, runs[cell.batch, "transformers"][0].tokens)
+        results.append(CellResult(rows=rows, hf_ratio=ratio, agreement=agree))
+    return results
 
 
 def run_matrix(models: Sequence[str], dtypes: Sequence[str], batches: Sequence[int], options: Options,
@@ -132,9 +149,8 @@ def run_matrix(models: Sequence[str], dtypes: Sequence[str], batches: Sequence[i
             source = ModelSource(model, need_hf=options.compare_hf, workdir=pathlib.Path(tmp))
             for dtype in dtypes:
                 config, params = source.load(dtype)
-                for batch in batches:
-                    log(f"{source.label} {dtype} batch {batch}:")
-                    results.append(run_cell(source, config, params, Cell(model=model, dtype=dtype, batch=batch),
-                                            options, log))
+                log(f"{source.label} {dtype}, batch {', '.join(map(str, batches))}:")
+                cells = [Cell(model=model, dtype=dtype, batch=batch) for batch in batches]
+                results.extend(run_cells(source, config, params, cells, options, log))
                 del params
     return results

@@ -53,6 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def batch_scaling(rows) -> dict:
+    """Decode throughput (tokens/s of all rows) of each batch size over batch 1's, per shape, dtype and
+    engine that ran batch 1 and another batch size."""
+    out: dict = {}
+    for r in rows:
+        base = next((b for b in rows if (b.shape, b.dtype, b.engine, b.batch) == (r.shape, r.dtype, r.engine, 1)),
+                    None)
+        if base is not None and r.batch != 1:
+            out.setdefault((r.shape, r.dtype, r.engine), {})[r.batch] = r.decode_tokens_per_s / base.decode_tokens_per_s
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     models = args.models or ["15M"]
@@ -105,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"decode memory {r.shape} {r.dtype} batch {r.batch}: cache {r.kv_cache_mb:.1f} MiB, donated and "
                   f"updated in place {r.decode_aliased_mb:.1f} MiB, scratch {r.decode_temp_mb:.1f} MiB")
     extra: dict = {}
+    scaling = batch_scaling(rows)
+    for (shape, dtype, engine), by_batch in scaling.items():
+        print(f"decode throughput {shape} {dtype} {engine}: "
+              + ", ".join(f"batch {b} {x:.1f}× batch 1" for b, x in by_batch.items()))
+    if scaling:
+        extra["batch_scaling"] = [{"shape": shape, "dtype": dtype, "engine": engine, "batch": b, "times_batch_1": x}
+                                  for (shape, dtype, engine), by_batch in scaling.items() for b, x in by_batch.items()]
     if args.compile_layers:
         shape = next((m for m in models if m in SHAPES), None)
         if shape is None:

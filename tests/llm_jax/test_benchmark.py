@@ -131,3 +131,19 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
     assert {row["engine"] for row in report["rows"]} == {"llm_jax", "transformers"}
     for row in report["rows"]:
         assert row["roofline_tokens_per_s"] == pytest.approx(8.0e9 / row["bytes_per_step"], rel=1e-6)
+
+
+def test_batch_sizes_take_turns_and_their_throughput_ratio_is_reported(tmp_path, capsys):
+    """Each repeat runs every batch size once (so ratios between batch sizes compare the same moments), and
+    the report gives each batch size's decode throughput over batch 1's."""
+    path = tmp_path / "bench.json"
+    status = benchmark_main(["--model", "260K", "--batch", "1", "3", "--new-tokens", "5", "--chunk-steps", "4",
+                             "--repeats", "2", "--bandwidth", "10", "--json", str(path)])
+    assert status == 0
+    progress = [line.split(",")[0].strip() for line in capsys.readouterr().err.splitlines() if " run " in line]
+    assert progress == ["batch 1", "batch 3", "batch 1", "batch 3"]
+    report = json.loads(path.read_text())
+    rate = {row["batch"]: row["decode_tokens_per_s"] for row in report["rows"]}
+    [scaling] = report["batch_scaling"]
+    assert (scaling["shape"], scaling["engine"], scaling["batch"]) == ("260K", "llm_jax", 3)
+    assert scaling["times_batch_1"] == pytest.approx(rate[3] / rate[1])
