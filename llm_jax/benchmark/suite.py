@@ -105,18 +105,18 @@ def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[
             engines.append(HfEngine(source.hf_folder, config, workload, threads=threads))
         plans.append((cell, workload, engines))
     compiled, runs, peaks = {}, {}, {}
-    for cell, _, engines in plans:
+    for c, (cell, _, engines) in enumerate(plans):
         for engine in engines:
-            key = (cell.batch, engine.name)
+            key = (c, engine.name)
             machine_lib.reset_peak_rss()
             done = compiled[key] = engine.compile()
             peaks[key], runs[key] = machine_lib.peak_rss_mb(), []
             log(f"  {source.label} {cell.dtype} batch {cell.batch}, {engine.name}: compiled in "
                 f"{done.prefill_s:.1f}+{done.decode_s:.1f} s")
     for rep in range(options.repeats):
-        for cell, _, engines in plans:
+        for c, (cell, _, engines) in enumerate(plans):
             for engine in engines:
-                key = (cell.batch, engine.name)
+                key = (c, engine.name)
                 machine_lib.reset_peak_rss()
                 run = engine.run()
                 peaks[key] = max(peaks[key], machine_lib.peak_rss_mb())
@@ -124,18 +124,18 @@ def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[
                 log(f"  batch {cell.batch}, {engine.name} run {rep + 1}/{options.repeats}: ttft "
                     f"{run.ttft_s * 1e3:.1f} ms, decode {run.decode_tokens / run.decode_s:.1f} tok/s")
     results = []
-    for cell, workload, engines in plans:
+    for c, (cell, workload, engines) in enumerate(plans):
         roofline = decode_roofline(config, batch=cell.batch, prompt_len=options.prompt_len,
                                    new_tokens=1 + workload.decode_steps, bandwidth_gbps=options.bandwidth_gbps)
         rows = [summarise(engine=e.name, shape=source.label, dtype=cell.dtype, workload=workload,
-                          compiled=compiled[cell.batch, e.name], runs=runs[cell.batch, e.name], roofline=roofline,
-                          kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[cell.batch, e.name])
+                          compiled=compiled[c, e.name], runs=runs[c, e.name], roofline=roofline,
+                          kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[c, e.name])
                 for e in engines]
         if not options.compare_hf:
             results.append(CellResult(rows=rows, hf_ratio=None, agreement=None))
             continue
         ratio = rows[0].decode_tokens_per_s / rows[-1].decode_tokens_per_s
-        agree = agreement(runs[cell.batch, engines[0].name][0].tokens, runs[cell.batch, "transformers"][0].tokens)
+        agree = agreement(runs[c, engines[0].name][0].tokens, runs[c, "transformers"][0].tokens)
         results.append(CellResult(rows=rows, hf_ratio=ratio, agreement=agree))
     return results
 
