@@ -219,6 +219,26 @@ void parallel_for_ranges(ffi::ThreadPool& pool, int64_t units, const Fn& fn) {
   while (shared->done.load(std::memory_order_acquire) < units) std::this_thread::yield();
 }
 
+// The FFI signature both attention kernels share: layer index, q [.., H] (rank kQRank), the stacked K
+// and V caches [L, B, S, K, H] of type DT, query positions (rank kPositionsRank) and kv lengths [B];
+// o like q; attributes scale, window and softcap.
+template <ffi::DataType DT, size_t kQRank, size_t kPositionsRank>
+auto attention_binding() {
+  using Cache = ffi::Buffer<DT, 5>;
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32, 0>>()
+      .template Arg<ffi::Buffer<ffi::F32, kQRank>>()
+      .template Arg<Cache>()
+      .template Arg<Cache>()
+      .template Arg<ffi::Buffer<ffi::S32, kPositionsRank>>()
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()
+      .template Ret<ffi::Buffer<ffi::F32, kQRank>>()
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window")
+      .template Attr<float>("softcap");
+}
+
 }  // namespace llm_jax_kernels
 
 #endif  // LLM_JAX_CPU_KERNELS_COMMON_H_

@@ -395,25 +395,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_
   return ffi::Error::Success();
 }
 
-template <ffi::DataType T>
-auto Binding() {
-  using Cache = ffi::Buffer<T, 5>;
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::S32, 0>>()
-      .Arg<ffi::Buffer<ffi::F32, 3>>()
-      .template Arg<Cache>()
-      .template Arg<Cache>()
-      .template Arg<ffi::Buffer<ffi::S32, 1>>()
-      .template Arg<ffi::Buffer<ffi::S32, 1>>()
-      .template Ret<ffi::Buffer<ffi::F32, 3>>()
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("window")
-      .template Attr<float>("softcap");
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionF32, (DecodeAttention<ffi::F32, float>), Binding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionBF16, (DecodeAttention<ffi::BF16, uint16_t>), Binding<ffi::BF16>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionBits, (DecodeAttention<ffi::U16, uint16_t>), Binding<ffi::U16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionF32, (DecodeAttention<ffi::F32, float>), (attention_binding<ffi::F32, 3, 1>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionBF16, (DecodeAttention<ffi::BF16, uint16_t>), (attention_binding<ffi::BF16, 3, 1>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DecodeAttentionBits, (DecodeAttention<ffi::U16, uint16_t>), (attention_binding<ffi::U16, 3, 1>()));

@@ -419,11 +419,13 @@ void broadcast_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<c
   constexpr int64_t kTilesPerUnit = 8, kAhead = 2;
   const int64_t Rp = (R + kPanel - 1) / kPanel * kPanel, panels = Rp / kPanel, kc_max = std::min(K, kKC);
   const int64_t blocks = (K + kc_max - 1) / kc_max;
-  std::vector<float> xt(Rp * K, 0.f);  // k-block at k0 * Rp: its panels [kc, 16], one after another
+  thread_local std::vector<float> xt_buffer;  // the caller's; the tasks below read it through `xt`
+  xt_buffer.assign(Rp * K, 0.f);
+  float* const xt = xt_buffer.data();  // k-block at k0 * Rp: its panels [kc, 16], one after another
   for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
     const int64_t kc = std::min(kc_max, K - k0);
     for (int64_t r = 0; r < R; ++r) {
-      float* p = xt.data() + k0 * Rp + r / kPanel * kc * kPanel + r % kPanel;
+      float* p = xt + k0 * Rp + r / kPanel * kc * kPanel + r % kPanel;
       for (int64_t k = 0; k < kc; ++k) p[k * kPanel] = x[r * K + k0 + k];
     }
   }
@@ -459,7 +461,7 @@ void broadcast_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<c
       for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, K - k0);
         for (int64_t q = 0; q < panels; ++q) {
-          tile_rows(mr, wr + k0, ld, kc, xt.data() + k0 * Rp + q * kc * kPanel, out + q * kPanel, Rp, k0 > 0, pf,
+          tile_rows(mr, wr + k0, ld, kc, xt + k0 * Rp + q * kc * kPanel, out + q * kPanel, Rp, k0 > 0, pf,
                     lines);
         }
       }

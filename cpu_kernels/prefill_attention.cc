@@ -209,25 +209,8 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer
   return ffi::Error::Success();
 }
 
-template <ffi::DataType DT>
-auto Binding() {
-  using Cache = ffi::Buffer<DT, 5>;
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::Buffer<ffi::S32, 0>>()
-      .Arg<ffi::Buffer<ffi::F32, 4>>()
-      .template Arg<Cache>()
-      .template Arg<Cache>()
-      .template Arg<ffi::Buffer<ffi::S32, 2>>()
-      .template Arg<ffi::Buffer<ffi::S32, 1>>()
-      .template Ret<ffi::Buffer<ffi::F32, 4>>()
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("window")
-      .template Attr<float>("softcap");
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PrefillAttentionF32, (PrefillAttention<ffi::F32, float>), Binding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PrefillAttentionBF16, (PrefillAttention<ffi::BF16, uint16_t>), Binding<ffi::BF16>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PrefillAttentionBits, (PrefillAttention<ffi::U16, uint16_t>), Binding<ffi::U16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PrefillAttentionF32, (PrefillAttention<ffi::F32, float>), (attention_binding<ffi::F32, 4, 2>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PrefillAttentionBF16, (PrefillAttention<ffi::BF16, uint16_t>), (attention_binding<ffi::BF16, 4, 2>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PrefillAttentionBits, (PrefillAttention<ffi::U16, uint16_t>), (attention_binding<ffi::U16, 4, 2>()));
