@@ -1,5 +1,6 @@
 """Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``) once
-per machine and registering their handlers with XLA.
+per machine and registering their handlers with XLA; ``stream_read.cc`` (the benchmark's bandwidth probe)
+is built into the same library and called through ctypes.
 
 The library is built on first use with the system C++ compiler (``$CXX``, else ``c++``) against the
 XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``), and kept in a cache
@@ -24,7 +25,8 @@ import warnings
 import jax
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc", HERE / "argmax.cc")
+SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc", HERE / "argmax.cc",
+           HERE / "stream_read.cc")
 HEADERS = (HERE / "common.h",)
 ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
 CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
@@ -86,23 +88,47 @@ def find_compiler() -> str | None:
 
 
 @functools.cache
-def load() -> bool:
-    """Build, load and register the kernels once per process; False (after one warning) if impossible."""
+def library() -> ctypes.CDLL | None:
+    """The built and loaded library, once per process; None (after one warning) if impossible."""
     if os.environ.get(ENV, "").strip().lower() in ("0", "off", "false", "no"):
-        return False
+        return None
     compiler = find_compiler()
     if compiler is None:
         warnings.warn("cpu_kernels: no C++ compiler found (set CXX); using XLA's matrix products, which are "
-                      "slower for decode and much slower with bfloat16 weights", RuntimeWarning, stacklevel=3)
-        return False
+                      "slower for decode and much slower with bfloat16 weights", RuntimeWarning, stacklevel=4)
+        return None
     try:
-        library = ctypes.cdll.LoadLibrary(str(compile_library(compiler)))
+        return ctypes.cdll.LoadLibrary(str(compile_library(compiler)))
     except (OSError, subprocess.CalledProcessError) as e:
         lines = (getattr(e, "stderr", "") or str(e)).strip().splitlines() or ["no message"]
         error = next((line for line in lines if "error" in line), lines[-1]).strip()[:300]
         warnings.warn(f"cpu_kernels: building the kernels with {compiler} failed, using XLA's matrix products: "
-                      f"{error}", RuntimeWarning, stacklevel=3)
+                      f"{error}", RuntimeWarning, stacklevel=4)
+        return None
+
+
+@functools.cache
+def load() -> bool:
+    """Build, load and register the kernels once per process; False (after one warning) if impossible."""
+    lib = library()
+    if lib is None:
         return False
     for name, symbol in HANDLERS.items():
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return True
+
+
+def stream_read():
+    """``read(a)``: the sum of a contiguous float32 NumPy array, read once by compiled code (GIL released);
+    None when the library cannot be built."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = lib.LlmJaxStreamRead
+    fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_void_p, ctypes.c_int64]
+
+    def read(a):
+        assert a.dtype == "float32" and a.flags.c_contiguous, "stream_read: contiguous float32 only"
+        return fn(a.ctypes.data, a.size)
+
+    return read

@@ -7,6 +7,7 @@ import jax
 import numpy as np
 import pytest
 
+from cpu_kernels import build
 from llm_jax.benchmark import machine
 from llm_jax.benchmark.compile_study import cli_ttft, compile_vs_depth
 from llm_jax.benchmark.llm_jax_engine import Workload
@@ -147,3 +148,14 @@ def test_batch_sizes_take_turns_and_their_throughput_ratio_is_reported(tmp_path,
     [scaling] = report["batch_scaling"]
     assert (scaling["shape"], scaling["engine"], scaling["batch"]) == ("260K", "llm_jax", 3)
     assert scaling["times_batch_1"] == pytest.approx(rate[3] / rate[1])
+
+
+def test_bandwidth_readers_read_every_value():
+    """Each reader returns the sum (or max) of all of its array, so none can skip memory it should read;
+    where the kernels build, the compiled read is among them."""
+    data = np.arange(1, 1 + 1000 + 37, dtype=np.float32) % 7  # a length with a tail after the vector loop
+    results = [float(read(data)) for read in machine.readers()]
+    assert {round(r) for r in results} <= {int(data.sum()), int(data.max())}
+    assert round(results[0]) == int(data.sum())
+    if build.find_compiler() is not None:
+        assert len(results) == 3
