@@ -47,10 +47,16 @@ constexpr int64_t kPrefetchRows = 4;
 // leaves the core's load/store ports to the weights (110M's 12 layers of float32 products, one row:
 // 26 ms instead of 32).
 constexpr int64_t kRowBlock = 4;
-// One row of x (decode): a column tile spans 4 KiB of each row of W (1024 float32 or 2048 bfloat16
-// columns), the stretch the prefetcher follows before the next row. float32: 1024 columns measured
-// best, 2048 and 4096 5-15% slower; bfloat16: 2048 columns 12% faster than 1024 (110M step 23.8 ->
-// 21.0 ms), 4096 the same.
+// One row of x (decode): a column tile spans whole rows of W when they are at most kFullRowBytes long,
+// so that a unit of work (a slice of rows) is one contiguous stretch of memory; longer rows are cut
+// into tiles of kTileBytes. Measured in a standalone harness whose steps take turns between the two
+// choices (120 steps, medians): a [768, 2304] float32 product (9 KiB rows) 4.5 → 3.9 ms per 12 layers,
+// 110M's float32 w1/w3 (8 KiB rows) 7.4 → 6.8 ms, a TinyLlama-sized bfloat16 w1/w3 (11 KiB rows)
+// 15.8 → 12.6 ms per 6 layers; through JAX (alternating runs, medians of 4) the 1B bfloat16 decode step
+// 125 → 108 ms, and 110M float32 no different beyond the noise (25.9 / 26.3 ms). (Measured earlier one
+// run after the other, 4 KiB tiles had looked best for float32.) Tiles of kTileBytes: bfloat16 2048
+// columns were 12 % faster than 1024 (110M step 23.8 → 21.0 ms).
+constexpr int64_t kFullRowBytes = 16384;
 constexpr int64_t kTileBytes = 4096;
 
 // y[r, n0:n1] += Σ_{k in [k0, k1)} x[r, k] · W[k, n0:n1]; y rows are ldy apart.
@@ -120,8 +126,11 @@ void kn_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*
   // order of float32 sums: a 4 KiB-per-row tile here flipped a near-tied greedy token of the random
   // 15M bfloat16 model in prefill — 43% of tokens equal to transformers' instead of 100% — for no
   // measured gain.)
-  const int64_t tile =
-      R == 1 ? kTileBytes / static_cast<int64_t>(sizeof(W)) : std::max<int64_t>(16, (1024 / R) / 16 * 16);
+  const int64_t widest = *std::max_element(ns.begin(), ns.end());
+  const int64_t tile = R > 1 ? std::max<int64_t>(16, (1024 / R) / 16 * 16)
+                       : widest * static_cast<int64_t>(sizeof(W)) <= kFullRowBytes
+                           ? std::max<int64_t>(widest, 1)
+                           : kTileBytes / static_cast<int64_t>(sizeof(W));
   const size_t M = ws.size();
   std::vector<int64_t> first_tile(M + 1, 0);
   for (size_t i = 0; i < M; ++i) first_tile[i + 1] = first_tile[i] + (ns[i] + tile - 1) / tile;

@@ -37,6 +37,9 @@ def case(R, K, N, dtype, transposed, seed=0):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
 @pytest.mark.parametrize("R,K,N", [(1, 64, 3000), (1, 7, 5), (3, 40, 1030), (5, 33, 17), (2, 770, 64),
+                                   # one row, kn: rows of W longer than 16 KiB in float32 (cut into
+                                   # column tiles, the last one short), whole-row tiles in bfloat16
+                                   (1, 24, 4500),
                                    # 8 rows and more: packed panels and register tiles (uneven tiles of
                                    # rows, a last panel narrower than 16 columns, K in several blocks)
                                    (9, 16, 2100), (8, 20, 4100), (32, 288, 100), (13, 1030, 37), (45, 9, 3),
@@ -115,7 +118,7 @@ def test_a_broken_compiler_falls_back_with_a_warning(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
-@pytest.mark.parametrize("R", [3, 11])
+@pytest.mark.parametrize("R", [1, 3, 11])
 def test_several_weights_sharing_the_input(dtype, transposed, R):
     """q/k/v-like products of one input in one call: each equals its own product (work units of the
     tiled kernels, R >= 8, run across the matrices)."""
