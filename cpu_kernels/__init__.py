@@ -1,5 +1,6 @@
 """Matrix products, attention and greedy argmax for LLM inference on CPU: XLA FFI custom calls written
-in C++ (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``).
+in C++ (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``); and
+``stream_read.cc``, the benchmark's memory-bandwidth probe (``build.stream_read()``).
 
 Depends on jax only. ``matmul(x_RK, w)`` computes x [R, K] · W in float32 for W [K, N] or, with
 ``transposed=True``, W [N, K], in float32 or bfloat16 — the product decode runs for every weight
