@@ -184,11 +184,12 @@ void nk_rows(const float* x, const W* wn, float* y, int64_t K, int64_t N, int64_
 // Rows of W up to this long are asked for kNkAheadBytes ahead of the row being read: with short rows
 // (15M's LM head: 288 values) the hardware prefetcher alone leaves a core waiting. The batch-1 LM head
 // in a standalone harness (alternating runs): 15M float32 2.3–2.8 → 1.9–2.4 ms, bfloat16 1.3–1.45 →
-// 1.0–1.35 ms; the whole 15M decode step (medians of 8 alternating runs) float32 5.33 → 4.71 ms,
-// bfloat16 3.08 → 2.41 ms. Longer rows are left to the hardware: 110M's (float32 3 KiB, no faster in
-// the harness; bfloat16 1.5 KiB, no different in the decode step). Distances of 640–4608 bytes tried:
-// 2304 was the best or within the noise of the best.
-constexpr int64_t kNkShortRowBytes = 1152;
+// 1.0–1.35 ms; the whole 15M decode step (medians of 8 alternating runs through JAX) float32 5.33 →
+// 4.71 ms, bfloat16 3.08 → 2.41 ms. 110M bfloat16 (1536-byte rows), in a harness whose decode-like steps
+// take turns between the two (160 steps each): LM head 3.36 → 3.17 and 3.31 → 3.09 ms. Longer rows are
+// left to the hardware: 110M float32 (3 KiB rows) 5.77 → 6.19 ms with it. Distances of 640–4608 bytes
+// tried: 2304 was the best or within the noise of the best.
+constexpr int64_t kNkShortRowBytes = 2048;
 constexpr int64_t kNkAheadBytes = 2304;
 
 template <typename W>
