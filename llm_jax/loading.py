@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from llm_jax.config import AttentionImpl, ModelConfig
-from llm_jax.model import Params, param_shapes
+from llm_jax.model import Params, fuse_projections, param_shapes, unfuse_projections
+from llm_jax.model.fused import kernels_prefer_fused
 from llm_jax.sharding import make_mesh, param_shardings, shard_params
 from llm_jax.tokenizer import Tokenizer, load_tokenizer
 from llm_jax.weights import sources
@@ -27,7 +28,12 @@ from llm_jax.weights.sources import WeightFormat
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Model:
-    """A loaded model: its config, params pytree, tokenizer (None if it has none) and stop ids."""
+    """A loaded model: its config, params pytree, tokenizer (None if it has none) and stop ids.
+
+    On one CPU device the params are in the fused layout of :mod:`llm_jax.model.fused` (q/k/v and gate/up
+    as one matrix each), which decodes faster there; ``llm_jax.model.unfuse_projections`` gives the
+    separate layout of checkpoints and Hugging Face.
+    """
 
     config: ModelConfig
     params: Params
@@ -39,7 +45,7 @@ class Model:
 
     def shard(self, mesh: Mesh) -> "Model":
         """This model laid out on ``mesh``; its config repeats K/V heads where the mesh needs it."""
-        config, params = shard_params(self.config, self.params, mesh)
+        config, params = shard_params(self.config, unfuse_projections(self.params, self.config), mesh)
         return dataclasses.replace(self, config=config, params=params, mesh=mesh)
 
     def with_attention(self, attention: AttentionImpl | str) -> "Model":
@@ -48,7 +54,7 @@ class Model:
 
 def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None, mesh: Mesh | str | None = None,
          attention: AttentionImpl | str = AttentionImpl.XLA, tokenizer: str | os.PathLike | None = None,
-         verify: bool = True) -> Model:
+         verify: bool = True, fuse: bool | None = None) -> Model:
     """Load an llm_jax checkpoint, a Hugging Face folder or a llama2.c ``.bin``.
 
     ``dtype`` sets both parameter and compute dtype (default: the checkpoint's own; float32 for
@@ -56,9 +62,14 @@ def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None, m
     ``config -> either``; see ``weights/placement.py``); default: the first device. ``mesh`` (a ``Mesh``
     or a spec like ``"data=2,model=4"``) instead lays the params out by the table of ``llm_jax.sharding``,
     each device receiving only its shard, and runs the model on it. ``tokenizer`` overrides the tokenizer
-    found with the weights. ``verify`` checks an llm_jax checkpoint's checksums.
+    found with the weights. ``verify`` checks an llm_jax checkpoint's checksums. ``fuse``: params in the fused
+    layout of :mod:`llm_jax.model.fused` (default: where the CPU kernels run the products, that is without
+    ``mesh`` or ``sharding`` on one CPU device).
     """
     attention = AttentionImpl.parse(attention)  # before any slow work
+    if fuse and mesh is not None:
+        raise ValueError("the fused layout is for one device (the mesh's sharding table names q/k/v and gate/up "
+                         "separately): give load() fuse=True or a mesh, not both")
     if mesh is not None:
         if sharding is not None:
             raise ValueError("give load() a mesh or a sharding, not both")
@@ -81,6 +92,10 @@ def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None, m
         eos_ids, stop_ids = sources.generation_ids(fmt, tok)
     if mesh is not None:  # K/V heads repeated where the mesh needs it (nothing moves otherwise)
         config, params = shard_params(config, params, mesh)
+    if fuse is None:
+        fuse = mesh is None and sharding is None and kernels_prefer_fused()
+    if fuse:
+        params = fuse_projections(params, config)
     config = config.replace(attention_impl=attention)
     return Model(config=config, params=params, tokenizer=tok, eos_ids=eos_ids, stop_ids=stop_ids, path=str(path),
                  mesh=mesh)

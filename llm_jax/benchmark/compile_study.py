@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from llm_jax.benchmark.llm_jax_engine import LlmJaxEngine, Workload
 from llm_jax.benchmark.shapes import shape_config
 from llm_jax.compilation import CACHE_ENV
-from llm_jax.model import init_params
+from llm_jax.model import for_inference, init_params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -40,7 +40,7 @@ def compile_vs_depth(shape: str, dtype: str, layer_counts: Sequence[int], worklo
         # from JAX's in-memory caches and time as zero.
         jax.clear_caches()
         config = shape_config(shape, dtype=dtype, n_layers=n_layers)
-        params = jax.tree.map(jnp.asarray, init_params(config))
+        params = for_inference(jax.tree.map(jnp.asarray, init_params(config)), config)
         compiled = LlmJaxEngine(params, config, workload).compile()
         out.append(DepthCompile(shape=shape, n_layers=n_layers, prefill_s=compiled.prefill_s,
                                 decode_s=compiled.decode_s))

@@ -26,7 +26,7 @@ from llm_jax.benchmark.roofline import decode_roofline
 from llm_jax.benchmark.shapes import SHAPES, shape_config
 from llm_jax.config import MatmulImpl, ModelConfig
 from llm_jax.kv_cache import cache_bytes_per_token
-from llm_jax.model import init_params
+from llm_jax.model import for_inference, init_params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,7 +88,7 @@ class ModelSource:
             loaded = llm_jax.load(self.hf_folder or self.model, dtype=dtype)
             return loaded.config, loaded.params
         config = shape_config(self.model, dtype=dtype)
-        return config, jax.tree.map(jnp.asarray, init_params(config))
+        return config, for_inference(jax.tree.map(jnp.asarray, init_params(config)), config)
 
 
 def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[Cell], options: Options,

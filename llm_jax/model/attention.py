@@ -18,6 +18,7 @@ import cpu_kernels
 import pallas_kernels
 from llm_jax import kv_cache as kvc
 from llm_jax.config import AttentionImpl, MatmulImpl, ModelConfig
+from llm_jax.model.fused import split_qkv
 from llm_jax.model.layers import RMSNorm, _init, dense, dense_many, layer_of, stacked_param
 from llm_jax.model.rope import apply_rope, inverse_frequencies, rope_angles
 from llm_jax.sharding import attention_on_shards
@@ -29,7 +30,8 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 class Attention(nn.Module):
     """Q/K/V and output projections of one layer. q_proj [D, N, H], k/v_proj [D, K, H], o_proj [N, H, D]
-    (each with a leading [L] axis when ``stack`` is L: see :mod:`llm_jax.model.layers`)."""
+    (each with a leading [L] axis when ``stack`` is L: see :mod:`llm_jax.model.layers`); or, in the fused
+    layout (:mod:`llm_jax.model.fused`), qkv_proj [D, (N + 2K)·H] in place of q/k/v_proj."""
 
     config: ModelConfig
     stack: int | None = None
@@ -37,9 +39,12 @@ class Attention(nn.Module):
     def setup(self) -> None:
         c, L = self.config, self.stack
         D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
-        self.q_proj = stacked_param(self, "q_proj", _init, (D, N, H), L)
-        self.k_proj = stacked_param(self, "k_proj", _init, (D, K, H), L)
-        self.v_proj = stacked_param(self, "v_proj", _init, (D, K, H), L)
+        if self.has_variable("params", "qkv_proj"):
+            self.qkv_proj = stacked_param(self, "qkv_proj", _init, (D, (N + 2 * K) * H), L)
+        else:
+            self.q_proj = stacked_param(self, "q_proj", _init, (D, N, H), L)
+            self.k_proj = stacked_param(self, "k_proj", _init, (D, K, H), L)
+            self.v_proj = stacked_param(self, "v_proj", _init, (D, K, H), L)
         self.o_proj = stacked_param(self, "o_proj", _init, (N, H, D), L)
         if c.qkv_bias:
             self.q_bias = stacked_param(self, "q_bias", nn.initializers.zeros, (N, H), L)
@@ -52,9 +57,16 @@ class Attention(nn.Module):
     def project(self, x_BTD: jnp.ndarray, positions_BT: jnp.ndarray, layer: jnp.ndarray | None = None):
         """Queries [B, T, N, H] and keys/values [B, T, K, H] at ``positions_BT``, RoPE applied."""
         c, dtype = self.config, x_BTD.dtype
-        q_BTNH, k_BTKH, v_BTKH = dense_many(["BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTD,DKH->BTKH"], x_BTD,
-                                            [self.q_proj, self.k_proj, self.v_proj], jnp.float32, c.matmul_impl,
-                                            layer)
+        if hasattr(self, "qkv_proj"):
+            B, T = x_BTD.shape[:2]
+            qkv_BTE = dense("BTD,DE->BTE", x_BTD, self.qkv_proj, jnp.float32, c.matmul_impl, layer)
+            q_BTE, k_BTE, v_BTE = split_qkv(qkv_BTE, c)
+            q_BTNH = q_BTE.reshape(B, T, c.n_heads, c.head_dim)
+            k_BTKH, v_BTKH = (a.reshape(B, T, c.n_kv_heads, c.head_dim) for a in (k_BTE, v_BTE))
+        else:
+            q_BTNH, k_BTKH, v_BTKH = dense_many(["BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTD,DKH->BTKH"], x_BTD,
+                                                [self.q_proj, self.k_proj, self.v_proj], jnp.float32,
+                                                c.matmul_impl, layer)
         if c.qkv_bias:
             biases = (self.q_bias, self.k_bias, self.v_bias)
             q_NH, k_KH, v_KH = biases if layer is None else (layer_of(b, layer) for b in biases)

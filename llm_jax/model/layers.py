@@ -146,7 +146,10 @@ class Embedder(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``: SwiGLU (Shazeer 2020) or GeGLU with tanh-approximated GELU."""
+    """``down(act(gate(x)) * up(x))``: SwiGLU (Shazeer 2020) or GeGLU with tanh-approximated GELU.
+
+    gate_proj and up_proj [D, F], down_proj [F, D]; or, in the fused layout (:mod:`llm_jax.model.fused`),
+    gate_up_proj [D, 2F] in place of gate/up_proj."""
 
     d_ff: int
     activation: Activation
@@ -155,12 +158,17 @@ class GatedMLP(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTD: jnp.ndarray, layer: jnp.ndarray | None = None) -> jnp.ndarray:
-        D = x_BTD.shape[-1]
-        gate_DF = stacked_param(self, "gate_proj", _init, (D, self.d_ff), self.stack)
-        up_DF = stacked_param(self, "up_proj", _init, (D, self.d_ff), self.stack)
-        down_FD = stacked_param(self, "down_proj", _init, (self.d_ff, D), self.stack)
-        gate_BTF, up_BTF = dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, self.matmul,
-                                      layer)
+        D, F = x_BTD.shape[-1], self.d_ff
+        if self.has_variable("params", "gate_up_proj"):  # the fused layout: llm_jax.model.fused
+            gate_up_DE = stacked_param(self, "gate_up_proj", _init, (D, 2 * F), self.stack)
+            gate_up_BTE = dense("BTD,DE->BTE", x_BTD, gate_up_DE, jnp.float32, self.matmul, layer)
+            gate_BTF, up_BTF = gate_up_BTE[..., :F], gate_up_BTE[..., F:]
+        else:
+            gate_DF = stacked_param(self, "gate_proj", _init, (D, F), self.stack)
+            up_DF = stacked_param(self, "up_proj", _init, (D, F), self.stack)
+            gate_BTF, up_BTF = dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, self.matmul,
+                                          layer)
+        down_FD = stacked_param(self, "down_proj", _init, (F, D), self.stack)
         match self.activation:
             case Activation.SILU:
                 act_BTF = jax.nn.silu(gate_BTF)

@@ -8,6 +8,8 @@ import torch
 
 import llm_jax
 from llm_jax.config import AttentionImpl, ConfigError
+from llm_jax.model import is_fused, unfuse_projections
+from llm_jax.model.fused import kernels_prefer_fused
 from llm_jax.weights.convert import convert
 from llm_jax.weights.placement import leaves_by_path
 from tests.hf_models import save_tiny_llama
@@ -25,12 +27,18 @@ def reference(paths):
     return llm_jax.load(paths["bin"])
 
 
+def separate(model: llm_jax.Model) -> dict:
+    """The model's params by path, in the separate layout of checkpoints (llm_jax.model.fused)."""
+    return leaves_by_path(unfuse_projections(model.params, model.config))
+
+
 @pytest.mark.parametrize("kind", ["bin", "hf", "llm_jax"])
 def test_every_format_loads_the_same_model(paths, reference, kind):
     model = llm_jax.load(paths[kind])
     assert model.config == reference.config and model.path == str(paths[kind])
-    for path, x in leaves_by_path(reference.params).items():
-        np.testing.assert_array_equal(np.asarray(leaves_by_path(model.params)[path]), np.asarray(x))
+    assert is_fused(model.params) == kernels_prefer_fused()  # fused where the CPU kernels run
+    for path, x in separate(reference).items():
+        np.testing.assert_array_equal(np.asarray(separate(model)[path]), np.asarray(x))
     assert model.tokenizer.encode("Once upon a time") == reference.tokenizer.encode("Once upon a time")
     assert model.eos_ids == (2,)
     assert model.stop_ids == ((1,) if kind != "hf" else ())  # llama2.c's BOS stop travels with a conversion
@@ -46,7 +54,8 @@ def test_dtype_sharding_and_attention(paths, reference, kind):
     assert seen == ["bfloat16"]
     assert (model.config.param_dtype, model.config.compute_dtype) == ("bfloat16", "bfloat16")
     assert model.config.attention_impl is AttentionImpl.PALLAS
-    for path, x in leaves_by_path(reference.params).items():
+    assert not is_fused(model.params)  # a placement given: the separate layout, each tensor where it was put
+    for path, x in separate(reference).items():
         ours = leaves_by_path(model.params)[path]
         assert ours.sharding == sharding and ours.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(x.astype(jnp.bfloat16)))
