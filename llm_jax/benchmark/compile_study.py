@@ -40,7 +40,7 @@ def compile_vs_depth(shape: str, dtype: str, layer_counts: Sequence[int], worklo
         # from JAX's in-memory caches and time as zero.
         jax.clear_caches()
         config = shape_config(shape, dtype=dtype, n_layers=n_layers)
-        params = for_inference(jax.tree.map(jnp.asarray, init_params(config)), config)
+        params = for_inference(jax.tree.map(jnp.asarray, init_params(config)), config, consume=True)
         compiled = LlmJaxEngine(params, config, workload).compile()
         out.append(DepthCompile(shape=shape, n_layers=n_layers, prefill_s=compiled.prefill_s,
                                 decode_s=compiled.decode_s))

@@ -88,7 +88,7 @@ class ModelSource:
             loaded = llm_jax.load(self.hf_folder or self.model, dtype=dtype)
             return loaded.config, loaded.params
         config = shape_config(self.model, dtype=dtype)
-        return config, for_inference(jax.tree.map(jnp.asarray, init_params(config)), config)
+        return config, for_inference(jax.tree.map(jnp.asarray, init_params(config)), config, consume=True)
 
 
 def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[Cell], options: Options,

@@ -55,6 +55,17 @@ def test_fuse_then_unfuse_is_exact(params):
     assert jax.tree.structure(again) == jax.tree.structure(fused)
 
 
+def test_consume_deletes_only_the_replaced_arrays():
+    params = init_params(CONFIG)
+    q, down = params["layers"]["attn"]["q_proj"], params["layers"]["mlp"]["down_proj"]
+    fuse_projections(params, CONFIG)
+    assert not q.is_deleted()  # by default the caller's arrays stay usable
+    fused = fuse_projections(params, CONFIG, consume=True)
+    assert q.is_deleted() and params["layers"]["mlp"]["up_proj"].is_deleted()
+    assert not down.is_deleted() and fused["layers"]["mlp"]["down_proj"] is down
+    assert np.isfinite(np.asarray(fused["layers"]["attn"]["qkv_proj"])).all()
+
+
 def test_fused_layout_computes_the_same_model(params):
     fused = fuse_projections(params, CONFIG)
     tokens_BT = jnp.asarray(np.random.default_rng(1).integers(0, CONFIG.vocab_size, (2, 13)), jnp.int32)
