@@ -56,6 +56,8 @@ constexpr int64_t kRowBlock = 4;
 // 125 → 108 ms, and 110M float32 no different beyond the noise (25.9 / 26.3 ms). (Measured earlier one
 // run after the other, 4 KiB tiles had looked best for float32.) Tiles of kTileBytes: bfloat16 2048
 // columns were 12 % faster than 1024 (110M step 23.8 → 21.0 ms).
+// llm_jax/model/fused.py fuses q/k/v and gate/up into one matrix only where the fused rows stay within
+// this limit (its FUSED_ROW_BYTES, checked equal by tests/llm_jax/model/test_fused.py).
 constexpr int64_t kFullRowBytes = 16384;
 constexpr int64_t kTileBytes = 4096;
 

@@ -24,6 +24,7 @@ kernels run (one CPU device), ``save_checkpoint`` and ``Model.shard`` unfuse.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import cpu_kernels
 from llm_jax.config import ModelConfig
 
-Params = dict
+Params = dict[str, Any]
 
 FUSED_ROW_BYTES = 16384
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -51,6 +52,7 @@ def kernels_prefer_fused() -> bool:
 
 
 def is_fused(params: Params) -> bool:
+    """Whether ``params`` hold a fused group (``qkv_proj`` or ``gate_up_proj``)."""
     layers = params.get("layers", {})
     return "qkv_proj" in layers.get("attn", {}) or "gate_up_proj" in layers.get("mlp", {})
 

@@ -2,11 +2,15 @@
 as the separate layout (full forward, prefill and one-token decode steps), the fusion plan, and which
 layout ``load``, ``save_checkpoint`` and ``Model.shard`` use."""
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cpu_kernels
 import llm_jax
 from llm_jax.benchmark.shapes import shape_config
 from llm_jax.config import Activation, ModelConfig
@@ -92,6 +96,8 @@ def test_fused_layout_computes_the_same_model(params):
 
 
 def test_fusion_plan_follows_the_kernels_whole_row_limit():
+    source = (pathlib.Path(cpu_kernels.__file__).parent / "matmul.cc").read_text()
+    assert re.search(r"kFullRowBytes = (\d+);", source).group(1) == str(FUSED_ROW_BYTES)
     assert fusion_plan(shape_config("110M", dtype="float32")) == (True, True)  # 9 KiB and 16 KiB rows
     assert fusion_plan(shape_config("15M", dtype="bfloat16")) == (True, True)
     # TinyLlama bfloat16: q/k/v 5 KiB rows fuse; gate/up would be 22 KiB rows, read slower as column tiles
