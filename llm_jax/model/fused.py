@@ -91,7 +91,7 @@ def unfuse_projections(params: Params, config: ModelConfig) -> Params:
     if "qkv_proj" in attn:
         attn.update(zip(QKV, _apart(attn.pop("qkv_proj"), config)))
     if "gate_up_proj" in mlp:
-        mlp.update(zip(GATE_UP, jax.jit(jnp.split, static_argnums=(1, 2))(mlp.pop("gate_up_proj"), 2, -1)))
+        mlp.update(zip(GATE_UP, _halves(mlp.pop("gate_up_proj"))))
     layers["attn"], layers["mlp"] = attn, mlp
     return {**params, "layers": layers}
 
@@ -109,6 +109,12 @@ def _apart(qkv: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, j
     """qkv_proj [L, D, (N + 2K)·H] → q_proj [L, D, N, H], k_proj and v_proj [L, D, K, H]."""
     heads = (config.n_heads, config.n_kv_heads, config.n_kv_heads)
     return tuple(w.reshape(*w.shape[:-1], n, config.head_dim) for w, n in zip(split_qkv(qkv, config), heads))
+
+
+@jax.jit
+def _halves(gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """gate_up_proj [L, D, 2F] → gate_proj and up_proj [L, D, F]."""
+    return tuple(jnp.split(gate_up, 2, axis=-1))
 
 
 def split_qkv(qkv: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
