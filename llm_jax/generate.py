@@ -357,7 +357,7 @@ class GenerationStream:
             compile_s=compiled.seconds, prefill_s=t_first - t_start, ttft_s=t_first - t_start,
             itl_s=float(steps.mean()), itl_p50_s=float(np.percentile(steps, 50)),
             itl_p90_s=float(np.percentile(steps, 90)), decode_s=decode_s,
-            decode_tokens_per_s=decode_tokens / decode_run_s if decode_tokens else 0.0,
+            decode_tokens_per_s=decode_tokens / decode_run_s if decode_tokens and decode_run_s > 0 else 0.0,
             prompt_tokens=int(lengths_B.sum()), generated_tokens=sum(len(t.ids) for t in texts),
             host_syncs=host_syncs)
         self.kv_cache = cache if self.return_kv_cache else None
