@@ -31,7 +31,8 @@ from cpu_kernels import build
 from cpu_kernels.decode_attention import decode_attention
 from cpu_kernels.prefill_attention import prefill_attention
 
-__all__ = ["argmax", "available", "decode_attention", "matmul", "matmuls", "prefill_attention"]
+__all__ = ["PANEL", "argmax", "available", "decode_attention", "from_panels", "matmul", "matmuls", "prefill_attention",
+           "to_panels"]
 
 
 def available() -> bool:
@@ -39,52 +40,74 @@ def available() -> bool:
     return jax.default_backend() == "cpu" and build.load()
 
 
+PANEL = 16  # columns per panel of the panel layout
+
+
+def to_panels(w: jax.Array) -> jax.Array:
+    """W [..., K, N] → its panel layout [..., N / 16, K, 16]: panel q holds columns 16q ... 16q + 15, row
+    after row (N must be a multiple of 16)."""
+    *lead, K, N = w.shape
+    if N % PANEL:
+        raise ValueError(f"the panel layout needs a multiple of {PANEL} columns, got W {w.shape}")
+    return jnp.swapaxes(w.reshape(*lead, K, N // PANEL, PANEL), -3, -2)
+
+
+def from_panels(p: jax.Array) -> jax.Array:
+    """The panel layout [..., N / 16, K, 16] → W [..., K, N] (the inverse of :func:`to_panels`)."""
+    *lead, P, K, width = p.shape
+    if width != PANEL:
+        raise ValueError(f"panels are [..., N / {PANEL}, K, {PANEL}], got {p.shape}")
+    return jnp.swapaxes(p, -3, -2).reshape(*lead, K, P * PANEL)
+
+
 def _layer(w: jax.Array, layer: jax.Array | None) -> jax.Array:
     """Layer ``layer`` of a stack of weights [L, ...] (``w`` itself when not stacked)."""
     return w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
 
 
-def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, transposed: bool):
-    spec = "RK,NK->RN" if transposed else "RK,KN->RN"
-    return tuple(jnp.einsum(spec, x_RK.astype(w.dtype), _layer(w, layer), preferred_element_type=jnp.float32)
-                 for w in ws)
+def _as_kn(w: jax.Array, layout: str) -> jax.Array:
+    """One (unstacked) weight as [K, N]."""
+    return {"kn": lambda: w, "nk": lambda: w.T, "panels": lambda: from_panels(w)}[layout]()
 
 
-def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, transposed: bool):
+def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
+    return tuple(jnp.einsum("RK,KN->RN", x_RK.astype(w.dtype), _as_kn(_layer(w, layer), layout),
+                            preferred_element_type=jnp.float32) for w in ws)
+
+
+def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
     dtype = "bf16" if ws[0].dtype == jnp.bfloat16 else "f32"
-    target = f"llm_jax_matmul_{'nk' if transposed else 'kn'}_{dtype}"
-    shapes = [jax.ShapeDtypeStruct((x_RK.shape[0], w.shape[-2] if transposed else w.shape[-1]), jnp.float32)
-              for w in ws]
-    call = jax.ffi.ffi_call(target, shapes, vmap_method="sequential")
+    width = {"kn": lambda w: w.shape[-1], "nk": lambda w: w.shape[-2], "panels": lambda w: w.shape[-3] * PANEL}
+    shapes = [jax.ShapeDtypeStruct((x_RK.shape[0], width[layout](w)), jnp.float32) for w in ws]
+    call = jax.ffi.ffi_call(f"llm_jax_matmul_{layout}_{dtype}", shapes, vmap_method="sequential")
     index = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+    if layout == "panels" and layer is None:  # the kernel takes stacks [L, N / 16, K, 16]
+        ws = tuple(w[None] for w in ws)
     # x rounded to the weights' dtype, as XLA's product (``_xla``) does: both routes compute the same.
     return tuple(call(index, x_RK.astype(ws[0].dtype).astype(jnp.float32), *ws))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _matmuls(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, transposed: bool):
-    return jax.lax.platform_dependent(x_RK, ws, layer, cpu=functools.partial(_kernel, transposed=transposed),
-                                      default=functools.partial(_xla, transposed=transposed))
+def _matmuls(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
+    return jax.lax.platform_dependent(x_RK, ws, layer, cpu=functools.partial(_kernel, layout=layout),
+                                      default=functools.partial(_xla, layout=layout))
 
 
-def _matmuls_fwd(x_RK, ws, layer, transposed):
-    return _matmuls(x_RK, ws, layer, transposed), (x_RK, ws, layer)
+def _matmuls_fwd(x_RK, ws, layer, layout):
+    return _matmuls(x_RK, ws, layer, layout), (x_RK, ws, layer)
 
 
-def _matmuls_bwd(transposed, residuals, dys):
+def _matmuls_bwd(layout, residuals, dys):
     x_RK, ws, layer = residuals
     x32 = x_RK.astype(jnp.float32)
     dx_RK = jnp.zeros(x_RK.shape, jnp.float32)
     dws = []
     for w, dy_RN in zip(ws, dys):
-        dy_RN, w32 = dy_RN.astype(jnp.float32), _layer(w, layer).astype(jnp.float32)
+        dy_RN, w_KN = dy_RN.astype(jnp.float32), _as_kn(_layer(w, layer), layout).astype(jnp.float32)
         # The forward reads x rounded to w's dtype: its cotangent is rounded the same way (as XLA's is).
-        if transposed:
-            dx_RK += (dy_RN @ w32).astype(w.dtype).astype(jnp.float32)
-            dw = (dy_RN.T @ x32).astype(w.dtype)
-        else:
-            dx_RK += (dy_RN @ w32.T).astype(w.dtype).astype(jnp.float32)
-            dw = (x32.T @ dy_RN).astype(w.dtype)
+        dx_RK += (dy_RN @ w_KN.T).astype(w.dtype).astype(jnp.float32)
+        dw_KN = x32.T @ dy_RN
+        dw = {"kn": lambda: dw_KN, "nk": lambda: dw_KN.T, "panels": lambda: to_panels(dw_KN)}[layout]().astype(w.dtype)
         dws.append(dw if layer is None else jnp.zeros_like(w).at[layer].set(dw))
     return dx_RK.astype(x_RK.dtype), tuple(dws), None
 
@@ -92,35 +115,43 @@ def _matmuls_bwd(transposed, residuals, dys):
 _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
 
 
-def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, layer: jax.Array | int | None = None):
-    """x [R, K] · W_i → [R, N_i] float32 for each W_i in ``ws`` ([K, N_i], or [N_i, K] when ``transposed``;
-    all float32 or all bfloat16). On CPU one kernel call streams every W_i: one fork-join for all.
+def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = False,
+            layer: jax.Array | int | None = None):
+    """x [R, K] · W_i → [R, N_i] float32 for each W_i in ``ws`` ([K, N_i]; [N_i, K] when ``transposed``; in
+    the panel layout [N_i / 16, K, 16] of :func:`to_panels` when ``panels``; all float32 or all bfloat16).
+    On CPU one kernel call streams every W_i: one fork-join for all.
 
-    With ``layer`` (an int32 scalar, may be traced), every W_i is a stack [L, K, N_i] (or [L, N_i, K]) and
+    With ``layer`` (an int32 scalar, may be traced), every W_i is a stack [L, ...] of such matrices and
     its layer ``layer`` is used: the kernel reads it inside the stack, with no copy.
 
     Uses the kernels when :func:`available`, XLA's products otherwise.
     """
     ws = tuple(ws)
-    k_axis = -1 if transposed else -2
-    rank = 2 if layer is None else 3
+    if transposed and panels:
+        raise ValueError("matmul: the panel layout holds W [K, N] (not transposed)")
+    layout = "panels" if panels else "nk" if transposed else "kn"
+    k_axis = {"kn": -2, "nk": -1, "panels": -2}[layout]
+    rank = (2 if layer is None else 3) + (layout == "panels")
     for w in ws:
-        if x_RK.ndim != 2 or w.ndim != rank or x_RK.shape[1] != w.shape[k_axis]:
+        if (x_RK.ndim != 2 or w.ndim != rank or x_RK.shape[1] != w.shape[k_axis]
+                or (layout == "panels" and w.shape[-1] != PANEL)):
             stack = "" if layer is None else "L, "
-            raise ValueError(f"matmul needs x [R, K] and w [{stack}{'N, K' if transposed else 'K, N'}] with the same "
-                             f"K, got x {x_RK.shape} and w {w.shape}")
+            form = {"kn": "K, N", "nk": "N, K", "panels": f"N / {PANEL}, K, {PANEL}"}[layout]
+            raise ValueError(f"matmul needs x [R, K] and w [{stack}{form}] with the same K, got x {x_RK.shape} "
+                             f"and w {w.shape}")
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32)
     dtypes = {w.dtype for w in ws}
     if len(dtypes) != 1 or dtypes.pop() not in (jnp.float32, jnp.bfloat16) or not available():
-        return _xla(x_RK, ws, layer, transposed)
-    return _matmuls(x_RK, ws, layer, transposed)
+        return _xla(x_RK, ws, layer, layout)
+    return _matmuls(x_RK, ws, layer, layout)
 
 
-def matmul(x_RK: jax.Array, w: jax.Array, *, transposed: bool = False, layer: jax.Array | int | None = None):
-    """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``; with ``layer``, a stack
-    [L, ...] of them), float32 or bfloat16."""
-    return matmuls(x_RK, (w,), transposed=transposed, layer=layer)[0]
+def matmul(x_RK: jax.Array, w: jax.Array, *, transposed: bool = False, panels: bool = False,
+           layer: jax.Array | int | None = None):
+    """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``, or panels [N / 16, K, 16];
+    with ``layer``, a stack [L, ...] of them), float32 or bfloat16."""
+    return matmuls(x_RK, (w,), transposed=transposed, panels=panels, layer=layer)[0]
 
 
 def argmax(x_BV: jax.Array) -> jax.Array:

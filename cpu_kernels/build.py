@@ -35,6 +35,8 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_matmul_kn_bf16": "MatmulKnBF16",
     "llm_jax_matmul_nk_f32": "MatmulNkF32",
     "llm_jax_matmul_nk_bf16": "MatmulNkBF16",
+    "llm_jax_matmul_panels_f32": "MatmulPanelsF32",
+    "llm_jax_matmul_panels_bf16": "MatmulPanelsBF16",
     "llm_jax_decode_attention_f32": "DecodeAttentionF32",
     "llm_jax_decode_attention_bf16": "DecodeAttentionBF16",
     "llm_jax_decode_attention_u16": "DecodeAttentionBits",

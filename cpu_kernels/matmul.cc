@@ -257,10 +257,10 @@ struct Prefetcher {
   }
 };
 
-// y[0:MR, 0:16] (+= when `add`) x[0:MR, 0:kc] · P[0:kc, 0:16], P a packed panel; x and y rows ldx and
-// ldy apart. Asks `pf` for `lines` lines on the way, spread over k.
-template <int MR>
-void tile(const float* x, int64_t ldx, int64_t kc, const float* p, float* y, int64_t ldy, bool add, Prefetcher& pf,
+// y[0:MR, 0:16] (+= when `add`) x[0:MR, 0:kc] · P[0:kc, 0:16], P a packed panel (float32, or bfloat16
+// widened as it is read); x and y rows ldx and ldy apart. Asks `pf` for `lines` lines on the way, spread over k.
+template <int MR, typename P>
+void tile(const float* x, int64_t ldx, int64_t kc, const P* p, float* y, int64_t ldy, bool add, Prefetcher& pf,
           int64_t lines) {
   f32x8 acc[MR][2];
   for (int r = 0; r < MR; ++r) {
@@ -283,7 +283,8 @@ void tile(const float* x, int64_t ldx, int64_t kc, const float* p, float* y, int
   }
 }
 
-void tile_rows(int64_t mr, const float* x, int64_t ldx, int64_t kc, const float* p, float* y, int64_t ldy, bool add,
+template <typename P>
+void tile_rows(int64_t mr, const float* x, int64_t ldx, int64_t kc, const P* p, float* y, int64_t ldy, bool add,
                Prefetcher& pf, int64_t lines) {
   switch (mr) {
     case 6: return tile<6>(x, ldx, kc, p, y, ldy, add, pf, lines);
@@ -503,6 +504,132 @@ void broadcast_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<c
   });
 }
 
+// ---- panels: W stored as [N / 16, K, 16] -------------------------------------------------------
+//
+// The layout the products above pack W into, kept in memory (llm_jax/model/panels.py stores the layers'
+// projections so where the kernels run): panel q holds columns 16q ... 16q + 15 of W [K, N], row after
+// row, one contiguous run of K · 16 values. Many rows then run the register tiles on W as it lies, with
+// no packing (which took a third of a batch-32 layer's time on one core: copying and waiting for
+// memory); one row streams a few panels at a time, each a long contiguous run, with the 16 sums of a
+// panel in registers instead of a tile of y loaded and stored every few rows of W.
+
+// y[0, 0:16G] = x[0, 0:kc] · the first kc rows of G panels, K · 16 values apart.
+template <int G, typename W>
+void panel_gemv(const float* x, const W* p, int64_t K, int64_t kc, float* y) {
+  f32x8 acc[G][2] = {};
+  for (int64_t k = 0; k < kc; ++k) {
+    const f32x8 xv = splat(x[k]);
+    for (int g = 0; g < G; ++g) {
+      const W* row = p + g * K * kPanel + k * kPanel;
+      acc[g][0] += xv * load8(row);
+      acc[g][1] += xv * load8(row + 8);
+    }
+  }
+  for (int g = 0; g < G; ++g) store8(y + g * kPanel, acc[g][0]), store8(y + g * kPanel + 8, acc[g][1]);
+}
+
+// Fewer than kTiledMinRows rows: units of kGemvPanels panels (and, when there are fewer units than twice
+// the threads, slices of K summed at the end).
+constexpr int64_t kGemvPanels = 4;
+
+template <typename W>
+void panel_rows(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
+                const std::vector<int64_t>& ns, int64_t R, int64_t K) {
+  const size_t M = ws.size();
+  std::vector<int64_t> first_unit(M + 1, 0);
+  for (size_t i = 0; i < M; ++i) first_unit[i + 1] = first_unit[i] + (ns[i] / kPanel + kGemvPanels - 1) / kGemvPanels;
+  const int64_t groups = first_unit[M], threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t slices = std::min<int64_t>(K, std::max<int64_t>(1, (2 * threads + groups - 1) / groups));
+  const int64_t slice = (K + slices - 1) / slices;
+  std::vector<std::vector<float>> partial(M);
+  for (size_t i = 0; i < M; ++i) partial[i].assign(static_cast<size_t>((slices - 1) * R * ns[i]), 0.f);
+  parallel_for(pool, groups * slices, [&](int64_t unit) {
+    const int64_t g = unit % groups, s = unit / groups;
+    const size_t i = std::upper_bound(first_unit.begin(), first_unit.end(), g) - first_unit.begin() - 1;
+    const int64_t N = ns[i], q0 = (g - first_unit[i]) * kGemvPanels, q1 = std::min(N / kPanel, q0 + kGemvPanels);
+    const int64_t k0 = s * slice, kc = std::min(K, k0 + slice) - k0;
+    float* out = s == 0 ? ys[i] : partial[i].data() + (s - 1) * R * N;
+    const W* p = ws[i] + k0 * kPanel;
+    if (kc <= 0) {
+      for (int64_t r = 0; r < R; ++r) std::fill(out + r * N + q0 * kPanel, out + r * N + q1 * kPanel, 0.f);
+    } else if (R == 1) {
+      int64_t q = q0;
+      for (; q + 4 <= q1; q += 4) panel_gemv<4>(x + k0, p + q * K * kPanel, K, kc, out + q * kPanel);
+      for (; q < q1; ++q) panel_gemv<1>(x + k0, p + q * K * kPanel, K, kc, out + q * kPanel);
+    } else {
+      Prefetcher none;
+      for (int64_t r0 = 0; r0 < R; r0 += kMR) {
+        for (int64_t q = q0; q < q1; ++q) {
+          tile_rows(std::min<int64_t>(kMR, R - r0), x + r0 * K + k0, K, kc, p + q * K * kPanel,
+                    out + r0 * N + q * kPanel, N, false, none, 0);
+        }
+      }
+    }
+  });
+  for (size_t i = 0; i < M; ++i) {
+    for (int64_t s = 1; s < slices; ++s) {
+      const float* part = partial[i].data() + (s - 1) * R * ns[i];
+      for (int64_t j = 0; j < R * ns[i]; ++j) ys[i][j] += part[j];
+    }
+  }
+}
+
+// The lines of panels [q0, q1) (K · 16 values apart) that rows [k0, k1) of K read.
+template <typename W>
+Prefetcher panel_block(const W* w, int64_t K, int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
+  const int64_t size = sizeof(W);
+  Prefetcher pf;
+  pf.p = reinterpret_cast<const char*>(w + (q0 * K + k0) * kPanel);
+  pf.stride = K * kPanel * size;
+  pf.run = (k1 - k0) * kPanel * size;
+  pf.left = (q1 - q0) * ((pf.run + 63) / 64);
+  return pf;
+}
+
+// kTiledMinRows rows or more: tiled_unit's blocks and tiles, on the panels as they lie.
+template <typename W>
+void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
+                 const std::vector<int64_t>& ns, int64_t R, int64_t K) {
+  const size_t M = ws.size();
+  int64_t panels = 0;
+  for (size_t i = 0; i < M; ++i) panels += ns[i] / kPanel;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1), kc_max = std::min(K, kKC);
+  const int64_t fit = kBlockBytes / (kPanel * kc_max * static_cast<int64_t>(sizeof(float)));
+  const int64_t width = std::clamp<int64_t>(std::min(fit, panels / (4 * threads)), 1, 8);  // panels per unit
+  std::vector<int64_t> first_unit(M + 1, 0);
+  for (size_t i = 0; i < M; ++i) first_unit[i + 1] = first_unit[i] + (ns[i] / kPanel + width - 1) / width;
+  auto locate = [&](int64_t unit, size_t* i, int64_t* q0, int64_t* q1) {
+    *i = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
+    *q0 = (unit - first_unit[*i]) * width;
+    *q1 = std::min(ns[*i] / kPanel, *q0 + width);
+  };
+  const int64_t tiles = (R + kMR - 1) / kMR;
+  parallel_for_ranges(pool, first_unit[M], [&](int64_t unit, int64_t next_unit) {
+    size_t i, j;
+    int64_t q0, q1, v0, v1;
+    locate(unit, &i, &q0, &q1);
+    Prefetcher next;
+    if (next_unit >= 0) {
+      locate(next_unit, &j, &v0, &v1);
+      next = panel_block(ws[j], K, v0, v1, 0, kc_max);
+    }
+    const W* w = ws[i];
+    const int64_t N = ns[i];
+    for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+      const int64_t kc = std::min(kc_max, K - k0);
+      Prefetcher pf = k0 + kc < K ? panel_block(w, K, q0, q1, k0 + kc, std::min(K, k0 + kc + kc_max)) : next;
+      const int64_t lines = (pf.left + tiles * (q1 - q0) - 1) / (tiles * (q1 - q0));
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t r0 = R * t / tiles, mr = R * (t + 1) / tiles - r0;
+        for (int64_t q = q0; q < q1; ++q) {
+          tile_rows(mr, x + r0 * K + k0, K, kc, w + (q * K + k0) * kPanel, ys[i] + r0 * N + q * kPanel, N, k0 > 0,
+                    pf, lines);
+        }
+      }
+    }
+  });
+}
+
 // ---- FFI handlers ---------------------------------------------------------------------------------
 
 template <ffi::DataType T>
@@ -558,6 +685,48 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Ma
   return ffi::Error::Success();
 }
 
+// x [R, K]; the layer index l (int32 scalar); then M weight stacks in the panel layout, all of dtype T,
+// each [L, N_i / 16, K, 16], of which layer l is read in place. M results y_i [R, N_i].
+template <ffi::DataType T, typename W>
+ffi::Error MatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Matrix<ffi::F32> x,
+                        ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  const int64_t R = x.dimensions()[0], K = x.dimensions()[1];
+  const int64_t layer = *layer_index.typed_data();
+  if (weights.size() != outs.size() || weights.size() == 0) {
+    return ffi::Error::InvalidArgument("cpu_kernels matmul (panels): one result per weight stack");
+  }
+  std::vector<const W*> ws;
+  std::vector<float*> ys;
+  std::vector<int64_t> ns;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    auto w = weights.get<ffi::Buffer<T, 4>>(i);
+    auto y = outs.get<Matrix<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value()) {
+      return ffi::Error::InvalidArgument(
+          "cpu_kernels matmul (panels): weights must be [L, N / 16, K, 16] stacks of one dtype, results 2-D float32");
+    }
+    const auto wd = w->dimensions();
+    const int64_t N = wd[1] * kPanel;
+    if (wd[2] != K || wd[3] != kPanel || (*y)->dimensions()[0] != R || (*y)->dimensions()[1] != N) {
+      return ffi::Error::InvalidArgument("cpu_kernels matmul (panels): shapes of x, w and y do not match");
+    }
+    if (layer < 0 || layer >= wd[0]) {
+      return ffi::Error::InvalidArgument("cpu_kernels matmul (panels): layer index outside the stack of weights");
+    }
+    ws.push_back(reinterpret_cast<const W*>(w->untyped_data()) + layer * N * K);
+    ys.push_back((*y)->typed_data());
+    ns.push_back(N);
+  }
+  if (K == 0) {
+    for (size_t i = 0; i < ys.size(); ++i) std::fill(ys[i], ys[i] + R * ns[i], 0.f);
+  } else if (R >= kTiledMinRows) {
+    panel_tiled(pool, x.typed_data(), ws, ys, ns, R, K);
+  } else {
+    panel_rows(pool, x.typed_data(), ws, ys, ns, R, K);
+  }
+  return ffi::Error::Success();
+}
+
 auto Binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -573,3 +742,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnF32, (Matmul<false, ffi::F32, float>), Bin
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnBF16, (Matmul<false, ffi::BF16, uint16_t>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkF32, (Matmul<true, ffi::F32, float>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkBF16, (Matmul<true, ffi::BF16, uint16_t>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsF32, (MatmulPanels<ffi::F32, float>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsBF16, (MatmulPanels<ffi::BF16, uint16_t>), Binding());

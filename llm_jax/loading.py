@@ -95,7 +95,7 @@ def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None, m
     if fuse is None:
         fuse = mesh is None and sharding is None and kernels_prefer_fused()
     if fuse:
-        params = fuse_projections(params, config, consume=True)
+        params = fuse_projections(params, config, consume=True, panels=kernels_prefer_fused())
     config = config.replace(attention_impl=attention)
     return Model(config=config, params=params, tokenizer=tok, eos_ids=eos_ids, stop_ids=stop_ids, path=str(path),
                  mesh=mesh)

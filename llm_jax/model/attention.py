@@ -19,7 +19,8 @@ import pallas_kernels
 from llm_jax import kv_cache as kvc
 from llm_jax.config import AttentionImpl, MatmulImpl, ModelConfig
 from llm_jax.model.fused import split_qkv
-from llm_jax.model.layers import RMSNorm, _init, dense, dense_many, layer_of, stacked_param
+from llm_jax.model.layers import (Panels, RMSNorm, dense, dense_many, has_projection, layer_of, projection_param,
+                                  stacked_param)
 from llm_jax.model.rope import apply_rope, inverse_frequencies, rope_angles
 from llm_jax.sharding import attention_on_shards
 
@@ -39,13 +40,13 @@ class Attention(nn.Module):
     def setup(self) -> None:
         c, L = self.config, self.stack
         D, N, K, H = c.d_model, c.n_heads, c.n_kv_heads, c.head_dim
-        if self.has_variable("params", "qkv_proj"):
-            self.qkv_proj = stacked_param(self, "qkv_proj", _init, (D, (N + 2 * K) * H), L)
+        if has_projection(self, "qkv_proj"):
+            self.qkv_proj = projection_param(self, "qkv_proj", (D,), ((N + 2 * K) * H,), L)
         else:
-            self.q_proj = stacked_param(self, "q_proj", _init, (D, N, H), L)
-            self.k_proj = stacked_param(self, "k_proj", _init, (D, K, H), L)
-            self.v_proj = stacked_param(self, "v_proj", _init, (D, K, H), L)
-        self.o_proj = stacked_param(self, "o_proj", _init, (N, H, D), L)
+            self.q_proj = projection_param(self, "q_proj", (D,), (N, H), L)
+            self.k_proj = projection_param(self, "k_proj", (D,), (K, H), L)
+            self.v_proj = projection_param(self, "v_proj", (D,), (K, H), L)
+        self.o_proj = projection_param(self, "o_proj", (N, H), (D,), L)
         if c.qkv_bias:
             self.q_bias = stacked_param(self, "q_bias", nn.initializers.zeros, (N, H), L)
             self.k_bias = stacked_param(self, "k_bias", nn.initializers.zeros, (K, H), L)
@@ -83,7 +84,9 @@ class Attention(nn.Module):
         # weight on every decode step: 110M float32, 10 of 50 ms per step).
         B, T, N, H = o_BTNH.shape
         o_BTE = o_BTNH.reshape(B, T, N * H)
-        o_proj_ED = self.o_proj.reshape(*self.o_proj.shape[:-3], N * H, -1)
+        o_proj_ED = self.o_proj  # panels stand for W [N·H, D] already
+        if not isinstance(o_proj_ED, Panels):
+            o_proj_ED = o_proj_ED.reshape(*o_proj_ED.shape[:-3], N * H, -1)
         return dense("BTE,ED->BTD", o_BTE, o_proj_ED, o_BTNH.dtype, self.config.matmul_impl, layer)
 
 

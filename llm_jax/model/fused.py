@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 import cpu_kernels
 from llm_jax.config import ModelConfig
+from llm_jax.model import panels as _panels
 
 Params = dict[str, Any]
 
@@ -39,8 +40,11 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
-def fusion_plan(config: ModelConfig) -> tuple[bool, bool]:
-    """(fuse q/k/v, fuse gate/up) for ``config``'s shapes and parameter dtype."""
+def fusion_plan(config: ModelConfig, *, panels: bool = False) -> tuple[bool, bool]:
+    """(fuse q/k/v, fuse gate/up) for ``config``'s shapes and parameter dtype; with the panel layout,
+    whose units are panels whatever the width of the matrix, both."""
+    if panels:
+        return True, True
     itemsize = jnp.dtype(config.param_jnp_dtype).itemsize
     qkv_row = (config.n_heads + 2 * config.n_kv_heads) * config.head_dim * itemsize
     return qkv_row <= FUSED_ROW_BYTES, 2 * config.d_ff * itemsize <= FUSED_ROW_BYTES
@@ -52,16 +56,21 @@ def kernels_prefer_fused() -> bool:
 
 
 def is_fused(params: Params) -> bool:
-    """Whether ``params`` hold a fused group (``qkv_proj`` or ``gate_up_proj``)."""
+    """Whether ``params`` are in an inference layout: a fused group (``qkv_proj`` or ``gate_up_proj``) or
+    projections in the panel layout."""
     layers = params.get("layers", {})
-    return "qkv_proj" in layers.get("attn", {}) or "gate_up_proj" in layers.get("mlp", {})
+    return ("qkv_proj" in layers.get("attn", {}) or "gate_up_proj" in layers.get("mlp", {})
+            or _panels.has_panels(params))
 
 
-def fuse_projections(params: Params, config: ModelConfig, *, consume: bool = False) -> Params:
+def fuse_projections(params: Params, config: ModelConfig, *, consume: bool = False, panels: bool = False) -> Params:
     """``params`` with q/k/v and gate/up fused where :func:`fusion_plan` says (a new pytree; the other
-    leaves are shared). Already fused groups stay as they are. ``consume``: the separate arrays are
-    deleted (for a caller that owns ``params`` and will not use them again)."""
-    fuse_qkv, fuse_gate_up = fusion_plan(config)
+    leaves are shared), and with ``panels`` every projection it can take in the panel layout of
+    :mod:`llm_jax.model.panels`. Already fused groups stay as they are. ``consume``: the replaced arrays
+    are deleted (for a caller that owns ``params`` and will not use them again)."""
+    if _panels.has_panels(params):
+        params = unfuse_projections(params, config)  # back to the plain layout first
+    fuse_qkv, fuse_gate_up = fusion_plan(config, panels=panels)
     layers = dict(params["layers"])
     attn, mlp = dict(layers["attn"]), dict(layers["mlp"])
     replaced = []
@@ -79,13 +88,15 @@ def fuse_projections(params: Params, config: ModelConfig, *, consume: bool = Fal
             if isinstance(w, jax.Array):
                 w.delete()
     layers["attn"], layers["mlp"] = attn, mlp
-    return {**params, "layers": layers}
+    params = {**params, "layers": layers}
+    return _panels.to_panel_layout(params, config, consume=consume) if panels else params
 
 
 def unfuse_projections(params: Params, config: ModelConfig) -> Params:
     """``params`` in the separate layout of checkpoints and sharding (unchanged if not fused)."""
     if not is_fused(params):
         return params
+    params = _panels.from_panel_layout(params, config)
     layers = dict(params["layers"])
     attn, mlp = dict(layers["attn"]), dict(layers["mlp"])
     if "qkv_proj" in attn:
@@ -124,6 +135,6 @@ def split_qkv(qkv: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array
 
 
 def for_inference(params: Params, config: ModelConfig, *, consume: bool = False) -> Params:
-    """``params`` in the layout that decodes fastest here: fused where the CPU kernels run (``consume`` as
-    for :func:`fuse_projections`)."""
-    return fuse_projections(params, config, consume=consume) if kernels_prefer_fused() else params
+    """``params`` in the layout that decodes fastest here: fused and in panels where the CPU kernels run
+    (``consume`` as for :func:`fuse_projections`)."""
+    return fuse_projections(params, config, consume=consume, panels=True) if kernels_prefer_fused() else params

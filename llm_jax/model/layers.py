@@ -22,6 +22,8 @@ from flax import linen as nn
 import cpu_kernels
 from llm_jax.bits import as_bits, from_bits
 from llm_jax.config import Activation, MatmulImpl
+from llm_jax.model.panels import SUFFIX as PANELS_SUFFIX
+from llm_jax.model.panels import Panels
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -39,21 +41,31 @@ def dense(equation: str, x: jnp.ndarray, w: jnp.ndarray, out_dtype: jnp.dtype,
     return dense_many([equation], x, [w], out_dtype, impl, layer)[0]
 
 
-def dense_many(equations: Sequence[str], x: jnp.ndarray, ws: Sequence[jnp.ndarray], out_dtype: jnp.dtype,
+def dense_many(equations: Sequence[str], x: jnp.ndarray, ws: Sequence[jnp.ndarray | Panels], out_dtype: jnp.dtype,
                impl: MatmulImpl = MatmulImpl.AUTO, layer: jnp.ndarray | None = None) -> list[jnp.ndarray]:
     """:func:`dense` of one input with several weights (q/k/v, gate/up). When the CPU kernels run, one
-    call streams all the weights: one fork-join of the threads instead of one per product."""
+    call streams all the weights: one fork-join of the threads instead of one per product. A weight may
+    be a :class:`Panels` (the panel layout of :mod:`llm_jax.model.panels`), standing for W."""
     lead = 0 if layer is None else 1
     forms = [_as_matmul(eq, x.shape, w.shape[lead:]) for eq, w in zip(equations, ws)]
     kernel = (impl is MatmulImpl.AUTO and all(forms) and len({(f[0], f[1], f[3]) for f in forms}) == 1
               and len({w.dtype for w in ws}) == 1 and _use_kernel(ws[0].dtype))
     if not kernel:
+        ws = [w.unpacked() if isinstance(w, Panels) else w for w in ws]
         ws = ws if layer is None else [layer_of(w, layer) for w in ws]
         return [jnp.einsum(eq, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
                 for eq, w in zip(equations, ws)]
     R, K, _, transposed, _ = forms[0]
-    ws_2d = [w.reshape(*w.shape[:lead], *((N, K) if transposed else (K, N))) for w, (_, _, N, _, _) in zip(ws, forms)]
-    ys = cpu_kernels.matmuls(x.reshape(R, K), ws_2d, transposed=transposed, layer=layer)
+    x_RK, ys = x.reshape(R, K), [None] * len(ws)
+    for panels in (False, True):  # one call per layout
+        which = [i for i, w in enumerate(ws) if isinstance(w, Panels) == panels]
+        if not which:
+            continue
+        mats = [ws[i].data if panels else ws[i].reshape(*ws[i].shape[:lead], *((forms[i][2], K) if transposed
+                                                                               else (K, forms[i][2])))
+                for i in which]
+        for i, y in zip(which, cpu_kernels.matmuls(x_RK, mats, transposed=transposed, panels=panels, layer=layer)):
+            ys[i] = y
     return [y.reshape(form[4]).astype(out_dtype) for y, form in zip(ys, forms)]
 
 
@@ -66,6 +78,22 @@ def layer_of(w_L: jnp.ndarray, layer: jnp.ndarray) -> jnp.ndarray:
 def stacked_param(module: nn.Module, name: str, init, shape: tuple[int, ...], stack: int | None) -> jnp.ndarray:
     """``module.param(name, init, shape)``, with a leading axis of ``stack`` layers when given."""
     return module.param(name, init, shape if stack is None else (stack, *shape))
+
+
+def has_projection(module: nn.Module, name: str) -> bool:
+    """Whether the params of ``module`` hold the projection ``name``, in either layout."""
+    return module.has_variable("params", name) or module.has_variable("params", name + PANELS_SUFFIX)
+
+
+def projection_param(module: nn.Module, name: str, in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+                     stack: int | None) -> jnp.ndarray | Panels:
+    """The projection ``name`` of ``module``: W [*in, *out] (a stack [L, ...] when ``stack``), or, when the
+    params hold it in the panel layout as ``<name>_panels``, a :class:`Panels` standing for it."""
+    K, N = math.prod(in_shape), math.prod(out_shape)
+    if module.has_variable("params", name + PANELS_SUFFIX):
+        data = stacked_param(module, name + PANELS_SUFFIX, _init, (N // cpu_kernels.PANEL, K, cpu_kernels.PANEL), stack)
+        return Panels(data, tuple(out_shape))
+    return stacked_param(module, name, _init, (*in_shape, *out_shape), stack)
 
 
 def _use_kernel(dtype) -> bool:
@@ -127,21 +155,33 @@ class RMSNorm(nn.Module):
 
 
 class Embedder(nn.Module):
-    """Token embedding [V, D]; also the LM head when embeddings are tied."""
+    """Token embedding [V, D]; also the LM head when embeddings are tied. In the panel layout of
+    :mod:`llm_jax.model.panels` the table is held as the LM head's panels, ``embedding_panels`` [V / 16, D, 16]."""
 
     vocab_size: int
     d_model: int
     matmul: MatmulImpl = MatmulImpl.AUTO
 
     def setup(self) -> None:
-        self.embedding = self.param("embedding", _init, (self.vocab_size, self.d_model))
+        V, D = self.vocab_size, self.d_model
+        if self.has_variable("params", "embedding" + PANELS_SUFFIX):
+            self.head = Panels(self.param("embedding" + PANELS_SUFFIX, _init, (V // cpu_kernels.PANEL, D,
+                                                                                 cpu_kernels.PANEL)), (V,))
+        else:
+            self.embedding = self.param("embedding", _init, (V, D))
 
     def encode(self, tokens_BT: jnp.ndarray, out_dtype: jnp.dtype) -> jnp.ndarray:
+        if hasattr(self, "head"):  # row t is column t of the head: panel t // 16, lane t % 16
+            bits = as_bits(self.head.data)
+            rows_BTD = bits.at[tokens_BT // cpu_kernels.PANEL, :, tokens_BT % cpu_kernels.PANEL].get(mode="fill")
+            return from_bits(rows_BTD, self.head.dtype).astype(out_dtype)
         rows_BTD = jnp.take(as_bits(self.embedding), tokens_BT, axis=0)
         return from_bits(rows_BTD, self.embedding.dtype).astype(out_dtype)
 
     def decode(self, x_BTD: jnp.ndarray) -> jnp.ndarray:
         """Logits [B, T, V] in float32 against the (tied) embedding table."""
+        if hasattr(self, "head"):
+            return dense("BTD,DV->BTV", x_BTD, self.head, jnp.float32, self.matmul)
         return dense("BTD,VD->BTV", x_BTD, self.embedding, jnp.float32, self.matmul)
 
 
@@ -159,16 +199,16 @@ class GatedMLP(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jnp.ndarray, layer: jnp.ndarray | None = None) -> jnp.ndarray:
         D, F = x_BTD.shape[-1], self.d_ff
-        if self.has_variable("params", "gate_up_proj"):  # the fused layout: llm_jax.model.fused
-            gate_up_DE = stacked_param(self, "gate_up_proj", _init, (D, 2 * F), self.stack)
+        if has_projection(self, "gate_up_proj"):  # the fused layout: llm_jax.model.fused
+            gate_up_DE = projection_param(self, "gate_up_proj", (D,), (2 * F,), self.stack)
             gate_up_BTE = dense("BTD,DE->BTE", x_BTD, gate_up_DE, jnp.float32, self.matmul, layer)
             gate_BTF, up_BTF = gate_up_BTE[..., :F], gate_up_BTE[..., F:]
         else:
-            gate_DF = stacked_param(self, "gate_proj", _init, (D, F), self.stack)
-            up_DF = stacked_param(self, "up_proj", _init, (D, F), self.stack)
+            gate_DF = projection_param(self, "gate_proj", (D,), (F,), self.stack)
+            up_DF = projection_param(self, "up_proj", (D,), (F,), self.stack)
             gate_BTF, up_BTF = dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, self.matmul,
                                           layer)
-        down_FD = stacked_param(self, "down_proj", _init, (F, D), self.stack)
+        down_FD = projection_param(self, "down_proj", (F,), (D,), self.stack)
         match self.activation:
             case Activation.SILU:
                 act_BTF = jax.nn.silu(gate_BTF)

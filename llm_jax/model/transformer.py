@@ -23,7 +23,7 @@ from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.model.attention import Attention, attention, cached_attention
-from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, dense
+from llm_jax.model.layers import PANELS_SUFFIX, Embedder, GatedMLP, Panels, RMSNorm, dense
 
 Params = dict[str, Any]
 # attend(layer, q_BTNH, k_BTKH, v_BTKH, window, cache) -> (o_BTNH, cache)
@@ -118,7 +118,10 @@ def unembed(params: Params, config: ModelConfig, x_BTD: jax.Array) -> jax.Array:
         logits_BTV = Embedder(config.vocab_size, config.d_model, config.matmul_impl).apply(
             {"params": params["embedder"]}, x_BTD, method=Embedder.decode)
     else:
-        logits_BTV = dense("BTD,DV->BTV", x_BTD, params["lm_head"], jnp.float32, config.matmul_impl)
+        head_DV = params.get("lm_head")
+        if head_DV is None:  # the panel layout (llm_jax.model.panels)
+            head_DV = Panels(params["lm_head" + PANELS_SUFFIX], (config.vocab_size,))
+        logits_BTV = dense("BTD,DV->BTV", x_BTD, head_DV, jnp.float32, config.matmul_impl)
     if config.final_logit_softcap is not None:
         cap = config.final_logit_softcap
         logits_BTV = cap * jnp.tanh(logits_BTV / cap)

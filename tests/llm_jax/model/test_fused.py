@@ -14,13 +14,13 @@ import cpu_kernels
 import llm_jax
 from llm_jax.benchmark.shapes import shape_config
 from llm_jax.config import Activation, ModelConfig
-from llm_jax.kv_cache import init_cache
-from llm_jax.model import (for_inference, forward, forward_extend, forward_prefill, fuse_projections, init_params,
-                           is_fused, param_shapes, unembed, unfuse_projections)
+from llm_jax.model import (for_inference, fuse_projections, init_params, is_fused, param_shapes,
+                           unfuse_projections)
 from llm_jax.model.fused import FUSED_ROW_BYTES, fusion_plan, kernels_prefer_fused
 from llm_jax.sharding import make_mesh
 from llm_jax.weights.checkpoint import load_checkpoint, save_checkpoint
 from llm_jax.weights.placement import leaves_by_path
+from tests.llm_jax.model.layouts import assert_same_model
 
 # Grouped-query attention with q/k/v biases, q/k norms and GeGLU: every part of the layout in play.
 CONFIG = ModelConfig(vocab_size=96, d_model=40, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=10, d_ff=56,
@@ -71,28 +71,7 @@ def test_consume_deletes_only_the_replaced_arrays():
 
 
 def test_fused_layout_computes_the_same_model(params):
-    fused = fuse_projections(params, CONFIG)
-    tokens_BT = jnp.asarray(np.random.default_rng(1).integers(0, CONFIG.vocab_size, (2, 13)), jnp.int32)
-    f = jax.jit(forward, static_argnums=1)
-    np.testing.assert_allclose(np.asarray(f(fused, CONFIG, tokens_BT)), np.asarray(f(params, CONFIG, tokens_BT)),
-                               atol=1e-5, rtol=0)
-
-    @jax.jit
-    def greedy(p):  # prefill 13 tokens, then 6 one-token steps (the products' one-row form)
-        cache = init_cache(CONFIG, 2, 32)
-        x_BTD, cache = forward_prefill(p, CONFIG, tokens_BT, jnp.full((2,), 13, jnp.int32), cache)
-        logits_BV = unembed(p, CONFIG, x_BTD[:, -1:])[:, 0]
-        out = []
-        for _ in range(6):
-            token_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-            x_BTD, cache = forward_extend(p, CONFIG, token_B[:, None], cache, jnp.ones((2,), bool))
-            logits_BV = unembed(p, CONFIG, x_BTD)[:, 0]
-            out.append((token_B, logits_BV))
-        return out
-
-    for (a_tokens, a_logits), (b_tokens, b_logits) in zip(greedy(fused), greedy(params)):
-        np.testing.assert_array_equal(np.asarray(a_tokens), np.asarray(b_tokens))
-        np.testing.assert_allclose(np.asarray(a_logits), np.asarray(b_logits), atol=1e-5, rtol=0)
+    assert_same_model(fuse_projections(params, CONFIG), params, CONFIG)
 
 
 def test_fusion_plan_follows_the_kernels_whole_row_limit():
@@ -121,7 +100,8 @@ def test_load_fuses_where_the_kernels_run_and_save_keeps_the_separate_layout(sto
     for path, x in leaves_by_path(separate.params).items():
         np.testing.assert_array_equal(np.asarray(leaves_by_path(restored)[path]), np.asarray(x), err_msg=str(path))
     mesh = make_mesh("data=1,model=1")
-    sharded = llm_jax.Model(config=model.config, params=fuse_projections(separate.params, model.config),
+    inference = fuse_projections(separate.params, model.config, panels=True)
+    sharded = llm_jax.Model(config=model.config, params=inference,
                             tokenizer=None, eos_ids=()).shard(mesh)
     assert not is_fused(sharded.params) and sharded.mesh is mesh
     with pytest.raises(ValueError, match="fused layout is for one device"):

@@ -1,0 +1,101 @@
+"""cpu_kernels.matmul on the panel layout [N / 16, K, 16] against NumPy in float64."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+
+RTOL, ATOL = 1e-5, 1e-4  # float32 sums of K products of standard normals, in another order than NumPy's
+
+
+def case(R, K, N, dtype, L=None, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(R, K)), dtype).astype(jnp.float32)  # x as the product reads it
+    w = jnp.asarray(rng.normal(size=(K, N) if L is None else (L, K, N)), dtype)
+    return x, w
+
+
+def reference(x, w):
+    return np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+
+
+def test_to_panels_and_back():
+    w = jnp.arange(3 * 5 * 48.0).reshape(3, 5, 48)
+    p = cpu_kernels.to_panels(w)
+    assert p.shape == (3, 3, 5, 16)
+    np.testing.assert_array_equal(p[1, 2, 4], w[1, 4, 32:48])  # panel 2 is columns 32..47, row after row
+    np.testing.assert_array_equal(cpu_kernels.from_panels(p), w)
+    with pytest.raises(ValueError, match="multiple of 16 columns"):
+        cpu_kernels.to_panels(jnp.ones((4, 40)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("R,K,N", [
+    # one row: groups of four panels and a ragged last group; few panels: K split among the threads
+    # (the sums of the slices added at the end), down to fewer rows of K than slices
+    (1, 288, 864), (1, 37, 80), (1, 600, 16), (1, 1, 32),
+    # 2 to 7 rows: register tiles of up to 6 rows over whole panels (7 = 6 + 1)
+    (2, 33, 48), (7, 129, 112),
+    # 8 rows and more: the tiled products on the panels as they lie (K in several blocks, uneven tiles
+    # of rows, units of up to 8 panels, a narrow unit at the end)
+    (8, 20, 4112), (13, 1030, 48), (32, 288, 768), (45, 9, 160)])
+def test_matches_numpy(R, K, N, dtype):
+    x, w = case(R, K, N, dtype, seed=R * K + N)
+    ours = jax.jit(functools.partial(cpu_kernels.matmul, panels=True))(x, cpu_kernels.to_panels(w))
+    assert ours.dtype == jnp.float32 and ours.shape == (R, N)
+    np.testing.assert_allclose(np.asarray(ours), reference(x, w), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("R", [1, 3, 9])
+def test_a_layer_of_stacked_panels_several_weights(dtype, R):
+    """Every layer of stacks [L, N / 16, K, 16], several weights in one call: each product equals its
+    own, the stacks are the kernel's operands (no slice), and the result is the plain layout's."""
+    L, K = 4, 41  # L unlike any R: the stacks are the operands whose shapes start with it
+    x, _ = case(R, K, 16, dtype, seed=7)
+    ws = [case(R, K, n, dtype, L=L, seed=n)[1] for n in (48, 16, 1040)]
+    ps = [cpu_kernels.to_panels(w) for w in ws]
+    f = jax.jit(lambda x, ps, layer: cpu_kernels.matmuls(x, ps, panels=True, layer=layer))
+    for layer in range(L):
+        for w, y in zip(ws, f(x, ps, layer)):
+            np.testing.assert_allclose(np.asarray(y), reference(x, w[layer]), rtol=RTOL, atol=ATOL)
+    if cpu_kernels.available():
+        hlo = f.lower(x, ps, 0).compile().as_text()
+        calls = [line for line in hlo.splitlines() if 'custom_call_target="llm_jax_matmul_panels' in line]
+        stack = ("bf16" if dtype == jnp.bfloat16 else "f32") + f"[{L},"
+        assert len(calls) == 1 and calls[0].count(stack) == 3 and "dynamic-slice" not in hlo
+
+
+def test_gradients_are_those_of_the_plain_layout():
+    x, w = case(2, 12, 32, jnp.float32, L=2)
+    loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+    ours = jax.grad(loss(lambda x, p: cpu_kernels.matmul(x, p, panels=True, layer=1)), argnums=(0, 1))(
+        x, cpu_kernels.to_panels(w))
+    theirs = jax.grad(loss(lambda x, w: x @ w[1]), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(ours[0]), np.asarray(theirs[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cpu_kernels.from_panels(ours[1])), np.asarray(theirs[1]), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match=r"w \[N / 16, K, 16\].*x \(2, 3\) and w \(4, 5, 16\)"):
+        cpu_kernels.matmul(jnp.ones((2, 3)), jnp.ones((4, 5, 16)), panels=True)
+    with pytest.raises(ValueError, match=r"x \(2, 5\) and w \(4, 5, 8\)"):
+        cpu_kernels.matmul(jnp.ones((2, 5)), jnp.ones((4, 5, 8)), panels=True)
+    with pytest.raises(ValueError, match="not transposed"):
+        cpu_kernels.matmul(jnp.ones((2, 5)), jnp.ones((4, 5, 16)), panels=True, transposed=True)
+    if cpu_kernels.available():
+        f = jax.jit(lambda x, p, layer: cpu_kernels.matmul(x, p, panels=True, layer=layer))
+        with pytest.raises(Exception, match="layer index outside the stack of weights"):
+            f(jnp.ones((1, 5)), jnp.ones((3, 2, 5, 16)), 3).block_until_ready()
+
+
+def test_falls_back_to_xla_off_the_kernels(monkeypatch):
+    x, w = case(3, 10, 32, jnp.float32)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    ours = cpu_kernels.matmul(x, cpu_kernels.to_panels(w), panels=True)
+    np.testing.assert_allclose(np.asarray(ours), reference(x, w), rtol=RTOL, atol=ATOL)
