@@ -69,7 +69,7 @@ class HfEngine:
             t0 = time.perf_counter()
             out = self.model(input_ids=self.prompts, use_cache=True, logits_to_keep=1)
             token_B = out.logits[:, -1].argmax(-1)
-            tokens = [token_B.numpy().copy()]
+            tokens, logits = [token_B.numpy().copy()], [out.logits[:, -1]]
             ttft = time.perf_counter() - t0
             cache, step_s = out.cache, []
             for _ in range(steps):
@@ -78,7 +78,17 @@ class HfEngine:
                 cache, token_B = out.cache, out.logits[:, -1].argmax(-1)
                 tokens.append(token_B.numpy().copy())
                 step_s.append(time.perf_counter() - t_step)
+                logits.append(out.logits[:, -1])
             decode_s = time.perf_counter() - t0 - ttft
+            tied_BS = np.stack([_tied(logits_BV) for logits_BV in logits], axis=1)  # after the timing
         tokens_BS = np.stack(tokens, axis=1)
         return Run(ttft_s=ttft, decode_s=decode_s, step_s=tuple(step_s), decode_tokens=tokens_BS[:, 1:].size,
-                   tokens=tokens_BS)
+                   tokens=tokens_BS, tied=tied_BS)
+
+
+def _tied(logits_BV) -> np.ndarray:
+    """Per row, the second-best token where it ties with the best (argmax takes the lower id), else -1."""
+    best = logits_BV.float().topk(2, dim=-1)
+    values, ids = best.values.numpy(), best.indices.numpy()
+    other = np.where(ids[:, 0] < ids[:, 1], ids[:, 1], ids[:, 0])
+    return np.where(values[:, 0] == values[:, 1], other, -1)

@@ -106,6 +106,39 @@ def agreement(a_BS: np.ndarray, b_BS: np.ndarray) -> float:
     return float(prefix.mean() / n)
 
 
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """Where a row of greedy tokens first differs from the reference's."""
+
+    row: int
+    step: int  # 0: the token after the prompt
+    at_tie: bool  # the reference's two best logits were equal there, and ours is the other one
+
+
+def first_differences(ours_BS: np.ndarray, reference_BS: np.ndarray, tied_BS: np.ndarray | None) -> list[Difference]:
+    """Each row's first difference from the reference (rows that agree throughout are left out);
+    ``tied_BS`` as in ``Run.tied`` for the reference."""
+    n = min(ours_BS.shape[1], reference_BS.shape[1])
+    out = []
+    for b in range(ours_BS.shape[0]):
+        differs = np.flatnonzero(ours_BS[b, :n] != reference_BS[b, :n])
+        if differs.size:
+            s = int(differs[0])
+            out.append(Difference(row=b, step=s, at_tie=tied_BS is not None and tied_BS[b, s] == ours_BS[b, s]))
+    return out
+
+
+def describe_differences(differences: Sequence[Difference]) -> str:
+    """``differences`` in words, for the agreement line of the benchmark."""
+    if not differences:
+        return ""
+    ties = sum(d.at_tie for d in differences)
+    first = min(differences, key=lambda d: d.step)
+    where = f"row {first.row} first at step {first.step}" if len(differences) > 1 else f"at step {first.step}"
+    return (f"; {len(differences)} row(s) differ, {where}; {ties} of them first where transformers' two best "
+            f"logits are equal (a tie its argmax breaks by the lower id)")
+
+
 COLUMNS = ("engine", "shape", "dtype", "B", "prompt", "new", "compile s", "ttft ms", "itl p50/p90 ms",
            "decode tok/s (min–max)", "prefill tok/s", "roofline", "% roof", "peak MiB")
 

@@ -21,7 +21,7 @@ import llm_jax
 from llm_jax.benchmark import machine as machine_lib
 from llm_jax.benchmark.hf_engine import HfEngine, save_random_hf_model
 from llm_jax.benchmark.llm_jax_engine import LlmJaxEngine, Workload
-from llm_jax.benchmark.results import Row, agreement, summarise
+from llm_jax.benchmark.results import Difference, Row, agreement, first_differences, summarise
 from llm_jax.benchmark.roofline import decode_roofline
 from llm_jax.benchmark.shapes import SHAPES, shape_config
 from llm_jax.config import MatmulImpl, ModelConfig
@@ -53,6 +53,7 @@ class CellResult:
     rows: list[Row]
     hf_ratio: float | None  # llm_jax ÷ transformers decode tokens/s
     agreement: float | None  # greedy-token agreement between the engines
+    differences: tuple[Difference, ...] = ()  # where llm_jax's greedy tokens first differ from transformers'
 
 
 Log = Callable[[str], None]
@@ -135,8 +136,9 @@ def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[
             results.append(CellResult(rows=rows, hf_ratio=None, agreement=None))
             continue
         ratio = rows[0].decode_tokens_per_s / rows[-1].decode_tokens_per_s
-        agree = agreement(runs[c, engines[0].name][0].tokens, runs[c, "transformers"][0].tokens)
-        results.append(CellResult(rows=rows, hf_ratio=ratio, agreement=agree))
+        ours, theirs = runs[c, engines[0].name][0], runs[c, "transformers"][0]
+        results.append(CellResult(rows=rows, hf_ratio=ratio, agreement=agreement(ours.tokens, theirs.tokens),
+                                  differences=tuple(first_differences(ours.tokens, theirs.tokens, theirs.tied))))
     return results
 
 

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_jax.benchmark import machine as machine_lib
     from llm_jax.benchmark.compile_study import cli_ttft, compile_vs_depth
     from llm_jax.benchmark.llm_jax_engine import Workload
-    from llm_jax.benchmark.results import at_bandwidth, table, write_json
+    from llm_jax.benchmark.results import at_bandwidth, describe_differences, table, write_json
     from llm_jax.benchmark.shapes import SHAPES
     from llm_jax.benchmark.suite import Options, log_stderr, run_matrix
     from llm_jax.config import MatmulImpl
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if result.agreement is not None:
             r = result.rows[0]
             print(f"greedy tokens agree with transformers: {100 * result.agreement:.0f}% "
-                  f"({r.shape} {r.dtype} batch {r.batch})")
+                  f"({r.shape} {r.dtype} batch {r.batch}{describe_differences(result.differences)})")
     shown = set()
     for r in rows:
         if (r.shape, r.dtype) not in shown:
@@ -117,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"decode memory {r.shape} {r.dtype} batch {r.batch}: cache {r.kv_cache_mb:.1f} MiB, donated and "
                   f"updated in place {r.decode_aliased_mb:.1f} MiB, scratch {r.decode_temp_mb:.1f} MiB")
     extra: dict = {}
+    compared = [r for r in results if r.agreement is not None]
+    if compared:
+        extra["agreement"] = [{"shape": r.rows[0].shape, "dtype": r.rows[0].dtype, "batch": r.rows[0].batch,
+                               "greedy_agreement": r.agreement,
+                               "first_differences": [dataclasses.asdict(d) for d in r.differences]}
+                              for r in compared]
     scaling = batch_scaling(rows)
     for (shape, dtype, engine), by_batch in scaling.items():
         print(f"decode throughput {shape} {dtype} {engine}: "

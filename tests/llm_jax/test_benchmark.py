@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from cpu_kernels import build
-from llm_jax.benchmark import machine
 from llm_jax.benchmark.compile_study import cli_ttft, compile_vs_depth
 from llm_jax.benchmark.llm_jax_engine import Workload
-from llm_jax.benchmark.results import agreement
+from llm_jax.benchmark import hf_engine, machine
+from llm_jax.benchmark.results import Difference, agreement, describe_differences, first_differences
 from llm_jax.benchmark.roofline import decode_roofline, weight_bytes_per_step
 from llm_jax.benchmark.shapes import SHAPES, shape_config
 from llm_jax.cli.benchmark import main as benchmark_main
@@ -97,6 +97,34 @@ def test_agreement_is_the_shared_prefix():
     assert agreement(a, a) == 1.0
     b = np.array([[1, 2, 0, 4], [9, 6, 7, 8]])
     assert agreement(a, b) == pytest.approx((2 / 4 + 0) / 2)
+
+
+def test_first_differences_name_ties_of_the_reference():
+    ours = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [1, 1, 1, 1]])
+    reference = np.array([[1, 2, 9, 4], [5, 0, 7, 8], [1, 1, 1, 1]])
+    tied = np.full((3, 4), -1)
+    tied[0, 2] = 3  # row 0: the reference's best logits at step 2 are equal for 9 and 3, and we took 3
+    tied[1, 1] = 4  # row 1: a tie, but with another token than ours
+    assert first_differences(ours, reference, tied) == [Difference(row=0, step=2, at_tie=True),
+                                                        Difference(row=1, step=1, at_tie=False)]
+    assert first_differences(ours, reference, None)[0].at_tie is False  # the reference did not say
+    assert first_differences(ours, ours, tied) == []
+    assert "2 row(s) differ, row 1 first at step 1; 1 of them" in describe_differences(
+        first_differences(ours, reference, tied))
+    assert describe_differences([]) == ""
+
+
+def test_hf_ties_are_the_other_best_token():
+    import torch
+
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0], [3.0, 1.0, 2.0, 0.0]], dtype=torch.bfloat16)
+    assert hf_engine._tied(logits).tolist() == [3, -1]  # argmax takes 1; 3 ties with it
+
+
+def test_json_reports_agreement_and_differences(report):
+    (entry,) = report["agreement"]
+    assert (entry["shape"], entry["dtype"], entry["batch"]) == ("260K", "float32", 1)
+    assert entry["greedy_agreement"] == 1.0 and entry["first_differences"] == []  # the real 260K model, float32
 
 
 def test_machine_probes_give_positive_numbers():
