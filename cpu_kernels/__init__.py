@@ -3,8 +3,10 @@ in C++ (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argm
 ``stream_read.cc``, the benchmark's memory-bandwidth probe (``build.stream_read()``).
 
 Depends on jax only. ``matmul(x_RK, w)`` computes x [R, K] · W in float32 for W [K, N] or, with
-``transposed=True``, W [N, K], in float32 or bfloat16 — the product decode runs for every weight
-matrix. On CPU, with few rows R (decode), it streams the weights at memory bandwidth on every core;
+``transposed=True``, W [N, K], or, with ``panels=True``, W held as panels of 16 columns [N / 16, K, 16]
+(``to_panels``), in float32 or bfloat16 — the product decode runs for every weight matrix. The panel
+layout is the fastest: many rows run the register tiles on it as it lies, one row streams a few panels
+at a time. On CPU, with few rows R (decode), it streams the weights at memory bandwidth on every core;
 with many (batched decode, prefill) it runs register-tiled products on packed panels of the weights
 (a tied LM head [N, K] at up to 32 rows: on its rows as they lie, against x transposed);
 either way it reads bfloat16 weights as they are (XLA:CPU has no bfloat16 kernel and converts whole
@@ -12,9 +14,10 @@ matrices to float32 first); on other platforms, and when the kernels cannot be b
 compiler), it is XLA's product. Gradients are XLA's.
 
     available() -> bool          # the kernels are built and registered for this process
-    matmul(x_RK, w, *, transposed=False, layer=None) -> y_RN (float32; x is rounded to w's dtype first, as
-        in XLA; with ``layer``, w is a stack [L, ...] of which that layer is read, in place)
-    matmuls(x_RK, ws, *, transposed=False, layer=None) -> (y_RN, ...)   # several weights sharing x, one call
+    matmul(x_RK, w, *, transposed=False, panels=False, layer=None) -> y_RN (float32; x is rounded to w's
+        dtype first, as in XLA; with ``layer``, w is a stack [L, ...] of which that layer is read, in place)
+    matmuls(x_RK, ws, *, transposed=False, panels=False, layer=None) -> (y_RN, ...)  # weights sharing x, one call
+    to_panels(w_KN) -> p [N / 16, K, 16];  from_panels(p) -> w_KN   # leading axes (layers) kept
     decode_attention(q_BNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BNH  # one query per row, cache read in place
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
     argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU

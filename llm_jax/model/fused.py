@@ -1,4 +1,5 @@
-"""Fused projections: each layer's q/k/v weights as one matrix, and gate/up as one.
+"""Fused projections: each layer's q/k/v weights as one matrix, and gate/up as one; and the layout
+decode on CPU reads fastest (fused, then in the panels of :mod:`llm_jax.model.panels`).
 
 Decode on CPU reads every weight once per step, and reads one wide matrix faster than several narrow
 ones of the same total size: a unit of work is then one long contiguous stretch of memory instead of
@@ -13,9 +14,11 @@ The fused params pytree holds, per layer stack,
     layers/mlp/gate_up_proj   [L, D, 2F]           columns: gate (F), then up (F)
 
 in place of ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj``; the model's modules read either
-layout. A group is fused only where its fused row of weights stays within what the kernels read as whole
-rows (``FUSED_ROW_BYTES``, ``kFullRowBytes`` in ``cpu_kernels/matmul.cc``): the 1B shape's bfloat16
-gate/up (22 KiB rows) would be cut into column tiles, which read slower than its two 11 KiB matrices.
+layout. Without panels a group is fused only where its fused row of weights stays within what the
+kernels read as whole rows (``FUSED_ROW_BYTES``, ``kFullRowBytes`` in ``cpu_kernels/matmul.cc``): the 1B
+shape's bfloat16 gate/up (22 KiB rows) would be cut into column tiles, which read slower than its two
+11 KiB matrices. In panels (``panels=True``, what :func:`for_inference` and ``llm_jax.load`` use where the
+kernels run) every group is fused: a unit of work is a few panels, whatever the width of the matrix.
 
 Checkpoints, converters and sharding keep the separate layout: :func:`llm_jax.load` fuses where the CPU
 kernels run (one CPU device), ``save_checkpoint`` and ``Model.shard`` unfuse.
