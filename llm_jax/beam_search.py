@@ -20,7 +20,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from llm_jax import kv_cache as kvc

@@ -124,7 +124,7 @@ def first_differences(ours_BS: np.ndarray, reference_BS: np.ndarray, tied_BS: np
         differs = np.flatnonzero(ours_BS[b, :n] != reference_BS[b, :n])
         if differs.size:
             s = int(differs[0])
-            out.append(Difference(row=b, step=s, at_tie=tied_BS is not None and tied_BS[b, s] == ours_BS[b, s]))
+            out.append(Difference(row=b, step=s, at_tie=bool(tied_BS is not None and tied_BS[b, s] == ours_BS[b, s])))
     return out
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-import sys
 
 from llm_jax.cli.common import positive_int, run_main
 
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     models = args.models or ["15M"]
     # Imported here so --help answers without starting JAX.
     from llm_jax.benchmark import machine as machine_lib
-    from llm_jax.benchmark.compile_study import cli_ttft, compile_vs_depth
+    from llm_jax.benchmark.compile_study import compile_vs_depth
     from llm_jax.benchmark.llm_jax_engine import Workload
     from llm_jax.benchmark.results import at_bandwidth, describe_differences, table, write_json
     from llm_jax.benchmark.shapes import SHAPES

@@ -243,7 +243,7 @@ def _building(s: _Story) -> tuple[list[str], tuple[str, ...]]:
         s.fill(f"One day, {{name}} {verb} a big {thing} at {{place}}. {{She}} worked very hard."),
         s.fill(f"Then {{fwho}} ran by and bumped into the {thing}." if bumped
                else f"But then a big wind came and the {thing} fell down."),
-        s.fill(f'"Oh no!" cried {{name}}. {{She}} felt {{bad}}.'),
+        s.fill('"Oh no!" cried {name}. {She} felt {bad}.'),
         s.pick('"I am sorry," said {fname}. "I will help you make a new one."' if bumped
                else '"Do not give up," said {poss} {helper}. "I will help you."'),
         s.fill(f"So they worked together, and the new {thing} was even better than before."),

@@ -1,5 +1,6 @@
 """The benchmark harness runs end to end and reports well-formed numbers (no timing assertions)."""
 
+import dataclasses
 import json
 import math
 
@@ -108,6 +109,7 @@ def test_first_differences_name_ties_of_the_reference():
     assert first_differences(ours, reference, tied) == [Difference(row=0, step=2, at_tie=True),
                                                         Difference(row=1, step=1, at_tie=False)]
     assert first_differences(ours, reference, None)[0].at_tie is False  # the reference did not say
+    assert json.loads(json.dumps([dataclasses.asdict(d) for d in first_differences(ours, reference, tied)]))
     assert first_differences(ours, ours, tied) == []
     assert "2 row(s) differ, row 1 first at step 1; 1 of them" in describe_differences(
         first_differences(ours, reference, tied))

@@ -3,7 +3,6 @@ compiling, with the same results and the same donation; separate files for separ
 unreadable file compiled again."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -20,7 +20,7 @@ from llm_jax.model import unfuse_projections
 from llm_jax.tokenizer import load_tokenizer
 from llm_jax.weights import checkpoint
 from llm_jax.weights.checkpoint import is_checkpoint, load_checkpoint
-from llm_jax.weights.convert import ConvertProgress, convert
+from llm_jax.weights.convert import convert
 from llm_jax.weights.placement import leaves_by_path
 from tests.hf_models import save_tiny_llama
 
