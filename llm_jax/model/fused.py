@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import cpu_kernels
+from llm_jax.bits import moving_bits
 from llm_jax.config import ModelConfig
 from llm_jax.model import panels as _panels
 
@@ -72,24 +73,22 @@ def fuse_projections(params: Params, config: ModelConfig, *, consume: bool = Fal
     :mod:`llm_jax.model.panels`. Already fused groups stay as they are. ``consume``: the replaced arrays
     are deleted (for a caller that owns ``params`` and will not use them again)."""
     if _panels.has_panels(params):
+        if panels:
+            return params  # already the layout asked for
         params = unfuse_projections(params, config)  # back to the plain layout first
     fuse_qkv, fuse_gate_up = fusion_plan(config, panels=panels)
     layers = dict(params["layers"])
     attn, mlp = dict(layers["attn"]), dict(layers["mlp"])
-    replaced = []
     if fuse_qkv and "q_proj" in attn:
-        replaced += [attn.pop(name) for name in QKV]
-        attn["qkv_proj"] = _side_by_side(replaced[-3:])
+        parts = [attn.pop(name) for name in QKV]
+        attn["qkv_proj"] = _side_by_side(parts)
+        if consume:  # freed now: left to the arrays' own release, the 1B shape's process grew by 1 GiB
+            _panels.release(parts, attn["qkv_proj"])
     if fuse_gate_up and "gate_proj" in mlp:
-        replaced += [mlp.pop(name) for name in GATE_UP]
-        mlp["gate_up_proj"] = _side_by_side(replaced[-2:])
-    if consume:
-        # Freed now, once the fused arrays are computed: left to the arrays' own release, the 1B shape's random
-        # params kept the process 1 GiB larger for a while after fusing.
-        jax.block_until_ready((attn, mlp))
-        for w in replaced:
-            if isinstance(w, jax.Array):
-                w.delete()
+        parts = [mlp.pop(name) for name in GATE_UP]
+        mlp["gate_up_proj"] = _side_by_side(parts)
+        if consume:
+            _panels.release(parts, mlp["gate_up_proj"])
     layers["attn"], layers["mlp"] = attn, mlp
     params = {**params, "layers": layers}
     return _panels.to_panel_layout(params, config, consume=consume) if panels else params
@@ -113,12 +112,14 @@ def unfuse_projections(params: Params, config: ModelConfig) -> Params:
 # Jitted, so that each leaf is built in one pass (eager reshapes would copy every part first: the 1B
 # shape's q/k/v fused eagerly left the process 1 GiB larger, jitted 34 MiB).
 @jax.jit
+@moving_bits
 def _side_by_side(parts: list[jax.Array]) -> jax.Array:
     """[L, D, ...] stacks → [L, D, Σ columns], the parts' columns one after another."""
     return jnp.concatenate([w.reshape(*w.shape[:2], -1) for w in parts], axis=-1)
 
 
 @functools.partial(jax.jit, static_argnums=1)
+@moving_bits
 def _apart(qkv: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qkv_proj [L, D, (N + 2K)·H] → q_proj [L, D, N, H], k_proj and v_proj [L, D, K, H]."""
     heads = (config.n_heads, config.n_kv_heads, config.n_kv_heads)
@@ -126,6 +127,7 @@ def _apart(qkv: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array, j
 
 
 @jax.jit
+@moving_bits
 def _halves(gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
     """gate_up_proj [L, D, 2F] → gate_proj and up_proj [L, D, F]."""
     return tuple(jnp.split(gate_up, 2, axis=-1))

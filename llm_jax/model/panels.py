@@ -25,6 +25,7 @@ from typing import Any
 import jax
 
 import cpu_kernels
+from llm_jax.bits import moving_bits
 from llm_jax.config import ModelConfig
 
 Params = dict[str, Any]
@@ -53,11 +54,6 @@ class Panels:
     def unpacked(self) -> jax.Array:
         """W [*lead, K, *out] (a copy: for XLA's products, not the kernels')."""
         return cpu_kernels.from_panels(self.data).reshape(self.shape)
-
-
-def _in_rank(path: tuple[str, ...]) -> int:
-    """How many leading axes (after a layer axis) of the projection at ``path`` are its inputs."""
-    return 2 if path[-1] == "o_proj" else 1  # o_proj [N, H, D]; the others [D, ...] or [F, D]
 
 
 # The projections [*in, *out] (each a stack [L, ...] under "layers") the layout applies to, by path.
@@ -94,30 +90,39 @@ def has_panels(params: Params) -> bool:
 
 def to_panel_layout(params: Params, config: ModelConfig, *, consume: bool = False) -> Params:
     """``params`` with every projection whose output width is a multiple of 16 in the panel layout, and a
-    tied embedding table too (a new pytree; other leaves shared). ``consume``: the replaced arrays are
-    deleted once the panels exist."""
-    replaced = []
+    tied embedding table too (a new pytree; other leaves shared). ``consume``: each replaced array is
+    deleted as soon as its panels exist, so that converting needs memory for one more leaf, not a second
+    copy of the params."""
     table = _get(params, EMBEDDING)
     if config.tie_embeddings and table is not None and config.vocab_size % cpu_kernels.PANEL == 0:
-        params = _replace(params, EMBEDDING, EMBEDDING[-1], EMBEDDING[-1] + SUFFIX, _table_panels(table))
-        replaced.append(table)
+        panels = _table_panels(table)
+        params = _replace(params, EMBEDDING, EMBEDDING[-1], EMBEDDING[-1] + SUFFIX, panels)
+        if consume:
+            release([table], panels)
     for path in PROJECTIONS:
         w = _get(params, path)
         if w is None:
             continue
-        lead = 1 if path[0] == "layers" else 0
-        K = math.prod(w.shape[lead:lead + _in_rank(path)])
-        N = math.prod(w.shape[lead + _in_rank(path):])
+        ins, outs = _dims(path[-1], config)
+        lead = w.ndim - len(ins) - len(outs)
+        if lead < 0 or w.shape[lead:] != (*ins, *outs):
+            raise ValueError(f"{'/'.join(path)} is {w.shape}, the config says [..., {', '.join(map(str, ins + outs))}]")
+        K, N = math.prod(ins), math.prod(outs)
         if N % cpu_kernels.PANEL:
             continue
-        params = _replace(params, path, path[-1], path[-1] + SUFFIX, _panels(w, lead, K, N))
-        replaced.append(w)
-    if consume and replaced:
-        jax.block_until_ready(params)
-        for w in replaced:
-            if isinstance(w, jax.Array):
-                w.delete()
+        panels = _panels(w, lead, K, N)
+        params = _replace(params, path, path[-1], path[-1] + SUFFIX, panels)
+        if consume:
+            release([w], panels)
     return params
+
+
+def release(replaced: list, replacement: jax.Array) -> None:
+    """Delete the arrays in ``replaced`` once ``replacement`` (computed from them) is ready."""
+    jax.block_until_ready(replacement)
+    for w in replaced:
+        if isinstance(w, jax.Array):
+            w.delete()
 
 
 def from_panel_layout(params: Params, config: ModelConfig) -> Params:
@@ -129,36 +134,40 @@ def from_panel_layout(params: Params, config: ModelConfig) -> Params:
         name = path[-1] + SUFFIX
         p = _get(params, (*path[:-1], name))
         if p is not None:
-            params = _replace(params, path, name, path[-1], _unpacked(p, plain_shape(path, p, config)))
+            ins, outs = _dims(path[-1], config)
+            params = _replace(params, path, name, path[-1], _unpacked(p, (*p.shape[:-3], *ins, *outs)))
     return params
 
 
-def plain_shape(path: tuple[str, ...], panels: jax.Array, config: ModelConfig) -> tuple[int, ...]:
-    """The plain shape [*lead, *in, *out] of the projection at ``path`` held as ``panels``."""
-    D, N, K, H = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
-    lead = panels.shape[:-3]
-    return (*lead, *{"qkv_proj": (D, (N + 2 * K) * H), "q_proj": (D, N, H), "k_proj": (D, K, H), "v_proj": (D, K, H),
-                     "o_proj": (N, H, D), "gate_up_proj": (D, 2 * config.d_ff), "gate_proj": (D, config.d_ff),
-                     "up_proj": (D, config.d_ff), "down_proj": (config.d_ff, D),
-                     "lm_head": (D, config.vocab_size)}[path[-1]])
+def _dims(name: str, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(input axes, output axes) of a layer's projection ``name``, W [*in, *out] (or of the LM head)."""
+    D, N, K, H, F = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
+    return {"qkv_proj": ((D,), ((N + 2 * K) * H,)), "q_proj": ((D,), (N, H)), "k_proj": ((D,), (K, H)),
+            "v_proj": ((D,), (K, H)), "o_proj": ((N, H), (D,)), "gate_up_proj": ((D,), (2 * F,)),
+            "gate_proj": ((D,), (F,)), "up_proj": ((D,), (F,)), "down_proj": ((F,), (D,)),
+            "lm_head": ((D,), (config.vocab_size,))}[name]
 
 
 # Jitted, so that each leaf is built in one pass.
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+@moving_bits
 def _panels(w: jax.Array, lead: int, K: int, N: int) -> jax.Array:
     return cpu_kernels.to_panels(w.reshape(*w.shape[:lead], K, N))
 
 
 @jax.jit
+@moving_bits
 def _table_panels(table_VD: jax.Array) -> jax.Array:
     return cpu_kernels.to_panels(table_VD.T)
 
 
 @jax.jit
+@moving_bits
 def _table(panels: jax.Array) -> jax.Array:
     return cpu_kernels.from_panels(panels).T
 
 
 @functools.partial(jax.jit, static_argnums=1)
+@moving_bits
 def _unpacked(p: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return cpu_kernels.from_panels(p).reshape(shape)

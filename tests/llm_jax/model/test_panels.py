@@ -9,6 +9,8 @@ import pytest
 
 from llm_jax.config import Activation, MatmulImpl, ModelConfig
 from llm_jax.model import fuse_projections, init_params, unfuse_projections
+from llm_jax.model import fused
+from llm_jax.model import panels as panels_lib
 from llm_jax.model.panels import from_panel_layout, has_panels, to_panel_layout
 from llm_jax.weights.placement import leaves_by_path
 from tests.llm_jax.model.layouts import assert_same_model
@@ -72,3 +74,25 @@ def test_consume_deletes_only_the_replaced_arrays():
     assert table.is_deleted() and params["layers"]["attn"]["q_proj"].is_deleted()
     assert not o_proj.is_deleted() and ours["layers"]["attn"]["o_proj"] is o_proj  # no panels for it: kept
     assert np.isfinite(np.asarray(ours["embedder"]["embedding_panels"])).all()
+
+
+def test_bfloat16_layouts_move_bits_and_convert_nothing():
+    """Fusing and panelling bfloat16 weights moves their bits: XLA:CPU converts a bfloat16 concatenate or
+    transpose to float32 and back (the 1B shape's gate/up: 3.9 GB for a moment), so the compiled programs
+    must hold neither a conversion nor a float32 array; and the round trip is exact."""
+    config = TIED.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+    params = random_params(config)
+    gate, up = params["layers"]["mlp"]["gate_proj"], params["layers"]["mlp"]["up_proj"]
+    programs = [fused._side_by_side.lower([gate, up]),
+                panels_lib._panels.lower(fused._side_by_side([gate, up]), 1, 40, 112),
+                panels_lib._table_panels.lower(params["embedder"]["embedding"])]
+    for lowered in programs:
+        text = lowered.compile().as_text()
+        assert "bf16[" in text and " convert(" not in text and "f32[" not in text, text
+    assert_same_leaves(unfuse_projections(fuse_projections(params, config, panels=True), config), params)
+
+
+def test_params_that_do_not_match_the_config_are_a_clear_error():
+    params = init_params(UNTIED)
+    with pytest.raises(ValueError, match=r"layers/attn/q_proj is \(2, 48, 4, 8\), the config says \[\.\.\., 48, 6, 8\]"):
+        to_panel_layout(params, UNTIED.replace(n_heads=6))
