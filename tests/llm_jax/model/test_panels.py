@@ -94,5 +94,6 @@ def test_bfloat16_layouts_move_bits_and_convert_nothing():
 
 def test_params_that_do_not_match_the_config_are_a_clear_error():
     params = init_params(UNTIED)
-    with pytest.raises(ValueError, match=r"layers/attn/q_proj is \(2, 48, 4, 8\), the config says \[\.\.\., 48, 6, 8\]"):
+    expected = r"layers/attn/q_proj is \(2, 48, 4, 8\), the config says \[\.\.\., 48, 6, 8\]"
+    with pytest.raises(ValueError, match=expected):
         to_panel_layout(params, UNTIED.replace(n_heads=6))
