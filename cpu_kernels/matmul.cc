@@ -30,6 +30,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -400,34 +401,50 @@ void tiled_unit(const float* x, const W* w, float* y, int64_t R, int64_t K, int6
   }
 }
 
-// y_i = x · W_i for R >= kTiledMinRows. Work units are runs of up to 8 panels of one y_i (packed, one
-// block at most kBlockBytes), at least four per thread where there are enough panels.
+// Runs unit(i, q0, q1, next) over the work units of the tiled products y_i = x · W_i (W_i in panels of
+// 16 columns, packed or stored so; ns[i] columns): runs of up to 8 panels [q0, q1) of one y_i (a block of
+// them at most kBlockBytes), at least four per thread where there are enough panels. `next` is the unit
+// this thread most likely runs next, {j, v0, v1} (j = -1: none), for its first block to be prefetched.
+struct NextUnit {
+  int64_t j = -1, v0 = 0, v1 = 0;
+};
+
+template <typename Fn>
+void for_panel_units(ffi::ThreadPool& pool, const std::vector<int64_t>& ns, int64_t K, const Fn& unit) {
+  const size_t M = ns.size();
+  std::vector<int64_t> counts(M), first_unit(M + 1, 0);
+  int64_t panels = 0;
+  for (size_t i = 0; i < M; ++i) {
+    counts[i] = (ns[i] + kPanel - 1) / kPanel;
+    panels += counts[i];
+  }
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t fit = kBlockBytes / (kPanel * std::min(K, kKC) * static_cast<int64_t>(sizeof(float)));
+  const int64_t width = std::clamp<int64_t>(std::min(fit, panels / (4 * threads)), 1, 8);  // panels per unit
+  for (size_t i = 0; i < M; ++i) first_unit[i + 1] = first_unit[i] + (counts[i] + width - 1) / width;
+  auto locate = [&](int64_t u) {
+    const int64_t i = std::upper_bound(first_unit.begin(), first_unit.end(), u) - first_unit.begin() - 1;
+    const int64_t q0 = (u - first_unit[i]) * width;
+    return NextUnit{i, q0, std::min(counts[i], q0 + width)};
+  };
+  parallel_for_ranges(pool, first_unit[M], [&](int64_t u, int64_t next_u) {
+    const NextUnit here = locate(u);
+    unit(static_cast<size_t>(here.j), here.v0, here.v1, next_u >= 0 ? locate(next_u) : NextUnit{});
+  });
+}
+
+// y_i = x · W_i for R >= kTiledMinRows, on panels packed a block at a time.
 template <bool kTransposed, typename W>
 void tiled_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws,
                   const std::vector<float*>& ys, const std::vector<int64_t>& ns, int64_t R, int64_t K) {
-  const size_t M = ws.size();
-  int64_t panels = 0;
-  for (size_t i = 0; i < M; ++i) panels += (ns[i] + kPanel - 1) / kPanel;
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t fit = kBlockBytes / (kPanel * std::min(K, kKC) * static_cast<int64_t>(sizeof(float)));
-  const int64_t width = kPanel * std::clamp<int64_t>(std::min(fit, panels / (4 * threads)), 1, 8);
-  std::vector<int64_t> first_unit(M + 1, 0);
-  for (size_t i = 0; i < M; ++i) first_unit[i + 1] = first_unit[i] + (ns[i] + width - 1) / width;
-  auto locate = [&](int64_t unit, size_t* i, int64_t* n0, int64_t* n1) {
-    *i = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
-    *n0 = (unit - first_unit[*i]) * width;
-    *n1 = std::min(ns[*i], *n0 + width);
-  };
-  parallel_for_ranges(pool, first_unit[M], [&](int64_t unit, int64_t next_unit) {
-    size_t i, j;
-    int64_t n0, n1, v0, v1;
-    locate(unit, &i, &n0, &n1);
+  auto columns = [&](size_t i, int64_t q) { return std::min(ns[i], q * kPanel); };
+  for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit n) {
     Prefetcher next;
-    if (next_unit >= 0) {
-      locate(next_unit, &j, &v0, &v1);
-      next = block_of<kTransposed>(ws[j], K, ns[j], v0, v1, 0, std::min(K, kKC));
+    if (n.j >= 0) {
+      const size_t j = static_cast<size_t>(n.j);
+      next = block_of<kTransposed>(ws[j], K, ns[j], columns(j, n.v0), columns(j, n.v1), 0, std::min(K, kKC));
     }
-    tiled_unit<kTransposed>(x, ws[i], ys[i], R, K, ns[i], n0, n1, next);
+    tiled_unit<kTransposed>(x, ws[i], ys[i], R, K, ns[i], columns(i, q0), columns(i, q1), next);
   });
 }
 
@@ -590,29 +607,9 @@ Prefetcher panel_block(const W* w, int64_t K, int64_t q0, int64_t q1, int64_t k0
 template <typename W>
 void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
                  const std::vector<int64_t>& ns, int64_t R, int64_t K) {
-  const size_t M = ws.size();
-  int64_t panels = 0;
-  for (size_t i = 0; i < M; ++i) panels += ns[i] / kPanel;
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1), kc_max = std::min(K, kKC);
-  const int64_t fit = kBlockBytes / (kPanel * kc_max * static_cast<int64_t>(sizeof(float)));
-  const int64_t width = std::clamp<int64_t>(std::min(fit, panels / (4 * threads)), 1, 8);  // panels per unit
-  std::vector<int64_t> first_unit(M + 1, 0);
-  for (size_t i = 0; i < M; ++i) first_unit[i + 1] = first_unit[i] + (ns[i] / kPanel + width - 1) / width;
-  auto locate = [&](int64_t unit, size_t* i, int64_t* q0, int64_t* q1) {
-    *i = std::upper_bound(first_unit.begin(), first_unit.end(), unit) - first_unit.begin() - 1;
-    *q0 = (unit - first_unit[*i]) * width;
-    *q1 = std::min(ns[*i] / kPanel, *q0 + width);
-  };
-  const int64_t tiles = (R + kMR - 1) / kMR;
-  parallel_for_ranges(pool, first_unit[M], [&](int64_t unit, int64_t next_unit) {
-    size_t i, j;
-    int64_t q0, q1, v0, v1;
-    locate(unit, &i, &q0, &q1);
-    Prefetcher next;
-    if (next_unit >= 0) {
-      locate(next_unit, &j, &v0, &v1);
-      next = panel_block(ws[j], K, v0, v1, 0, kc_max);
-    }
+  const int64_t kc_max = std::min(K, kKC), tiles = (R + kMR - 1) / kMR;
+  for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit n) {
+    const Prefetcher next = n.j >= 0 ? panel_block(ws[n.j], K, n.v0, n.v1, 0, kc_max) : Prefetcher{};
     const W* w = ws[i];
     const int64_t N = ns[i];
     for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
@@ -635,42 +632,60 @@ void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const 
 template <ffi::DataType T>
 using Matrix = ffi::Buffer<T, 2>;
 
-// x [R, K]; the layer index l (int32 scalar); then M weight matrices, all of dtype T: each [K, N_i] (or
-// [N_i, K] when transposed), or a stack [L, K, N_i] of which layer l is used, read where it lies (a
-// decode loop over stacked layers then never copies a layer's weights out of the stack). M results
-// y_i [R, N_i].
+// A handler's operands: x [R, K], the layer index l (int32 scalar), M weights of one dtype and M float32
+// results y_i [R, N_i]. Each weight is read through `Weight` (its buffer type), whose dimensions
+// `shape(dims, &L, &N, &k)` reads — false for a shape the layout does not have — and its layer l is used
+// where it lies (a decode loop over stacked layers then never copies a layer's weights out of the stack).
+template <typename W>
+struct Operands {
+  std::vector<const W*> ws;
+  std::vector<float*> ys;
+  std::vector<int64_t> ns;
+};
+
+template <typename Weight, typename W, typename Shape>
+ffi::Error read_operands(const char* name, const char* layout, int64_t R, int64_t K, int64_t layer,
+                         ffi::RemainingArgs& weights, ffi::RemainingRets& outs, Shape shape, Operands<W>* ops) {
+  const auto error = [&](const std::string& what) {
+    return ffi::Error::InvalidArgument(std::string("cpu_kernels matmul") + name + ": " + what);
+  };
+  if (weights.size() != outs.size() || weights.size() == 0) return error("one result per weight");
+  for (size_t i = 0; i < weights.size(); ++i) {
+    auto w = weights.get<Weight>(i);
+    auto y = outs.get<Matrix<ffi::F32>>(i);
+    int64_t L = 0, N = 0, k = 0;
+    if (!w.has_value() || !y.has_value() || !shape(w->dimensions(), &L, &N, &k)) {
+      return error(std::string("weights must be ") + layout + " of one dtype, results 2-D float32");
+    }
+    if (k != K || (*y)->dimensions()[0] != R || (*y)->dimensions()[1] != N) {
+      return error("shapes of x, w and y do not match");
+    }
+    if (layer < 0 || layer >= L) return error("layer index outside the stack of weights");
+    ops->ws.push_back(reinterpret_cast<const W*>(w->untyped_data()) + layer * N * K);
+    ops->ys.push_back((*y)->typed_data());
+    ops->ns.push_back(N);
+  }
+  return ffi::Error::Success();
+}
+
+// Weights [K, N_i] (or [N_i, K] when transposed), or stacks [L, K, N_i] (or [L, N_i, K]).
 template <bool kTransposed, ffi::DataType T, typename W>
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Matrix<ffi::F32> x,
                   ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const int64_t R = x.dimensions()[0], K = x.dimensions()[1];
-  const int64_t layer = *layer_index.typed_data();
-  if (weights.size() != outs.size() || weights.size() == 0) {
-    return ffi::Error::InvalidArgument("cpu_kernels matmul: one result per weight matrix");
-  }
-  std::vector<const W*> ws;
-  std::vector<float*> ys;
-  std::vector<int64_t> ns;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    auto w = weights.get<ffi::Buffer<T>>(i);
-    auto y = outs.get<Matrix<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value() || (w->dimensions().size() != 2 && w->dimensions().size() != 3)) {
-      return ffi::Error::InvalidArgument(
-          "cpu_kernels matmul: weights must be 2-D (or 3-D stacks) of one dtype, results 2-D float32");
-    }
-    const auto wd = w->dimensions();
+  Operands<W> ops;
+  auto shape = [](auto wd, int64_t* L, int64_t* N, int64_t* k) {
+    if (wd.size() != 2 && wd.size() != 3) return false;
     const bool stacked = wd.size() == 3;
-    const int64_t L = stacked ? wd[0] : 1, rows = wd[stacked ? 1 : 0], cols = wd[stacked ? 2 : 1];
-    const int64_t N = kTransposed ? rows : cols, w_k = kTransposed ? cols : rows;
-    if (w_k != K || (*y)->dimensions()[0] != R || (*y)->dimensions()[1] != N) {
-      return ffi::Error::InvalidArgument("cpu_kernels matmul: shapes of x, w and y do not match");
-    }
-    if (layer < 0 || layer >= L) {
-      return ffi::Error::InvalidArgument("cpu_kernels matmul: layer index outside the stack of weights");
-    }
-    ws.push_back(reinterpret_cast<const W*>(w->untyped_data()) + layer * rows * cols);
-    ys.push_back((*y)->typed_data());
-    ns.push_back(N);
-  }
+    const int64_t rows = wd[stacked ? 1 : 0], cols = wd[stacked ? 2 : 1];
+    *L = stacked ? wd[0] : 1, *N = kTransposed ? rows : cols, *k = kTransposed ? cols : rows;
+    return true;
+  };
+  const ffi::Error read = read_operands<ffi::Buffer<T>>("", "2-D (or 3-D stacks)", R, K, *layer_index.typed_data(),
+                                                        weights, outs, shape, &ops);
+  if (read.failure()) return read;
+  const auto &ws = ops.ws, &ns = ops.ns;
+  const auto& ys = ops.ys;
   if (K == 0) {  // an empty sum: zeros
     for (size_t i = 0; i < ys.size(); ++i) std::fill(ys[i], ys[i] + R * ns[i], 0.f);
   } else if (kTransposed && R >= kTiledMinRows && R <= kBroadcastMaxRows) {
@@ -685,44 +700,26 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Ma
   return ffi::Error::Success();
 }
 
-// x [R, K]; the layer index l (int32 scalar); then M weight stacks in the panel layout, all of dtype T,
-// each [L, N_i / 16, K, 16], of which layer l is read in place. M results y_i [R, N_i].
+// Weights in the panel layout: stacks [L, N_i / 16, K, 16].
 template <ffi::DataType T, typename W>
 ffi::Error MatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Matrix<ffi::F32> x,
                         ffi::RemainingArgs weights, ffi::RemainingRets outs) {
   const int64_t R = x.dimensions()[0], K = x.dimensions()[1];
-  const int64_t layer = *layer_index.typed_data();
-  if (weights.size() != outs.size() || weights.size() == 0) {
-    return ffi::Error::InvalidArgument("cpu_kernels matmul (panels): one result per weight stack");
-  }
-  std::vector<const W*> ws;
-  std::vector<float*> ys;
-  std::vector<int64_t> ns;
-  for (size_t i = 0; i < weights.size(); ++i) {
-    auto w = weights.get<ffi::Buffer<T, 4>>(i);
-    auto y = outs.get<Matrix<ffi::F32>>(i);
-    if (!w.has_value() || !y.has_value()) {
-      return ffi::Error::InvalidArgument(
-          "cpu_kernels matmul (panels): weights must be [L, N / 16, K, 16] stacks of one dtype, results 2-D float32");
-    }
-    const auto wd = w->dimensions();
-    const int64_t N = wd[1] * kPanel;
-    if (wd[2] != K || wd[3] != kPanel || (*y)->dimensions()[0] != R || (*y)->dimensions()[1] != N) {
-      return ffi::Error::InvalidArgument("cpu_kernels matmul (panels): shapes of x, w and y do not match");
-    }
-    if (layer < 0 || layer >= wd[0]) {
-      return ffi::Error::InvalidArgument("cpu_kernels matmul (panels): layer index outside the stack of weights");
-    }
-    ws.push_back(reinterpret_cast<const W*>(w->untyped_data()) + layer * N * K);
-    ys.push_back((*y)->typed_data());
-    ns.push_back(N);
-  }
+  Operands<W> ops;
+  auto shape = [](auto wd, int64_t* L, int64_t* N, int64_t* k) {
+    if (wd.size() != 4 || wd[3] != kPanel) return false;
+    *L = wd[0], *N = wd[1] * kPanel, *k = wd[2];
+    return true;
+  };
+  const ffi::Error read = read_operands<ffi::Buffer<T>>(" (panels)", "[L, N / 16, K, 16] stacks", R, K,
+                                                        *layer_index.typed_data(), weights, outs, shape, &ops);
+  if (read.failure()) return read;
   if (K == 0) {
-    for (size_t i = 0; i < ys.size(); ++i) std::fill(ys[i], ys[i] + R * ns[i], 0.f);
+    for (size_t i = 0; i < ops.ys.size(); ++i) std::fill(ops.ys[i], ops.ys[i] + R * ops.ns[i], 0.f);
   } else if (R >= kTiledMinRows) {
-    panel_tiled(pool, x.typed_data(), ws, ys, ns, R, K);
+    panel_tiled(pool, x.typed_data(), ops.ws, ops.ys, ops.ns, R, K);
   } else {
-    panel_rows(pool, x.typed_data(), ws, ys, ns, R, K);
+    panel_rows(pool, x.typed_data(), ops.ws, ops.ys, ops.ns, R, K);
   }
   return ffi::Error::Success();
 }

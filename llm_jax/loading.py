@@ -30,8 +30,9 @@ from llm_jax.weights.sources import WeightFormat
 class Model:
     """A loaded model: its config, params pytree, tokenizer (None if it has none) and stop ids.
 
-    On one CPU device the params are in the fused layout of :mod:`llm_jax.model.fused` (q/k/v and gate/up
-    as one matrix each), which decodes faster there; ``llm_jax.model.unfuse_projections`` gives the
+    On one CPU device the params are in the layout the CPU kernels read fastest: q/k/v and gate/up fused
+    into one matrix each (:mod:`llm_jax.model.fused`), and the projections and a tied embedding table held
+    as panels of 16 columns (:mod:`llm_jax.model.panels`); ``llm_jax.model.unfuse_projections`` gives the
     separate layout of checkpoints and Hugging Face.
     """
 
@@ -63,8 +64,8 @@ def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None, m
     or a spec like ``"data=2,model=4"``) instead lays the params out by the table of ``llm_jax.sharding``,
     each device receiving only its shard, and runs the model on it. ``tokenizer`` overrides the tokenizer
     found with the weights. ``verify`` checks an llm_jax checkpoint's checksums. ``fuse``: params in the fused
-    layout of :mod:`llm_jax.model.fused` (default: where the CPU kernels run the products, that is without
-    ``mesh`` or ``sharding`` on one CPU device).
+    layout of :mod:`llm_jax.model.fused`, and in panels where the CPU kernels run (default: where they run
+    the products, that is without ``mesh`` or ``sharding`` on one CPU device).
     """
     attention = AttentionImpl.parse(attention)  # before any slow work
     if fuse and mesh is not None:

@@ -9,6 +9,7 @@ import pytest
 
 import cpu_kernels
 from cpu_kernels import build
+from tests.cpu_kernels.stacks import assert_one_call_on_whole_stacks
 
 # float32 sums of K products of standard normals, in another order than NumPy's.
 RTOL, ATOL = 1e-5, 1e-4
@@ -159,11 +160,7 @@ def test_a_layer_of_stacked_weights(dtype, transposed, R):
             w64 = np.asarray(w[layer].astype(jnp.float32), np.float64)
             expected = np.asarray(x, np.float64) @ (w64.T if transposed else w64)
             np.testing.assert_allclose(np.asarray(y), expected, rtol=RTOL, atol=ATOL)
-    if cpu_kernels.available():
-        hlo = f.lower(x, ws, 0).compile().as_text()
-        calls = [line for line in hlo.splitlines() if 'custom_call_target="llm_jax_matmul' in line]
-        stack = ("bf16" if dtype == jnp.bfloat16 else "f32") + f"[{L},"
-        assert len(calls) == 1 and calls[0].count(stack) == 2 and "dynamic-slice" not in hlo
+    assert_one_call_on_whole_stacks(f.lower(x, ws, 0), "llm_jax_matmul", dtype, L, stacks=2)
 
 
 def test_gradient_of_a_stacked_layer_is_xlas():

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
+from tests.cpu_kernels.stacks import assert_one_call_on_whole_stacks
 
 RTOL, ATOL = 1e-5, 1e-4  # float32 sums of K products of standard normals, in another order than NumPy's
 
@@ -63,11 +64,7 @@ def test_a_layer_of_stacked_panels_several_weights(dtype, R):
     for layer in range(L):
         for w, y in zip(ws, f(x, ps, layer)):
             np.testing.assert_allclose(np.asarray(y), reference(x, w[layer]), rtol=RTOL, atol=ATOL)
-    if cpu_kernels.available():
-        hlo = f.lower(x, ps, 0).compile().as_text()
-        calls = [line for line in hlo.splitlines() if 'custom_call_target="llm_jax_matmul_panels' in line]
-        stack = ("bf16" if dtype == jnp.bfloat16 else "f32") + f"[{L},"
-        assert len(calls) == 1 and calls[0].count(stack) == 3 and "dynamic-slice" not in hlo
+    assert_one_call_on_whole_stacks(f.lower(x, ps, 0), "llm_jax_matmul_panels", dtype, L, stacks=3)
 
 
 def test_gradients_are_those_of_the_plain_layout():
