@@ -3,9 +3,10 @@ per machine and registering their handlers with XLA; ``stream_read.cc`` (the ben
 is built into the same library and called through ctypes.
 
 The library is built on first use with the system C++ compiler (``$CXX``, else ``c++``) against the
-XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``), and kept in a cache
-folder keyed by everything that changes the binary: the sources, the compiler, the jaxlib version and
-the CPU's instruction sets. Without a compiler (or with ``LLM_JAX_CPU_KERNELS=off``) nothing is built
+XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``: 16-wide vectors where it has
+AVX-512, else 8-wide; ``$LLM_JAX_KERNEL_FLAGS`` adds flags, e.g. ``-mno-avx512f`` for the 8-wide kernels
+on an AVX-512 CPU), and kept in a cache folder keyed by everything that changes the binary: the sources,
+the flags, the compiler, the jaxlib version and the CPU's instruction sets. Without a compiler (or with ``LLM_JAX_CPU_KERNELS=off``) nothing is built
 and callers fall back to XLA's own matrix products.
 """
 
@@ -30,6 +31,7 @@ SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_att
 HEADERS = (HERE / "common.h",)
 ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
 CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
+FLAGS_ENV = "LLM_JAX_KERNEL_FLAGS"  # extra compiler flags, after FLAGS
 HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_matmul_kn_f32": "MatmulKnF32",
     "llm_jax_matmul_kn_bf16": "MatmulKnBF16",
@@ -46,6 +48,10 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_argmax_f32": "ArgmaxF32",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+
+
+def flags() -> tuple[str, ...]:
+    return (*FLAGS, *os.environ.get(FLAGS_ENV, "").split())
 
 
 def cpu_features() -> str:
@@ -69,7 +75,7 @@ def compile_library(compiler: str) -> pathlib.Path:
     """Build (or find already built) the shared library; raises on a compiler error."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [path.read_text() for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*texts, version, jax.__version__, cpu_features(), *FLAGS])
+    key = hashlib.sha256("\0".join([*texts, version, jax.__version__, cpu_features(), *flags()])
                          .encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -78,7 +84,7 @@ def compile_library(compiler: str) -> pathlib.Path:
     # Build beside the target and rename: concurrent processes never load a half-written file.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = pathlib.Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, "-w", f"-I{jax.ffi.include_dir()}", f"-I{HERE}", *map(str, SOURCES), "-o",
+        subprocess.run([compiler, *flags(), "-w", f"-I{jax.ffi.include_dir()}", f"-I{HERE}", *map(str, SOURCES), "-o",
                         str(built)],
                        capture_output=True, text=True, check=True)
         os.replace(built, target)
@@ -118,6 +124,13 @@ def load() -> bool:
     for name, symbol in HANDLERS.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return True
+
+
+def vector_lanes() -> int | None:
+    """Floats per vector in the built matrix products (16: AVX-512, 8: AVX2 and others); None when the
+    library cannot be built."""
+    lib = library()
+    return None if lib is None else int(lib.LlmJaxVectorLanes())
 
 
 def stream_read():

@@ -229,14 +229,26 @@ void nk_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*
 // ---- many rows: packed panels and register tiles -----------------------------------------------
 //
 // With many rows (batched decode, prefill) each weight is used R times and the products are bound by
-// arithmetic, not memory. Here a tile of y — up to kMR rows × 16 columns — stays in 12 registers while
-// k runs (per k: 2 loads of W, up to 6 broadcasts of x, 12 multiply-adds; 80 % of a core's peak for the
-// tile alone). W is first packed, a block at a time, into panels of 16 columns [kc, 16] (nk: 8 × 8
+// arithmetic, not memory. Here a tile of y stays in registers while k runs: with 8-wide vectors (16
+// registers) up to 6 rows × one panel of 16 columns (per k: 2 loads of W, up to 6 broadcasts of x, 12
+// multiply-adds; 80 % of a core's peak for the tile alone); with AVX-512 (32 registers of 16 floats) up
+// to 12 rows × two panels (per k: 2 loads, 12 broadcasts, 24 multiply-adds, each twice as wide). x is
+// packed k-major once per call, so a tile's broadcasts come from one pointer (12 rows of x as they lie
+// need more pointers than there are registers). Xeon with AVX-512, 2 cores, the products of a 15M decode
+// step at 32 rows in a harness whose steps take turns between two builds: 8-wide 6 × 1 tiles 10.6 ms,
+// 16-wide 12 × 1 on packed x 7.8 ms; 12 × 1 → 12 × 2 7.7 → 7.5 and 7.2 → 6.6 ms; all together 8.2 → 5.7
+// ms (119 → 169 GFLOP/s), bfloat16 8.7 → 5.4 ms, 110M float32 65.6 → 43.4 ms. W is first packed, a block at a time, into panels of 16 columns [kc, 16] (nk: 8 × 8
 // transposes; bfloat16 widened once here, not once per tile), which stay in L2 while every tile of rows
 // of x passes over them. The next block of W is prefetched a few cache lines per tile, so memory and
 // arithmetic overlap: without it a core waits for each block it packs.
 
-constexpr int kMR = 6;             // rows of x and y per tile
+#if defined(__AVX512F__)
+constexpr int kMR = 12;            // rows of x and y per tile
+constexpr int kTilePanels = 2;     // panels per tile: 24 registers of sums (of 32)
+#else
+constexpr int kMR = 6;
+constexpr int kTilePanels = 1;     // 12 registers of sums (of 16)
+#endif
 constexpr int64_t kPanel = 16;     // columns of y per tile: two 8-wide vectors
 constexpr int64_t kKC = 512;       // rows of K per block: a panel is at most 32 KiB
 constexpr int64_t kBlockBytes = 192 * 1024;  // a unit's packed panels, in L2
@@ -258,42 +270,92 @@ struct Prefetcher {
   }
 };
 
-// y[0:MR, 0:16] (+= when `add`) x[0:MR, 0:kc] · P[0:kc, 0:16], P a packed panel (float32, or bfloat16
-// widened as it is read); x and y rows ldx and ldy apart. Asks `pf` for `lines` lines on the way, spread over k.
-template <int MR, typename P>
-void tile(const float* x, int64_t ldx, int64_t kc, const P* p, float* y, int64_t ldy, bool add, Prefetcher& pf,
+// y[0:MR, 0:16 NP] (+= when `add`) x[0:MR, 0:kc] · [P_0 … P_NP-1][0:kc, 0:16], NP packed panels ps values
+// apart (float32, or bfloat16 widened as it is read), x packed k-major (xp[k · MR + r], pack_rows) so that
+// every broadcast comes from one pointer (12 rows of x, each its own pointer, need more registers than
+// the core has); y rows ldy apart. Asks `pf` for `lines` lines on the way, spread over k.
+template <int MR, int NP, typename P>
+void tile(const float* xp, int64_t kc, const P* p, int64_t ps, float* y, int64_t ldy, bool add, Prefetcher& pf,
           int64_t lines) {
-  f32x8 acc[MR][2];
+  constexpr int V = kPanel / kLanes, NV = NP * V;  // vectors per row of a panel, of the tile
+  fvec acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
-    acc[r][0] = add ? load8(y + r * ldy) : f32x8{};
-    acc[r][1] = add ? load8(y + r * ldy + 8) : f32x8{};
+    for (int c = 0; c < NV; ++c) acc[r][c] = add ? loadv(y + r * ldy + c * kLanes) : fvec{};
   }
   const int64_t every = lines > 0 ? std::max<int64_t>(1, kc / lines) : kc + 1;
   for (int64_t k = 0, next = 0; k < kc; ++k) {
     if (k == next) pf.one(), next += every;
-    const f32x8 b0 = load8(p + k * kPanel), b1 = load8(p + k * kPanel + 8);
+    fvec b[NV];
+    for (int j = 0; j < NP; ++j) {
+      for (int c = 0; c < V; ++c) b[j * V + c] = loadv(p + j * ps + k * kPanel + c * kLanes);
+    }
     for (int r = 0; r < MR; ++r) {
-      const f32x8 a = splat(x[r * ldx + k]);
-      acc[r][0] += a * b0;
-      acc[r][1] += a * b1;
+      const float a = xp[k * MR + r];
+      for (int c = 0; c < NV; ++c) acc[r][c] += a * b[c];
     }
   }
   for (int r = 0; r < MR; ++r) {
-    store8(y + r * ldy, acc[r][0]);
-    store8(y + r * ldy + 8, acc[r][1]);
+    for (int c = 0; c < NV; ++c) storev(y + r * ldy + c * kLanes, acc[r][c]);
   }
 }
 
-template <typename P>
-void tile_rows(int64_t mr, const float* x, int64_t ldx, int64_t kc, const P* p, float* y, int64_t ldy, bool add,
+template <int NP, typename P>
+void tile_rows(int64_t mr, const float* xp, int64_t kc, const P* p, int64_t ps, float* y, int64_t ldy, bool add,
                Prefetcher& pf, int64_t lines) {
   switch (mr) {
-    case 6: return tile<6>(x, ldx, kc, p, y, ldy, add, pf, lines);
-    case 5: return tile<5>(x, ldx, kc, p, y, ldy, add, pf, lines);
-    case 4: return tile<4>(x, ldx, kc, p, y, ldy, add, pf, lines);
-    case 3: return tile<3>(x, ldx, kc, p, y, ldy, add, pf, lines);
-    case 2: return tile<2>(x, ldx, kc, p, y, ldy, add, pf, lines);
-    default: return tile<1>(x, ldx, kc, p, y, ldy, add, pf, lines);
+#if defined(__AVX512F__)
+    case 12: return tile<12, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+    case 11: return tile<11, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+    case 10: return tile<10, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+    case 9: return tile<9, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+    case 8: return tile<8, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+    case 7: return tile<7, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+#endif
+    case 6: return tile<6, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+    case 5: return tile<5, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+    case 4: return tile<4, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+    case 3: return tile<3, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+    case 2: return tile<2, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+    default: return tile<1, NP>(xp, kc, p, ps, y, ldy, add, pf, lines);
+  }
+}
+
+// mr rows of y over n whole panels (ps values apart; their columns side by side in y): kTilePanels
+// panels per tile, where the registers hold that many.
+template <typename P>
+void tile_panels(int64_t mr, const float* xp, int64_t kc, const P* p, int64_t ps, int64_t n, float* y, int64_t ldy,
+                 bool add, Prefetcher& pf, int64_t lines) {
+  int64_t q = 0;
+  for (; q + kTilePanels <= n; q += kTilePanels) {
+    tile_rows<kTilePanels>(mr, xp, kc, p + q * ps, ps, y + q * kPanel, ldy, add, pf, kTilePanels * lines);
+  }
+  for (; q < n; ++q) tile_rows<1>(mr, xp, kc, p + q * ps, ps, y + q * kPanel, ldy, add, pf, lines);
+}
+
+// xp[k · mr + r] = x[r · ldx + k] for r < mr, k < kc: a tile's rows of x as `tile` reads them.
+inline void pack_rows(const float* x, int64_t ldx, int64_t mr, int64_t kc, float* xp) {
+  for (int64_t r = 0; r < mr; ++r) {
+    for (int64_t k = 0; k < kc; ++k) xp[k * mr + r] = x[r * ldx + k];
+  }
+}
+
+// R rows cut into `tiles` tiles of even size (32 rows, kMR 6: 5 + 5 + 6 + 5 + 5 + 6): tile t's first row
+// and row count.
+inline void tile_span(int64_t R, int64_t tiles, int64_t t, int64_t* r0, int64_t* mr) {
+  *r0 = R * t / tiles;
+  *mr = R * (t + 1) / tiles - *r0;
+}
+
+// x [R, K] packed once per call for every tile of every block of kc_max rows of K: block k0, tile at r0
+// (of mr rows) at k0 · R + r0 · kc, as pack_rows lays it out.
+inline void pack_tiles(const float* x, int64_t R, int64_t K, int64_t kc_max, int64_t tiles, std::vector<float>& xp) {
+  xp.resize(static_cast<size_t>(R * K));
+  for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+    const int64_t kc = std::min(kc_max, K - k0);
+    for (int64_t t = 0, r0, mr; t < tiles; ++t) {
+      tile_span(R, tiles, t, &r0, &mr);
+      pack_rows(x + r0 * K + k0, K, mr, kc, xp.data() + k0 * R + r0 * kc);
+    }
   }
 }
 
@@ -366,7 +428,7 @@ Prefetcher block_of(const W* w, int64_t K, int64_t N, int64_t n0, int64_t n1, in
 // every tile of rows runs over every panel while the next block — this unit's next rows of K, else
 // `next` (the first block of the unit this thread runs next) — is prefetched.
 template <bool kTransposed, typename W>
-void tiled_unit(const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t N, int64_t n0, int64_t n1,
+void tiled_unit(const float* xp, const W* w, float* y, int64_t R, int64_t K, int64_t N, int64_t n0, int64_t n1,
                 Prefetcher next) {
   const int64_t panels = (n1 - n0 + kPanel - 1) / kPanel, kc_max = std::min(K, kKC);
   thread_local std::vector<float> packed, tail;
@@ -383,19 +445,19 @@ void tiled_unit(const float* x, const W* w, float* y, int64_t R, int64_t K, int6
                                 : next;
     const int64_t lines_per_tile = (pf.left + tiles * panels - 1) / (tiles * panels);
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t r0 = R * t / tiles, mr = R * (t + 1) / tiles - r0;  // even tiles: 32 rows = 5 + 5 + 6 + ...
-      for (int64_t q = 0; q < panels; ++q) {
-        const int64_t n = n0 + q * kPanel, cols = std::min(kPanel, n1 - n);
-        const bool narrow = cols < kPanel;
-        float* out = narrow ? tail.data() : y + r0 * N + n;
-        if (narrow && k0 > 0) {
+      int64_t r0, mr;
+      tile_span(R, tiles, t, &r0, &mr);
+      const int64_t whole = (n1 - n0) / kPanel;  // the last panel may be narrower: it computes into `tail`
+      float* out = y + r0 * N + n0;
+      tile_panels(mr, xp + k0 * R + r0 * kc, kc, packed.data(), kc * kPanel, whole, out, N, k0 > 0, pf, lines_per_tile);
+      if (whole < panels) {
+        const int64_t n = n0 + whole * kPanel, cols = n1 - n;
+        if (k0 > 0) {
           for (int64_t r = 0; r < mr; ++r) std::copy_n(y + (r0 + r) * N + n, cols, tail.data() + r * kPanel);
         }
-        tile_rows(mr, x + r0 * K + k0, K, kc, packed.data() + q * kc * kPanel, out, narrow ? kPanel : N, k0 > 0, pf,
-                  lines_per_tile);
-        if (narrow) {
-          for (int64_t r = 0; r < mr; ++r) std::copy_n(tail.data() + r * kPanel, cols, y + (r0 + r) * N + n);
-        }
+        tile_rows<1>(mr, xp + k0 * R + r0 * kc, kc, packed.data() + whole * kc * kPanel, 0, tail.data(), kPanel, k0 > 0,
+                     pf, lines_per_tile);
+        for (int64_t r = 0; r < mr; ++r) std::copy_n(tail.data() + r * kPanel, cols, y + (r0 + r) * N + n);
       }
     }
   }
@@ -438,13 +500,15 @@ template <bool kTransposed, typename W>
 void tiled_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws,
                   const std::vector<float*>& ys, const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   auto columns = [&](size_t i, int64_t q) { return std::min(ns[i], q * kPanel); };
+  std::vector<float> xp;
+  pack_tiles(x, R, K, std::min(K, kKC), (R + kMR - 1) / kMR, xp);
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit n) {
     Prefetcher next;
     if (n.j >= 0) {
       const size_t j = static_cast<size_t>(n.j);
       next = block_of<kTransposed>(ws[j], K, ns[j], columns(j, n.v0), columns(j, n.v1), 0, std::min(K, kKC));
     }
-    tiled_unit<kTransposed>(x, ws[i], ys[i], R, K, ns[i], columns(i, q0), columns(i, q1), next);
+    tiled_unit<kTransposed>(xp.data(), ws[i], ys[i], R, K, ns[i], columns(i, q0), columns(i, q1), next);
   });
 }
 
@@ -489,7 +553,7 @@ void broadcast_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<c
     // the next unit's first tile, when it is the same matrix's
     const bool next_here = next_unit >= 0 && next_unit < first_unit[i + 1];
     const int64_t t_next = next_here ? (next_unit - first_unit[i]) * kTilesPerUnit : tiles[i];
-    thread_local std::vector<float> yt, wide;
+    thread_local std::vector<float> yt, wide, wp;
     yt.resize(kTilesPerUnit * kMR * Rp);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kMR, mr = std::min<int64_t>(kMR, N - n0);
@@ -507,10 +571,9 @@ void broadcast_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<c
       float* out = yt.data() + (n0 - t0 * kMR) * Rp;
       for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
         const int64_t kc = std::min(kc_max, K - k0);
-        for (int64_t q = 0; q < panels; ++q) {
-          tile_rows(mr, wr + k0, ld, kc, xt + k0 * Rp + q * kc * kPanel, out + q * kPanel, Rp, k0 > 0, pf,
-                    lines);
-        }
+        wp.resize(mr * kc);
+        pack_rows(wr + k0, ld, mr, kc, wp.data());
+        tile_panels(mr, wp.data(), kc, xt + k0 * Rp, kc * kPanel, panels, out, Rp, k0 > 0, pf, lines);
       }
     }
     const int64_t n_begin = t0 * kMR, n_end = std::min(N, t1 * kMR);
@@ -533,16 +596,18 @@ void broadcast_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<c
 // y[0, 0:16G] = x[0, 0:kc] · the first kc rows of G panels, K · 16 values apart.
 template <int G, typename W>
 void panel_gemv(const float* x, const W* p, int64_t K, int64_t kc, float* y) {
-  f32x8 acc[G][2] = {};
+  constexpr int V = kPanel / kLanes;
+  fvec acc[G][V] = {};
   for (int64_t k = 0; k < kc; ++k) {
-    const f32x8 xv = splat(x[k]);
+    const float xk = x[k];
     for (int g = 0; g < G; ++g) {
       const W* row = p + g * K * kPanel + k * kPanel;
-      acc[g][0] += xv * load8(row);
-      acc[g][1] += xv * load8(row + 8);
+      for (int c = 0; c < V; ++c) acc[g][c] += xk * loadv(row + c * kLanes);
     }
   }
-  for (int g = 0; g < G; ++g) store8(y + g * kPanel, acc[g][0]), store8(y + g * kPanel + 8, acc[g][1]);
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < V; ++c) storev(y + g * kPanel + c * kLanes, acc[g][c]);
+  }
 }
 
 // Fewer than kTiledMinRows rows: units of kGemvPanels panels (and, when there are fewer units than twice
@@ -575,11 +640,13 @@ void panel_rows(ffi::ThreadPool& pool, const float* x, const std::vector<const W
       for (; q < q1; ++q) panel_gemv<1>(x + k0, p + q * K * kPanel, K, kc, out + q * kPanel);
     } else {
       Prefetcher none;
+      thread_local std::vector<float> xp;
+      xp.resize(R * kc);
       for (int64_t r0 = 0; r0 < R; r0 += kMR) {
-        for (int64_t q = q0; q < q1; ++q) {
-          tile_rows(std::min<int64_t>(kMR, R - r0), x + r0 * K + k0, K, kc, p + q * K * kPanel,
-                    out + r0 * N + q * kPanel, N, false, none, 0);
-        }
+        const int64_t mr = std::min<int64_t>(kMR, R - r0);
+        pack_rows(x + r0 * K + k0, K, mr, kc, xp.data());
+        tile_panels(mr, xp.data(), kc, p + q0 * K * kPanel, K * kPanel, q1 - q0, out + r0 * N + q0 * kPanel, N, false,
+                    none, 0);
       }
     }
   });
@@ -608,6 +675,8 @@ template <typename W>
 void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
                  const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   const int64_t kc_max = std::min(K, kKC), tiles = (R + kMR - 1) / kMR;
+  std::vector<float> xp;
+  pack_tiles(x, R, K, kc_max, tiles, xp);
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit n) {
     const Prefetcher next = n.j >= 0 ? panel_block(ws[n.j], K, n.v0, n.v1, 0, kc_max) : Prefetcher{};
     const W* w = ws[i];
@@ -617,11 +686,10 @@ void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const 
       Prefetcher pf = k0 + kc < K ? panel_block(w, K, q0, q1, k0 + kc, std::min(K, k0 + kc + kc_max)) : next;
       const int64_t lines = (pf.left + tiles * (q1 - q0) - 1) / (tiles * (q1 - q0));
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t r0 = R * t / tiles, mr = R * (t + 1) / tiles - r0;
-        for (int64_t q = q0; q < q1; ++q) {
-          tile_rows(mr, x + r0 * K + k0, K, kc, w + (q * K + k0) * kPanel, ys[i] + r0 * N + q * kPanel, N, k0 > 0,
-                    pf, lines);
-        }
+        int64_t r0, mr;
+        tile_span(R, tiles, t, &r0, &mr);
+        tile_panels(mr, xp.data() + k0 * R + r0 * kc, kc, w + (q0 * K + k0) * kPanel, K * kPanel, q1 - q0,
+                    ys[i] + r0 * N + q0 * kPanel, N, k0 > 0, pf, lines);
       }
     }
   });
@@ -741,3 +809,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkF32, (Matmul<true, ffi::F32, float>), Bind
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkBF16, (Matmul<true, ffi::BF16, uint16_t>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsF32, (MatmulPanels<ffi::F32, float>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsBF16, (MatmulPanels<ffi::BF16, uint16_t>), Binding());
+
+// Floats per vector of the products above (build.vector_lanes): what the library was built for.
+extern "C" int LlmJaxVectorLanes() { return kLanes; }

@@ -39,11 +39,12 @@ def test_to_panels_and_back():
     # one row: groups of four panels and a ragged last group; few panels: K split among the threads
     # (the sums of the slices added at the end), down to fewer rows of K than slices
     (1, 288, 864), (1, 37, 80), (1, 600, 16), (1, 1, 32),
-    # 2 to 7 rows: register tiles of up to 6 rows over whole panels (7 = 6 + 1)
+    # 2 to 7 rows: register tiles of up to 6 rows (8-wide vectors: 7 = 6 + 1) or 12 (16-wide), over one
+    # panel at a time (8-wide) or two (16-wide; an odd panel left over)
     (2, 33, 48), (7, 129, 112),
     # 8 rows and more: the tiled products on the panels as they lie (K in several blocks, uneven tiles
-    # of rows, units of up to 8 panels, a narrow unit at the end)
-    (8, 20, 4112), (13, 1030, 48), (32, 288, 768), (45, 9, 160)])
+    # of rows, whole tiles of 12 rows, units of up to 8 panels, a narrow unit at the end)
+    (8, 20, 4112), (12, 40, 80), (13, 1030, 48), (32, 288, 768), (45, 9, 160)])
 def test_matches_numpy(R, K, N, dtype):
     x, w = case(R, K, N, dtype, seed=R * K + N)
     ours = jax.jit(functools.partial(cpu_kernels.matmul, panels=True))(x, cpu_kernels.to_panels(w))
