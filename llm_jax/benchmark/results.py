@@ -49,6 +49,11 @@ class Row:
     roofline_tokens_per_s: float
     roofline_fraction: float
     bytes_per_step: int
+    # The same bound at the bandwidth a read of bytes_per_step bytes reaches (they may stay in a cache
+    # between steps: then it is the cache's, and beats the roofline of memory); None when not measured.
+    bandwidth_at_size_gbps: float | None
+    roofline_at_size_tokens_per_s: float | None
+    roofline_at_size_fraction: float | None
     kv_cache_bytes_per_token: int
     peak_rss_mb: float
     kv_cache_mb: float | None  # the allocated cache (llm_jax)
@@ -78,7 +83,9 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
                itl_p50_s=float(np.percentile(steps, 50)), itl_p90_s=float(np.percentile(steps, 90)),
                decode_tokens_per_s=decode.median, prefill_tokens_per_s=float(np.median(prefill_rate)),
                roofline_tokens_per_s=roofline.tokens_per_s, roofline_fraction=decode.median / roofline.tokens_per_s,
-               bytes_per_step=roofline.bytes_per_step, kv_cache_bytes_per_token=kv_bytes_per_token,
+               bytes_per_step=roofline.bytes_per_step, bandwidth_at_size_gbps=None,
+               roofline_at_size_tokens_per_s=None, roofline_at_size_fraction=None,
+               kv_cache_bytes_per_token=kv_bytes_per_token,
                peak_rss_mb=peak_rss_mb, kv_cache_mb=_mib(memory and memory.cache_bytes),
                decode_aliased_mb=_mib(memory and memory.aliased_bytes),
                decode_temp_mb=_mib(memory and memory.temp_bytes),
@@ -91,6 +98,13 @@ def at_bandwidth(row: Row, bandwidth_gbps: float, measured_gbps: float) -> Row:
     scale = measured_gbps / bandwidth_gbps
     return dataclasses.replace(row, roofline_tokens_per_s=row.roofline_tokens_per_s * scale,
                                roofline_fraction=row.roofline_fraction / scale)
+
+
+def at_size(row: Row, bandwidth_gbps: float) -> Row:
+    """``row`` with the roofline of ``bandwidth_gbps``, the bandwidth of reading ``row.bytes_per_step`` bytes."""
+    roof = row.batch * bandwidth_gbps * 1e9 / row.bytes_per_step
+    return dataclasses.replace(row, bandwidth_at_size_gbps=bandwidth_gbps, roofline_at_size_tokens_per_s=roof,
+                               roofline_at_size_fraction=row.decode_tokens_per_s / roof)
 
 
 def _mib(nbytes: int | None) -> float | None:
@@ -140,7 +154,7 @@ def describe_differences(differences: Sequence[Difference]) -> str:
 
 
 COLUMNS = ("engine", "shape", "dtype", "B", "prompt", "new", "compile s", "ttft ms", "itl p50/p90 ms",
-           "decode tok/s (min–max)", "prefill tok/s", "roofline", "% roof", "peak MiB")
+           "decode tok/s (min–max)", "prefill tok/s", "roofline", "% roof", "% roof@size", "peak MiB")
 
 
 def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
@@ -154,6 +168,7 @@ def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
                f"{r.compile_prefill_s:.1f}+{r.compile_decode_s:.1f}", f"{r.ttft_s * 1e3:.1f}",
                f"{r.itl_p50_s * 1e3:.2f}/{r.itl_p90_s * 1e3:.2f}", f"{d.median:.1f} ({d.min:.1f}–{d.max:.1f})",
                f"{r.prefill_tokens_per_s:.0f}", f"{r.roofline_tokens_per_s:.0f}", f"{100 * r.roofline_fraction:.0f}",
+               "" if r.roofline_at_size_fraction is None else f"{100 * r.roofline_at_size_fraction:.0f}",
                f"{r.peak_rss_mb:.0f}")
         if ratios:
             row += (f"{ratios[i]:.2f}" if i in ratios else "",)

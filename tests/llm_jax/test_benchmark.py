@@ -47,6 +47,11 @@ def test_json_has_a_row_per_engine_with_every_field(report):
         assert row["new_tokens"] == 9  # 8 decode steps: two chunks of 4, plus the first token
 
 
+def test_the_roofline_at_a_steps_size_is_not_measured_with_a_given_bandwidth(report):
+    for row in report["rows"]:
+        assert row["bandwidth_at_size_gbps"] is None and row["roofline_at_size_fraction"] is None
+
+
 def test_numbers_are_well_formed(report):
     for row in report["rows"]:
         for field in ("ttft_s", "decode_tokens_per_s", "prefill_tokens_per_s", "roofline_tokens_per_s",
@@ -150,9 +155,18 @@ def test_generate_cli_twice_with_a_fresh_compilation_cache(stories260k_dir):
 
 def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path, monkeypatch):
     """Without --bandwidth the harness measures before and after the runs and keeps the best, for every
-    row (llm_jax's and transformers', whose × hf ratio is still reported)."""
+    row (llm_jax's and transformers', whose × hf ratio is still reported); then the bandwidth of reading
+    just a step's bytes, for the roofline at that size (never below memory's)."""
     measured = iter([4.0, 8.0])
-    monkeypatch.setattr(machine, "measure_bandwidth", lambda **kwargs: next(measured))
+    sizes = []
+
+    def measure(*, threads, nbytes=machine.BANDWIDTH_BYTES):
+        if nbytes == machine.BANDWIDTH_BYTES:
+            return next(measured)
+        sizes.append(nbytes)
+        return 20.0
+
+    monkeypatch.setattr(machine, "measure_bandwidth", measure)
     path = tmp_path / "bench.json"
     status = benchmark_main(["--model", "260K", "--compare", "hf", "--new-tokens", "5", "--chunk-steps", "4",
                              "--repeats", "1", "--json", str(path)])
@@ -162,6 +176,22 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
     assert {row["engine"] for row in report["rows"]} == {"llm_jax", "transformers"}
     for row in report["rows"]:
         assert row["roofline_tokens_per_s"] == pytest.approx(8.0e9 / row["bytes_per_step"], rel=1e-6)
+        assert row["bandwidth_at_size_gbps"] == 20.0
+        assert row["roofline_at_size_tokens_per_s"] == pytest.approx(20.0e9 / row["bytes_per_step"], rel=1e-6)
+        assert row["roofline_at_size_fraction"] == pytest.approx(row["decode_tokens_per_s"] /
+                                                                 row["roofline_at_size_tokens_per_s"])
+    assert sizes == sorted({row["bytes_per_step"] for row in report["rows"]})
+
+
+def test_the_roofline_at_a_steps_size_is_never_below_memorys(tmp_path, monkeypatch):
+    monkeypatch.setattr(machine, "measure_bandwidth",
+                        lambda *, threads, nbytes=machine.BANDWIDTH_BYTES: 8.0 if nbytes == machine.BANDWIDTH_BYTES
+                        else 5.0)
+    path = tmp_path / "bench.json"
+    assert benchmark_main(["--model", "260K", "--new-tokens", "5", "--chunk-steps", "4", "--repeats", "1",
+                           "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["bandwidth_at_size_gbps"] == 8.0
 
 
 def test_batch_sizes_take_turns_and_their_throughput_ratio_is_reported(tmp_path, capsys):
