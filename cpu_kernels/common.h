@@ -173,27 +173,63 @@ inline const float* as_f32_rows(const uint16_t* x, int64_t stride, int64_t n, in
   return scratch.data();
 }
 
-// o[r, 0:8·NV] += Σ_{j < n} p[r · p_row + j · p_key] · v_j[0:8·NV] for MR query rows sharing the values
-// v_j (`stride` apart), outputs `ldo` apart: the p · v register tile of both attention kernels (decode:
-// a row of scores per query head; prefill: 16 rows' scores side by side per key). Each value is loaded
-// once for the MR rows.
-template <int MR, int NV>
+template <typename Vec>
+inline Vec vload(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename Vec>
+inline void vstore(float* p, Vec v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+// o[r, 0:W·NV] += Σ_{j < n} p[r · p_row + j · p_key] · v_j[0:W·NV] for MR query rows sharing the values
+// v_j (`stride` apart), outputs `ldo` apart, in vectors Vec of W floats: the p · v register tile of both
+// attention kernels (decode: a row of scores per query head; prefill: 16 rows' scores side by side per
+// key). Each value is loaded once for the MR rows; each sum runs over j in order.
+template <int MR, int NV, typename Vec = f32x8>
 inline void pv_tile(const float* p, int64_t p_row, int64_t p_key, const float* v, int64_t stride, int64_t n, float* o,
                     int64_t ldo) {
-  f32x8 acc[MR][NV];
+  constexpr int W = sizeof(Vec) / sizeof(float);
+  Vec acc[MR][NV];
   for (int r = 0; r < MR; ++r) {
-    for (int c = 0; c < NV; ++c) acc[r][c] = load8(o + r * ldo + 8 * c);
+    for (int c = 0; c < NV; ++c) acc[r][c] = vload<Vec>(o + r * ldo + W * c);
   }
   for (int64_t j = 0; j < n; ++j) {
-    f32x8 b[NV];
-    for (int c = 0; c < NV; ++c) b[c] = load8(v + j * stride + 8 * c);
+    Vec b[NV];
+    for (int c = 0; c < NV; ++c) b[c] = vload<Vec>(v + j * stride + W * c);
     for (int r = 0; r < MR; ++r) {
-      const f32x8 a = splat(p[r * p_row + j * p_key]);
+      const float a = p[r * p_row + j * p_key];
       for (int c = 0; c < NV; ++c) acc[r][c] += a * b[c];
     }
   }
   for (int r = 0; r < MR; ++r) {
-    for (int c = 0; c < NV; ++c) store8(o + r * ldo + 8 * c, acc[r][c]);
+    for (int c = 0; c < NV; ++c) vstore(o + r * ldo + W * c, acc[r][c]);
+  }
+}
+
+// pv_tile over all H columns of o: the widest tiles first (AVX-512: 64, 32, 16 columns; else 16), then
+// 8 columns, then one at a time.
+template <int MR>
+inline void pv_columns(const float* p, int64_t p_row, int64_t p_key, const float* v, int64_t stride, int64_t n,
+                       float* o, int64_t ldo, int64_t H) {
+  int64_t h = 0;
+#if defined(__AVX512F__)
+  for (; h + 64 <= H; h += 64) pv_tile<MR, 4, fvec>(p, p_row, p_key, v + h, stride, n, o + h, ldo);
+  for (; h + 32 <= H; h += 32) pv_tile<MR, 2, fvec>(p, p_row, p_key, v + h, stride, n, o + h, ldo);
+  for (; h + 16 <= H; h += 16) pv_tile<MR, 1, fvec>(p, p_row, p_key, v + h, stride, n, o + h, ldo);
+#else
+  for (; h + 16 <= H; h += 16) pv_tile<MR, 2>(p, p_row, p_key, v + h, stride, n, o + h, ldo);
+#endif
+  for (; h + 8 <= H; h += 8) pv_tile<MR, 1>(p, p_row, p_key, v + h, stride, n, o + h, ldo);
+  for (; h < H; ++h) {
+    for (int r = 0; r < MR; ++r) {
+      float acc = o[r * ldo + h];
+      for (int64_t j = 0; j < n; ++j) acc += p[r * p_row + j * p_key] * v[j * stride + h];
+      o[r * ldo + h] = acc;
+    }
   }
 }
 

@@ -108,16 +108,7 @@ void pv(const float* p, const float* v, int64_t stride, int64_t n, int64_t H, fl
 
 template <int MR>
 void pv_heads(const float* p, int64_t ldp, const float* v, int64_t stride, int64_t n, int64_t H, float* o) {
-  int64_t h = 0;
-  for (; h + 16 <= H; h += 16) pv_tile<MR, 2>(p, ldp, 1, v + h, stride, n, o + h, H);
-  for (; h + 8 <= H; h += 8) pv_tile<MR, 1>(p, ldp, 1, v + h, stride, n, o + h, H);
-  for (; h < H; ++h) {
-    for (int r = 0; r < MR; ++r) {
-      float acc = o[r * H + h];
-      for (int64_t j = 0; j < n; ++j) acc += p[r * ldp + j] * v[j * stride + h];
-      o[r * H + h] = acc;
-    }
-  }
+  pv_columns<MR>(p, ldp, 1, v, stride, n, o, H, H);
 }
 
 // o_i[0:H] += Σ_{j < n} p_i[j] · v_j[0:H] for `heads` query heads sharing the values: one at a time with

@@ -1,6 +1,6 @@
 """The kernels are built for the CPU's widest vectors: 16 floats with AVX-512, else 8. Both builds must
-pass the product tests, whichever CPU the suite runs on: the 8-wide one is rebuilt here with
-``LLM_JAX_KERNEL_FLAGS=-mno-avx512f`` and the product tests run against it in a subprocess (on a CPU
+pass the product and attention tests, whichever CPU the suite runs on: the 8-wide one is rebuilt here
+with ``LLM_JAX_KERNEL_FLAGS=-mno-avx512f`` and those tests run against it in a subprocess (on a CPU
 without AVX-512 that is the default build, and they run a second time)."""
 
 import os
@@ -22,14 +22,15 @@ def test_built_for_the_cpus_widest_vectors():
     assert build.vector_lanes() == (16 if "avx512f" in features and not os.environ.get(build.FLAGS_ENV) else 8)
 
 
-def test_8_wide_build_passes_the_product_tests():
+def test_8_wide_build_passes_the_product_and_attention_tests():
     env = {**os.environ, build.FLAGS_ENV: "-mno-avx512f", "PYTEST_ADDOPTS": ""}
     lanes = subprocess.run([sys.executable, "-c", "from cpu_kernels import build; print(build.vector_lanes())"],
                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert lanes.stdout.strip() == "8", lanes.stderr[-2000:]
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             "tests/cpu_kernels/test_matmul_panels.py", "tests/cpu_kernels/test_matmul.py",
-                            "-k", "numpy or several or stacked or panels or rows or tile"],
+                            "tests/cpu_kernels/test_prefill_attention.py", "tests/cpu_kernels/test_decode_attention.py",
+                            "-k", "numpy or several or stacked or panels or rows or tile or matches or large"],
                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert tests.returncode == 0, tests.stdout[-4000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout
