@@ -133,6 +133,13 @@ def vector_lanes() -> int | None:
     return None if lib is None else int(lib.LlmJaxVectorLanes())
 
 
+def amx() -> bool:
+    """Whether bfloat16 products of many rows run on the CPU's AMX tile unit in this process (an Intel CPU
+    with AMX, a build that has it and Linux granting its state; ``LLM_JAX_AMX=off`` turns it off)."""
+    lib = library()
+    return lib is not None and bool(lib.LlmJaxAmx())
+
+
 def stream_read():
     """``read(a)``: the sum of a contiguous float32 NumPy array, read once by compiled code (GIL released);
     None when the library cannot be built."""

@@ -30,8 +30,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LLM_JAX_AMX 1
+#else
+#define LLM_JAX_AMX 0
+#endif
 
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
@@ -695,6 +704,153 @@ void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const 
   });
 }
 
+// ---- AMX: bfloat16 panels on the tile unit -------------------------------------------------------
+//
+// Where the CPU has AMX (Intel Xeon since Sapphire Rapids) and Linux grants its tile state, bfloat16
+// products with many rows run on it: one instruction multiplies a tile of 16 rows × 32 values of x by
+// 32 × 16 of W, adding into 16 × 16 float32 sums. x is already rounded to bfloat16 (as for every
+// bfloat16 product here), so each product of two bfloat16 values is exact in float32 and only the sums
+// differ from the multiply-adds above: AMX adds each pair of k in the other order and flushes subnormal
+// numbers to zero (float32 sums agree within their rounding). W's panels are rearranged, per unit of work, into the pairs of rows
+// the tile unit reads (rows 2k and 2k + 1 of a panel interleaved); x is copied once per call as
+// bfloat16, padded with zero rows to a multiple of 32. Tiles: 0–3 the sums of 2 × 2 blocks of 16 × 16,
+// 4 and 5 two blocks of 16 rows of x, 6 and 7 two panels.
+
+#if LLM_JAX_AMX
+constexpr int64_t kAmxRows = 32;  // rows of y per block: two tiles
+
+// Whether this process may use the tile unit: Linux grants its state on request, once per process.
+// LLM_JAX_AMX=off says no (the AVX-512 products then run).
+bool amx_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("LLM_JAX_AMX");
+    if (env != nullptr && std::string(env) == "off") return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Eight tiles of 16 rows × 64 bytes, for this thread (the configuration is per thread).
+inline void amx_configure() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+// dst[k / 2, j, k % 2] = p[k, j]: a panel [K, 16] of bfloat16 as the pairs of rows the tile unit reads.
+inline void to_pairs(const uint16_t* p, int64_t K, uint16_t* dst) {
+  for (int64_t k = 0; k + 1 < K; k += 2) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * kPanel));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (k + 1) * kPanel));
+    const __m256i lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);  // within 128-bit halves
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k * kPanel), _mm256_permute2x128_si256(lo, hi, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k * kPanel + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
+  }
+}
+
+// c[0:32, 0:16 (32 with b1)] = xb[0:32, 0:K] · panels b0 (and b1) in pairs; rows of c ldc apart.
+inline void amx_block(const uint16_t* xb, int64_t K, const uint16_t* b0, const uint16_t* b1, float* c, int64_t ldc) {
+  const int64_t ldx = K * static_cast<int64_t>(sizeof(uint16_t)), ld = ldc * static_cast<int64_t>(sizeof(float));
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    _tile_loadd(4, xb + k, ldx);
+    _tile_loadd(5, xb + 16 * K + k, ldx);
+    _tile_loadd(6, b0 + k * kPanel, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (b1 != nullptr) {
+      _tile_loadd(7, b1 + k * kPanel, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, ld);
+  _tile_stored(2, c + 16 * ldc, ld);
+  if (b1 != nullptr) {
+    _tile_stored(1, c + 16, ld);
+    _tile_stored(3, c + 16 * ldc + 16, ld);
+  }
+}
+
+// Whether the tile unit takes this product: bfloat16 weights, kAmxRows rows or more, K a multiple of 32.
+template <typename W>
+bool amx_takes(int64_t R, int64_t K) {
+  return sizeof(W) == 2 && R >= kAmxRows && K % 32 == 0 && amx_ready();
+}
+
+// y_i = x · W_i on the tile unit (amx_takes), W_i bfloat16 panels.
+template <typename W>
+void amx_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
+                const std::vector<int64_t>& ns, int64_t R, int64_t K) {
+  const int64_t Rp = (R + kAmxRows - 1) / kAmxRows * kAmxRows;
+  std::vector<uint16_t> xb(static_cast<size_t>(Rp * K), 0);
+  for (int64_t e = 0; e < R * K; ++e) {
+    const float v = round_to_bf16(x[e]);
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    xb[e] = static_cast<uint16_t>(bits >> 16);
+  }
+  for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit) {
+    const int64_t N = ns[i], panels = q1 - q0;
+    thread_local std::vector<uint16_t> pairs;
+    pairs.resize(static_cast<size_t>(panels * K * kPanel));
+    for (int64_t q = 0; q < panels; ++q) {
+      to_pairs(reinterpret_cast<const uint16_t*>(ws[i]) + (q0 + q) * K * kPanel, K, pairs.data() + q * K * kPanel);
+    }
+    alignas(64) float edge[kAmxRows * 2 * kPanel];  // the last block's rows beyond R
+    amx_configure();
+    for (int64_t r0 = 0; r0 < Rp; r0 += kAmxRows) {
+      const bool whole = r0 + kAmxRows <= R;
+      for (int64_t q = 0; q < panels; q += 2) {
+        const uint16_t* b0 = pairs.data() + q * K * kPanel;
+        const uint16_t* b1 = q + 1 < panels ? b0 + K * kPanel : nullptr;
+        float* out = ys[i] + r0 * N + (q0 + q) * kPanel;
+        if (whole) {
+          amx_block(xb.data() + r0 * K, K, b0, b1, out, N);
+        } else {
+          amx_block(xb.data() + r0 * K, K, b0, b1, edge, 2 * kPanel);
+          const int64_t cols = b1 != nullptr ? 2 * kPanel : kPanel;
+          for (int64_t r = 0; r < R - r0; ++r) std::copy_n(edge + r * 2 * kPanel, cols, out + r * N);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#else
+template <typename W>
+bool amx_takes(int64_t, int64_t) {
+  return false;
+}
+
+template <typename W>
+void amx_matmul(ffi::ThreadPool&, const float*, const std::vector<const W*>&, const std::vector<float*>&,
+                const std::vector<int64_t>&, int64_t, int64_t) {}
+#endif
+
+// Every product on panels: the tile unit, register tiles or streams, by rows and dtype.
+template <typename W>
+void panel_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
+                  const std::vector<int64_t>& ns, int64_t R, int64_t K) {
+  if (amx_takes<W>(R, K)) {
+    amx_matmul(pool, x, ws, ys, ns, R, K);
+  } else if (R >= kTiledMinRows) {
+    panel_tiled(pool, x, ws, ys, ns, R, K);
+  } else {
+    panel_rows(pool, x, ws, ys, ns, R, K);
+  }
+}
+
 // ---- FFI handlers ---------------------------------------------------------------------------------
 
 template <ffi::DataType T>
@@ -784,10 +940,8 @@ ffi::Error MatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_ind
   if (read.failure()) return read;
   if (K == 0) {
     for (size_t i = 0; i < ops.ys.size(); ++i) std::fill(ops.ys[i], ops.ys[i] + R * ops.ns[i], 0.f);
-  } else if (R >= kTiledMinRows) {
-    panel_tiled(pool, x.typed_data(), ops.ws, ops.ys, ops.ns, R, K);
   } else {
-    panel_rows(pool, x.typed_data(), ops.ws, ops.ys, ops.ns, R, K);
+    panel_matmul(pool, x.typed_data(), ops.ws, ops.ys, ops.ns, R, K);
   }
   return ffi::Error::Success();
 }
@@ -812,3 +966,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsBF16, (MatmulPanels<ffi::BF16, uint16_
 
 // Floats per vector of the products above (build.vector_lanes): what the library was built for.
 extern "C" int LlmJaxVectorLanes() { return kLanes; }
+
+// Whether bfloat16 products with many rows run on AMX tiles in this process (build.amx).
+extern "C" int LlmJaxAmx() {
+#if LLM_JAX_AMX
+  return amx_ready() ? 1 : 0;
+#else
+  return 0;
+#endif
+}

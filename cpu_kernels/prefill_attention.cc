@@ -90,14 +90,14 @@ void pv_tiles(int mr, const float* p, const float* v, int64_t stride, int64_t n,
 }
 
 // Query rows [first, first + 16) of row b and kv head kh — row i is position t = i / G, query head
-// kh · G + i % G — against the keys they see.
-template <typename C>
-void attend_unit(const float* q, const C* k_layer, const C* v_layer, const int32_t* positions, int64_t length,
+// kh · G + i % G — against the keys they see. Probabilities are rounded to bfloat16 when `round_p` (the
+// values were bfloat16).
+void attend_unit(const float* q, const float* k_layer, const float* v_layer, const int32_t* positions, int64_t length,
                  float* o, const Dims& d, int64_t b, int64_t kh, int64_t first, float scale, int64_t window,
-                 float softcap) {
+                 float softcap, bool round_p) {
   const int64_t T = d.T, S = d.S, K = d.K, G = d.G, H = d.H, N = K * G;
   const int64_t rows = std::min(kRows, T * G - first);
-  thread_local std::vector<float> qt, scores, keys, values, out;
+  thread_local std::vector<float> qt, scores, out;
   qt.assign(static_cast<size_t>(H * kRows), 0.f);
   // Visible slots of row i: [lo[i], hi[i]); empty for rows past the end.
   alignas(32) int32_t lo[kRows] = {}, hi[kRows] = {};
@@ -115,16 +115,14 @@ void attend_unit(const float* q, const C* k_layer, const C* v_layer, const int32
   const int64_t n = s_hi - s_lo;
   if (n > 0) {
     const int64_t slot = K * H;  // between slots s and s + 1 of one row
-    const C* k0 = k_layer + ((b * S + s_lo) * K + kh) * H;
-    const C* v0 = v_layer + ((b * S + s_lo) * K + kh) * H;
+    const float* k0 = k_layer + ((b * S + s_lo) * K + kh) * H;
+    const float* v0 = v_layer + ((b * S + s_lo) * K + kh) * H;
     scores.resize(static_cast<size_t>(n * kRows));
     float* sc = scores.data();  // [n, 16]: key j's scores for the 16 rows side by side
     // bfloat16 keys and values are widened a tile (a block) at a time: scratch stays small at any length.
     for (int64_t j = 0; j < n; j += kKeys) {
       const int nj = static_cast<int>(std::min<int64_t>(kKeys, n - j));
-      int64_t ldk;
-      const float* k = as_f32_rows(k0 + j * slot, slot, nj, H, keys, &ldk);
-      qk_tiles(nj, k, ldk, qt.data(), H, sc + j * kRows);
+      qk_tiles(nj, k0 + j * slot, slot, qt.data(), H, sc + j * kRows);
     }
     // Softmax down each column, 8 rows at a time.
     const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -155,19 +153,18 @@ void attend_unit(const float* q, const C* k_layer, const C* v_layer, const int32
                                                                            : splat(std::numeric_limits<float>::min());
       for (int64_t j = 0; j < n; ++j) {
         const f32x8 p = load8(sc + j * kRows + c) / denom;
-        store8(sc + j * kRows + c, rounds_to_bf16(v_layer) ? round_to_bf16(p) : p);
+        store8(sc + j * kRows + c, round_p ? round_to_bf16(p) : p);
       }
     }
     // o += p · v, kValueBlock keys at a time: tiles of rows (6 + 6 + 4) × 16 (then 8, then single)
     // columns of H. Each sum still runs over the keys in order.
     for (int64_t j = 0; j < n; j += kValueBlock) {
       const int64_t m = std::min(kValueBlock, n - j);
-      int64_t ldv;
-      const float* v = as_f32_rows(v0 + j * slot, slot, m, H, values, &ldv);
+      const float* v = v0 + j * slot;
       const float* p = sc + j * kRows;
       for (int64_t r0 = 0; r0 < rows; r0 += kOutRows) {
         const int mr = static_cast<int>(std::min<int64_t>(kOutRows, rows - r0));
-        pv_tiles(mr, p + r0, v, ldv, m, out.data() + r0 * H, H);
+        pv_tiles(mr, p + r0, v, slot, m, out.data() + r0 * H, H);
       }
     }
   }
@@ -175,6 +172,32 @@ void attend_unit(const float* q, const C* k_layer, const C* v_layer, const int32
     const int64_t t = (first + i) / G, n_head = kh * G + (first + i) % G;
     std::copy_n(out.data() + i * H, H, o + ((b * T + t) * N + n_head) * H);
   }
+}
+
+// A layer of keys or values [B, S, K, H] as float32 (slots below `slots` of each row): bfloat16 ones are
+// widened once per call into `buffer`, not once by each unit of 16 queries that reads them (110M in
+// bfloat16, 1000 tokens: a fifth of prefill went to widening the same keys and values again).
+const float* as_f32_layer(ffi::ThreadPool&, const float* layer, int64_t, int64_t, int64_t, int64_t,
+                          std::vector<float>&) {
+  return layer;
+}
+
+const float* as_f32_layer(ffi::ThreadPool& pool, const uint16_t* layer, int64_t B, int64_t S, int64_t slots,
+                          int64_t KH, std::vector<float>& buffer) {
+  buffer.resize(static_cast<size_t>(B * S * KH));
+  float* out = buffer.data();
+  constexpr int64_t kSlotsPerUnit = 64;
+  const int64_t chunks = (slots + kSlotsPerUnit - 1) / kSlotsPerUnit;
+  parallel_for(pool, B * chunks, [&](int64_t unit) {
+    const int64_t b = unit / chunks, s0 = unit % chunks * kSlotsPerUnit, s1 = std::min(slots, s0 + kSlotsPerUnit);
+    const uint16_t* src = layer + (b * S + s0) * KH;
+    float* dst = out + (b * S + s0) * KH;
+    const int64_t n = (s1 - s0) * KH;
+    int64_t e = 0;
+    for (; e + 8 <= n; e += 8) store8(dst + e, load8(src + e));
+    for (; e < n; ++e) dst[e] = load1(src + e);
+  });
+  return out;
 }
 
 // layer (int32 scalar), q [B, T, N, H] float32, k and v [L, B, S, K, H], q_positions [B, T] and
@@ -199,13 +222,19 @@ ffi::Error PrefillAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer
   const C* k_layer = reinterpret_cast<const C*>(k_cache.untyped_data()) + layer * layer_size;
   const C* v_layer = reinterpret_cast<const C*>(v_cache.untyped_data()) + layer * layer_size;
   const int32_t* lengths = kv_lengths.typed_data();
+  int64_t slots = 0;  // slots any query can see
+  for (int64_t b = 0; b < B; ++b) slots = std::max<int64_t>(slots, std::min<int64_t>(S, lengths[b]));
+  thread_local std::vector<float> k_buffer, v_buffer;  // the caller's; units read them through k32, v32
+  const float* k32 = as_f32_layer(pool, k_layer, B, S, slots, K * H, k_buffer);
+  const float* v32 = as_f32_layer(pool, v_layer, B, S, slots, K * H, v_buffer);
+  const bool round_p = rounds_to_bf16(v_layer);
   // Units: (block of 16 query rows, row of the batch, kv head), the last blocks first: with causal
   // masks they see the most keys, and taking them first leaves the short ones to even out the end.
   const int64_t blocks = (T * d.G + kRows - 1) / kRows;
   parallel_for(pool, blocks * B * K, [&](int64_t unit) {
     const int64_t block = blocks - 1 - unit / (B * K), b = unit % (B * K) / K, kh = unit % K;
-    attend_unit(q.typed_data(), k_layer, v_layer, q_positions.typed_data(), lengths[b], o->typed_data(), d, b, kh,
-                block * kRows, scale, window, softcap);
+    attend_unit(q.typed_data(), k32, v32, q_positions.typed_data(), lengths[b], o->typed_data(), d, b, kh,
+                block * kRows, scale, window, softcap, round_p);
   });
   return ffi::Error::Success();
 }

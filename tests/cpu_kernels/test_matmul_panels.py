@@ -44,7 +44,10 @@ def test_to_panels_and_back():
     (2, 33, 48), (7, 129, 112),
     # 8 rows and more: the tiled products on the panels as they lie (K in several blocks, uneven tiles
     # of rows, whole tiles of 12 rows, units of up to 8 panels, a narrow unit at the end)
-    (8, 20, 4112), (12, 40, 80), (13, 1030, 48), (32, 288, 768), (45, 9, 160)])
+    (8, 20, 4112), (12, 40, 80), (13, 1030, 48), (32, 288, 768), (45, 9, 160),
+    # bfloat16, 32 rows or more, K a multiple of 32: the AMX tile unit where the CPU has one (blocks of
+    # 32 rows, the last one part padding; pairs of panels and an odd one)
+    (33, 64, 48), (64, 96, 32), (70, 320, 112)])
 def test_matches_numpy(R, K, N, dtype):
     x, w = case(R, K, N, dtype, seed=R * K + N)
     ours = jax.jit(functools.partial(cpu_kernels.matmul, panels=True))(x, cpu_kernels.to_panels(w))

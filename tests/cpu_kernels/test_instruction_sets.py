@@ -1,7 +1,9 @@
-"""The kernels are built for the CPU's widest vectors: 16 floats with AVX-512, else 8. Both builds must
-pass the product and attention tests, whichever CPU the suite runs on: the 8-wide one is rebuilt here
-with ``LLM_JAX_KERNEL_FLAGS=-mno-avx512f`` and those tests run against it in a subprocess (on a CPU
-without AVX-512 that is the default build, and they run a second time)."""
+"""The kernels are built for the CPU's widest vectors: 16 floats with AVX-512, else 8; and bfloat16
+products of many rows run on the AMX tile unit where there is one. Every path must pass the product and
+attention tests, whichever CPU the suite runs on: the 8-wide build is rebuilt here with
+``LLM_JAX_KERNEL_FLAGS=-mno-avx512f``, and the 16-wide products without AMX run with ``LLM_JAX_AMX=off``,
+each in a subprocess (on a CPU without AVX-512 or AMX that is the default path, and the tests run a
+second time)."""
 
 import os
 import subprocess
@@ -20,6 +22,26 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ comp
 def test_built_for_the_cpus_widest_vectors():
     features = build.cpu_features().split()
     assert build.vector_lanes() == (16 if "avx512f" in features and not os.environ.get(build.FLAGS_ENV) else 8)
+
+
+def test_amx_where_the_cpu_and_linux_have_it():
+    """A CPU with AMX uses it under Linux 5.16 or newer (which grants the tile state on request); a CPU
+    without it, or with it turned off, never does."""
+    features = build.cpu_features().split()
+    release = tuple(int(part) for part in os.uname().release.split(".")[:2] if part.isdigit())
+    if "amx_bf16" not in features or os.environ.get("LLM_JAX_AMX") == "off" or os.environ.get(build.FLAGS_ENV):
+        assert not build.amx()
+    elif sys.platform == "linux" and release >= (5, 16):
+        assert build.amx()
+
+
+def test_16_wide_products_without_amx_pass_the_product_tests():
+    env = {**os.environ, "LLM_JAX_AMX": "off", "PYTEST_ADDOPTS": ""}
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "tests/cpu_kernels/test_matmul_panels.py", "-k", "bf16"],
+                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert tests.returncode == 0, tests.stdout[-4000:]
+    assert " passed" in tests.stdout and " failed" not in tests.stdout
 
 
 def test_8_wide_build_passes_the_product_and_attention_tests():
