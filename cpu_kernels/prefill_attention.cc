@@ -62,7 +62,8 @@ void qk_tile(const float* k, int64_t stride, const float* qt, int64_t H, float* 
   }
 }
 
-void qk_tiles(int n, const float* k, int64_t stride, const float* qt, int64_t H, float* s) {
+// Not inlined: inside attend_unit the tile's eight key pointers no longer fit in registers.
+__attribute__((noinline)) void qk_tiles(int n, const float* k, int64_t stride, const float* qt, int64_t H, float* s) {
   switch (n) {
 #if defined(__AVX512F__)
     case 8: return qk_tile<8>(k, stride, qt, H, s);
@@ -78,7 +79,8 @@ void qk_tiles(int n, const float* k, int64_t stride, const float* qt, int64_t H,
 }
 
 // o[r, 0:H] += Σ_j p[j, r] · v_j for mr query rows; p is [n, 16].
-void pv_tiles(int mr, const float* p, const float* v, int64_t stride, int64_t n, float* o, int64_t H) {
+__attribute__((noinline)) void pv_tiles(int mr, const float* p, const float* v, int64_t stride, int64_t n, float* o,
+                                        int64_t H) {
   switch (mr) {
     case 6: return pv_columns<6>(p, 1, kRows, v, stride, n, o, H, H);
     case 5: return pv_columns<5>(p, 1, kRows, v, stride, n, o, H, H);
