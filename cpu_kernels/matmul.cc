@@ -341,10 +341,31 @@ void tile_panels(int64_t mr, const float* xp, int64_t kc, const P* p, int64_t ps
   for (; q < n; ++q) tile_rows<1>(mr, xp, kc, p + q * ps, ps, y + q * kPanel, ldy, add, pf, lines);
 }
 
-// xp[k · mr + r] = x[r · ldx + k] for r < mr, k < kc: a tile's rows of x as `tile` reads them.
+// xp[k · MR + r] = x[r · ldx + k] for r < MR, k < kc: a tile's rows of x as `tile` reads them, written
+// in order (MR a constant: 8 → 11 GB/s against rows written one after another, 15M at 32 rows).
+template <int MR>
+void pack_rows(const float* x, int64_t ldx, int64_t kc, float* xp) {
+  for (int64_t k = 0; k < kc; ++k) {
+    for (int r = 0; r < MR; ++r) xp[k * MR + r] = x[r * ldx + k];
+  }
+}
+
 inline void pack_rows(const float* x, int64_t ldx, int64_t mr, int64_t kc, float* xp) {
-  for (int64_t r = 0; r < mr; ++r) {
-    for (int64_t k = 0; k < kc; ++k) xp[k * mr + r] = x[r * ldx + k];
+  switch (mr) {
+#if defined(__AVX512F__)
+    case 12: return pack_rows<12>(x, ldx, kc, xp);
+    case 11: return pack_rows<11>(x, ldx, kc, xp);
+    case 10: return pack_rows<10>(x, ldx, kc, xp);
+    case 9: return pack_rows<9>(x, ldx, kc, xp);
+    case 8: return pack_rows<8>(x, ldx, kc, xp);
+    case 7: return pack_rows<7>(x, ldx, kc, xp);
+#endif
+    case 6: return pack_rows<6>(x, ldx, kc, xp);
+    case 5: return pack_rows<5>(x, ldx, kc, xp);
+    case 4: return pack_rows<4>(x, ldx, kc, xp);
+    case 3: return pack_rows<3>(x, ldx, kc, xp);
+    case 2: return pack_rows<2>(x, ldx, kc, xp);
+    default: return pack_rows<1>(x, ldx, kc, xp);
   }
 }
 
@@ -356,15 +377,25 @@ inline void tile_span(int64_t R, int64_t tiles, int64_t t, int64_t* r0, int64_t*
 }
 
 // x [R, K] packed once per call for every tile of every block of kc_max rows of K: block k0, tile at r0
-// (of mr rows) at k0 · R + r0 · kc, as pack_rows lays it out.
-inline void pack_tiles(const float* x, int64_t R, int64_t K, int64_t kc_max, int64_t tiles, std::vector<float>& xp) {
+// (of mr rows) at k0 · R + r0 · kc, as pack_rows lays it out. Large x (prefill) is packed by all threads
+// (110M, 1024 rows: 0.4–1.6 ms per product on one).
+constexpr int64_t kParallelPackValues = 1 << 16;
+
+inline void pack_tiles(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, int64_t kc_max, int64_t tiles,
+                       std::vector<float>& xp) {
   xp.resize(static_cast<size_t>(R * K));
-  for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
-    const int64_t kc = std::min(kc_max, K - k0);
-    for (int64_t t = 0, r0, mr; t < tiles; ++t) {
-      tile_span(R, tiles, t, &r0, &mr);
-      pack_rows(x + r0 * K + k0, K, mr, kc, xp.data() + k0 * R + r0 * kc);
-    }
+  const int64_t blocks = (K + kc_max - 1) / kc_max;
+  float* out = xp.data();
+  auto pack = [&](int64_t unit) {
+    const int64_t k0 = unit / tiles * kc_max, kc = std::min(kc_max, K - k0);
+    int64_t r0, mr;
+    tile_span(R, tiles, unit % tiles, &r0, &mr);
+    pack_rows(x + r0 * K + k0, K, mr, kc, out + k0 * R + r0 * kc);
+  };
+  if (R * K >= kParallelPackValues) {
+    parallel_for(pool, blocks * tiles, pack);
+  } else {
+    for (int64_t unit = 0; unit < blocks * tiles; ++unit) pack(unit);
   }
 }
 
@@ -510,7 +541,7 @@ void tiled_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const
                   const std::vector<float*>& ys, const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   auto columns = [&](size_t i, int64_t q) { return std::min(ns[i], q * kPanel); };
   std::vector<float> xp;
-  pack_tiles(x, R, K, std::min(K, kKC), (R + kMR - 1) / kMR, xp);
+  pack_tiles(pool, x, R, K, std::min(K, kKC), (R + kMR - 1) / kMR, xp);
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit n) {
     Prefetcher next;
     if (n.j >= 0) {
@@ -685,7 +716,7 @@ void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const 
                  const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   const int64_t kc_max = std::min(K, kKC), tiles = (R + kMR - 1) / kMR;
   std::vector<float> xp;
-  pack_tiles(x, R, K, kc_max, tiles, xp);
+  pack_tiles(pool, x, R, K, kc_max, tiles, xp);
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit n) {
     const Prefetcher next = n.j >= 0 ? panel_block(ws[n.j], K, n.v0, n.v1, 0, kc_max) : Prefetcher{};
     const W* w = ws[i];
