@@ -26,11 +26,19 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
-inline f32x8 load8(const float* p) {
-  f32x8 v;
+template <typename Vec>
+inline Vec vload(const float* p) {
+  Vec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
+
+template <typename Vec>
+inline void vstore(float* p, Vec v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+inline f32x8 load8(const float* p) { return vload<f32x8>(p); }
 
 // bfloat16 is the top half of a float32: widen to 32 bits and shift.
 inline f32x8 load8(const uint16_t* p) {
@@ -58,7 +66,7 @@ inline float load1(const uint16_t* p) {
   return v;
 }
 
-inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof v); }
+inline void store8(float* p, f32x8 v) { vstore(p, v); }
 
 inline f32x8 splat(float v) { return f32x8{v, v, v, v, v, v, v, v}; }
 
@@ -68,11 +76,7 @@ inline f32x8 splat(float v) { return f32x8{v, v, v, v, v, v, v, v}; }
 constexpr int kLanes = 16;
 typedef float fvec __attribute__((vector_size(64)));
 
-inline fvec loadv(const float* p) {
-  fvec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+inline fvec loadv(const float* p) { return vload<fvec>(p); }
 
 inline fvec loadv(const uint16_t* p) {
   const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
@@ -81,7 +85,7 @@ inline fvec loadv(const uint16_t* p) {
   return v;
 }
 
-inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
+inline void storev(float* p, fvec v) { vstore(p, v); }
 #else
 constexpr int kLanes = 8;
 typedef f32x8 fvec;
@@ -171,18 +175,6 @@ inline const float* as_f32_rows(const uint16_t* x, int64_t stride, int64_t n, in
   }
   *ld = H;
   return scratch.data();
-}
-
-template <typename Vec>
-inline Vec vload(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <typename Vec>
-inline void vstore(float* p, Vec v) {
-  std::memcpy(p, &v, sizeof v);
 }
 
 // o[r, 0:W·NV] += Σ_{j < n} p[r · p_row + j · p_key] · v_j[0:W·NV] for MR query rows sharing the values
