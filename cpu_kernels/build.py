@@ -6,7 +6,8 @@ The library is built on first use with the system C++ compiler (``$CXX``, else `
 XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``: 16-wide vectors where it has
 AVX-512, else 8-wide; ``$LLM_JAX_KERNEL_FLAGS`` adds flags, e.g. ``-mno-avx512f`` for the 8-wide kernels
 on an AVX-512 CPU), and kept in a cache folder keyed by everything that changes the binary: the sources,
-the flags, the compiler, the jaxlib version and the CPU's instruction sets. Without a compiler (or with ``LLM_JAX_CPU_KERNELS=off``) nothing is built
+the flags, the compiler, the jaxlib version and the CPU's instruction sets. Without a compiler (or with
+``LLM_JAX_CPU_KERNELS=off``) nothing is built
 and callers fall back to XLA's own matrix products.
 """
 

@@ -79,7 +79,8 @@ typedef float fvec __attribute__((vector_size(64)));
 inline fvec loadv(const float* p) { return vload<fvec>(p); }
 
 inline fvec loadv(const uint16_t* p) {
-  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
   fvec v;
   std::memcpy(&v, &w, sizeof v);
   return v;

@@ -246,10 +246,11 @@ void nk_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*
 // need more pointers than there are registers). Xeon with AVX-512, 2 cores, the products of a 15M decode
 // step at 32 rows in a harness whose steps take turns between two builds: 8-wide 6 × 1 tiles 10.6 ms,
 // 16-wide 12 × 1 on packed x 7.8 ms; 12 × 1 → 12 × 2 7.7 → 7.5 and 7.2 → 6.6 ms; all together 8.2 → 5.7
-// ms (119 → 169 GFLOP/s), bfloat16 8.7 → 5.4 ms, 110M float32 65.6 → 43.4 ms. W is first packed, a block at a time, into panels of 16 columns [kc, 16] (nk: 8 × 8
-// transposes; bfloat16 widened once here, not once per tile), which stay in L2 while every tile of rows
-// of x passes over them. The next block of W is prefetched a few cache lines per tile, so memory and
-// arithmetic overlap: without it a core waits for each block it packs.
+// ms (119 → 169 GFLOP/s), bfloat16 8.7 → 5.4 ms, 110M float32 65.6 → 43.4 ms. W is first packed, a
+// block at a time, into panels of 16 columns [kc, 16] (nk: 8 × 8 transposes; bfloat16 widened once
+// here, not once per tile), which stay in L2 while every tile of rows of x passes over them. The next
+// block of W is prefetched a few cache lines per tile, so memory and arithmetic overlap: without it a
+// core waits for each block it packs.
 
 #if defined(__AVX512F__)
 constexpr int kMR = 12;            // rows of x and y per tile
@@ -258,7 +259,7 @@ constexpr int kTilePanels = 2;     // panels per tile: 24 registers of sums (of 
 constexpr int kMR = 6;
 constexpr int kTilePanels = 1;     // 12 registers of sums (of 16)
 #endif
-constexpr int64_t kPanel = 16;     // columns of y per tile: two 8-wide vectors
+constexpr int64_t kPanel = 16;     // columns of a panel: one 16-wide vector or two 8-wide
 constexpr int64_t kKC = 512;       // rows of K per block: a panel is at most 32 KiB
 constexpr int64_t kBlockBytes = 192 * 1024;  // a unit's packed panels, in L2
 // From this many rows of x on, products use the tiles; fewer rows stream. (15M decode, alternating
@@ -742,9 +743,10 @@ void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const 
 // 32 × 16 of W, adding into 16 × 16 float32 sums. x is already rounded to bfloat16 (as for every
 // bfloat16 product here), so each product of two bfloat16 values is exact in float32 and only the sums
 // differ from the multiply-adds above: AMX adds each pair of k in the other order and flushes subnormal
-// numbers to zero (float32 sums agree within their rounding). W's panels are rearranged, per unit of work, into the pairs of rows
-// the tile unit reads (rows 2k and 2k + 1 of a panel interleaved); x is copied once per call as
-// bfloat16, padded with zero rows to a multiple of 32. Tiles: 0–3 the sums of 2 × 2 blocks of 16 × 16,
+// numbers to zero (float32 sums agree within their rounding). W's panels are rearranged, per unit of
+// work, into the pairs of rows the tile unit reads (rows 2k and 2k + 1 of a panel interleaved); x is
+// copied once per call as bfloat16 (by all threads when large), padded with zero rows to a multiple of
+// 32. Tiles: 0–3 the sums of 2 × 2 blocks of 16 × 16,
 // 4 and 5 two blocks of 16 rows of x, 6 and 7 two panels.
 
 #if LLM_JAX_AMX
@@ -825,11 +827,19 @@ void amx_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W
                 const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   const int64_t Rp = (R + kAmxRows - 1) / kAmxRows * kAmxRows;
   std::vector<uint16_t> xb(static_cast<size_t>(Rp * K), 0);
-  for (int64_t e = 0; e < R * K; ++e) {
-    const float v = round_to_bf16(x[e]);
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    xb[e] = static_cast<uint16_t>(bits >> 16);
+  uint16_t* const bits16 = xb.data();
+  auto convert = [&](int64_t block) {  // rows [32 block, 32 block + 32) of x
+    for (int64_t e = block * kAmxRows * K; e < std::min(R, (block + 1) * kAmxRows) * K; ++e) {
+      const float v = round_to_bf16(x[e]);
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof bits);
+      bits16[e] = static_cast<uint16_t>(bits >> 16);
+    }
+  };
+  if (R * K >= kParallelPackValues) {
+    parallel_for(pool, Rp / kAmxRows, convert);
+  } else {
+    for (int64_t block = 0; block < Rp / kAmxRows; ++block) convert(block);
   }
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit) {
     const int64_t N = ns[i], panels = q1 - q0;

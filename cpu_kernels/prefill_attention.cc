@@ -7,7 +7,8 @@
 // with the keys and values transposed first (110M, 1000 tokens: 1.8 of 3.5 s of prefill). Here a unit
 // of work is 16 query rows — (position, head) pairs of one row of the batch and one kv head — and the
 // keys they see: only those, as register tiles (q·k: 6 keys × 16 queries, 8 × 16 with AVX-512; p·v: 6
-// queries × 16 values' columns, × 64 with AVX-512), with the 16 rows' scores side by side so softmax runs 8 of them at a time.
+// queries × 16 values' columns, × 64 with AVX-512), with the 16 rows' scores side by side so softmax
+// runs 8 of them at a time.
 //
 // Semantics are llm_jax.model.attention.xla_attention's: the query at t sits at q_positions[b, t]; key
 // slot s is visible iff s <= position, s < kv_lengths[b] and (no window or position - s < window);

@@ -24,7 +24,8 @@ checkpoint path (llama2.c .bin or Hugging Face folder). The roofline is the meas
 divided by the bytes one decode step must read (weights + the KV cache in use); "% roof" is the share
 of it reached. "% roof@size" is the share of the same bound at the bandwidth of reading just a step's
 bytes over and over: a model that fits in a cache (15M in a large L3) is read from the cache, faster
-than memory allows, and can pass 100 % of the memory roofline. "× hf" is llm_jax's decode rate over transformers' in the same process, runs alternating.
+than memory allows, and can pass 100 % of the memory roofline. "× hf" is llm_jax's decode rate over
+transformers' in the same process, runs alternating.
 Peak memory is the process's: with --compare hf both engines' weights are resident.
 """
 
