@@ -2,5 +2,6 @@
 
 ``shapes`` (named model shapes) → ``machine`` (measured bandwidth, peak memory) → ``llm_jax_engine`` and
 ``hf_engine`` (the same workload on each engine) → ``roofline`` (bytes per decode step) → ``results``
-(median/min/max rows, table, JSON); ``suite`` runs the matrix, ``compile_study`` the compile-time checks.
+(median/min/max rows, table, JSON); ``suite`` runs the matrix, ``compile_study`` the compile-time checks,
+``step_profile`` traces a decode chunk to say where a step's time goes.
 """

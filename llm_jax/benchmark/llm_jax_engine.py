@@ -105,11 +105,20 @@ class LlmJaxEngine:
                         decode_memory=memory)
 
     def _decode_memory(self, cache, state) -> DecodeMemory:
-        compiled = decode.lower(self.params, self.config, cache, state, self.controls,
-                                num_steps=self.workload.chunk_steps).compile()
+        compiled = self._compiled_decode(cache, state)
         stats = compiled.memory_analysis()
         return DecodeMemory(cache_bytes=cache.nbytes, aliased_bytes=stats.alias_size_in_bytes,
                             temp_bytes=stats.temp_size_in_bytes)
+
+    def _compiled_decode(self, cache, state):
+        return decode.lower(self.params, self.config, cache, state, self.controls,
+                            num_steps=self.workload.chunk_steps).compile()
+
+    def decode_program_text(self) -> str:
+        """The compiled decode chunk's program (HLO text): what :mod:`llm_jax.benchmark.step_profile` names
+        its ops from."""
+        cache, state = self._prefill()
+        return self._compiled_decode(cache, state).as_text()
 
     def run(self) -> Run:
         t0 = time.perf_counter()

@@ -23,6 +23,7 @@ from llm_jax.benchmark.hf_engine import HfEngine, save_random_hf_model
 from llm_jax.benchmark.llm_jax_engine import LlmJaxEngine, Workload
 from llm_jax.benchmark.results import Difference, Row, agreement, first_differences, summarise
 from llm_jax.benchmark.roofline import decode_roofline
+from llm_jax.benchmark.step_profile import StepProfile, profile_decode
 from llm_jax.benchmark.shapes import SHAPES, shape_config
 from llm_jax.config import MatmulImpl, ModelConfig
 from llm_jax.kv_cache import cache_bytes_per_token
@@ -46,6 +47,7 @@ class Options:
     matmuls: tuple[MatmulImpl, ...] = (MatmulImpl.AUTO,)  # llm_jax variants, each an engine
     threads: int = 0  # torch threads (0: every CPU)
     bandwidth_gbps: float = 0.0
+    profile: bool = False  # also trace one decode chunk of each llm_jax engine (step_profile)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,7 @@ class CellResult:
     hf_ratio: float | None  # llm_jax ÷ transformers decode tokens/s
     agreement: float | None  # greedy-token agreement between the engines
     differences: tuple[Difference, ...] = ()  # where llm_jax's greedy tokens first differ from transformers'
+    profiles: tuple[tuple[str, StepProfile], ...] = ()  # (engine, where its decode step's time goes)
 
 
 Log = Callable[[str], None]
@@ -124,6 +127,13 @@ def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[
                 runs[key].append(run)
                 log(f"  batch {cell.batch}, {engine.name} run {rep + 1}/{options.repeats}: ttft "
                     f"{run.ttft_s * 1e3:.1f} ms, decode {run.decode_tokens / run.decode_s:.1f} tok/s")
+    profiles: dict[int, list] = {c: [] for c in range(len(plans))}
+    if options.profile:
+        for c, (cell, _, engines) in enumerate(plans):
+            for engine in engines:
+                if isinstance(engine, LlmJaxEngine):
+                    log(f"  batch {cell.batch}, {engine.name}: tracing a decode chunk")
+                    profiles[c].append((engine.name, profile_decode(engine)))
     results = []
     for c, (cell, workload, engines) in enumerate(plans):
         roofline = decode_roofline(config, batch=cell.batch, prompt_len=options.prompt_len,
@@ -133,12 +143,13 @@ def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[
                           kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[c, e.name])
                 for e in engines]
         if not options.compare_hf:
-            results.append(CellResult(rows=rows, hf_ratio=None, agreement=None))
+            results.append(CellResult(rows=rows, hf_ratio=None, agreement=None, profiles=tuple(profiles[c])))
             continue
         ratio = rows[0].decode_tokens_per_s / rows[-1].decode_tokens_per_s
         ours, theirs = runs[c, engines[0].name][0], runs[c, "transformers"][0]
         results.append(CellResult(rows=rows, hf_ratio=ratio, agreement=agreement(ours.tokens, theirs.tokens),
-                                  differences=tuple(first_differences(ours.tokens, theirs.tokens, theirs.tied))))
+                                  differences=tuple(first_differences(ours.tokens, theirs.tokens, theirs.tied)),
+                                  profiles=tuple(profiles[c])))
     return results
 
 

@@ -18,6 +18,7 @@ examples:
   benchmark.py --model 15M --batch 1 8 32
   benchmark.py --model 1B --dtype bfloat16 --new-tokens 33
   benchmark.py --model 110M --compile-layers 6 12 24 --cli-ttft
+  benchmark.py --model 15M --batch 32 --profile
 
 models: a named shape with random weights (260K, 15M, 110M: llama2.c stories; 1B: TinyLlama 1.1B) or a
 checkpoint path (llama2.c .bin or Hugging Face folder). The roofline is the measured memory bandwidth
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also report compile time of the first model's shape at these depths")
     p.add_argument("--cli-ttft", action="store_true",
                    help="also time the first token of two generate CLI runs sharing a fresh compilation cache")
+    p.add_argument("--profile", action="store_true",
+                   help="also trace one decode chunk of each llm_jax cell and print where a step's time goes, op by op")
     p.add_argument("--json", type=pathlib.Path, help="write all numbers to this file")
     return p
 
@@ -76,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_jax.benchmark.llm_jax_engine import Workload
     from llm_jax.benchmark.results import at_bandwidth, at_size, describe_differences, table, write_json
     from llm_jax.benchmark.shapes import SHAPES
+    from llm_jax.benchmark.step_profile import table as step_table
     from llm_jax.benchmark.suite import Options, log_stderr, run_matrix
     from llm_jax.config import MatmulImpl
 
@@ -90,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                f"({machine.backend})")
     options = Options(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                       chunk_steps=args.chunk_steps, compare_hf=args.compare == "hf", threads=threads,
-                      bandwidth_gbps=bandwidth, matmuls=tuple(MatmulImpl.parse(m) for m in args.matmul))
+                      bandwidth_gbps=bandwidth, matmuls=tuple(MatmulImpl.parse(m) for m in args.matmul),
+                      profile=args.profile)
     results = run_matrix(models, args.dtype, args.batch, options)
     rows = [row for result in results for row in result.rows]
     ratios = {}
@@ -136,6 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     if scaling:
         extra["batch_scaling"] = [{"shape": shape, "dtype": dtype, "engine": engine, "batch": b, "times_batch_1": x}
                                   for (shape, dtype, engine), by_batch in scaling.items() for b, x in by_batch.items()]
+    traced = [(result.rows[0], engine, profile) for result in results for engine, profile in result.profiles]
+    for row, engine, profile in traced:
+        print("\n" + step_table(profile, f"{row.shape} {row.dtype} batch {row.batch}, {engine}"))
+    if traced:
+        extra["step_profiles"] = [{"shape": row.shape, "dtype": row.dtype, "batch": row.batch, "engine": engine,
+                                   **profile.to_dict()} for row, engine, profile in traced]
     if args.compile_layers:
         shape = next((m for m in models if m in SHAPES), None)
         if shape is None:

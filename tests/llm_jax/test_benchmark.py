@@ -15,6 +15,7 @@ from llm_jax.benchmark import hf_engine, machine
 from llm_jax.benchmark.results import Difference, agreement, describe_differences, first_differences
 from llm_jax.benchmark.roofline import decode_roofline, weight_bytes_per_step
 from llm_jax.benchmark.shapes import SHAPES, shape_config
+from llm_jax.benchmark.step_profile import exclusive_times, op_labels
 from llm_jax.cli.benchmark import main as benchmark_main
 from llm_jax.kv_cache import cache_bytes_per_token
 from llm_jax.model import param_shapes
@@ -32,7 +33,7 @@ def positive_finite(value) -> bool:
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     status = benchmark_main(["--model", "260K", "--compare", "hf", "--new-tokens", "9", "--chunk-steps", "4",
-                             "--repeats", "2", "--bandwidth", "10", "--json", str(path)])
+                             "--repeats", "2", "--bandwidth", "10", "--profile", "--json", str(path)])
     assert status == 0
     return json.loads(path.read_text())
 
@@ -219,3 +220,43 @@ def test_bandwidth_readers_read_every_value():
     assert round(results[0]) == int(data.sum())
     if build.find_compiler() is not None:
         assert len(results) == 3
+
+
+def test_the_profile_attributes_a_decode_step_to_its_ops(report):
+    [profile] = report["step_profiles"]  # llm_jax's; transformers' steps are not traced
+    assert (profile["engine"], profile["shape"], profile["batch"], profile["steps"]) == ("llm_jax", "260K", 1, 4)
+    assert positive_finite(profile["wall_ms_per_step"]) and positive_finite(profile["ops_ms_per_step"])
+    assert profile["ops"] and all(op["us_per_step"] >= 0 and op["calls_per_step"] > 0 for op in profile["ops"])
+    times = [op["us_per_step"] for op in profile["ops"]]
+    assert times == sorted(times, reverse=True)
+    labels = [op["label"] for op in profile["ops"]]
+    assert len(set(labels)) == len(labels)
+    if build.load():  # on CPU the kernels run: the products and the attention are named by where they run
+        assert any(label.startswith("Embedder.decode: matmul_") for label in labels), labels
+        assert any(label.startswith("DecoderLayer: decode_attention_f32") for label in labels), labels
+
+
+def _event(op, ts, dur, tid=1, module="jit_decode"):
+    return {"ph": "X", "ts": ts, "dur": dur, "pid": 1, "tid": tid, "name": op,
+            "args": {"hlo_module": module, "hlo_op": op}}
+
+
+def test_an_ops_time_excludes_the_ops_nested_in_it():
+    events = [_event("while.1", 0, 100), _event("dot.2", 10, 20), _event("fusion.3", 40, 50),
+              _event("ffi_call.4", 50, 10), _event("dot.2", 0, 20, tid=2), _event("dot.2", 0, 99, module="jit_prefill"),
+              {"ph": "X", "ts": 0, "dur": 500, "pid": 1, "tid": 1, "name": "ThunkExecutor::Execute", "args": {}}]
+    assert exclusive_times(events, "jit_decode") == {"while.1": (30.0, 1), "dot.2": (40.0, 2), "fusion.3": (40.0, 1),
+                                                     "ffi_call.4": (10.0, 1)}
+
+
+def test_ops_are_labelled_from_the_program_text():
+    text = """
+  %ffi_call.22 = f32[2,512]{1,0} custom-call(%c, %x, %w), custom_call_target="llm_jax_matmul_panels_f32", operand_layout_constraints={s32[], f32[2,64]{1,0}, f32[1,32,64,16]{3,2,1,0}}, api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(decode)/while/body/closed_call/cond/branch_0_fun/Embedder.decode/cond/branch_0_fun/ffi_call" stack_frame_id=455}
+  ROOT %wrapped_scatter.1 = f32[5,2,32,4,8]{4,3,2,1,0} fusion(%a, %b), kind=kLoop, calls=%scatter, metadata={op_name="jit(decode)/while/body/DecoderLayer/scatter"}
+  %bitcast.3 = f32[2,64]{1,0} bitcast(%x)
+"""
+    assert op_labels(text) == {
+        "ffi_call.22": "Embedder.decode: matmul_panels_f32 f32[2,64] · f32[1,32,64,16] → f32[2,512]",
+        "wrapped_scatter.1": "XLA wrapped_scatter.1 (DecoderLayer)",
+        "bitcast.3": "XLA bitcast.3",
+    }
