@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ comp
 CASES = [(3, 2, 11, 2, 3, 16, None, None), (2, 3, 9, 1, 4, 5, 3, None), (2, 2, 13, 2, 2, 8, None, 5.0),
          (1, 1, 7, 3, 1, 24, 2, 30.0), (2, 4, 33, 4, 2, 64, None, None),
          (2, 1, 10, 5, 2, 8, None, None),  # one row: its 5 kv heads split in uneven groups across threads
+         (2, 3, 41, 3, 1, 20, None, None),  # one query head per kv head: bfloat16 read in place, H not a multiple of 8
          # Few rows, hundreds of slots: each row's slots split in chunks across threads.
          (1, 1, 300, 2, 3, 16, None, None), (2, 3, 517, 1, 2, 12, 300, 10.0), (1, 2, 263, 4, 1, 64, None, None)]
 
