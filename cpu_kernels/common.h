@@ -116,20 +116,26 @@ inline u32x8 as_u32(f32x8 v) {
   return u;
 }
 
-// float32 rounded to the nearest bfloat16 (ties to even), as float32: what XLA's convert does.
+// float32 rounded to the nearest bfloat16 (ties to even), as float32: what XLA's convert does (a NaN stays
+// a NaN, made quiet: rounding its low bits up could carry it into infinity).
 inline float round_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  u &= 0xffff0000u;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    u = (u | 0x00400000u) & 0xffff0000u;
+  } else {
+    u += 0x7fffu + ((u >> 16) & 1u);
+    u &= 0xffff0000u;
+  }
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
 
 inline f32x8 round_to_bf16(f32x8 v) {
-  u32x8 u = as_u32(v);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return as_f32(u & 0xffff0000u);
+  const u32x8 u = as_u32(v);
+  const u32x8 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  const u32x8 quiet_nan = (u | 0x00400000u) & 0xffff0000u;
+  return as_f32((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // e^x for 8 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial for e^r; within

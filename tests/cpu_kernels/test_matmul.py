@@ -83,6 +83,29 @@ def test_runs_inside_a_decode_like_loop():
         h = np.tanh(ys[t])
 
 
+@pytest.mark.parametrize("layout", ["kn", "nk", "panels"])
+# one row (streams), 9 (register tiles), 20 (nk: W's rows broadcast), 70 × 1000 (panels: AMX where the
+# CPU has it, which rounds x itself)
+@pytest.mark.parametrize("R,K", [(1, 40), (9, 40), (20, 40), (70, 1000)])
+def test_bfloat16_weights_read_x_rounded_to_bfloat16(layout, R, K):
+    """Against bfloat16 weights every path reads x rounded to bfloat16, as XLA's product rounds it (to
+    nearest, ties to even), and a NaN stays a NaN (rounding up a NaN's low bits must not carry it into
+    infinity, as the kernels' own rounding once did)."""
+    rng = np.random.default_rng(R + K)
+    x = rng.normal(size=(R, K)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=(K, 48)), jnp.bfloat16)
+    w64 = np.asarray(w.astype(jnp.float32), np.float64)
+    operand = {"kn": w, "nk": w.T, "panels": cpu_kernels.to_panels(w)}[layout]
+    product = jax.jit(functools.partial(cpu_kernels.matmul, transposed=layout == "nk", panels=layout == "panels"))
+    ours = np.asarray(product(jnp.asarray(x), operand))
+    x_read = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    np.testing.assert_allclose(ours, x_read @ w64, rtol=RTOL, atol=ATOL)
+    assert np.abs(ours - x.astype(np.float64) @ w64).max() > 100 * ATOL  # the rounding is seen: this can fail
+    x[-1, 0] = np.frombuffer(np.uint32(0x7F80FFFF).tobytes(), np.float32)[0]  # a NaN whose rounding carries
+    ours = np.asarray(product(jnp.asarray(x), operand))
+    assert np.isnan(ours[-1]).all() and not np.isnan(ours[:-1]).any()
+
+
 @pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
 def test_gradients_are_xlas(transposed):
     x, w, _ = case(2, 12, 10, jnp.float32, transposed)
