@@ -23,8 +23,8 @@ from llm_jax.benchmark.hf_engine import HfEngine, save_random_hf_model
 from llm_jax.benchmark.llm_jax_engine import LlmJaxEngine, Workload
 from llm_jax.benchmark.results import Difference, Row, agreement, first_differences, summarise
 from llm_jax.benchmark.roofline import decode_roofline
-from llm_jax.benchmark.step_profile import StepProfile, profile_decode
 from llm_jax.benchmark.shapes import SHAPES, shape_config
+from llm_jax.benchmark.step_profile import StepProfile, profile_decode
 from llm_jax.config import MatmulImpl, ModelConfig
 from llm_jax.kv_cache import cache_bytes_per_token
 from llm_jax.model import for_inference, init_params
