@@ -19,6 +19,8 @@ compiler), it is XLA's product. Gradients are XLA's.
     matmuls(x_RK, ws, *, transposed=False, panels=False, layer=None) -> (y_RN, ...)  # weights sharing x, one call
     to_panels(w_KN) -> p [N / 16, K, 16];  from_panels(p) -> w_KN   # leading axes (layers) kept
     decode_attention(q_BNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BNH  # one query per row, cache read in place
+    decode_attention_append(q_BNH, k_new_BKH, v_new_BKH, k_LBSKH, v_LBSKH, layer, slots_B, ...)
+        -> (o_BNH, k_LBSKH, v_LBSKH)  # the step's keys and values written first, the caches in place
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
     argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU
 """
@@ -31,11 +33,11 @@ import jax
 import jax.numpy as jnp
 
 from cpu_kernels import build
-from cpu_kernels.decode_attention import decode_attention
+from cpu_kernels.decode_attention import decode_attention, decode_attention_append
 from cpu_kernels.prefill_attention import prefill_attention
 
-__all__ = ["PANEL", "argmax", "available", "decode_attention", "from_panels", "matmul", "matmuls", "prefill_attention",
-           "to_panels"]
+__all__ = ["PANEL", "argmax", "available", "decode_attention", "decode_attention_append", "from_panels", "matmul",
+           "matmuls", "prefill_attention", "to_panels"]
 
 
 def available() -> bool:

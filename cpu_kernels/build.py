@@ -43,6 +43,9 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_decode_attention_f32": "DecodeAttentionF32",
     "llm_jax_decode_attention_bf16": "DecodeAttentionBF16",
     "llm_jax_decode_attention_u16": "DecodeAttentionBits",
+    "llm_jax_decode_attention_append_f32": "DecodeAttentionAppendF32",
+    "llm_jax_decode_attention_append_bf16": "DecodeAttentionAppendBF16",
+    "llm_jax_decode_attention_append_u16": "DecodeAttentionAppendBits",
     "llm_jax_prefill_attention_f32": "PrefillAttentionF32",
     "llm_jax_prefill_attention_bf16": "PrefillAttentionBF16",
     "llm_jax_prefill_attention_u16": "PrefillAttentionBits",
@@ -139,6 +142,14 @@ def amx() -> bool:
     with AMX, a build that has it and Linux granting its state; ``LLM_JAX_AMX=off`` turns it off)."""
     lib = library()
     return lib is not None and bool(lib.LlmJaxAmx())
+
+
+def bf16_dot() -> bool:
+    """Whether bfloat16 products of many rows run on AVX-512's bfloat16 dot products (vdpbf16ps) in this
+    process, those AMX does not take (a CPU with AVX512_BF16 and a build that has it;
+    ``LLM_JAX_BF16_DOT=off`` turns it off)."""
+    lib = library()
+    return lib is not None and bool(lib.LlmJaxBf16Dot())
 
 
 def stream_read():

@@ -236,6 +236,22 @@ inline void pv_columns(const float* p, int64_t p_row, int64_t p_key, const float
 inline bool rounds_to_bf16(const float*) { return false; }
 inline bool rounds_to_bf16(const uint16_t*) { return true; }
 
+// Cache lines of a block of memory — `left` lines of runs `run` bytes long, `stride` apart — asked for
+// one at a time, while other work runs (a block of W for the next tile; the next row's keys and values).
+struct Prefetcher {
+  const char* p = nullptr;
+  int64_t stride = 0, run = 0, offset = 0, left = 0;
+  void one() {
+    if (left <= 0) return;
+    __builtin_prefetch(p + offset, 0, 3);
+    if ((offset += 64) >= run) offset = 0, p += stride;
+    --left;
+  }
+  void some(int64_t lines) {
+    for (int64_t i = 0; i < lines && left > 0; ++i) one();
+  }
+};
+
 // Runs fn(unit) for unit in [0, units) on the caller and up to threads - 1 pool tasks.
 template <typename Fn>
 void parallel_for(ffi::ThreadPool& pool, int64_t units, const Fn& fn) {

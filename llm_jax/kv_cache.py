@@ -92,7 +92,7 @@ def _values(cache_LBSKH: jax.Array) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16) if cache_LBSKH.dtype == jnp.uint16 else cache_LBSKH.dtype
 
 
-def _stored(cache_LBSKH: jax.Array, new: jax.Array) -> jax.Array:
+def stored(cache_LBSKH: jax.Array, new: jax.Array) -> jax.Array:
     """``new`` as ``cache_LBSKH`` stores it (rounded to the cache's values, as bits when it holds bits)."""
     new = new.astype(_values(cache_LBSKH))
     return bits.as_bits(new) if cache_LBSKH.dtype == jnp.uint16 else new
@@ -101,7 +101,7 @@ def _stored(cache_LBSKH: jax.Array, new: jax.Array) -> jax.Array:
 def write_block(cache_LBSKH: jax.Array, layer: jax.Array, new_BTKH: jax.Array) -> jax.Array:
     """Write a block of T tokens at slots [0, T) of every row (prefill)."""
     zero = jnp.zeros((), jnp.int32)
-    return jax.lax.dynamic_update_slice(cache_LBSKH, _stored(cache_LBSKH, new_BTKH[None]),
+    return jax.lax.dynamic_update_slice(cache_LBSKH, stored(cache_LBSKH, new_BTKH[None]),
                                         (layer, zero, zero, zero, zero))
 
 
@@ -110,7 +110,7 @@ def write_tokens(cache_LBSKH: jax.Array, layer: jax.Array, slots_BT: jax.Array, 
     # Rows are indexed explicitly: a scatter vmapped over B made XLA:CPU lay the cache out batch-major
     # inside the layer loop and copy the whole cache twice per layer and step.
     rows_B1 = jnp.arange(cache_LBSKH.shape[1], dtype=jnp.int32)[:, None]
-    return cache_LBSKH.at[layer, rows_B1, slots_BT].set(_stored(cache_LBSKH, new_BTKH), mode="drop")
+    return cache_LBSKH.at[layer, rows_B1, slots_BT].set(stored(cache_LBSKH, new_BTKH), mode="drop")
 
 
 def read_layer(cache_LBSKH: jax.Array, layer: jax.Array) -> jax.Array:

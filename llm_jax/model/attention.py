@@ -194,3 +194,26 @@ def cached_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, q_positions_BT, kv_lengths
         return o_BTNH.astype(q_BTNH.dtype)
     return attention(q_BTNH, kvc.read_layer(k_LBSKH, layer), kvc.read_layer(v_LBSKH, layer), q_positions_BT,
                      kv_lengths_B, config=config, window=window, queries_from_zero=False, mesh=mesh)
+
+
+def append_and_attend(q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT, q_positions_BT, *,
+                      config: ModelConfig, window: int | None, mesh: Mesh | None = None):
+    """Write the new keys and values [B, T, K, H] at ``slots_BT`` of layer ``layer`` of the stacked caches
+    (a slot outside the cache writes nothing: a finished row), then :func:`cached_attention` of the new
+    queries, each row seeing its slots up to its last query: (o_BTNH, k_LBSKH, v_LBSKH).
+
+    For one query per row (decode) where the CPU kernels attend, one kernel does both, updating the caches
+    in place: the write was eight small XLA ops per layer and step.
+    """
+    kv_lengths_B = q_positions_BT[:, -1] + 1
+    if q_BTNH.shape[1] == 1 and _cpu_kernels_attend(config, mesh, k_LBSKH.dtype):
+        o_BNH, k_LBSKH, v_LBSKH = cpu_kernels.decode_attention_append(
+            q_BTNH[:, 0], kvc.stored(k_LBSKH, k_BTKH[:, 0]), kvc.stored(v_LBSKH, v_BTKH[:, 0]), k_LBSKH, v_LBSKH,
+            layer, slots_BT[:, 0], q_positions_BT[:, 0], kv_lengths_B, scale=config.attn_scale, window=window,
+            softcap=config.attn_logit_softcap)
+        return o_BNH[:, None].astype(q_BTNH.dtype), k_LBSKH, v_LBSKH
+    k_LBSKH = kvc.write_tokens(k_LBSKH, layer, slots_BT, k_BTKH)
+    v_LBSKH = kvc.write_tokens(v_LBSKH, layer, slots_BT, v_BTKH)
+    o_BTNH = cached_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, q_positions_BT, kv_lengths_B, config=config,
+                              window=window, mesh=mesh)
+    return o_BTNH, k_LBSKH, v_LBSKH

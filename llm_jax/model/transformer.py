@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
-from llm_jax.model.attention import Attention, attention, cached_attention
+from llm_jax.model.attention import Attention, append_and_attend, attention
 from llm_jax.model.layers import PANELS_SUFFIX, Embedder, GatedMLP, Panels, RMSNorm, dense
 
 Params = dict[str, Any]
@@ -280,10 +280,8 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
     new_lengths_B = cache.lengths_B + jnp.where(active_B, T, 0).astype(jnp.int32)
 
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
-        k_LBSKH = kvc.write_tokens(cache.k_LBSKH, layer, slots_BT, k_BTKH)
-        v_LBSKH = kvc.write_tokens(cache.v_LBSKH, layer, slots_BT, v_BTKH)
-        o_BTNH = cached_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, positions_BT, positions_BT[:, -1] + 1,
-                                  config=config, window=window, mesh=mesh)
+        o_BTNH, k_LBSKH, v_LBSKH = append_and_attend(q_BTNH, k_BTKH, v_BTKH, cache.k_LBSKH, cache.v_LBSKH, layer,
+                                                     slots_BT, positions_BT, config=config, window=window, mesh=mesh)
         return o_BTNH, KVCache(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH, lengths_B=cache.lengths_B)
 
     x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT, attend,

@@ -65,3 +65,59 @@ def test_bad_inputs_are_named():
     with pytest.raises(Exception, match="layer index outside the cache"):
         cpu_kernels.decode_attention(jnp.ones((2, 4, 8)), k, k, 1, jnp.zeros(2), jnp.ones(2), scale=1.0,
                                      window=None, softcap=None).block_until_ready()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.uint16], ids=["f32", "bf16", "bits"])
+@pytest.mark.parametrize("L,B,S,K,G,H,window,softcap", CASES)
+def test_append_writes_the_step_then_attends(L, B, S, K, G, H, window, softcap, dtype):
+    """decode_attention_append = the step's keys and values written at each row's slot (a slot outside
+    the cache writes nothing), then decode_attention; the rest of the caches untouched."""
+    rng = np.random.default_rng(S * H + G + 1)
+    values = jnp.bfloat16 if dtype == jnp.uint16 else dtype
+    k, v = (_bits(jnp.asarray(rng.normal(size=(L, B, S, K, H)), values)) for _ in range(2))
+    k_new, v_new = (_bits(jnp.asarray(rng.normal(size=(B, K, H)), values)) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(B, K * G, H)), jnp.float32)
+    positions = jnp.asarray(rng.integers(0, S, B), jnp.int32).at[-1].set(S - 1)
+    slots = positions.at[0].set(S)  # row 0 has finished: its slot lies past the cache
+    layer = L - 1
+    f = jax.jit(lambda q, kn, vn, k, v: cpu_kernels.decode_attention_append(
+        q, kn, vn, k, v, layer, slots, positions, positions + 1, scale=0.3, window=window, softcap=softcap))
+    o, k_out, v_out = f(q, k_new, v_new, k, v)
+    rows = jnp.arange(B)
+    k_expected = k.at[layer, rows, slots].set(k_new, mode="drop")
+    v_expected = v.at[layer, rows, slots].set(v_new, mode="drop")
+    np.testing.assert_array_equal(np.asarray(k_out), np.asarray(k_expected))
+    np.testing.assert_array_equal(np.asarray(v_out), np.asarray(v_expected))
+    expected = cpu_kernels.decode_attention(q, k_expected, v_expected, layer, positions, positions + 1, scale=0.3,
+                                            window=window, softcap=softcap)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(expected))
+
+
+def test_append_updates_donated_caches_in_place():
+    L, B, S, K, H = 2, 3, 16, 2, 8
+    k, v = jnp.zeros((L, B, S, K, H)), jnp.ones((L, B, S, K, H))
+    pointers = k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()
+    new = jnp.full((B, K, H), 7.0)
+    slots = jnp.array([0, 5, 15], jnp.int32)
+    q = jnp.ones((B, K, H))
+
+    def append(k, v):
+        return cpu_kernels.decode_attention_append(q, new, new, k, v, 1, slots, slots, slots + 1, scale=1.0,
+                                                   window=None, softcap=None)[1:]
+
+    f = jax.jit(append, donate_argnums=(0, 1))
+    k_out, v_out = f(k, v)
+    assert (k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()) == pointers
+    np.testing.assert_array_equal(np.asarray(k_out[1, jnp.arange(B), slots]), 7.0)
+
+
+def test_append_checks_the_new_rows():
+    k = jnp.ones((1, 2, 5, 2, 8))
+    with pytest.raises(ValueError, match=r"k_new must be \[B, K, H\] = \(2, 2, 8\)"):
+        cpu_kernels.decode_attention_append(jnp.ones((2, 2, 8)), jnp.ones((2, 8)), jnp.ones((2, 2, 8)), k, k, 0,
+                                            jnp.zeros(2, jnp.int32), jnp.zeros(2), jnp.ones(2), scale=1.0, window=None,
+                                            softcap=None)
+    with pytest.raises(ValueError, match="of the caches' dtype"):
+        cpu_kernels.decode_attention_append(jnp.ones((2, 2, 8)), jnp.ones((2, 2, 8), jnp.bfloat16),
+                                            jnp.ones((2, 2, 8)), k, k, 0, jnp.zeros(2, jnp.int32), jnp.zeros(2),
+                                            jnp.ones(2), scale=1.0, window=None, softcap=None)

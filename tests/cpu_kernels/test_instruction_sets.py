@@ -1,9 +1,10 @@
 """The kernels are built for the CPU's widest vectors: 16 floats with AVX-512, else 8; and bfloat16
-products of many rows run on the AMX tile unit where there is one. Every path must pass the product and
-attention tests, whichever CPU the suite runs on: the 8-wide build is rebuilt here with
-``LLM_JAX_KERNEL_FLAGS=-mno-avx512f``, and the 16-wide products without AMX run with ``LLM_JAX_AMX=off``,
-each in a subprocess (on a CPU without AVX-512 or AMX that is the default path, and the tests run a
-second time)."""
+products of many rows run on the AMX tile unit where there is one, else on AVX-512's bfloat16 dot products
+where the CPU has them. Every path must pass the product and attention tests, whichever CPU the suite runs
+on: the 8-wide build is rebuilt here with ``LLM_JAX_KERNEL_FLAGS=-mno-avx512f``, and the 16-wide float32
+tiles run bfloat16 with ``LLM_JAX_AMX=off LLM_JAX_BF16_DOT=off``, each in a subprocess (on a CPU without
+AVX-512, AMX or AVX512_BF16 that is the default path, and the tests run a second time); AMX's CPUs also
+have the dot products, which run the bfloat16 tests with ``LLM_JAX_AMX=off``."""
 
 import os
 import subprocess
@@ -37,10 +38,23 @@ def test_amx_where_the_cpu_and_linux_have_it():
     assert build.amx() == expected
 
 
-def test_16_wide_products_without_amx_pass_the_product_tests():
-    env = {**os.environ, "LLM_JAX_AMX": "off", "PYTEST_ADDOPTS": ""}
+def test_bf16_dot_products_where_the_cpu_has_them():
+    """A CPU with AVX512_BF16 (and a build that has it) runs bfloat16 products of many rows on vdpbf16ps,
+    unless they are turned off."""
+    features = build.cpu_features().split()
+    flags = os.environ.get(build.FLAGS_ENV, "").split()
+    expected = ("avx512_bf16" in features and os.environ.get("LLM_JAX_BF16_DOT") != "off"
+                and not {"-mno-avx512bf16", "-mno-avx512f"} & set(flags))
+    assert build.bf16_dot() == expected
+
+
+@pytest.mark.parametrize("env", [{"LLM_JAX_AMX": "off"}, {"LLM_JAX_AMX": "off", "LLM_JAX_BF16_DOT": "off"}],
+                         ids=["dot-products", "float32-tiles"])
+def test_bfloat16_products_without_amx_pass_the_product_tests(env):
+    env = {**os.environ, **env, "PYTEST_ADDOPTS": ""}
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "tests/cpu_kernels/test_matmul_panels.py", "-k", "bf16"],
+                            "tests/cpu_kernels/test_matmul_panels.py", "tests/cpu_kernels/test_matmul.py", "-k",
+                            "bf16 or bfloat16"],
                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-4000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout

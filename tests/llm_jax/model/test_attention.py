@@ -74,6 +74,45 @@ def test_cached_attention_routes_agree(dtype):
         np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(theirs, np.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_append_and_attend_routes_agree(dtype):
+    """A decode step's cache write and attention: one kernel on one CPU device (the caches updated in place,
+    no XLA scatter), equal to the XLA route's write_tokens and xla_attention; several queries per row take
+    the write and prefill kernel."""
+    import cpu_kernels
+    from llm_jax.model.attention import append_and_attend
+
+    config = _config(dtype)
+    rng = np.random.default_rng(5)
+    stored = jnp.uint16 if dtype == "bfloat16" else jnp.float32  # decode carries a bfloat16 cache as its bits
+    k, v = (jax.lax.bitcast_convert_type(jnp.asarray(rng.normal(size=(3, 2, 11, 2, 4)), dtype), stored)
+            if dtype == "bfloat16" else jnp.asarray(rng.normal(size=(3, 2, 11, 2, 4)), dtype) for _ in range(2))
+
+    def run(config, T):
+        rng = np.random.default_rng(T)
+        q = jnp.asarray(rng.normal(size=(2, T, 6, 4)), dtype)
+        k_new, v_new = (jnp.asarray(rng.normal(size=(2, T, 2, 4)), dtype) for _ in range(2))
+        positions = jnp.array([[4], [8]], jnp.int32) + jnp.arange(T, dtype=jnp.int32)
+        slots = positions.at[1].set(11)  # row 1 has finished: nothing written
+
+        def f(q, k_new, v_new, k, v):
+            return append_and_attend(q, k_new, v_new, k, v, jnp.int32(1), slots, positions, config=config, window=3)
+
+        return jax.jit(f)(q, k_new, v_new, k, v), jax.jit(f).lower(q, k_new, v_new, k, v).as_text()
+
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    for T, target in [(1, "llm_jax_decode_attention_append"), (3, "llm_jax_prefill_attention")]:
+        ours, hlo = run(config, T)
+        theirs, xla_hlo = run(config.replace(matmul_impl="xla"), T)
+        assert (target in hlo) == cpu_kernels.available()
+        assert ("scatter" not in hlo) == (T == 1 and cpu_kernels.available())
+        assert "llm_jax_" not in xla_hlo
+        np.testing.assert_allclose(np.asarray(ours[0], np.float32), np.asarray(theirs[0], np.float32), rtol=tol,
+                                   atol=tol)
+        for a, b in zip(ours[1:], theirs[1:]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_prompt_attention_runs_the_kernel_with_xla_gradients():
     """Queries over their own keys (prefill, forward, training): on one CPU device the prefill kernel
     computes them (equal to xla_attention) and gradients are xla_attention's; MatmulImpl.XLA keeps XLA."""
