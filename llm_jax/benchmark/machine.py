@@ -20,6 +20,9 @@ import numpy as np
 from cpu_kernels import build
 
 BANDWIDTH_BYTES = 1 << 30  # far larger than any cache
+# The probe beside each run: eight times a large L3 (32 MiB here), read in tens of milliseconds (64 MiB
+# read 26–53 GB/s in one minute where 256 MiB read 31–52 and 1 GiB 34–49).
+RUN_PROBE_BYTES = 1 << 28
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,6 +77,14 @@ def measure_bandwidth(*, threads: int | None = None, nbytes: int = BANDWIDTH_BYT
                 list(pool.map(read, parts))
                 best = min(best, time.perf_counter() - start)
     return data.nbytes / best / 1e9
+
+
+def measure_run_bandwidth(*, threads: int | None = None) -> float:
+    """The bandwidth right now, quickly (:data:`RUN_PROBE_BYTES`, best of 2 rounds of the readers):
+    measured just before and just after each timed run, it says what memory could give that run on a
+    machine shared with others, whose bandwidth moves by 1.5× from one minute to the next. Its array is
+    freed on return, before a run's peak memory is counted."""
+    return measure_bandwidth(threads=threads, nbytes=RUN_PROBE_BYTES, repeats=2)
 
 
 def readers() -> list:

@@ -54,6 +54,11 @@ class Row:
     bandwidth_at_size_gbps: float | None
     roofline_at_size_tokens_per_s: float | None
     roofline_at_size_fraction: float | None
+    # The bandwidth measured around each run (the better of just before and just after; None with
+    # --bandwidth), and the median over the runs of each run's rate over the roofline at its own bandwidth:
+    # like for like on a machine whose bandwidth moves while it runs.
+    run_bandwidth_gbps: Spread | None
+    roofline_at_run_fraction: float | None
     kv_cache_bytes_per_token: int
     peak_rss_mb: float
     kv_cache_mb: float | None  # the allocated cache (llm_jax)
@@ -68,9 +73,15 @@ class Row:
 
 
 def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compiled: Compiled, runs: Sequence[Run],
-              roofline: Roofline, kv_bytes_per_token: int, peak_rss_mb: float) -> Row:
+              roofline: Roofline, kv_bytes_per_token: int, peak_rss_mb: float,
+              run_bandwidths_gbps: Sequence[float] | None = None) -> Row:
+    """``runs`` in one row; ``run_bandwidths_gbps[i]`` is the bandwidth measured around run i."""
     B = workload.batch
     decode_rate = [r.decode_tokens / r.decode_s for r in runs]
+    at_run = None
+    if run_bandwidths_gbps:
+        at_run = float(np.median([rate * roofline.bytes_per_step / (B * gbps * 1e9)
+                                  for rate, gbps in zip(decode_rate, run_bandwidths_gbps)]))
     prefill_rate = [B * workload.prompt_len / r.ttft_s for r in runs]
     steps = np.concatenate([r.step_s for r in runs])
     decode = Spread.of(decode_rate)
@@ -85,7 +96,8 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
                roofline_tokens_per_s=roofline.tokens_per_s, roofline_fraction=decode.median / roofline.tokens_per_s,
                bytes_per_step=roofline.bytes_per_step, bandwidth_at_size_gbps=None,
                roofline_at_size_tokens_per_s=None, roofline_at_size_fraction=None,
-               kv_cache_bytes_per_token=kv_bytes_per_token,
+               run_bandwidth_gbps=Spread.of(run_bandwidths_gbps) if run_bandwidths_gbps else None,
+               roofline_at_run_fraction=at_run, kv_cache_bytes_per_token=kv_bytes_per_token,
                peak_rss_mb=peak_rss_mb, kv_cache_mb=_mib(memory and memory.cache_bytes),
                decode_aliased_mb=_mib(memory and memory.aliased_bytes),
                decode_temp_mb=_mib(memory and memory.temp_bytes),
@@ -154,7 +166,7 @@ def describe_differences(differences: Sequence[Difference]) -> str:
 
 
 COLUMNS = ("engine", "shape", "dtype", "B", "prompt", "new", "compile s", "ttft ms", "itl p50/p90 ms",
-           "decode tok/s (min–max)", "prefill tok/s", "roofline", "% roof", "% roof@size", "peak MiB")
+           "decode tok/s (min–max)", "prefill tok/s", "roofline", "% roof", "% roof@run", "% roof@size", "peak MiB")
 
 
 def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
@@ -168,6 +180,7 @@ def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
                f"{r.compile_prefill_s:.1f}+{r.compile_decode_s:.1f}", f"{r.ttft_s * 1e3:.1f}",
                f"{r.itl_p50_s * 1e3:.2f}/{r.itl_p90_s * 1e3:.2f}", f"{d.median:.1f} ({d.min:.1f}–{d.max:.1f})",
                f"{r.prefill_tokens_per_s:.0f}", f"{r.roofline_tokens_per_s:.0f}", f"{100 * r.roofline_fraction:.0f}",
+               "" if r.roofline_at_run_fraction is None else f"{100 * r.roofline_at_run_fraction:.0f}",
                "" if r.roofline_at_size_fraction is None else f"{100 * r.roofline_at_size_fraction:.0f}",
                f"{r.peak_rss_mb:.0f}")
         if ratios:

@@ -9,6 +9,7 @@ size once), so that throughput ratios between batch sizes compare runs of the sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import sys
 import tempfile
@@ -47,6 +48,7 @@ class Options:
     matmuls: tuple[MatmulImpl, ...] = (MatmulImpl.AUTO,)  # llm_jax variants, each an engine
     threads: int = 0  # torch threads (0: every CPU)
     bandwidth_gbps: float = 0.0
+    probe_each_run: bool = False  # measure the bandwidth around every timed run (roofline_at_run_fraction)
     profile: bool = False  # also trace one decode chunk of each llm_jax engine (step_profile)
 
 
@@ -108,21 +110,25 @@ def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[
             threads = options.threads or machine_lib.cpu_threads()
             engines.append(HfEngine(source.hf_folder, config, workload, threads=threads))
         plans.append((cell, workload, engines))
-    compiled, runs, peaks = {}, {}, {}
+    compiled, runs, peaks, bandwidths = {}, {}, {}, {}
     for c, (cell, _, engines) in enumerate(plans):
         for engine in engines:
             key = (c, engine.name)
             machine_lib.reset_peak_rss()
             done = compiled[key] = engine.compile()
-            peaks[key], runs[key] = machine_lib.peak_rss_mb(), []
+            peaks[key], runs[key], bandwidths[key] = machine_lib.peak_rss_mb(), [], []
             log(f"  {source.label} {cell.dtype} batch {cell.batch}, {engine.name}: compiled in "
                 f"{done.prefill_s:.1f}+{done.decode_s:.1f} s")
     for rep in range(options.repeats):
         for c, (cell, _, engines) in enumerate(plans):
             for engine in engines:
                 key = (c, engine.name)
+                probe = functools.partial(machine_lib.measure_run_bandwidth, threads=options.threads or None)
+                before = probe() if options.probe_each_run else None
                 machine_lib.reset_peak_rss()
                 run = engine.run()
+                if options.probe_each_run:  # the better of before and after: the run's roofline is not understated
+                    bandwidths[key].append(max(before, probe()))
                 peaks[key] = max(peaks[key], machine_lib.peak_rss_mb())
                 runs[key].append(run)
                 log(f"  batch {cell.batch}, {engine.name} run {rep + 1}/{options.repeats}: ttft "
@@ -140,7 +146,8 @@ def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[
                                    new_tokens=1 + workload.decode_steps, bandwidth_gbps=options.bandwidth_gbps)
         rows = [summarise(engine=e.name, shape=source.label, dtype=cell.dtype, workload=workload,
                           compiled=compiled[c, e.name], runs=runs[c, e.name], roofline=roofline,
-                          kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[c, e.name])
+                          kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[c, e.name],
+                          run_bandwidths_gbps=bandwidths[c, e.name])
                 for e in engines]
         if not options.compare_hf:
             results.append(CellResult(rows=rows, hf_ratio=None, agreement=None, profiles=tuple(profiles[c])))

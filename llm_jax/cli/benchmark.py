@@ -23,7 +23,10 @@ examples:
 models: a named shape with random weights (260K, 15M, 110M: llama2.c stories; 1B: TinyLlama 1.1B) or a
 checkpoint path (llama2.c .bin or Hugging Face folder). The roofline is the measured memory bandwidth
 divided by the bytes one decode step must read (weights + the KV cache in use); "% roof" is the share
-of it reached. "% roof@size" is the share of the same bound at the bandwidth of reading just a step's
+of it reached, at the best bandwidth measured before and after all the runs. "% roof@run" is the median
+over the runs of each run's share of the roofline at the bandwidth measured around it (the better of just
+before and just after; on a machine shared with others, memory's speed moves from one minute to the
+next). "% roof@size" is the share of the same bound at the bandwidth of reading just a step's
 bytes over and over: a model that fits in a cache (15M in a large L3) is read from the cache, faster
 than memory allows, and can pass 100 % of the memory roofline. "× hf" is llm_jax's decode rate over
 transformers' in the same process, runs alternating.
@@ -94,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                f"({machine.backend})")
     options = Options(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                       chunk_steps=args.chunk_steps, compare_hf=args.compare == "hf", threads=threads,
-                      bandwidth_gbps=bandwidth, matmuls=tuple(MatmulImpl.parse(m) for m in args.matmul),
-                      profile=args.profile)
+                      bandwidth_gbps=bandwidth, probe_each_run=not args.bandwidth,
+                      matmuls=tuple(MatmulImpl.parse(m) for m in args.matmul), profile=args.profile)
     results = run_matrix(models, args.dtype, args.batch, options)
     rows = [row for result in results for row in result.rows]
     ratios = {}

@@ -51,6 +51,7 @@ def test_json_has_a_row_per_engine_with_every_field(report):
 def test_the_roofline_at_a_steps_size_is_not_measured_with_a_given_bandwidth(report):
     for row in report["rows"]:
         assert row["bandwidth_at_size_gbps"] is None and row["roofline_at_size_fraction"] is None
+        assert row["run_bandwidth_gbps"] is None and row["roofline_at_run_fraction"] is None
 
 
 def test_numbers_are_well_formed(report):
@@ -161,13 +162,14 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
     measured = iter([4.0, 8.0])
     sizes = []
 
-    def measure(*, threads, nbytes=machine.BANDWIDTH_BYTES):
+    def measure(*, threads, nbytes=machine.BANDWIDTH_BYTES, repeats=5):
         if nbytes == machine.BANDWIDTH_BYTES:
             return next(measured)
         sizes.append(nbytes)
         return 20.0
 
     monkeypatch.setattr(machine, "measure_bandwidth", measure)
+    monkeypatch.setattr(machine, "measure_run_bandwidth", lambda *, threads: 5.0)
     path = tmp_path / "bench.json"
     status = benchmark_main(["--model", "260K", "--compare", "hf", "--new-tokens", "5", "--chunk-steps", "4",
                              "--repeats", "1", "--json", str(path)])
@@ -181,13 +183,17 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
         assert row["roofline_at_size_tokens_per_s"] == pytest.approx(20.0e9 / row["bytes_per_step"], rel=1e-6)
         assert row["roofline_at_size_fraction"] == pytest.approx(row["decode_tokens_per_s"] /
                                                                  row["roofline_at_size_tokens_per_s"])
+        # each run against the bandwidth measured just before it
+        assert row["run_bandwidth_gbps"] == {"median": 5.0, "min": 5.0, "max": 5.0}
+        assert row["roofline_at_run_fraction"] == pytest.approx(row["decode_tokens_per_s"] * row["bytes_per_step"] /
+                                                                (row["batch"] * 5.0e9))
     assert sizes == sorted({row["bytes_per_step"] for row in report["rows"]})
 
 
 def test_the_roofline_at_a_steps_size_is_never_below_memorys(tmp_path, monkeypatch):
     monkeypatch.setattr(machine, "measure_bandwidth",
-                        lambda *, threads, nbytes=machine.BANDWIDTH_BYTES: 8.0 if nbytes == machine.BANDWIDTH_BYTES
-                        else 5.0)
+                        lambda *, threads, nbytes=machine.BANDWIDTH_BYTES, repeats=5:
+                        8.0 if nbytes == machine.BANDWIDTH_BYTES else 5.0)
     path = tmp_path / "bench.json"
     assert benchmark_main(["--model", "260K", "--new-tokens", "5", "--chunk-steps", "4", "--repeats", "1",
                            "--json", str(path)]) == 0
@@ -233,7 +239,7 @@ def test_the_profile_attributes_a_decode_step_to_its_ops(report):
     assert len(set(labels)) == len(labels)
     if build.load():  # on CPU the kernels run: the products and the attention are named by where they run
         assert any(label.startswith("Embedder.decode: matmul_") for label in labels), labels
-        assert any(label.startswith("DecoderLayer: decode_attention_f32") for label in labels), labels
+        assert any(label.startswith("DecoderLayer: decode_attention_append_f32") for label in labels), labels
 
 
 def _event(op, ts, dur, tid=1, module="jit_decode"):
