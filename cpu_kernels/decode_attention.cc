@@ -14,6 +14,10 @@
 // The cache is float32, or bfloat16 (also as its bits, uint16: the decode loop carries it so). q is
 // float32 [B, N, H] with N = K · G, query head n = k · G + g.
 //
+// Two handlers: DecodeAttention reads the caches; DecodeAttentionAppend (what decode runs) first writes
+// the step's keys and values at each row's slot, into caches that are also its results, aliased to its
+// operands (XLA updates them in place), then attends the same way.
+//
 // Scores are taken eight slots at a time per query head (eight accumulators, summed together), the
 // softmax runs on eight scores at a time with a vector exp, and p · v loads each value once for up to
 // four query heads sharing it. Long contexts gained most (one layer, batch 1, alternating runs: 110M at
