@@ -145,14 +145,12 @@ struct Shape {
 constexpr int64_t kPvBlock = 64;  // slots per p·v pass (bfloat16 values are widened a block at a time)
 constexpr int64_t kChunkedMinSlots = 256;  // from this many slots on, few rows split their slots among threads
 
-// One row's visible slots [lo, lo + n) seen by the query heads of kv heads [kh0, kh1), and where their
-// queries, keys, values, outputs and scores ([heads, n_pad], rows `ld` apart: n_pad and 16 more, so that
-// the rows do not all fall in one set of the L1 cache when n_pad is a multiple of 1024) lie.
 // The next unit's visible keys, then its values, asked for `quota` lines at a time while this unit is
 // computed: at batch 32 every row's cache comes from memory, and without it a row's arithmetic and its
-// reads take turns. Only rows of up to kRowPrefetchBytes: a larger one evicts the row being read from
-// L2. (A harness of 6 layers × 32 rows taking turns step by step, caches evicted between steps: 15M at
-// 57 slots, 132 KiB a row, 0.83–0.95 of the time without; 110M at 121 slots, 744 KiB, 1.15–1.17.)
+// reads take turns. Only rows of up to kRowPrefetchBytes (keys and values): a larger one evicts the row
+// being read from L2. (A harness of 6 layers × 32 rows, with and without taking turns step by step, the
+// caches evicted between steps: 15M at 57 slots, 132 KiB a row, 0.83 and 0.95 of the time without;
+// 110M at 121 slots, 744 KiB a row, 1.15 and 1.17.)
 constexpr int64_t kRowPrefetchBytes = 192 * 1024;
 struct RowPrefetch {
   Prefetcher keys, values;
@@ -170,6 +168,9 @@ struct RowPrefetch {
   }
 };
 
+// One row's visible slots [lo, lo + n) seen by the query heads of kv heads [kh0, kh1), and where their
+// queries, keys, values, outputs and scores ([heads, n_pad], rows `ld` apart: n_pad and 16 more, so that
+// the rows do not all fall in one set of the L1 cache when n_pad is a multiple of 1024) lie.
 template <typename C>
 struct Span {
   const float* q;  // [heads, H]
