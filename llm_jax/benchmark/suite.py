@@ -127,9 +127,9 @@ def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[
                 before = probe() if options.probe_each_run else None
                 machine_lib.reset_peak_rss()
                 run = engine.run()
+                peaks[key] = max(peaks[key], machine_lib.peak_rss_mb())  # before the probe's array
                 if options.probe_each_run:  # the better of before and after: the run's roofline is not understated
                     bandwidths[key].append(max(before, probe()))
-                peaks[key] = max(peaks[key], machine_lib.peak_rss_mb())
                 runs[key].append(run)
                 log(f"  batch {cell.batch}, {engine.name} run {rep + 1}/{options.repeats}: ttft "
                     f"{run.ttft_s * 1e3:.1f} ms, decode {run.decode_tokens / run.decode_s:.1f} tok/s")

@@ -190,6 +190,22 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
     assert sizes == sorted({row["bytes_per_step"] for row in report["rows"]})
 
 
+def test_a_runs_peak_memory_is_read_before_the_probe_after_it(tmp_path, monkeypatch):
+    """The bandwidth probes around a run allocate a large array: the run's peak memory is counted between
+    them (reset after the probe before the run, read before the probe after it)."""
+    events = []
+    monkeypatch.setattr(machine, "measure_bandwidth",
+                        lambda *, threads, nbytes=machine.BANDWIDTH_BYTES, repeats=5: 8.0)
+    monkeypatch.setattr(machine, "measure_run_bandwidth", lambda *, threads: events.append("probe") or 5.0)
+    reset, peak = machine.reset_peak_rss, machine.peak_rss_mb
+    monkeypatch.setattr(machine, "reset_peak_rss", lambda: events.append("reset") or reset())
+    monkeypatch.setattr(machine, "peak_rss_mb", lambda: events.append("peak") or peak())
+    assert benchmark_main(["--model", "260K", "--new-tokens", "5", "--chunk-steps", "4", "--repeats", "2",
+                           "--json", str(tmp_path / "bench.json")]) == 0
+    timed = events[events.index("probe"):]  # compilation (a reset and a read) comes first
+    assert timed == ["probe", "reset", "peak", "probe"] * 2
+
+
 def test_the_roofline_at_a_steps_size_is_never_below_memorys(tmp_path, monkeypatch):
     monkeypatch.setattr(machine, "measure_bandwidth",
                         lambda *, threads, nbytes=machine.BANDWIDTH_BYTES, repeats=5:
