@@ -78,7 +78,7 @@ def test_append_writes_the_step_then_attends(L, B, S, K, G, H, window, softcap, 
     k_new, v_new = (_bits(jnp.asarray(rng.normal(size=(B, K, H)), values)) for _ in range(2))
     q = jnp.asarray(rng.normal(size=(B, K * G, H)), jnp.float32)
     positions = jnp.asarray(rng.integers(0, S, B), jnp.int32).at[-1].set(S - 1)
-    slots = positions.at[0].set(S)  # row 0 has finished: its slot lies past the cache
+    slots = positions.at[0].set(S) if B > 1 else positions  # with more rows, row 0 has finished: no slot
     layer = L - 1
     f = jax.jit(lambda q, kn, vn, k, v: cpu_kernels.decode_attention_append(
         q, kn, vn, k, v, layer, slots, positions, positions + 1, scale=0.3, window=window, softcap=softcap))
