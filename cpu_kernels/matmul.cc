@@ -515,7 +515,10 @@ void for_panel_units(ffi::ThreadPool& pool, const std::vector<int64_t>& ns, int6
   const int64_t widest = std::clamp<int64_t>(fit, 1, 8);
   const int64_t runs = std::min(panels, threads * std::max<int64_t>(4, (panels + threads * widest - 1) /
                                                                          (threads * widest)));
-  std::vector<NextUnit> units;
+  // The caller's list, kept between calls (no allocation per product); the tasks reach it through `units`.
+  thread_local std::vector<NextUnit> units_buffer;
+  std::vector<NextUnit>& units = units_buffer;
+  units.clear();
   for (int64_t r = 0; r < runs; ++r) {
     for (int64_t p = r * panels / runs, end = (r + 1) * panels / runs; p < end;) {
       const int64_t i = std::upper_bound(first_panel.begin(), first_panel.end(), p) - first_panel.begin() - 1;
