@@ -971,7 +971,10 @@ void bf16_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<co
   // Block b (rows [b kc_max, ...) of K) of tile t (rows [r0, r0 + mr) of x): mr · pairs values from
   // (b kc_max / 2) R + r0 · pairs on.
   const int64_t pairs_max = (kc_max + 1) / 2;
-  std::vector<uint32_t> xq(static_cast<size_t>(blocks * pairs_max * R));
+  // The caller's buffer, kept between calls (no allocation per product); the tasks reach it through `xq`.
+  thread_local std::vector<uint32_t> xq_buffer;
+  std::vector<uint32_t>& xq = xq_buffer;
+  xq.resize(static_cast<size_t>(blocks * pairs_max * R));
   auto pack = [&](int64_t unit) {
     const int64_t k0 = unit / tiles * kc_max, kc = std::min(kc_max, K - k0), pairs = (kc + 1) / 2;
     int64_t r0, mr;
