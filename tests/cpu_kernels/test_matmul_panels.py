@@ -36,9 +36,11 @@ def test_to_panels_and_back():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("R,K,N", [
-    # one row: groups of four panels and a ragged last group; few panels: K split among the threads
-    # (the sums of the slices added at the end), down to fewer rows of K than slices
-    (1, 288, 864), (1, 37, 80), (1, 600, 16), (1, 1, 32),
+    # one row, panels of up to 48 KiB: each thread's share in four long streams (54 panels: 27 a thread,
+    # quarters of 7, the last 6; 13: 6 and 7 a thread, quarters of 2); longer panels (float32 K = 800):
+    # groups of four panels and a ragged last group; few panels: K split among the threads (the sums of
+    # the slices added at the end), down to fewer rows of K than slices
+    (1, 288, 864), (1, 50, 208), (1, 800, 208), (1, 37, 80), (1, 600, 16), (1, 1, 32),
     # 2 to 7 rows: register tiles of up to 6 rows (8-wide vectors: 7 = 6 + 1) or 12 (16-wide), over one
     # panel at a time (8-wide) or two (16-wide; an odd panel left over)
     (2, 33, 48), (7, 129, 112),
