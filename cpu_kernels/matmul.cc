@@ -666,10 +666,10 @@ void panel_gemv_n(int64_t n, const float* x, const W* p, int64_t ps, int64_t kc,
 // threads, Zen 4): a C++ harness of 110M's batch-1 products (438 MB a step; rounds taking turns with a
 // two-thread stream read of the same bytes) read 0.87–0.91 of the stream's speed when memory was fast
 // (50–55 GB/s) against 0.81–0.84 before, 0.96–0.99 against 0.95–0.98 when it was slow (33–35 GB/s);
-// through JAX (decode steps taking turns, paired): 15M float32 2.9–7.0 % faster, 110M bfloat16 3.7–5.6
-// %, 110M float32 ±1 % with slow memory and 0.4–7 % faster with fast. Longer panels stream well as they are:
-// 1B bfloat16 (64 KiB panels and more) read as fast or slower this way (gate/up 0.80–0.86 of the stream
-// against 0.86–0.87, down 0.84–0.90 against 0.87–0.93, LM head 0.91–0.94 against 0.90–0.91).
+// through JAX (decode steps taking turns, paired): 15M float32 2.9–7.0 % faster, 110M bfloat16 3.7–5.6 %,
+// 110M float32 0.3 % (median) with slow memory and 0.4–7.2 % with fast. Longer panels stream well as they
+// are: 1B bfloat16 (64 KiB panels and more) read as fast or slower this way (gate/up 0.80–0.86 of the
+// stream against 0.86–0.87, down 0.84–0.90 against 0.87–0.93, LM head 0.91–0.94 against 0.90–0.91).
 constexpr int64_t kLongStreamPanelBytes = 48 * 1024;
 
 struct GemvUnit {
