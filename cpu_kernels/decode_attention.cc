@@ -477,20 +477,26 @@ void attend_rows(ffi::ThreadPool& pool, const float* q, const C* k_layer, const 
   });
 }
 
-// The checks both handlers make: q [B, N, H], caches [L, B, S, K, H] alike, positions and lengths [B], the
-// layer within the stack.
-template <typename Dims>
-ffi::Error check_shapes(const char* name, Dims kd, Dims vd, ffi::Span<const int64_t> qd, int64_t positions,
-                        int64_t lengths, int64_t layer) {
-  const int64_t B = kd[1], H = kd[4];
-  if (!std::equal(kd.begin(), kd.end(), vd.begin()) || qd[0] != B || qd[2] != H || qd[1] % kd[3] != 0 ||
-      positions != B || lengths != B) {
+// The checks both handlers make — q [B, N, H], caches [L, B, S, K, H] alike, positions and lengths [B], the
+// layer within the stack — and, when they pass, the layer index and the shape *d.
+template <ffi::DataType T>
+ffi::Error check_shapes(const char* name, const ffi::Buffer<ffi::S32, 0>& layer_index,
+                        const ffi::Buffer<ffi::F32, 3>& q, const ffi::Buffer<T, 5>& k_cache,
+                        const ffi::Buffer<T, 5>& v_cache, const ffi::Buffer<ffi::S32, 1>& q_positions,
+                        const ffi::Buffer<ffi::S32, 1>& kv_lengths, int64_t* layer, Shape* d) {
+  const auto kd = k_cache.dimensions(), vd = v_cache.dimensions();
+  const auto qd = q.dimensions();
+  const int64_t B = kd[1], S = kd[2], K = kd[3], H = kd[4];
+  if (!std::equal(kd.begin(), kd.end(), vd.begin()) || qd[0] != B || qd[2] != H || qd[1] % K != 0 ||
+      q_positions.dimensions()[0] != B || kv_lengths.dimensions()[0] != B) {
     return ffi::Error::InvalidArgument(std::string("cpu_kernels ") + name +
                                        ": shapes of q, caches and lengths do not match");
   }
-  if (layer < 0 || layer >= kd[0]) {
+  *layer = *layer_index.typed_data();
+  if (*layer < 0 || *layer >= kd[0]) {
     return ffi::Error::InvalidArgument(std::string("cpu_kernels ") + name + ": layer index outside the cache");
   }
+  *d = Shape{B, S, K, qd[1] / K, H};
   return ffi::Error::Success();
 }
 
@@ -501,14 +507,12 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_
                            ffi::Buffer<T, 5> k_cache, ffi::Buffer<T, 5> v_cache,
                            ffi::Buffer<ffi::S32, 1> q_positions, ffi::Buffer<ffi::S32, 1> kv_lengths,
                            ffi::ResultBuffer<ffi::F32, 3> o, float scale, int64_t window, float softcap) {
-  const auto kd = k_cache.dimensions();
-  const int64_t layer = *layer_index.typed_data();
-  const ffi::Error checked = check_shapes("decode_attention", kd, v_cache.dimensions(), q.dimensions(),
-                                          q_positions.dimensions()[0], kv_lengths.dimensions()[0], layer);
+  int64_t layer;
+  Shape d;
+  const ffi::Error checked =
+      check_shapes("decode_attention", layer_index, q, k_cache, v_cache, q_positions, kv_lengths, &layer, &d);
   if (checked.failure()) return checked;
-  const int64_t B = kd[1], S = kd[2], K = kd[3], H = kd[4];
-  const Shape d{B, S, K, q.dimensions()[1] / K, H};
-  const size_t layer_size = static_cast<size_t>(B * S * K * H);
+  const size_t layer_size = static_cast<size_t>(d.B * d.S * d.K * d.H);
   attend_rows(pool, q.typed_data(), reinterpret_cast<const C*>(k_cache.untyped_data()) + layer * layer_size,
               reinterpret_cast<const C*>(v_cache.untyped_data()) + layer * layer_size, o->typed_data(), d,
               q_positions.typed_data(), kv_lengths.typed_data(), scale, window, softcap);
@@ -527,19 +531,19 @@ ffi::Error DecodeAttentionAppend(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> 
                                  ffi::Buffer<ffi::S32, 1> q_positions, ffi::Buffer<ffi::S32, 1> kv_lengths,
                                  ffi::ResultBuffer<ffi::F32, 3> o, ffi::ResultBuffer<T, 5> k_out,
                                  ffi::ResultBuffer<T, 5> v_out, float scale, int64_t window, float softcap) {
-  const auto kd = k_cache.dimensions();
-  const int64_t layer = *layer_index.typed_data();
-  const ffi::Error checked = check_shapes("decode_attention_append", kd, v_cache.dimensions(), q.dimensions(),
-                                          q_positions.dimensions()[0], kv_lengths.dimensions()[0], layer);
+  int64_t layer;
+  Shape d;
+  const ffi::Error checked = check_shapes("decode_attention_append", layer_index, q, k_cache, v_cache, q_positions,
+                                          kv_lengths, &layer, &d);
   if (checked.failure()) return checked;
-  const int64_t B = kd[1], S = kd[2], K = kd[3], H = kd[4];
+  const int64_t B = d.B, K = d.K, H = d.H;
   const auto nd = k_new.dimensions(), vnd = v_new.dimensions();
   if (nd.size() != 3 || nd[0] != B || nd[1] != K || nd[2] != H || !std::equal(nd.begin(), nd.end(), vnd.begin()) ||
       slots.dimensions()[0] != B) {
     return ffi::Error::InvalidArgument(
         "cpu_kernels decode_attention_append: new keys and values must be [B, K, H] and slots [B]");
   }
-  const size_t layer_size = static_cast<size_t>(B * S * K * H), cache_size = layer_size * kd[0];
+  const size_t layer_size = static_cast<size_t>(B * d.S * K * H), cache_size = layer_size * k_cache.dimensions()[0];
   C* k_cache_out = reinterpret_cast<C*>(k_out->untyped_data());
   C* v_cache_out = reinterpret_cast<C*>(v_out->untyped_data());
   // XLA hands the operands' own buffers back as results (they are aliased); were they not, the results
@@ -556,7 +560,6 @@ ffi::Error DecodeAttentionAppend(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> 
   append.k_new = reinterpret_cast<const C*>(k_new.untyped_data());
   append.v_new = reinterpret_cast<const C*>(v_new.untyped_data());
   append.slots = slots.typed_data();
-  const Shape d{B, S, K, q.dimensions()[1] / K, H};
   attend_rows<C>(pool, q.typed_data(), append.k_layer, append.v_layer, o->typed_data(), d, q_positions.typed_data(),
                  kv_lengths.typed_data(), scale, window, softcap, append);
   return ffi::Error::Success();
