@@ -145,25 +145,45 @@ struct Shape {
 constexpr int64_t kPvBlock = 64;  // slots per p·v pass (bfloat16 values are widened a block at a time)
 constexpr int64_t kChunkedMinSlots = 256;  // from this many slots on, few rows split their slots among threads
 
-// The next unit's visible keys, then its values, asked for `quota` lines at a time while this unit is
-// computed: at batch 32 every row's cache comes from memory, and without it a row's arithmetic and its
-// reads take turns. Only rows of up to kRowPrefetchBytes (keys and values): a larger one evicts the row
-// being read from L2. (A harness of 6 layers × 32 rows, with and without taking turns step by step, the
-// caches evicted between steps: 15M at 57 slots, 132 KiB a row, 0.83 and 0.95 of the time without;
-// 110M at 121 slots, 744 KiB a row, 1.15 and 1.17.)
-constexpr int64_t kRowPrefetchBytes = 192 * 1024;
+// A thread's rows are read as one stream — a row's keys, its values, the next row's keys, its values —
+// and its lines are asked for a fixed distance ahead of where the unit reads (`to`, called from
+// score_slots and pv_slots as they go): at batch 32 every row's cache comes from memory, the hardware's
+// prefetchers stop at each 4 KiB page (a group of eight slots crosses two or three), and without it a
+// row's arithmetic and its reads take turns. Before, the next row's keys and values were asked for,
+// spread over the current row, up to 192 KiB a row (beyond, they would evict the row being read from
+// L2): nothing from 15M's 85th slot on. Decode steps through JAX, the two taking turns (paired medians
+// of 6–10 runs): 15M float32 at batch 32, prompts of 16 (slots 16–144) 0.934–0.979 of the time, of 112
+// (slots 112–240) 0.85–0.90; bfloat16 0.975 and 0.82; 110M float32 batch 32 0.957, batch 8 0.961 (at
+// 16 slots) and 1.017 (at 200: the noise). Distances of 4–128 KiB tried: 8–12 KiB were the best.
+constexpr int64_t kAheadBytes = 8 * 1024;
+
 struct RowPrefetch {
-  Prefetcher keys, values;
-  int64_t quota = 0;
-  void step() {
-    for (int64_t i = 0; i < quota; ++i) {
-      if (keys.left > 0) {
-        keys.one();
-      } else if (values.left > 0) {
-        values.one();
-      } else {
-        return;
-      }
+  struct Segment {
+    const char* p = nullptr;
+    int64_t bytes = 0;
+  };
+  Segment segments[4];  // keys and values of this row, then of the next
+  int count = 0, current = 0;
+  int64_t offset = 0;  // into segments[current]: the next line to ask for
+  int64_t issued = 0;  // bytes of the stream asked for
+
+  void add(const void* p, int64_t bytes) {
+    if (bytes > 0) segments[count++] = Segment{static_cast<const char*>(p), bytes};
+  }
+  // Asks for the stream's lines up to kAheadBytes past `consumed` (the bytes the unit has read of it).
+  void to(int64_t consumed) {
+    while (issued < consumed + kAheadBytes && current < count) {
+      __builtin_prefetch(segments[current].p + offset, 0, 3);
+      issued += 64;
+      if ((offset += 64) >= segments[current].bytes) offset = 0, ++current;
+    }
+  }
+  // Passes over the stream's first `bytes`, asked for already (by the unit before).
+  void skip(int64_t bytes) {
+    while (bytes > 0 && current < count) {
+      const int64_t n = std::min(bytes, segments[current].bytes - offset);
+      bytes -= n, issued += n;
+      if ((offset += n) >= segments[current].bytes) offset = 0, ++current;
     }
   }
 };
@@ -178,7 +198,14 @@ struct Span {
   const C* v;
   float* scores;
   int64_t n, n_pad, ld, heads, G, H, slot;
-  RowPrefetch* ahead = nullptr;  // the next unit's lines, or none
+  RowPrefetch* ahead = nullptr;  // the stream of this unit's and the next unit's lines, or none
+  // Tells `ahead` how far the unit has read: slots [0, j) and `done` / `of` of the next m of its keys
+  // (part 0) or values (part 1).
+  void read_to(int part, int64_t j, int64_t m, int64_t done, int64_t of) const {
+    if (ahead == nullptr) return;
+    const int64_t slot_bytes = slot * static_cast<int64_t>(sizeof(C));
+    ahead->to(slot_bytes * (part * n + j) + slot_bytes * m * done / of);
+  }
 };
 
 template <typename C>
@@ -214,7 +241,7 @@ void score_slots(const Span<C>& sp, int64_t j0, int64_t j1, float scale, float s
     if (sp.G == 1) {
       for (int64_t i = 0; i < sp.heads; ++i) {
         store(i, dots8(sp.q + i * sp.H, k + i * sp.H, sp.slot, sp.H, nk));
-        if (sp.ahead != nullptr) sp.ahead->step();
+        sp.read_to(0, j, nk, i + 1, sp.heads);
       }
       continue;
     }
@@ -222,7 +249,7 @@ void score_slots(const Span<C>& sp, int64_t j0, int64_t j1, float scale, float s
     const float* wide = as_f32_rows(k, sp.slot, nk, width, scratch, &ld);
     for (int64_t i = 0; i < sp.heads; ++i) {  // query head i reads kv head kh0 + i / G
       store(i, dots8(sp.q + i * sp.H, wide + (i / sp.G) * sp.H, ld, sp.H, nk));
-      if (sp.ahead != nullptr) sp.ahead->step();
+      sp.read_to(0, j, nk, i + 1, sp.heads);
     }
   }
 }
@@ -272,7 +299,7 @@ void pv_slots(const Span<C>& sp, int64_t j0, int64_t j1, float* out) {
       const int64_t m = std::min<int64_t>(8, j1 - j);
       for (int64_t i = 0; i < sp.heads; ++i) {
         pv(sp.scores + i * sp.ld + j, sp.v + j * sp.slot + i * sp.H, sp.slot, m, sp.H, out + i * sp.H);
-        if (sp.ahead != nullptr) sp.ahead->step();
+        sp.read_to(1, j, m, i + 1, sp.heads);
       }
     }
     return;
@@ -285,7 +312,7 @@ void pv_slots(const Span<C>& sp, int64_t j0, int64_t j1, float* out) {
     const float* v = as_f32_rows(sp.v + j * sp.slot, sp.slot, m, width, scratch, &ld);
     for (int64_t i = 0; i < sp.heads; i += sp.G) {  // the G query heads of one kv head
       pv_shared(sp.scores + i * sp.ld + j, sp.ld, sp.G, v + (i / sp.G) * sp.H, ld, m, sp.H, out + i * sp.H);
-      if (sp.ahead != nullptr) sp.ahead->step();
+      sp.read_to(1, j, m, i / sp.G + 1, sp.heads / sp.G);
     }
   }
 }
@@ -307,13 +334,7 @@ void attend_unit(const float* q, const C* k_cache, const C* v_cache, float* o, c
   int64_t lo, hi;
   visible(position, length, d.S, window, &lo, &hi);
   Span<C> sp = span_of(q, k_cache, v_cache, d, b, kh0, kh1, lo, std::max<int64_t>(hi - lo, 0));
-  if (ahead != nullptr) {  // spread over the unit's hooks (score_slots, pv_slots)
-    const int64_t groups = sp.n_pad / 8, hooks = sp.G == 1 ? 2 * groups * sp.heads
-                                                            : groups * sp.heads + (sp.n + kPvBlock - 1) / kPvBlock *
-                                                                                     (sp.heads / sp.G);
-    ahead->quota = hooks > 0 ? (ahead->keys.left + ahead->values.left + hooks - 1) / hooks : 0;
-    sp.ahead = ahead;
-  }
+  sp.ahead = ahead;
   float* out = o + (b * d.K * d.G + kh0 * d.G) * d.H;
   std::fill(out, out + sp.heads * d.H, 0.f);
   if (sp.n == 0) return;  // no visible key: zeros
@@ -456,24 +477,27 @@ void attend_rows(ffi::ThreadPool& pool, const float* q, const C* k_layer, const 
     });
     return;
   }
-  // Whole rows, each thread a contiguous range of them: where the next row's keys and values are small
-  // enough to sit in L2 beside the row being computed, they are asked for while it is.
+  // Whole rows, each thread a contiguous range of them, read as one stream (RowPrefetch).
   const int64_t slot_bytes = K * d.H * static_cast<int64_t>(sizeof(C));
   parallel_for_ranges(pool, B, [&](int64_t b, int64_t next) {
+    // What this thread asked for of the row it was to read next: layer, row, bytes; kept between units.
+    thread_local const C* asked_layer = nullptr;
+    thread_local int64_t asked_row = -1, asked_bytes = 0;
     RowPrefetch ahead;
-    int64_t lo = 0, hi = 0;
-    if (next >= 0) visible(positions[next], lengths[next], d.S, window, &lo, &hi);
-    const int64_t bytes = std::max<int64_t>(hi - lo, 0) * slot_bytes;
-    if (next >= 0 && 2 * bytes <= kRowPrefetchBytes) {
-      const int64_t offset = (next * d.S + lo) * K * d.H;
-      for (auto [pf, cache] : {std::pair{&ahead.keys, k_layer}, std::pair{&ahead.values, v_layer}}) {
-        pf->p = reinterpret_cast<const char*>(cache + offset);
-        pf->run = pf->stride = bytes;
-        pf->left = (bytes + 63) / 64;
-      }
+    int64_t own = 0;  // row b's bytes in the stream
+    for (int64_t r : {b, next}) {
+      if (r < 0) continue;
+      int64_t lo, hi;
+      visible(positions[r], lengths[r], d.S, window, &lo, &hi);
+      const int64_t offset = (r * d.S + lo) * K * d.H, bytes = std::max<int64_t>(hi - lo, 0) * slot_bytes;
+      ahead.add(k_layer + offset, bytes);
+      ahead.add(v_layer + offset, bytes);
+      if (r == b) own = 2 * bytes;
     }
+    if (asked_layer == k_layer && asked_row == b) ahead.skip(asked_bytes);
     append.write(d, b, 0, K);
     attend_unit(q, k_layer, v_layer, o, d, b, 0, K, positions[b], lengths[b], scale, window, softcap, &ahead);
+    asked_layer = k_layer, asked_row = next, asked_bytes = std::max<int64_t>(0, ahead.issued - own);
   });
 }
 
