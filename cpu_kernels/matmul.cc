@@ -255,9 +255,19 @@ void nk_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*
 #if defined(__AVX512F__)
 constexpr int kMR = 12;            // rows of x and y per tile
 constexpr int kTilePanels = 2;     // panels per tile: 24 registers of sums (of 32)
+// Rows per tile on W's stored panels (panel_tiled): tiles of 8 rows × 2 panels run at 99 % of a core's
+// multiply-add peak alone (10–12 rows: 94 %; 1 core, Zen 4, panels in cache), and there, with no packing,
+// that wins over reading each panel fewer times. 15M's products taking turns between the two in one
+// process (paired medians of 8–12 rounds, float32): 32 rows (3 tiles of 10–11 against 4 of 8, three
+// runs) LM head 0.91–0.96 of the time, q/k/v 0.95–0.97, o 0.94, gate/up 0.95–0.97, down 0.91–0.94, the
+// step's products 0.92–0.94; 48 rows 0.91–1.00, 64 rows 0.92–0.99, 1024 rows (prefill) 0.85–1.04, the
+// products' sums lower; 12 rows (1 tile of 12 against 2 of 6) and 24 (2 of 12 against 3 of 8) the same
+// within the noise (sums 1.00 and 1.00).
+constexpr int kPanelMR = 8;
 #else
 constexpr int kMR = 6;
 constexpr int kTilePanels = 1;     // 12 registers of sums (of 16)
+constexpr int kPanelMR = kMR;
 #endif
 constexpr int64_t kPanel = 16;     // columns of a panel: one 16-wide vector or two 8-wide
 constexpr int64_t kKC = 512;       // rows of K per block: a panel is at most 32 KiB
@@ -768,7 +778,7 @@ Prefetcher panel_block(const W* w, int64_t K, int64_t q0, int64_t q1, int64_t k0
 template <typename W>
 void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
                  const std::vector<int64_t>& ns, int64_t R, int64_t K) {
-  const int64_t kc_max = std::min(K, kKC), tiles = (R + kMR - 1) / kMR;
+  const int64_t kc_max = std::min(K, kKC), tiles = (R + kPanelMR - 1) / kPanelMR;
   std::vector<float> xp;
   pack_tiles(pool, x, R, K, kc_max, tiles, xp);
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit n) {

@@ -45,7 +45,7 @@ def test_to_panels_and_back():
     # panel at a time (8-wide) or two (16-wide; an odd panel left over)
     (2, 33, 48), (7, 129, 112),
     # 8 rows and more: the tiled products on the panels as they lie (K in several blocks, uneven tiles
-    # of rows, whole tiles of 12 rows, units of up to 8 panels, a narrow unit at the end)
+    # of rows, whole tiles of 8 rows, units of up to 8 panels, a narrow unit at the end)
     (8, 20, 4112), (12, 40, 80), (13, 1030, 48), (32, 288, 768), (45, 9, 160),
     # bfloat16, 32 rows or more, K a multiple of 32: the AMX tile unit where the CPU has one (blocks of
     # 32 rows, the last one part padding; pairs of panels and an odd one)
