@@ -155,6 +155,8 @@ constexpr int64_t kChunkedMinSlots = 256;  // from this many slots on, few rows 
 // of 6–10 runs): 15M float32 at batch 32, prompts of 16 (slots 16–144) 0.934–0.979 of the time, of 112
 // (slots 112–240) 0.85–0.90; bfloat16 0.975 and 0.82; 110M float32 batch 32 0.957, batch 8 0.961 (at
 // 16 slots) and 1.017 (at 200: the noise). Distances of 4–128 KiB tried: 8–12 KiB were the best.
+// Few rows with long contexts (attend_chunked) ask for each unit's keys, then its values, the same way:
+// 110M at batch 1, slots 900–964, 0.951 of the step's time in float32 and in bfloat16 (before: none).
 constexpr int64_t kAheadBytes = 8 * 1024;
 
 struct RowPrefetch {
@@ -166,13 +168,14 @@ struct RowPrefetch {
   int count = 0, current = 0;
   int64_t offset = 0;  // into segments[current]: the next line to ask for
   int64_t issued = 0;  // bytes of the stream asked for
+  int64_t origin = 0;  // where the stream starts in what `to` is told (a unit that starts part way)
 
   void add(const void* p, int64_t bytes) {
     if (bytes > 0) segments[count++] = Segment{static_cast<const char*>(p), bytes};
   }
   // Asks for the stream's lines up to kAheadBytes past `consumed` (the bytes the unit has read of it).
   void to(int64_t consumed) {
-    while (issued < consumed + kAheadBytes && current < count) {
+    while (issued < consumed - origin + kAheadBytes && current < count) {
       __builtin_prefetch(segments[current].p + offset, 0, 3);
       issued += 64;
       if ((offset += 64) >= segments[current].bytes) offset = 0, ++current;
@@ -389,10 +392,21 @@ void attend_chunked(ffi::ThreadPool& pool, const float* q, const C* k_cache, con
     *j1 = std::min(rows[*b].n_pad, *j0 + chunk_slots[*b]);
     return *j1 > *j0;
   };
+  // A unit's keys (its values below) asked for ahead as it reads them: one contiguous run.
+  const int64_t slot_bytes = d.K * H * static_cast<int64_t>(sizeof(C));
+  auto stream = [&](int part, int64_t b, int64_t j0, int64_t j1, RowPrefetch* ahead) {
+    const int64_t n = std::min(j1, rows[b].n) - j0;
+    ahead->add((part == 0 ? rows[b].k : rows[b].v) + j0 * rows[b].slot, n * slot_bytes);
+    ahead->origin = slot_bytes * (part * rows[b].n + j0);
+    Span<C> sp = rows[b];
+    sp.ahead = ahead;
+    return sp;
+  };
   parallel_for(pool, B * chunks, [&](int64_t unit) {
     int64_t b, c, j0, j1;
     if (!chunk_range(unit, &b, &c, &j0, &j1)) return;
-    score_slots(rows[b], j0, j1, scale, softcap);
+    RowPrefetch ahead;
+    score_slots(stream(0, b, j0, j1, &ahead), j0, j1, scale, softcap);
     for (int64_t i = 0; i < N; ++i) chunk_max[(b * chunks + c) * N + i] = max_of(rows[b].scores + i * rows[b].ld, j0, j1);
   });
   auto row_max = [&](int64_t b, int64_t i) {
@@ -415,7 +429,8 @@ void attend_chunked(ffi::ThreadPool& pool, const float* q, const C* k_cache, con
       for (int64_t cc = 0; cc < chunks; ++cc) sum += chunk_sum[(b * chunks + cc) * N + i];
       normalize(rows[b].scores + i * rows[b].ld, j0, j1, sum, rows[b].v);
     }
-    pv_slots(rows[b], j0, std::min(j1, rows[b].n), partial.data() + (b * chunks + c) * N * H);
+    RowPrefetch ahead;
+    pv_slots(stream(1, b, j0, j1, &ahead), j0, std::min(j1, rows[b].n), partial.data() + (b * chunks + c) * N * H);
   });
   for (int64_t b = 0; b < B; ++b) {
     float* out = o + b * N * H;
