@@ -47,6 +47,9 @@ def test_to_panels_and_back():
     # 8 rows and more: the tiled products on the panels as they lie (K in several blocks, uneven tiles
     # of rows, whole tiles of 8 rows, units of up to 8 panels, a narrow unit at the end)
     (8, 20, 4112), (12, 40, 80), (13, 1030, 48), (32, 288, 768), (45, 9, 160),
+    # up to 32 rows with outputs of 2 MiB and more (an LM head's logits): written past the caches, in one
+    # block of K or (K = 600) on its last
+    (16, 37, 32768), (21, 600, 25008),
     # bfloat16, 32 rows or more, K a multiple of 32: the AMX tile unit where the CPU has one (blocks of
     # 32 rows, the last one part padding; pairs of panels and an odd one)
     (33, 64, 48), (64, 96, 32), (70, 320, 112)])
