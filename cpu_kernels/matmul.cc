@@ -802,7 +802,7 @@ void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const 
   std::vector<char> stream(ys.size());  // y_i written past the caches (kStreamMaxRows)
   for (size_t i = 0; i < ys.size(); ++i) {
     stream[i] = R <= kStreamMaxRows && R * ns[i] * static_cast<int64_t>(sizeof(float)) >= kStreamMinBytes &&
-                reinterpret_cast<uintptr_t>(ys[i]) % 64 == 0;
+                ns[i] % kPanel == 0 && reinterpret_cast<uintptr_t>(ys[i]) % 64 == 0;  // every row 64-byte aligned
   }
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit n) {
     const Prefetcher next = n.j >= 0 ? panel_block(ws[n.j], K, n.v0, n.v1, 0, kc_max) : Prefetcher{};
