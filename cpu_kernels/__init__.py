@@ -1,6 +1,7 @@
 """Matrix products, attention and greedy argmax for LLM inference on CPU: XLA FFI custom calls written
 in C++ (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``); and
-``stream_read.cc``, the benchmark's memory-bandwidth probe (``build.stream_read()``).
+``stream_read.cc`` and ``peak_flops.cc``, the benchmark's probes of memory bandwidth and arithmetic peak
+(``build.stream_read()``, ``build.arithmetic_probe()``).
 
 Depends on jax only. ``matmul(x_RK, w)`` computes x [R, K] · W in float32 for W [K, N] or, with
 ``transposed=True``, W [N, K], or, with ``panels=True``, W held as panels of 16 columns [N / 16, K, 16]

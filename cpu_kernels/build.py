@@ -1,6 +1,6 @@
 """Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``) once
-per machine and registering their handlers with XLA; ``stream_read.cc`` (the benchmark's bandwidth probe)
-is built into the same library and called through ctypes.
+per machine and registering their handlers with XLA; ``stream_read.cc`` and ``peak_flops.cc`` (the
+benchmark's bandwidth and arithmetic probes) are built into the same library and called through ctypes.
 
 The library is built on first use with the system C++ compiler (``$CXX``, else ``c++``) against the
 XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``: 16-wide vectors where it has
@@ -28,7 +28,7 @@ import jax
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc", HERE / "argmax.cc",
-           HERE / "stream_read.cc")
+           HERE / "stream_read.cc", HERE / "peak_flops.cc")
 HEADERS = (HERE / "common.h",)
 ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
 CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
@@ -166,3 +166,15 @@ def stream_read():
         return fn(a.ctypes.data, a.size)
 
     return read
+
+
+def arithmetic_probe(kind: str):
+    """``run(iterations)`` → the floating-point operations one thread did in chains of float32 multiply-adds
+    (``kind="float32"``) or of bfloat16 dot products (``"bfloat16"``; 0 where the CPU or the build lacks
+    them), GIL released; None when the library cannot be built."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = {"float32": lib.LlmJaxMultiplyAddFlops, "bfloat16": lib.LlmJaxBf16DotFlops}[kind]
+    fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int64]
+    return fn

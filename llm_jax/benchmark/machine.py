@@ -1,9 +1,11 @@
-"""What the machine can do, measured: memory bandwidth, and the process's peak memory.
+"""What the machine can do, measured: memory bandwidth, arithmetic peak, and the process's peak memory.
 
 Decode at small batch reads every weight once per step, so its speed limit is memory bandwidth. We
 measure the bandwidth a streaming read reaches with one thread per core, which is what a well-written
 matrix-vector product can hope for: compiled code (``cpu_kernels/stream_read.cc``) where the kernels
-build, and NumPy's reductions (which release the GIL), keeping the fastest.
+build, and NumPy's reductions (which release the GIL), keeping the fastest. Decode at large batch does
+many multiply-adds per weight read and is bound by arithmetic instead: its peak is measured by chains
+of the instructions the kernels use (``cpu_kernels/peak_flops.cc``), one thread per core.
 """
 
 from __future__ import annotations
@@ -23,11 +25,16 @@ BANDWIDTH_BYTES = 1 << 30  # far larger than any cache
 # The probe beside each run: eight times a large L3 (32 MiB here), read in tens of milliseconds (64 MiB
 # read 26–53 GB/s in one minute where 256 MiB read 31–52 and 1 GiB 34–49).
 RUN_PROBE_BYTES = 1 << 28
+PEAK_PROBE_S = 0.05  # each thread's run of the arithmetic probe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Machine:
     bandwidth_gbps: float  # best streaming-read bandwidth, 10^9 bytes/s
+    # Arithmetic peaks, 10^9 flops/s (None where the kernels cannot be built): float32 multiply-adds, and
+    # what bfloat16 weights' products can reach (AVX-512's bfloat16 dot products, else the float32 peak).
+    peak_gflops: float | None
+    peak_gflops_bf16: float | None
     threads: int
     cpu: str
     jax_version: str
@@ -87,14 +94,43 @@ def measure_run_bandwidth(*, threads: int | None = None) -> float:
     return measure_bandwidth(threads=threads, nbytes=RUN_PROBE_BYTES, repeats=2)
 
 
+def measure_peak_gflops(*, threads: int | None = None, dtype: str = "float32", repeats: int = 3) -> float | None:
+    """Arithmetic peak in GFLOP/s: ``threads`` threads each run independent chains of float32
+    multiply-adds (``dtype="bfloat16"``: of bfloat16 dot products) for :data:`PEAK_PROBE_S`; the best of
+    ``repeats``. None where the kernels cannot be built, or for bfloat16 where the CPU lacks the dot
+    products (its bfloat16 weights are then multiplied in float32)."""
+    probe = build.arithmetic_probe(dtype)
+    if probe is None:
+        return None
+    threads = threads or cpu_threads()
+    trial = 1 << 16
+    start = time.perf_counter()
+    if probe(trial) == 0:
+        return None
+    iterations = max(trial, int(trial * PEAK_PROBE_S / max(time.perf_counter() - start, 1e-9)))
+    best = 0.0
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            flops = sum(pool.map(probe, [iterations] * threads))
+            best = max(best, flops / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def measure_peaks(*, threads: int | None = None) -> tuple[float | None, float | None]:
+    """(float32, bfloat16) arithmetic peaks as :class:`Machine` reports them."""
+    float32 = measure_peak_gflops(threads=threads)
+    return float32, measure_peak_gflops(threads=threads, dtype="bfloat16") or float32
+
+
 def readers() -> list:
     """Functions that read a whole float32 array once: the compiled stream read first, where it builds."""
     return [read for read in (build.stream_read(), np.sum, np.max) if read is not None]
 
 
-def describe(bandwidth_gbps: float) -> Machine:
-    return Machine(bandwidth_gbps=bandwidth_gbps, threads=cpu_threads(), cpu=cpu_name(),
-                   jax_version=jax.__version__, backend=jax.default_backend())
+def describe(bandwidth_gbps: float, peaks: tuple[float | None, float | None] = (None, None)) -> Machine:
+    return Machine(bandwidth_gbps=bandwidth_gbps, peak_gflops=peaks[0], peak_gflops_bf16=peaks[1],
+                   threads=cpu_threads(), cpu=cpu_name(), jax_version=jax.__version__, backend=jax.default_backend())
 
 
 def reset_peak_rss() -> bool:

@@ -11,7 +11,7 @@ import numpy as np
 
 from llm_jax.benchmark.llm_jax_engine import Compiled, Run, Workload
 from llm_jax.benchmark.machine import Machine
-from llm_jax.benchmark.roofline import Roofline
+from llm_jax.benchmark.roofline import ComputeRoofline, Roofline, arithmetic_seconds, product_peak
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,6 +59,13 @@ class Row:
     # like for like on a machine whose bandwidth moves while it runs.
     run_bandwidth_gbps: Spread | None
     roofline_at_run_fraction: float | None
+    # The arithmetic bound (roofline.compute_roofline): the flops of a step, and the token rate the
+    # arithmetic peaks measured before and after the runs allow (None where not measured). It binds where
+    # it is below the memory roofline: batched decode.
+    product_flops_per_step: int
+    attention_flops_per_step: int
+    compute_roofline_tokens_per_s: float | None
+    compute_roofline_fraction: float | None
     kv_cache_bytes_per_token: int
     peak_rss_mb: float
     kv_cache_mb: float | None  # the allocated cache (llm_jax)
@@ -73,9 +80,10 @@ class Row:
 
 
 def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compiled: Compiled, runs: Sequence[Run],
-              roofline: Roofline, kv_bytes_per_token: int, peak_rss_mb: float,
-              run_bandwidths_gbps: Sequence[float] | None = None) -> Row:
-    """``runs`` in one row; ``run_bandwidths_gbps[i]`` is the bandwidth measured around run i."""
+              roofline: Roofline, compute: ComputeRoofline, kv_bytes_per_token: int, peak_rss_mb: float,
+              run_bandwidths_gbps: Sequence[float] | None = None, peaks_measured: bool = True) -> Row:
+    """``runs`` in one row; ``run_bandwidths_gbps[i]`` is the bandwidth measured around run i; ``compute``
+    at the measured arithmetic peaks (without ``peaks_measured``, its flops only)."""
     B = workload.batch
     decode_rate = [r.decode_tokens / r.decode_s for r in runs]
     at_run = None
@@ -97,7 +105,11 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
                bytes_per_step=roofline.bytes_per_step, bandwidth_at_size_gbps=None,
                roofline_at_size_tokens_per_s=None, roofline_at_size_fraction=None,
                run_bandwidth_gbps=Spread.of(run_bandwidths_gbps) if run_bandwidths_gbps else None,
-               roofline_at_run_fraction=at_run, kv_cache_bytes_per_token=kv_bytes_per_token,
+               roofline_at_run_fraction=at_run, product_flops_per_step=compute.product_flops,
+               attention_flops_per_step=compute.attention_flops,
+               compute_roofline_tokens_per_s=compute.tokens_per_s if peaks_measured else None,
+               compute_roofline_fraction=decode.median / compute.tokens_per_s if peaks_measured else None,
+               kv_cache_bytes_per_token=kv_bytes_per_token,
                peak_rss_mb=peak_rss_mb, kv_cache_mb=_mib(memory and memory.cache_bytes),
                decode_aliased_mb=_mib(memory and memory.aliased_bytes),
                decode_temp_mb=_mib(memory and memory.temp_bytes),
@@ -117,6 +129,15 @@ def at_size(row: Row, bandwidth_gbps: float) -> Row:
     roof = row.batch * bandwidth_gbps * 1e9 / row.bytes_per_step
     return dataclasses.replace(row, bandwidth_at_size_gbps=bandwidth_gbps, roofline_at_size_tokens_per_s=roof,
                                roofline_at_size_fraction=row.decode_tokens_per_s / roof)
+
+
+def at_peaks(row: Row, peaks: tuple[float, float]) -> Row:
+    """``row`` with the compute roofline of (float32, bfloat16) arithmetic ``peaks``."""
+    seconds = arithmetic_seconds(row.product_flops_per_step, row.attention_flops_per_step,
+                                 product_peak(row.dtype, peaks), peaks[0])
+    roof = row.batch / seconds
+    return dataclasses.replace(row, compute_roofline_tokens_per_s=roof,
+                               compute_roofline_fraction=row.decode_tokens_per_s / roof)
 
 
 def _mib(nbytes: int | None) -> float | None:
@@ -166,7 +187,8 @@ def describe_differences(differences: Sequence[Difference]) -> str:
 
 
 COLUMNS = ("engine", "shape", "dtype", "B", "prompt", "new", "compile s", "ttft ms", "itl p50/p90 ms",
-           "decode tok/s (min–max)", "prefill tok/s", "roofline", "% roof", "% roof@run", "% roof@size", "peak MiB")
+           "decode tok/s (min–max)", "prefill tok/s", "roofline", "% roof", "% roof@run", "% roof@size",
+           "flop roof", "% flop", "peak MiB")
 
 
 def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
@@ -182,6 +204,8 @@ def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
                f"{r.prefill_tokens_per_s:.0f}", f"{r.roofline_tokens_per_s:.0f}", f"{100 * r.roofline_fraction:.0f}",
                "" if r.roofline_at_run_fraction is None else f"{100 * r.roofline_at_run_fraction:.0f}",
                "" if r.roofline_at_size_fraction is None else f"{100 * r.roofline_at_size_fraction:.0f}",
+               "" if r.compute_roofline_tokens_per_s is None else f"{r.compute_roofline_tokens_per_s:.0f}",
+               "" if r.compute_roofline_fraction is None else f"{100 * r.compute_roofline_fraction:.0f}",
                f"{r.peak_rss_mb:.0f}")
         if ratios:
             row += (f"{ratios[i]:.2f}" if i in ratios else "",)

@@ -1,9 +1,13 @@
-"""The memory roofline of decode: bytes one step must read, and the token rate bandwidth allows.
+"""The rooflines of decode: bytes one step must read and the arithmetic it must do, and the token rates
+memory bandwidth and the arithmetic peak allow.
 
 A decode step of a batch reads every weight once (the LM head included; of the embedding table only
 the B rows looked up) and, for attention, the keys and values of every cached token. Nothing can be
 faster than reading those bytes at the machine's bandwidth, so ``B × bandwidth ÷ bytes`` bounds
-tokens/s from above, however well the step is written.
+tokens/s from above, however well the step is written. That bound binds at batch 1; with many rows each
+weight does B multiply-adds per read, and the arithmetic binds instead: 2 flops per weight and row for
+the matrix products, 4 per cached key, query head and head dimension for attention (q·k and p·v), at the
+measured peak of the arithmetic the kernels use (:func:`compute_roofline`).
 """
 
 from __future__ import annotations
@@ -49,3 +53,47 @@ def decode_roofline(config: ModelConfig, *, batch: int, prompt_len: int, new_tok
     kv = int(batch * mean_context * cache_bytes_per_token(config))
     return Roofline(weight_bytes=weights, kv_bytes=kv,
                     tokens_per_s=batch * bandwidth_gbps * 1e9 / (weights + kv))
+
+
+def product_weights(config: ModelConfig) -> int:
+    """Weights one row's matrix products multiply in a step: every projection and the LM head (not the
+    embedding table's lookup, nor norm scales and biases)."""
+    D, F, H = config.d_model, config.d_ff, config.head_dim
+    per_layer = D * H * (config.n_heads + 2 * config.n_kv_heads) + config.n_heads * H * D + 3 * D * F
+    return config.n_layers * per_layer + config.vocab_size * D
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ComputeRoofline:
+    product_flops: int  # per step: the matrix products
+    attention_flops: int  # per step, averaged over the decode
+    tokens_per_s: float  # batch ÷ the time both take at the peaks
+
+    @property
+    def flops_per_step(self) -> int:
+        return self.product_flops + self.attention_flops
+
+
+def compute_roofline(config: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int,
+                     product_gflops: float, attention_gflops: float) -> ComputeRoofline:
+    """The arithmetic bound on decoding ``new_tokens`` after a ``prompt_len`` prompt, for ``batch``
+    sequences: the matrix products at ``product_gflops`` (the peak of the weights' dtype: bfloat16 dot
+    products where the CPU has them) and attention, in float32, at ``attention_gflops``. Its context is
+    counted as :func:`decode_roofline` counts it."""
+    mean_context = prompt_len + new_tokens / 2
+    products = 2 * batch * product_weights(config)
+    attention = int(4 * batch * mean_context * config.n_layers * config.n_heads * config.head_dim)
+    return ComputeRoofline(product_flops=products, attention_flops=attention,
+                           tokens_per_s=batch / arithmetic_seconds(products, attention, product_gflops,
+                                                                   attention_gflops))
+
+
+def arithmetic_seconds(product_flops: int, attention_flops: int, product_gflops: float,
+                       attention_gflops: float) -> float:
+    """A step's arithmetic at the peaks: products at ``product_gflops``, attention at ``attention_gflops``."""
+    return product_flops / (product_gflops * 1e9) + attention_flops / (attention_gflops * 1e9)
+
+
+def product_peak(dtype: str, peaks: tuple[float, float]) -> float:
+    """The peak the products of ``dtype`` weights can reach, of (float32, bfloat16) peaks."""
+    return peaks[1] if dtype == "bfloat16" else peaks[0]

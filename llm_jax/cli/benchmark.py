@@ -28,7 +28,10 @@ over the runs of each run's share of the roofline at the bandwidth measured arou
 before and just after; on a machine shared with others, memory's speed moves from one minute to the
 next). "% roof@size" is the share of the same bound at the bandwidth of reading just a step's
 bytes over and over: a model that fits in a cache (15M in a large L3) is read from the cache, faster
-than memory allows, and can pass 100 % of the memory roofline. "× hf" is llm_jax's decode rate over
+than memory allows, and can pass 100 % of the memory roofline. "flop roof" is the arithmetic bound: the
+tokens/s the measured peak of multiply-adds (bfloat16 weights: of the CPU's bfloat16 dot products, where
+it has them) allows for a step's matrix products and attention; "% flop" the share of it reached. It
+binds where it is below the memory roofline: batched decode. "× hf" is llm_jax's decode rate over
 transformers' in the same process, runs alternating.
 Peak memory is the process's: with --compare hf both engines' weights are resident.
 """
@@ -51,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "attention) and/or xla (XLA's own everywhere); several run as separate engines, alternating")
     p.add_argument("--threads", type=positive_int, help="threads for torch and the bandwidth probe (default: all)")
     p.add_argument("--bandwidth", type=float, help="memory bandwidth in GB/s to use instead of measuring it")
+    p.add_argument("--peak-gflops", type=float, nargs="+", metavar="GFLOPS",
+                   help="arithmetic peak to use instead of measuring it: float32, then bfloat16 (default: the same)")
     p.add_argument("--compile-layers", nargs="+", type=positive_int,
                    help="also report compile time of the first model's shape at these depths")
     p.add_argument("--cli-ttft", action="store_true",
@@ -80,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from llm_jax.benchmark import machine as machine_lib
     from llm_jax.benchmark.compile_study import compile_vs_depth
     from llm_jax.benchmark.llm_jax_engine import Workload
-    from llm_jax.benchmark.results import at_bandwidth, at_size, describe_differences, table, write_json
+    from llm_jax.benchmark.results import at_bandwidth, at_peaks, at_size, describe_differences, table, write_json
     from llm_jax.benchmark.shapes import SHAPES
     from llm_jax.benchmark.step_profile import table as step_table
     from llm_jax.benchmark.suite import Options, log_stderr, run_matrix
@@ -92,12 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         log_stderr(f"measuring memory bandwidth ({threads} threads)...")
         bandwidth = machine_lib.measure_bandwidth(threads=threads)
-    machine = machine_lib.describe(bandwidth)
-    log_stderr(f"machine: {machine.cpu}, {machine.threads} threads, {bandwidth:.1f} GB/s, jax {machine.jax_version} "
-               f"({machine.backend})")
+    if args.peak_gflops:
+        if len(args.peak_gflops) > 2 or min(args.peak_gflops) <= 0:
+            raise ValueError("--peak-gflops takes one or two positive numbers (float32, bfloat16)")
+        peaks = (args.peak_gflops[0], args.peak_gflops[-1])
+    else:
+        log_stderr(f"measuring the arithmetic peak ({threads} threads)...")
+        peaks = machine_lib.measure_peaks(threads=threads)
+    machine = machine_lib.describe(bandwidth, peaks)
+    log_stderr(f"machine: {machine.cpu}, {machine.threads} threads, {bandwidth:.1f} GB/s, "
+               f"arithmetic peak {_gflops(peaks)}, jax {machine.jax_version} ({machine.backend})")
     options = Options(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                       chunk_steps=args.chunk_steps, compare_hf=args.compare == "hf", threads=threads,
-                      bandwidth_gbps=bandwidth, probe_each_run=not args.bandwidth,
+                      bandwidth_gbps=bandwidth, peaks_gflops=peaks, probe_each_run=not args.bandwidth,
                       matmuls=tuple(MatmulImpl.parse(m) for m in args.matmul), profile=args.profile)
     results = run_matrix(models, args.dtype, args.batch, options)
     rows = [row for result in results for row in result.rows]
@@ -110,12 +122,20 @@ def main(argv: list[str] | None = None) -> int:
         # land in a busy moment, understate the bandwidth and overstate every roofline fraction.
         log_stderr("measuring memory bandwidth again...")
         best = max(bandwidth, machine_lib.measure_bandwidth(threads=threads))
-        rows, bandwidth, machine = [at_bandwidth(r, bandwidth, best) for r in rows], best, machine_lib.describe(best)
+        rows, bandwidth = [at_bandwidth(r, bandwidth, best) for r in rows], best
         # Reading only a step's bytes, again and again: a model that fits in a cache is read from it.
         at = {n: max(bandwidth, machine_lib.measure_bandwidth(threads=threads, nbytes=n))
               for n in sorted({r.bytes_per_step for r in rows})}
         rows = [at_size(r, at[r.bytes_per_step]) for r in rows]
-    print(f"\nmachine: {machine.cpu}, {machine.threads} threads, measured bandwidth {bandwidth:.1f} GB/s")
+    if not args.peak_gflops and all(peaks):
+        # The same for the arithmetic peak: the CPU's clock moves with what else runs on the machine.
+        log_stderr("measuring the arithmetic peak again...")
+        again = machine_lib.measure_peaks(threads=threads)
+        peaks = tuple(max(a, b) for a, b in zip(peaks, again))
+        rows = [at_peaks(r, peaks) for r in rows]
+    machine = machine_lib.describe(bandwidth, peaks)
+    print(f"\nmachine: {machine.cpu}, {machine.threads} threads, measured bandwidth {bandwidth:.1f} GB/s, "
+          f"arithmetic peak {_gflops(peaks)}")
     print(table(rows, ratios or None))
     for result in results:
         if result.agreement is not None:
@@ -168,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, machine, rows, extra)
         log_stderr(f"wrote {args.json}")
     return 0
+
+
+def _gflops(peaks) -> str:
+    if not all(peaks):
+        return "not measured (no kernels)"
+    return f"{peaks[0]:.0f} GFLOP/s float32, {peaks[1]:.0f} bfloat16"
 
 
 def _cli_ttft(model: str, args, log) -> dict:

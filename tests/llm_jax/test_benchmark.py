@@ -13,7 +13,7 @@ from llm_jax.benchmark.compile_study import cli_ttft, compile_vs_depth
 from llm_jax.benchmark.llm_jax_engine import Workload
 from llm_jax.benchmark import hf_engine, machine
 from llm_jax.benchmark.results import Difference, agreement, describe_differences, first_differences
-from llm_jax.benchmark.roofline import decode_roofline, weight_bytes_per_step
+from llm_jax.benchmark.roofline import compute_roofline, decode_roofline, product_weights, weight_bytes_per_step
 from llm_jax.benchmark.shapes import SHAPES, shape_config
 from llm_jax.benchmark.step_profile import exclusive_times, op_labels
 from llm_jax.cli.benchmark import main as benchmark_main
@@ -33,7 +33,8 @@ def positive_finite(value) -> bool:
 def report(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     status = benchmark_main(["--model", "260K", "--compare", "hf", "--new-tokens", "9", "--chunk-steps", "4",
-                             "--repeats", "2", "--bandwidth", "10", "--profile", "--json", str(path)])
+                             "--repeats", "2", "--bandwidth", "10", "--peak-gflops", "100", "300", "--profile",
+                             "--json", str(path)])
     assert status == 0
     return json.loads(path.read_text())
 
@@ -46,6 +47,21 @@ def test_json_has_a_row_per_engine_with_every_field(report):
             assert isinstance(row[field], kind), (field, row[field])
         assert (row["shape"], row["dtype"], row["batch"], row["prompt_len"]) == ("260K", "float32", 1, 16)
         assert row["new_tokens"] == 9  # 8 decode steps: two chunks of 4, plus the first token
+
+
+def test_the_compute_roofline_is_the_steps_flops_at_the_given_peak(report):
+    """260K float32 at batch 1: products and attention both at the float32 peak (the second figure of
+    --peak-gflops is bfloat16's)."""
+    config = shape_config("260K", dtype="float32")
+    assert (report["machine"]["peak_gflops"], report["machine"]["peak_gflops_bf16"]) == (100.0, 300.0)
+    for row in report["rows"]:
+        assert row["product_flops_per_step"] == 2 * product_weights(config)
+        assert row["attention_flops_per_step"] == int(4 * (16 + 9 / 2) * config.n_layers * config.n_heads *
+                                                      config.head_dim)
+        flops = row["product_flops_per_step"] + row["attention_flops_per_step"]
+        assert row["compute_roofline_tokens_per_s"] == pytest.approx(100e9 / flops)
+        assert row["compute_roofline_fraction"] == pytest.approx(row["decode_tokens_per_s"] /
+                                                                 row["compute_roofline_tokens_per_s"])
 
 
 def test_the_roofline_at_a_steps_size_is_not_measured_with_a_given_bandwidth(report):
@@ -89,6 +105,29 @@ def test_weight_bytes_are_the_params_a_step_reads(shape):
     batch = 3
     expected = total - (0 if config.tie_embeddings else embedding) + batch * config.d_model * 2
     assert weight_bytes_per_step(config, batch) == expected
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_product_weights_are_the_matrices_a_row_multiplies(shape):
+    """Independently of the formula: every parameter leaf of two or more dimensions but the embedding
+    table, plus the LM head (the table itself when tied) — projections and head, no norm scales."""
+    config = shape_config(shape, dtype="float32")
+    leaves = jax.tree_util.tree_flatten_with_path(param_shapes(config))[0]
+    stacked = sum(int(np.prod(leaf.shape)) for path, leaf in leaves
+                  if len(leaf.shape) >= 3 and "embedder" not in jax.tree_util.keystr(path))
+    assert product_weights(config) == stacked + config.vocab_size * config.d_model
+
+
+def test_compute_roofline_takes_products_and_attention_at_their_peaks():
+    config = shape_config("15M", dtype="bfloat16")
+    roof = compute_roofline(config, batch=32, prompt_len=16, new_tokens=129, product_gflops=400.0,
+                            attention_gflops=200.0)
+    assert roof.product_flops == 2 * 32 * product_weights(config)
+    attention = 4 * 32 * (16 + 129 / 2) * config.n_layers * config.n_heads * config.head_dim
+    assert roof.attention_flops == int(attention)
+    assert roof.tokens_per_s == pytest.approx(32 / (roof.product_flops / 400e9 + roof.attention_flops / 200e9))
+    # 15M's products at 32 rows: 0.97 GFLOP a step
+    assert roof.product_flops == pytest.approx(0.972e9, rel=1e-3)
 
 
 def test_roofline_counts_the_cache_in_use():
@@ -138,8 +177,16 @@ def test_json_reports_agreement_and_differences(report):
 
 def test_machine_probes_give_positive_numbers():
     assert positive_finite(machine.measure_bandwidth(threads=2, nbytes=1 << 24, repeats=1))
+    float32, bfloat16 = machine.measure_peaks(threads=2)
+    assert positive_finite(float32) and positive_finite(bfloat16)
     machine.reset_peak_rss()
     assert positive_finite(machine.peak_rss_mb())
+
+
+@pytest.mark.parametrize("peaks", [["100", "200", "300"], ["0"], ["-5", "10"]])
+def test_a_bad_peak_is_a_clear_error(peaks):
+    with pytest.raises(ValueError, match="--peak-gflops takes one or two positive numbers"):
+        benchmark_main(["--model", "260K", "--bandwidth", "10", "--peak-gflops", *peaks])
 
 
 def test_unknown_shape_is_named_in_the_error():
@@ -170,12 +217,18 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
 
     monkeypatch.setattr(machine, "measure_bandwidth", measure)
     monkeypatch.setattr(machine, "measure_run_bandwidth", lambda *, threads: 5.0)
+    peaks = iter([(100.0, 300.0), (150.0, 200.0)])  # before, after: the best of each is kept
+    monkeypatch.setattr(machine, "measure_peaks", lambda *, threads: next(peaks))
     path = tmp_path / "bench.json"
     status = benchmark_main(["--model", "260K", "--compare", "hf", "--new-tokens", "5", "--chunk-steps", "4",
                              "--repeats", "1", "--json", str(path)])
     assert status == 0
     report = json.loads(path.read_text())
     assert report["machine"]["bandwidth_gbps"] == 8.0
+    assert (report["machine"]["peak_gflops"], report["machine"]["peak_gflops_bf16"]) == (150.0, 300.0)
+    for row in report["rows"]:
+        flops = row["product_flops_per_step"] + row["attention_flops_per_step"]
+        assert row["compute_roofline_tokens_per_s"] == pytest.approx(150e9 / flops)  # float32: both at 150
     assert {row["engine"] for row in report["rows"]} == {"llm_jax", "transformers"}
     for row in report["rows"]:
         assert row["roofline_tokens_per_s"] == pytest.approx(8.0e9 / row["bytes_per_step"], rel=1e-6)
