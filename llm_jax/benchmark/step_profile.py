@@ -8,7 +8,8 @@ runs one chunk of ``decode`` inside ``jax.profiler.trace``, reads the trace back
 then its bookkeeping and the gaps between the ops it runs: the executor's cost of dispatching them. The op names are the compiled program's, so each one is labelled from that program's text: where
 in the model it runs (the path JAX records, e.g. ``DecoderLayer/attn.project``) and, for a kernel, its
 target and shapes (``matmul_panels_f32 f32[32,288] · f32[6,54,288,16] → f32[32,864]``: q/k/v of 15M at
-batch 32), for any other op ``XLA <op name>``.
+batch 32), for any other op ``XLA <op name>``. A matrix product's flops (2 · R · K · N, from the same
+text) give its rate, GFLOP/s, to set against the machine's arithmetic peak.
 
 On CPU the ops run on the host, so their times are the step's; on an accelerator the host trace holds
 the launches, not the device's work, and the profile says so.
@@ -38,6 +39,14 @@ class OpTime:
     label: str  # "llm_jax_matmul_panels_f32 → f32[32,864]", "XLA wrapped_scatter", ...
     calls_per_step: float
     us_per_step: float
+    flops_per_call: int | None = None  # matrix products: 2 · R · K · N
+
+    @property
+    def gflops(self) -> float | None:
+        """The op's arithmetic rate (10^9 flops/s), where its flops are known."""
+        if self.flops_per_call is None or self.us_per_step <= 0:
+            return None
+        return self.flops_per_call * self.calls_per_step / (self.us_per_step * 1e3)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,7 +70,8 @@ class StepProfile:
 
 def profile_decode(engine: LlmJaxEngine) -> StepProfile:
     """Trace one decode chunk of ``engine`` (compiled already: call after :meth:`LlmJaxEngine.compile`)."""
-    labels = op_labels(engine.decode_program_text())
+    text = engine.decode_program_text()
+    labels, flops = op_labels(text), op_flops(text)
     cache, state = engine._prefill()
     cache, state, emitted = engine._decode(cache, state)  # the chunk before warms the caches
     np.asarray(emitted.tokens_BS)
@@ -76,13 +86,14 @@ def profile_decode(engine: LlmJaxEngine) -> StepProfile:
     totals = exclusive_times(events, MODULE)
     if not totals:
         raise RuntimeError(f"the profiler's trace holds no op of {MODULE}: nothing to attribute the step to")
-    by_label: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    by_label: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, None])
     for op, (us, calls) in totals.items():
         entry = by_label[labels.get(op, f"XLA {op}")]
         entry[0] += us
         entry[1] += calls
-    ops = sorted((OpTime(label=label, calls_per_step=calls / steps, us_per_step=us / steps)
-                  for label, (us, calls) in by_label.items()), key=lambda op: -op.us_per_step)
+        entry[2] = flops.get(op)  # one label, one shape: the same flops
+    ops = sorted((OpTime(label=label, calls_per_step=calls / steps, us_per_step=us / steps, flops_per_call=f)
+                  for label, (us, calls, f) in by_label.items()), key=lambda op: -op.us_per_step)
     return StepProfile(steps=steps, wall_ms_per_step=wall / steps * 1e3, ops=tuple(ops),
                        on_host=jax.default_backend() == "cpu")
 
@@ -161,6 +172,30 @@ def op_labels(program_text: str) -> dict[str, str]:
     return labels
 
 
+def op_flops(program_text: str) -> dict[str, int]:
+    """{op name: flops per call} for the matrix-product kernels of a compiled program's text: x [R, K] (the
+    first float operand) times weights giving results [R, N_i], 2 · R · K · Σ N_i."""
+    flops = {}
+    for line in program_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        target = re.search(r'custom_call_target="llm_jax_matmul_[^"]*"', line)
+        constraints = re.search(r"operand_layout_constraints=\{(.*?)\}, \w+=", line)
+        if not (m and m.group(3) == "custom-call" and target and constraints):
+            continue
+        operands = [s for s in _SHAPE.findall(constraints.group(1)) if s.startswith(("f", "bf"))]
+        results = [_dims(s) for s in _SHAPE.findall(m.group(2))]
+        if not operands or not results:
+            continue
+        R, K = _dims(operands[0])[-2:]
+        flops[m.group(1)] = 2 * R * K * sum(dims[-1] for dims in results)
+    return flops
+
+
+def _dims(shape: str) -> list[int]:
+    inside = shape[shape.index("[") + 1:-1]
+    return [int(d) for d in inside.split(",")] if inside else []
+
+
 def table(profile: StepProfile, title: str, top: int = 16) -> str:
     """The profile as text: the ``top`` largest ops, the rest in one line, and the ops' total against the
     chunk's wall time."""
@@ -170,10 +205,11 @@ def table(profile: StepProfile, title: str, top: int = 16) -> str:
     width = max([len(op.label) for op in shown] + [24])
     where = "" if profile.on_host else " (not on the host: launches only, not the device's work)"
     lines = [f"where a decode step's time goes: {title}, {profile.steps} traced steps{where}",
-             f"  {'op'.ljust(width)}  calls/step   µs/step   share"]
+             f"  {'op'.ljust(width)}  calls/step   µs/step   share  GFLOP/s"]
     for op in shown:
+        rate = "" if op.gflops is None else f"{op.gflops:7.1f}"
         lines.append(f"  {op.label.ljust(width)}  {op.calls_per_step:10.1f}  {op.us_per_step:8.1f}  "
-                     f"{100 * op.us_per_step / total_us:5.1f} %")
+                     f"{100 * op.us_per_step / total_us:5.1f} %  {rate}".rstrip())
     if rest:
         us = sum(op.us_per_step for op in rest)
         label = f"{len(rest)} more ops"

@@ -15,7 +15,7 @@ from llm_jax.benchmark import hf_engine, machine
 from llm_jax.benchmark.results import Difference, agreement, describe_differences, first_differences
 from llm_jax.benchmark.roofline import compute_roofline, decode_roofline, product_weights, weight_bytes_per_step
 from llm_jax.benchmark.shapes import SHAPES, shape_config
-from llm_jax.benchmark.step_profile import exclusive_times, op_labels
+from llm_jax.benchmark.step_profile import OpTime, exclusive_times, op_flops, op_labels
 from llm_jax.cli.benchmark import main as benchmark_main
 from llm_jax.kv_cache import cache_bytes_per_token
 from llm_jax.model import param_shapes
@@ -308,6 +308,8 @@ def test_the_profile_attributes_a_decode_step_to_its_ops(report):
     assert len(set(labels)) == len(labels)
     if build.load():  # on CPU the kernels run: the products and the attention are named by where they run
         assert any(label.startswith("Embedder.decode: matmul_") for label in labels), labels
+        products = [op for op in profile["ops"] if "matmul_" in op["label"]]
+        assert products and all(op["flops_per_call"] > 0 for op in products)
         assert any(label.startswith("DecoderLayer: decode_attention_append_f32") for label in labels), labels
 
 
@@ -335,3 +337,16 @@ def test_ops_are_labelled_from_the_program_text():
         "wrapped_scatter.1": "XLA wrapped_scatter.1 (DecoderLayer)",
         "bitcast.3": "XLA bitcast.3",
     }
+    assert op_flops(text) == {"ffi_call.22": 2 * 2 * 64 * 512}  # products only: 2 · R · K · N
+
+
+def test_a_products_flops_count_every_result():
+    """q/k/v as three results of one call ([R, N_i] each), bfloat16 weights: 2 · R · K · Σ N_i."""
+    line = ('  %ffi_call.7 = (f32[4,96]{1,0}, f32[4,32]{1,0}, f32[4,32]{1,0}) custom-call(%i, %x, %q, %k, %v), '
+            'custom_call_target="llm_jax_matmul_panels_bf16", operand_layout_constraints={s32[], f32[4,48]{1,0}, '
+            'bf16[3,6,48,16]{3,2,1,0}, bf16[3,2,48,16]{3,2,1,0}, bf16[3,2,48,16]{3,2,1,0}}, '
+            'api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(decode)/DecoderLayer/attn.project/ffi_call"}')
+    assert op_flops(line) == {"ffi_call.7": 2 * 4 * 48 * (96 + 32 + 32)}
+    op = OpTime(label="q/k/v", calls_per_step=2.0, us_per_step=4.0, flops_per_call=1000)
+    assert op.gflops == pytest.approx(2 * 1000 / 4e-6 / 1e9)
+    assert OpTime(label="XLA add", calls_per_step=1.0, us_per_step=1.0).gflops is None
