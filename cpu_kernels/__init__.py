@@ -24,6 +24,7 @@ compiler), it is XLA's product. Gradients are XLA's.
         -> (o_BNH, k_LBSKH, v_LBSKH)  # the step's keys and values written first, the caches in place
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
     argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU
+    screened_argmax(a_BV, x_BD, panels, norms_V, c) -> i_B  # argmax of x · W from screened logits a (below)
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from cpu_kernels import build
 from cpu_kernels.decode_attention import decode_attention, decode_attention_append
 from cpu_kernels.prefill_attention import prefill_attention
 
-__all__ = ["PANEL", "argmax", "available", "decode_attention", "decode_attention_append", "from_panels", "matmul",
+__all__ = ["PANEL", "argmax", "screened_argmax", "available", "decode_attention", "decode_attention_append", "from_panels", "matmul",
            "matmuls", "prefill_attention", "to_panels"]
 
 
@@ -172,3 +173,28 @@ def argmax(x_BV: jax.Array) -> jax.Array:
     call = jax.ffi.ffi_call("llm_jax_argmax_f32", jax.ShapeDtypeStruct(x_BV.shape[:1], jnp.int32),
                             vmap_method="sequential")
     return jax.lax.platform_dependent(x_BV, cpu=call, default=xla)
+
+
+def screened_argmax(a_BV: jax.Array, x_BD: jax.Array, panels: jax.Array, norms_V: jax.Array, c: float) -> jax.Array:
+    """The greedy token per row [B] (int32) of the float32 logits x [B, D] · W, W [D, V] held as panels
+    [V / 16, D, 16], given logits ``a_BV`` that differ from them by at most ``c`` · ||x_b||₂ · ``norms_V`` [j]
+    (``norms_V`` ≥ W's column norms): the columns whose interval can reach the largest lower end are
+    computed exactly (in double precision), the largest wins, the first on ties; a row with a NaN or an
+    infinity is computed in full (its first NaN wins, as in ``jnp.argmax``). XLA's full product and
+    argmax where the kernels are not available."""
+    B, V = a_BV.shape
+    if (x_BD.ndim != 2 or x_BD.shape[0] != B or panels.shape != (V // PANEL, x_BD.shape[1], PANEL)
+            or norms_V.shape != (V,) or {a.dtype for a in (a_BV, x_BD, panels, norms_V)} != {jnp.dtype(jnp.float32)}):
+        raise ValueError(f"screened_argmax needs float32 a [B, V], x [B, D], panels [V / {PANEL}, D, {PANEL}] and "
+                         f"norms [V], got {a_BV.shape}, {x_BD.shape}, {panels.shape}, {norms_V.shape}")
+
+    def xla(a_BV, x_BD, panels, norms_V):
+        logits_BV = jnp.einsum("BD,DV->BV", x_BD, from_panels(panels), precision="highest")
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+    if not available():
+        return xla(a_BV, x_BD, panels, norms_V)
+    call = jax.ffi.ffi_call("llm_jax_screened_argmax_f32", jax.ShapeDtypeStruct((B,), jnp.int32),
+                            vmap_method="sequential")
+    kernel = lambda *args: call(*args, c=float(c))
+    return jax.lax.platform_dependent(a_BV, x_BD, panels, norms_V, cpu=kernel, default=xla)

@@ -50,6 +50,7 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_prefill_attention_bf16": "PrefillAttentionBF16",
     "llm_jax_prefill_attention_u16": "PrefillAttentionBits",
     "llm_jax_argmax_f32": "ArgmaxF32",
+    "llm_jax_screened_argmax_f32": "ScreenedArgmaxF32",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 

@@ -25,7 +25,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.logits_processors import PAD_ID, History
 from llm_jax.logprobs import chosen_and_top
-from llm_jax.model import LayerHooks, Params, forward_extend, unembed
+from llm_jax.model import LayerHooks, Params, forward_extend, greedy_head, unembed
 from llm_jax.sampling import Sampling, SamplingParams, process_logits, sample
 from llm_jax.sharding import constrain_cache, constrain_replicated
 from llm_jax.stop_matching import StopTable
@@ -171,6 +171,16 @@ def take_cache_rows(cache: KVCache, index_B: jax.Array) -> KVCache:
                    lengths_B=cache.lengths_B[index_B])
 
 
+def argmax_only(controls: DecodeControls) -> bool:
+    """Whether every step's token is the argmax of the model's logits, nothing else read from them: every
+    row greedy, no logits processors, no log-probabilities (all static). Such steps run the LM head
+    through its screen where the params hold one (:mod:`llm_jax.model.greedy_head`)."""
+    s = controls.sampling
+    processors = (s.bias_ids_BX, s.repetition_penalty_B, s.presence_penalty_B, s.no_repeat_ngram_B, s.banned_BQJ,
+                  controls.min_new_tokens_B)
+    return not s.sampled and controls.logprobs is None and all(p is None for p in processors)
+
+
 def _choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls) -> tuple[jax.Array, Emitted]:
     """Process the logits, pick each row's next token, and its log-probabilities when asked."""
     minimum = controls.min_new_tokens_B
@@ -239,6 +249,7 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
     to step; the state and what was emitted come back whole on every device, for the host to read.
     """
     hooks = controls.hooks
+    screened = mesh is None and greedy_head.uses_screen(params, config) and argmax_only(controls)
     cache, state = constrain_cache(cache, mesh), constrain_replicated(state, mesh)
     def step(carry, _):
         cache, state = carry
@@ -247,7 +258,11 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
             running_B = ~state.done_B
             x_B1D, cache, *hidden = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh,
                                                    hooks=hooks)
-            token_B, emitted = _choose(unembed(params, config, x_B1D)[:, 0], state, controls)
+            if screened:
+                token_B = greedy_head.greedy_tokens(params, config, x_B1D[:, 0])
+                emitted = Emitted(tokens_BS=token_B)
+            else:
+                token_B, emitted = _choose(unembed(params, config, x_B1D)[:, 0], state, controls)
             state = _advance(token_B, running_B, state, controls, cache.lengths_B, cache.max_len)
             hidden_BRD = hidden[0][:, 0] if hidden and hidden[0] is not None else None
             return cache, state, dataclasses.replace(emitted, tokens_BS=state.tokens_B, hidden_BSRD=hidden_BRD)

@@ -15,9 +15,9 @@ import numpy as np
 from llm_jax import buckets
 from llm_jax.compile_stats import measure_compilation
 from llm_jax.config import MatmulImpl, ModelConfig
-from llm_jax.decode import PAD_ID, DecodeControls, decode, start
+from llm_jax.decode import PAD_ID, DecodeControls, argmax_only, decode, start
 from llm_jax.kv_cache import init_cache
-from llm_jax.model import Params
+from llm_jax.model import Params, greedy_head
 from llm_jax.prefill import prefill
 from llm_jax.sampling import GREEDY
 
@@ -90,6 +90,8 @@ class LlmJaxEngine:
         self.lengths_B = np.full((B,), workload.prompt_len, np.int32)
         self.controls = DecodeControls.create([GREEDY] * B, eos_ids=[()] * B, stop_ids=[()] * B,
                                               max_new_tokens=[1 + workload.decode_steps] * B)
+        # Greedy, nothing read from the logits but their argmax: a float32 model's head through its screen.
+        self.screened = greedy_head.uses_screen(params, config) and argmax_only(self.controls)
 
     def compile(self) -> Compiled:
         t0 = time.perf_counter()

@@ -64,6 +64,9 @@ class Row:
     # it is below the memory roofline: batched decode.
     product_flops_per_step: int
     attention_flops_per_step: int
+    # Of product_flops_per_step, the LM head's when llm_jax decodes through its bfloat16 screen
+    # (llm_jax.model.greedy_head; counted at the bfloat16 peak, and at 2 bytes a weight in bytes_per_step).
+    screened_head_flops_per_step: int
     compute_roofline_tokens_per_s: float | None
     compute_roofline_fraction: float | None
     kv_cache_bytes_per_token: int
@@ -107,6 +110,7 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
                run_bandwidth_gbps=Spread.of(run_bandwidths_gbps) if run_bandwidths_gbps else None,
                roofline_at_run_fraction=at_run, product_flops_per_step=compute.product_flops,
                attention_flops_per_step=compute.attention_flops,
+               screened_head_flops_per_step=compute.screened_head_flops,
                compute_roofline_tokens_per_s=compute.tokens_per_s if peaks_measured else None,
                compute_roofline_fraction=decode.median / compute.tokens_per_s if peaks_measured else None,
                kv_cache_bytes_per_token=kv_bytes_per_token,
@@ -134,7 +138,8 @@ def at_size(row: Row, bandwidth_gbps: float) -> Row:
 def at_peaks(row: Row, peaks: tuple[float, float]) -> Row:
     """``row`` with the compute roofline of (float32, bfloat16) arithmetic ``peaks``."""
     seconds = arithmetic_seconds(row.product_flops_per_step, row.attention_flops_per_step,
-                                 product_peak(row.dtype, peaks), peaks[0])
+                                 product_peak(row.dtype, peaks), peaks[0],
+                                 head_flops=row.screened_head_flops_per_step, head_gflops=peaks[1])
     roof = row.batch / seconds
     return dataclasses.replace(row, compute_roofline_tokens_per_s=roof,
                                compute_roofline_fraction=row.decode_tokens_per_s / roof)

@@ -8,6 +8,11 @@ tokens/s from above, however well the step is written. That bound binds at batch
 weight does B multiply-adds per read, and the arithmetic binds instead: 2 flops per weight and row for
 the matrix products, 4 per cached key, query head and head dimension for attention (q·k and p·v), at the
 measured peak of the arithmetic the kernels use (:func:`compute_roofline`).
+
+With ``screened_head`` (a float32 model decoding greedily through its LM head's bfloat16 screen,
+:mod:`llm_jax.model.greedy_head`) the head counts as what that step reads and computes: its bfloat16
+copy, 2 bytes a weight, multiplied at the bfloat16 peak (the few columns then computed exactly from
+the float32 head, ≈ 64 · D bytes each, are not counted: how many depends on the logits).
 """
 
 from __future__ import annotations
@@ -20,14 +25,16 @@ from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import cache_bytes_per_token
 
 
-def weight_bytes_per_step(config: ModelConfig, batch: int) -> int:
-    """Bytes of parameters one decode step reads."""
+def weight_bytes_per_step(config: ModelConfig, batch: int, *, screened_head: bool = False) -> int:
+    """Bytes of parameters one decode step reads (``screened_head``: the LM head's bfloat16 screen
+    instead of the head)."""
     itemsize = jnp.dtype(config.param_dtype).itemsize
     embedding = config.vocab_size * config.d_model
     read = config.num_params() - embedding + batch * config.d_model
     if config.tie_embeddings:  # the table is the LM head, read whole
         read += embedding
-    return read * itemsize
+    head_bytes = embedding * itemsize
+    return read * itemsize - (head_bytes - embedding * 2 if screened_head else 0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,13 +49,14 @@ class Roofline:
 
 
 def decode_roofline(config: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int,
-                    bandwidth_gbps: float) -> Roofline:
-    """Roofline of decoding ``new_tokens`` after a ``prompt_len`` prompt, for ``batch`` sequences.
+                    bandwidth_gbps: float, screened_head: bool = False) -> Roofline:
+    """Roofline of decoding ``new_tokens`` after a ``prompt_len`` prompt, for ``batch`` sequences
+    (``screened_head``: the LM head read as its bfloat16 screen).
 
     The KV term counts the tokens actually in context (on average ``prompt_len + new_tokens / 2``), not
     the slots a bucketed cache allocates: the bound is on what the computation needs.
     """
-    weights = weight_bytes_per_step(config, batch)
+    weights = weight_bytes_per_step(config, batch, screened_head=screened_head)
     mean_context = prompt_len + new_tokens / 2
     kv = int(batch * mean_context * cache_bytes_per_token(config))
     return Roofline(weight_bytes=weights, kv_bytes=kv,
@@ -67,6 +75,7 @@ def product_weights(config: ModelConfig) -> int:
 class ComputeRoofline:
     product_flops: int  # per step: the matrix products
     attention_flops: int  # per step, averaged over the decode
+    screened_head_flops: int  # of product_flops, the LM head's through its bfloat16 screen (else 0)
     tokens_per_s: float  # batch ÷ the time both take at the peaks
 
     @property
@@ -75,23 +84,30 @@ class ComputeRoofline:
 
 
 def compute_roofline(config: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int,
-                     product_gflops: float, attention_gflops: float) -> ComputeRoofline:
+                     product_gflops: float, attention_gflops: float, head_gflops: float | None = None,
+                     screened_head: bool = False) -> ComputeRoofline:
     """The arithmetic bound on decoding ``new_tokens`` after a ``prompt_len`` prompt, for ``batch``
     sequences: the matrix products at ``product_gflops`` (the peak of the weights' dtype: bfloat16 dot
     products where the CPU has them) and attention, in float32, at ``attention_gflops``. Its context is
-    counted as :func:`decode_roofline` counts it."""
+    counted as :func:`decode_roofline` counts it. With ``screened_head`` the LM head's products run at
+    ``head_gflops`` (the bfloat16 peak) instead."""
     mean_context = prompt_len + new_tokens / 2
     products = 2 * batch * product_weights(config)
     attention = int(4 * batch * mean_context * config.n_layers * config.n_heads * config.head_dim)
-    return ComputeRoofline(product_flops=products, attention_flops=attention,
-                           tokens_per_s=batch / arithmetic_seconds(products, attention, product_gflops,
-                                                                   attention_gflops))
+    head = 2 * batch * config.vocab_size * config.d_model if screened_head else 0
+    seconds = arithmetic_seconds(products, attention, product_gflops, attention_gflops, head_flops=head,
+                                 head_gflops=head_gflops)
+    return ComputeRoofline(product_flops=products, attention_flops=attention, screened_head_flops=head,
+                           tokens_per_s=batch / seconds)
 
 
 def arithmetic_seconds(product_flops: int, attention_flops: int, product_gflops: float,
-                       attention_gflops: float) -> float:
-    """A step's arithmetic at the peaks: products at ``product_gflops``, attention at ``attention_gflops``."""
-    return product_flops / (product_gflops * 1e9) + attention_flops / (attention_gflops * 1e9)
+                       attention_gflops: float, *, head_flops: int = 0, head_gflops: float | None = None) -> float:
+    """A step's arithmetic at the peaks: products at ``product_gflops``, attention at ``attention_gflops``;
+    ``head_flops`` of the products (the screened LM head's) at ``head_gflops``."""
+    head_gflops = product_gflops if head_gflops is None else head_gflops
+    return ((product_flops - head_flops) / (product_gflops * 1e9) + head_flops / (head_gflops * 1e9)
+            + attention_flops / (attention_gflops * 1e9))
 
 
 def product_peak(dtype: str, peaks: tuple[float, float]) -> float:

@@ -18,7 +18,8 @@ layout. Without panels a group is fused only where its fused row of weights stay
 kernels read as whole rows (``FUSED_ROW_BYTES``, ``kFullRowBytes`` in ``cpu_kernels/matmul.cc``): the 1B
 shape's bfloat16 gate/up (22 KiB rows) would be cut into column tiles, which read slower than its two
 11 KiB matrices. In panels (``panels=True``, what :func:`for_inference` and ``llm_jax.load`` use where the
-kernels run) every group is fused: a unit of work is a few panels, whatever the width of the matrix.
+kernels run) every group is fused: a unit of work is a few panels, whatever the width of the matrix; and
+a float32 model gets its LM head's bfloat16 screen for greedy decoding (:mod:`llm_jax.model.greedy_head`).
 
 Checkpoints, converters and sharding keep the separate layout: :func:`llm_jax.load` fuses where the CPU
 kernels run (one CPU device), ``save_checkpoint`` and ``Model.shard`` unfuse.
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import cpu_kernels
 from llm_jax.bits import moving_bits
 from llm_jax.config import ModelConfig
+from llm_jax.model import greedy_head as _greedy_head
 from llm_jax.model import panels as _panels
 
 Params = dict[str, Any]
@@ -74,7 +76,7 @@ def fuse_projections(params: Params, config: ModelConfig, *, consume: bool = Fal
     are deleted (for a caller that owns ``params`` and will not use them again)."""
     if _panels.has_panels(params):
         if panels:
-            return params  # already the layout asked for
+            return _greedy_head.with_screen(params, config)  # already the layout asked for
         params = unfuse_projections(params, config)  # back to the plain layout first
     fuse_qkv, fuse_gate_up = fusion_plan(config, panels=panels)
     layers = dict(params["layers"])
@@ -91,11 +93,14 @@ def fuse_projections(params: Params, config: ModelConfig, *, consume: bool = Fal
             _panels.release(parts, mlp["gate_up_proj"])
     layers["attn"], layers["mlp"] = attn, mlp
     params = {**params, "layers": layers}
-    return _panels.to_panel_layout(params, config, consume=consume) if panels else params
+    if not panels:
+        return params
+    return _greedy_head.with_screen(_panels.to_panel_layout(params, config, consume=consume), config)
 
 
 def unfuse_projections(params: Params, config: ModelConfig) -> Params:
     """``params`` in the separate layout of checkpoints and sharding (unchanged if not fused)."""
+    params = _greedy_head.without_screen(params)
     if not is_fused(params):
         return params
     params = _panels.from_panel_layout(params, config)
