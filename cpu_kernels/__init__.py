@@ -16,7 +16,8 @@ compiler), it is XLA's product. Gradients are XLA's.
 
     available() -> bool          # the kernels are built and registered for this process
     matmul(x_RK, w, *, transposed=False, panels=False, layer=None) -> y_RN (float32; x is rounded to w's
-        dtype first, as in XLA; with ``layer``, w is a stack [L, ...] of which that layer is read, in place)
+        dtype first, as in XLA; with ``layer``, w is a stack [L, ...] of which that layer is read, in place;
+        int8 panels too, unscaled and x not rounded: the LM head's screen of llm_jax/model/greedy_head.py)
     matmuls(x_RK, ws, *, transposed=False, panels=False, layer=None) -> (y_RN, ...)  # weights sharing x, one call
     to_panels(w_KN) -> p [N / 16, K, 16];  from_panels(p) -> w_KN   # leading axes (layers) kept
     decode_attention(q_BNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BNH  # one query per row, cache read in place
@@ -24,7 +25,7 @@ compiler), it is XLA's product. Gradients are XLA's.
         -> (o_BNH, k_LBSKH, v_LBSKH)  # the step's keys and values written first, the caches in place
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
     argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU
-    screened_argmax(a_BV, x_BD, panels, norms_V, c) -> i_B  # argmax of x · W from screened logits a (below)
+    screened_argmax(y_BV, x_BD, panels, scales_V, norms_V, c1, c2) -> i_B  # argmax of x · W from a screen
 """
 
 from __future__ import annotations
@@ -78,12 +79,15 @@ def _as_kn(w: jax.Array, layout: str) -> jax.Array:
 
 
 def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
+    if ws[0].dtype == jnp.int8:  # integer weights as float32 values, x as it is (see matmuls)
+        return tuple(jnp.einsum("RK,KN->RN", x_RK.astype(jnp.float32), _as_kn(_layer(w, layer), layout).astype(jnp.float32),
+                                precision="highest") for w in ws)
     return tuple(jnp.einsum("RK,KN->RN", x_RK.astype(w.dtype), _as_kn(_layer(w, layer), layout),
                             preferred_element_type=jnp.float32) for w in ws)
 
 
 def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
-    dtype = "bf16" if ws[0].dtype == jnp.bfloat16 else "f32"
+    dtype = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.int8): "i8"}.get(jnp.dtype(ws[0].dtype), "f32")
     width = {"kn": lambda w: w.shape[-1], "nk": lambda w: w.shape[-2], "panels": lambda w: w.shape[-3] * PANEL}
     shapes = [jax.ShapeDtypeStruct((x_RK.shape[0], width[layout](w)), jnp.float32) for w in ws]
     call = jax.ffi.ffi_call(f"llm_jax_matmul_{layout}_{dtype}", shapes, vmap_method="sequential")
@@ -91,7 +95,8 @@ def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None,
     if layout == "panels" and layer is None:  # the kernel takes stacks [L, N / 16, K, 16]
         ws = tuple(w[None] for w in ws)
     # x rounded to the weights' dtype, as XLA's product (``_xla``) does: both routes compute the same.
-    return tuple(call(index, x_RK.astype(ws[0].dtype).astype(jnp.float32), *ws))
+    x_RK = x_RK.astype(jnp.float32) if dtype == "i8" else x_RK.astype(ws[0].dtype).astype(jnp.float32)
+    return tuple(call(index, x_RK, *ws))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -125,7 +130,9 @@ _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
 def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = False,
             layer: jax.Array | int | None = None):
     """x [R, K] · W_i → [R, N_i] float32 for each W_i in ``ws`` ([K, N_i]; [N_i, K] when ``transposed``; in
-    the panel layout [N_i / 16, K, 16] of :func:`to_panels` when ``panels``; all float32 or all bfloat16).
+    the panel layout [N_i / 16, K, 16] of :func:`to_panels` when ``panels``; all float32 or all bfloat16,
+    or, in panels, all int8: the product with the integers as they are and x not rounded, for a caller
+    that applies its own scales, with no gradient).
     On CPU one kernel call streams every W_i: one fork-join for all.
 
     With ``layer`` (an int32 scalar, may be traced), every W_i is a stack [L, ...] of such matrices and
@@ -149,6 +156,13 @@ def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = Fal
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32)
     dtypes = {w.dtype for w in ws}
+    if jnp.dtype(jnp.int8) in dtypes:  # the LM head's screen: panels, no gradient
+        if len(dtypes) != 1 or layout != "panels":
+            raise ValueError("matmul: int8 weights only in the panel layout, not mixed with others")
+        if not available():
+            return _xla(x_RK, ws, layer, layout)
+        return jax.lax.platform_dependent(x_RK, ws, layer, cpu=functools.partial(_kernel, layout=layout),
+                                          default=functools.partial(_xla, layout=layout))
     if len(dtypes) != 1 or dtypes.pop() not in (jnp.float32, jnp.bfloat16) or not available():
         return _xla(x_RK, ws, layer, layout)
     return _matmuls(x_RK, ws, layer, layout)
@@ -175,26 +189,34 @@ def argmax(x_BV: jax.Array) -> jax.Array:
     return jax.lax.platform_dependent(x_BV, cpu=call, default=xla)
 
 
-def screened_argmax(a_BV: jax.Array, x_BD: jax.Array, panels: jax.Array, norms_V: jax.Array, c: float) -> jax.Array:
-    """The greedy token per row [B] (int32) of the float32 logits x [B, D] · W, W [D, V] held as panels
-    [V / 16, D, 16], given logits ``a_BV`` that differ from them by at most ``c`` · ||x_b||₂ · ``norms_V`` [j]
-    (``norms_V`` ≥ W's column norms): the columns whose interval can reach the largest lower end are
-    computed exactly (in double precision), the largest wins, the first on ties; a row with a NaN or an
-    infinity is computed in full (its first NaN wins, as in ``jnp.argmax``). XLA's full product and
-    argmax where the kernels are not available."""
-    B, V = a_BV.shape
+def screened_argmax(y_BV: jax.Array, x_BD: jax.Array, panels: jax.Array, scales_V: jax.Array | None,
+                    norms_V: jax.Array, c1: float, c2: float) -> jax.Array:
+    """The greedy token per row [B] (int32) of the logits x [B, D] · W, W [D, V] (float32 or bfloat16) held
+    as panels [V / 16, D, 16], given screened logits a = ``y_BV`` (times ``scales_V`` [V] when given) that
+    differ from them by at most r = c1 · ||x_b||₁ · scales_V[j] + c2 · ||x_b||₂ · norms_V[j]: the columns
+    whose interval [a − r, a + r] reaches the largest lower end are computed exactly (in double
+    precision), the largest wins, the first on ties; a row with a NaN or an infinity is computed in full
+    (its first NaN wins, as in ``jnp.argmax``). x is used as given (a bfloat16 W's logits are those of x
+    rounded to bfloat16: round it first). XLA's full product and argmax where the kernels are not
+    available."""
+    B, V = y_BV.shape
+    scales = jnp.zeros((0,), jnp.float32) if scales_V is None else scales_V
+    floats = {a.dtype for a in (y_BV, x_BD, scales, norms_V)}
     if (x_BD.ndim != 2 or x_BD.shape[0] != B or panels.shape != (V // PANEL, x_BD.shape[1], PANEL)
-            or norms_V.shape != (V,) or {a.dtype for a in (a_BV, x_BD, panels, norms_V)} != {jnp.dtype(jnp.float32)}):
-        raise ValueError(f"screened_argmax needs float32 a [B, V], x [B, D], panels [V / {PANEL}, D, {PANEL}] and "
-                         f"norms [V], got {a_BV.shape}, {x_BD.shape}, {panels.shape}, {norms_V.shape}")
+            or norms_V.shape != (V,) or scales.shape not in ((V,), (0,)) or floats != {jnp.dtype(jnp.float32)}
+            or panels.dtype not in (jnp.float32, jnp.bfloat16)):
+        raise ValueError(f"screened_argmax needs float32 y [B, V], x [B, D], scales and norms [V], and panels "
+                         f"[V / {PANEL}, D, {PANEL}] (float32 or bfloat16), got {y_BV.shape}, {x_BD.shape}, "
+                         f"{scales.shape}, {norms_V.shape}, {panels.dtype} {panels.shape}")
 
-    def xla(a_BV, x_BD, panels, norms_V):
-        logits_BV = jnp.einsum("BD,DV->BV", x_BD, from_panels(panels), precision="highest")
+    def xla(y_BV, x_BD, panels, scales, norms_V):
+        logits_BV = jnp.einsum("BD,DV->BV", x_BD, from_panels(panels).astype(jnp.float32), precision="highest")
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
     if not available():
-        return xla(a_BV, x_BD, panels, norms_V)
-    call = jax.ffi.ffi_call("llm_jax_screened_argmax_f32", jax.ShapeDtypeStruct((B,), jnp.int32),
+        return xla(y_BV, x_BD, panels, scales, norms_V)
+    dtype = "bf16" if panels.dtype == jnp.bfloat16 else "f32"
+    call = jax.ffi.ffi_call(f"llm_jax_screened_argmax_{dtype}", jax.ShapeDtypeStruct((B,), jnp.int32),
                             vmap_method="sequential")
-    kernel = lambda *args: call(*args, c=float(c))
-    return jax.lax.platform_dependent(a_BV, x_BD, panels, norms_V, cpu=kernel, default=xla)
+    kernel = lambda *args: call(*args, c1=float(c1), c2=float(c2))
+    return jax.lax.platform_dependent(y_BV, x_BD, panels, scales, norms_V, cpu=kernel, default=xla)

@@ -3,10 +3,10 @@
 // ArgmaxF32: i[b] = the first index of the largest value of x[b, :] (of the first NaN where a row has
 // one), as jnp.argmax.
 //
-// ScreenedArgmaxF32: the greedy token of float32 logits x[b] · W that were not computed, from logits
-// a[b] = bf16(x[b]) · bf16(W) that were (W's bfloat16 copy, half the bytes to read and, on CPUs with
-// bfloat16 dot products, half the arithmetic), and W itself for the few columns that can still win;
-// see llm_jax/model/greedy_head.py for the bound that makes it exact.
+// ScreenedArgmax{F32,BF16}: the greedy token of logits x[b] · W (W float32 or bfloat16) that were not
+// computed, from logits that were, through a narrower copy of W (its screen: bfloat16 for a float32 W,
+// int8 with a scale per column for either: fewer bytes to read), and W itself for the few columns that
+// can still win; see llm_jax/model/greedy_head.py for the bound that makes it exact.
 //
 // XLA:CPU computes an argmax as a reduction of (value, index) pairs, one element at a time: 1.3 ms for
 // [32, 32000] float32 logits, 8 % of a 15M decode step at batch 32. Here each row is read once, 32 lanes
@@ -84,34 +84,53 @@ auto Binding() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32, 2>>().Ret<ffi::Buffer<ffi::S32, 1>>();
 }
 
-// Column j of W [D, V] held as panels [V / 16, D, 16], dotted with x [D] in double precision.
-double column_dot(const float* x, const float* panels, int64_t D, int64_t j) {
-  const float* w = panels + (j / 16) * D * 16 + j % 16;
+// Column j of W [D, V] held as panels [V / 16, D, 16] (float32, or bfloat16 bits), dotted with x [D] in
+// double precision.
+template <typename H>
+double column_dot(const float* x, const H* panels, int64_t D, int64_t j) {
+  const H* w = panels + (j / 16) * D * 16 + j % 16;
   double sum = 0.0;
-  for (int64_t d = 0; d < D; ++d) sum += static_cast<double>(x[d]) * static_cast<double>(w[d * 16]);
+  for (int64_t d = 0; d < D; ++d) sum += static_cast<double>(x[d]) * static_cast<double>(load1(w + d * 16));
   return sum;
 }
 
-// The greedy token of row x [D] from its screened logits a [V]: every column whose interval
-// [a_j - r_j, a_j + r_j], r_j = scale · norm_j, reaches the largest lower end is computed exactly, and
-// the largest exact logit wins (the first on ties). Rows with a NaN or an infinity anywhere are computed
-// in full, as jnp.argmax would see them (the first NaN wins).
-int32_t screened_row(const float* a, const float* x, const float* panels, const float* norms, int64_t D, int64_t V,
-                     double c) {
-  double sq = 0.0;
-  for (int64_t d = 0; d < D; ++d) sq += static_cast<double>(x[d]) * static_cast<double>(x[d]);
-  // Rounded up, and far beyond float's rounding of a_j ± r_j below (r_j ≥ 0.0078 |a_j|, see the bound).
-  const float scale = static_cast<float>(c * std::sqrt(sq) * (1.0 + 1e-3));
-  bool finite = std::isfinite(scale);
-  // The largest lower end: four independent maxima (one alone would wait on itself every step).
+// The greedy token of row x [D] from its screened logits: a_j = y_j (or y_j · scale_j, `scales` given),
+// within r_j = c1 · ‖x‖₁ · scale_j + c2 · ‖x‖₂ · norm_j of the exact logit x · W[:, j]. Every column whose
+// interval [a_j - r_j, a_j + r_j] reaches the largest lower end is computed exactly, and the largest
+// exact logit wins (the first on ties). Rows with a NaN or an infinity anywhere are computed in full, as
+// jnp.argmax would see them (the first NaN wins).
+template <typename H>
+int32_t screened_row(const float* y, const float* x, const H* panels, const float* scales, const float* norms,
+                     int64_t D, int64_t V, double c1, double c2) {
+  double l1 = 0.0, l2 = 0.0;
+  for (int64_t d = 0; d < D; ++d) {
+    l1 += std::fabs(static_cast<double>(x[d]));
+    l2 += static_cast<double>(x[d]) * static_cast<double>(x[d]);
+  }
+  // Rounded up, and far beyond float's rounding of a_j ± r_j below (r_j is at least 0.4 % of |a_j|).
+  const float s1 = static_cast<float>(c1 * l1 * (1.0 + 1e-3)), s2 = static_cast<float>(c2 * std::sqrt(l2) * (1.0 + 1e-3));
+  bool finite = std::isfinite(s1) && std::isfinite(s2);
   const int64_t v_vec = V / 32 * 32;
-  const f32x8 s8 = splat(scale), inf8 = splat(std::numeric_limits<float>::infinity());
+  const f32x8 s1v = splat(s1), s2v = splat(s2), one = splat(1.f), inf8 = splat(std::numeric_limits<float>::infinity());
+  // a_j and r_j of the 8 columns from v.
+  auto bounds = [&](int64_t v, f32x8* a, f32x8* r) {
+    const f32x8 yv = load8(y + v), nv = load8(norms + v);
+    if (scales) {
+      const f32x8 sv = load8(scales + v);
+      *a = yv * sv, *r = s1v * sv + s2v * nv;
+    } else {
+      *a = yv * one, *r = s2v * nv;
+    }
+  };
+  // The largest lower end: four independent maxima (one alone would wait on itself every step).
   f32x8 lo_max[4] = {-inf8, -inf8, -inf8, -inf8};
   i32x8 bad = splat_i32(0);
   for (int64_t v = 0; v < v_vec; v += 32) {
     for (int u = 0; u < 4; ++u) {
-      const f32x8 av = load8(a + v + 8 * u), lo = av - s8 * load8(norms + v + 8 * u);
-      bad |= (av != av) | (av == inf8) | (av == -inf8);  // NaN or ±inf
+      f32x8 a, r;
+      bounds(v + 8 * u, &a, &r);
+      bad |= (a != a) | (a == inf8) | (a == -inf8);  // NaN or ±inf
+      const f32x8 lo = a - r;
       lo_max[u] = lo > lo_max[u] ? lo : lo_max[u];
     }
   }
@@ -120,9 +139,15 @@ int32_t screened_row(const float* a, const float* x, const float* panels, const 
     finite &= bad[i] == 0;
     for (int u = 0; u < 4; ++u) threshold = std::max(threshold, lo_max[u][i]);
   }
+  auto scalar = [&](int64_t v, float* a, float* r) {
+    *a = scales ? y[v] * scales[v] : y[v];
+    *r = (scales ? s1 * scales[v] : 0.f) + s2 * norms[v];
+  };
   for (int64_t v = v_vec; v < V; ++v) {
-    finite &= std::isfinite(a[v]);
-    threshold = std::max(threshold, a[v] - scale * norms[v]);
+    float a, r;
+    scalar(v, &a, &r);
+    finite &= std::isfinite(a);
+    threshold = std::max(threshold, a - r);
   }
   double best = -std::numeric_limits<double>::infinity();
   int32_t index = 0;
@@ -135,12 +160,17 @@ int32_t screened_row(const float* a, const float* x, const float* panels, const 
     return index;
   }
   // The candidates first, then their columns: every line of every candidate asked for before the first
-  // is read (a column is D lines 64 bytes apart, from memory; read one after another they wait on each).
+  // is read (a column is D lines apart, from memory; read one after another they wait on each).
   const f32x8 t8 = splat(threshold);
-  std::vector<int64_t> candidates;
+  thread_local std::vector<int64_t> candidates;
+  candidates.clear();
   for (int64_t v = 0; v < v_vec; v += 32) {
     i32x8 hit[4], any = splat_i32(0);
-    for (int u = 0; u < 4; ++u) any |= hit[u] = load8(a + v + 8 * u) + s8 * load8(norms + v + 8 * u) >= t8;
+    for (int u = 0; u < 4; ++u) {
+      f32x8 a, r;
+      bounds(v + 8 * u, &a, &r);
+      any |= hit[u] = a + r >= t8;
+    }
     if (any[0] | any[1] | any[2] | any[3] | any[4] | any[5] | any[6] | any[7]) {
       for (int i = 0; i < 32; ++i) {
         if (hit[i / 8][i % 8]) candidates.push_back(v + i);
@@ -148,11 +178,14 @@ int32_t screened_row(const float* a, const float* x, const float* panels, const 
     }
   }
   for (int64_t v = v_vec; v < V; ++v) {
-    if (a[v] + scale * norms[v] >= threshold) candidates.push_back(v);
+    float a, r;
+    scalar(v, &a, &r);
+    if (a + r >= threshold) candidates.push_back(v);
   }
+  const int64_t rows_per_line = std::max<int64_t>(1, 64 / (16 * static_cast<int64_t>(sizeof(H))));
   for (const int64_t v : candidates) {
-    const float* w = panels + (v / 16) * D * 16 + v % 16;
-    for (int64_t d = 0; d < D; ++d) __builtin_prefetch(w + d * 16);
+    const H* w = panels + (v / 16) * D * 16 + v % 16;
+    for (int64_t d = 0; d < D; d += rows_per_line) __builtin_prefetch(w + d * 16);
   }
   for (const int64_t v : candidates) {  // ascending: the first of equal logits stays
     const double e = column_dot(x, panels, D, v);
@@ -161,36 +194,48 @@ int32_t screened_row(const float* a, const float* x, const float* panels, const 
   return index;
 }
 
-ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> a, ffi::Buffer<ffi::F32, 2> x,
-                          ffi::Buffer<ffi::F32, 3> panels, ffi::Buffer<ffi::F32, 1> norms, double c,
-                          ffi::ResultBuffer<ffi::S32, 1> out) {
-  const int64_t B = a.dimensions()[0], V = a.dimensions()[1], D = x.dimensions()[1];
+// y [B, V] the screen's logits, x [B, D], the head's panels [V / 16, D, 16], scales [V] (or [0]: none),
+// norms [V]; attributes c1 and c2 of the bound.
+template <ffi::DataType T, typename H>
+ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> y, ffi::Buffer<ffi::F32, 2> x,
+                          ffi::Buffer<T, 3> panels, ffi::Buffer<ffi::F32, 1> scales, ffi::Buffer<ffi::F32, 1> norms,
+                          double c1, double c2, ffi::ResultBuffer<ffi::S32, 1> out) {
+  const int64_t B = y.dimensions()[0], V = y.dimensions()[1], D = x.dimensions()[1];
   const auto p = panels.dimensions();
-  if (x.dimensions()[0] != B || p[0] * 16 != V || p[1] != D || p[2] != 16 || norms.dimensions()[0] != V) {
-    return ffi::Error::InvalidArgument("screened argmax: a [B, V], x [B, D], panels [V / 16, D, 16], norms [V]");
+  const int64_t S = scales.dimensions()[0];
+  if (x.dimensions()[0] != B || p[0] * 16 != V || p[1] != D || p[2] != 16 || norms.dimensions()[0] != V ||
+      (S != V && S != 0)) {
+    return ffi::Error::InvalidArgument(
+        "screened argmax: y [B, V], x [B, D], panels [V / 16, D, 16], scales [V] or [0], norms [V]");
   }
+  const H* head = reinterpret_cast<const H*>(panels.untyped_data());
+  const float* scale = S ? scales.typed_data() : nullptr;
   const int64_t rows_per_unit = std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1));
   parallel_for(pool, (B + rows_per_unit - 1) / rows_per_unit, [&](int64_t unit) {
     for (int64_t b = unit * rows_per_unit; b < std::min(B, (unit + 1) * rows_per_unit); ++b) {
-      out->typed_data()[b] = screened_row(a.typed_data() + b * V, x.typed_data() + b * D, panels.typed_data(),
-                                          norms.typed_data(), D, V, c);
+      out->typed_data()[b] = screened_row(y.typed_data() + b * V, x.typed_data() + b * D, head, scale,
+                                          norms.typed_data(), D, V, c1, c2);
     }
   });
   return ffi::Error::Success();
 }
 
+template <ffi::DataType T>
 auto ScreenedBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32, 2>>()
       .Arg<ffi::Buffer<ffi::F32, 2>>()
-      .Arg<ffi::Buffer<ffi::F32, 3>>()
-      .Arg<ffi::Buffer<ffi::F32, 1>>()
-      .Attr<double>("c")
-      .Ret<ffi::Buffer<ffi::S32, 1>>();
+      .template Arg<ffi::Buffer<T, 3>>()
+      .template Arg<ffi::Buffer<ffi::F32, 1>>()
+      .template Arg<ffi::Buffer<ffi::F32, 1>>()
+      .template Attr<double>("c1")
+      .template Attr<double>("c2")
+      .template Ret<ffi::Buffer<ffi::S32, 1>>();
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ArgmaxF32, Argmax, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxF32, ScreenedArgmax, ScreenedBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxF32, (ScreenedArgmax<ffi::F32, float>), ScreenedBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxBF16, (ScreenedArgmax<ffi::BF16, uint16_t>), ScreenedBinding<ffi::BF16>());

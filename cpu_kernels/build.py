@@ -40,6 +40,7 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_matmul_nk_bf16": "MatmulNkBF16",
     "llm_jax_matmul_panels_f32": "MatmulPanelsF32",
     "llm_jax_matmul_panels_bf16": "MatmulPanelsBF16",
+    "llm_jax_matmul_panels_i8": "MatmulPanelsI8",
     "llm_jax_decode_attention_f32": "DecodeAttentionF32",
     "llm_jax_decode_attention_bf16": "DecodeAttentionBF16",
     "llm_jax_decode_attention_u16": "DecodeAttentionBits",
@@ -51,6 +52,7 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_prefill_attention_u16": "PrefillAttentionBits",
     "llm_jax_argmax_f32": "ArgmaxF32",
     "llm_jax_screened_argmax_f32": "ScreenedArgmaxF32",
+    "llm_jax_screened_argmax_bf16": "ScreenedArgmaxBF16",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 

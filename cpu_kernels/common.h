@@ -57,7 +57,23 @@ inline f32x8 load8(const uint16_t* p) {
   return v;
 }
 
+// int8 (the LM head's screen, llm_jax/model/greedy_head.py): sign-extended and converted.
+inline f32x8 load8(const int8_t* p) {
+#if defined(__AVX2__)
+  const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  f32x8 out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  f32x8 out;
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(p[i]);
+  return out;
+#endif
+}
+
 inline float load1(const float* p) { return *p; }
+
+inline float load1(const int8_t* p) { return static_cast<float>(*p); }
 
 inline float load1(const uint16_t* p) {
   uint32_t w = uint32_t(*p) << 16;
@@ -84,6 +100,13 @@ inline fvec loadv(const uint16_t* p) {
   fvec v;
   std::memcpy(&v, &w, sizeof v);
   return v;
+}
+
+inline fvec loadv(const int8_t* p) {
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  fvec out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
 }
 
 inline void storev(float* p, fvec v) { vstore(p, v); }

@@ -1244,6 +1244,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkF32, (Matmul<true, ffi::F32, float>), Bind
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkBF16, (Matmul<true, ffi::BF16, uint16_t>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsF32, (MatmulPanels<ffi::F32, float>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsBF16, (MatmulPanels<ffi::BF16, uint16_t>), Binding());
+// int8 panels: only the LM head's screen (llm_jax/model/greedy_head.py), whose scales the caller applies.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsI8, (MatmulPanels<ffi::S8, int8_t>), Binding());
 
 // Floats per vector of the products above (build.vector_lanes): what the library was built for.
 extern "C" int LlmJaxVectorLanes() { return kLanes; }

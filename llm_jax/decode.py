@@ -249,7 +249,7 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
     to step; the state and what was emitted come back whole on every device, for the host to read.
     """
     hooks = controls.hooks
-    screened = mesh is None and greedy_head.uses_screen(params, config) and argmax_only(controls)
+    screenable = mesh is None and argmax_only(controls)
     cache, state = constrain_cache(cache, mesh), constrain_replicated(state, mesh)
     def step(carry, _):
         cache, state = carry
@@ -258,11 +258,12 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
             running_B = ~state.done_B
             x_B1D, cache, *hidden = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh,
                                                    hooks=hooks)
-            if screened:
-                token_B = greedy_head.greedy_tokens(params, config, x_B1D[:, 0])
-                emitted = Emitted(tokens_BS=token_B)
-            else:
+            # Only the argmax wanted: through the LM head's screen where there is one (None: none fits).
+            token_B = greedy_head.greedy_tokens(params, config, x_B1D[:, 0]) if screenable else None
+            if token_B is None:
                 token_B, emitted = _choose(unembed(params, config, x_B1D)[:, 0], state, controls)
+            else:
+                emitted = Emitted(tokens_BS=token_B)
             state = _advance(token_B, running_B, state, controls, cache.lengths_B, cache.max_len)
             hidden_BRD = hidden[0][:, 0] if hidden and hidden[0] is not None else None
             return cache, state, dataclasses.replace(emitted, tokens_BS=state.tokens_B, hidden_BSRD=hidden_BRD)

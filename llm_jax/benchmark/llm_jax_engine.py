@@ -90,8 +90,8 @@ class LlmJaxEngine:
         self.lengths_B = np.full((B,), workload.prompt_len, np.int32)
         self.controls = DecodeControls.create([GREEDY] * B, eos_ids=[()] * B, stop_ids=[()] * B,
                                               max_new_tokens=[1 + workload.decode_steps] * B)
-        # Greedy, nothing read from the logits but their argmax: a float32 model's head through its screen.
-        self.screened = greedy_head.uses_screen(params, config) and argmax_only(self.controls)
+        # Greedy, nothing read from the logits but their argmax: the LM head through its screen, if any.
+        self.screen = greedy_head.screen_for(params, config, B) if argmax_only(self.controls) else None
 
     def compile(self) -> Compiled:
         t0 = time.perf_counter()

@@ -64,8 +64,11 @@ class Row:
     # it is below the memory roofline: batched decode.
     product_flops_per_step: int
     attention_flops_per_step: int
-    # Of product_flops_per_step, the LM head's when llm_jax decodes through its bfloat16 screen
-    # (llm_jax.model.greedy_head; counted at the bfloat16 peak, and at 2 bytes a weight in bytes_per_step).
+    # The screen llm_jax's greedy steps read the LM head through ("int8", "bfloat16"; None: the head
+    # itself; llm_jax.model.greedy_head): bytes_per_step counts it in place of the head, for both engines'
+    # rows (the bound of the computation llm_jax does); and of product_flops_per_step, the LM head's when
+    # through the bfloat16 screen, at the bfloat16 peak.
+    head_screen: str | None
     screened_head_flops_per_step: int
     compute_roofline_tokens_per_s: float | None
     compute_roofline_fraction: float | None
@@ -84,7 +87,8 @@ class Row:
 
 def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compiled: Compiled, runs: Sequence[Run],
               roofline: Roofline, compute: ComputeRoofline, kv_bytes_per_token: int, peak_rss_mb: float,
-              run_bandwidths_gbps: Sequence[float] | None = None, peaks_measured: bool = True) -> Row:
+              run_bandwidths_gbps: Sequence[float] | None = None, peaks_measured: bool = True,
+              head_screen: str | None = None) -> Row:
     """``runs`` in one row; ``run_bandwidths_gbps[i]`` is the bandwidth measured around run i; ``compute``
     at the measured arithmetic peaks (without ``peaks_measured``, its flops only)."""
     B = workload.batch
@@ -110,7 +114,7 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
                run_bandwidth_gbps=Spread.of(run_bandwidths_gbps) if run_bandwidths_gbps else None,
                roofline_at_run_fraction=at_run, product_flops_per_step=compute.product_flops,
                attention_flops_per_step=compute.attention_flops,
-               screened_head_flops_per_step=compute.screened_head_flops,
+               head_screen=head_screen, screened_head_flops_per_step=compute.screened_head_flops,
                compute_roofline_tokens_per_s=compute.tokens_per_s if peaks_measured else None,
                compute_roofline_fraction=decode.median / compute.tokens_per_s if peaks_measured else None,
                kv_cache_bytes_per_token=kv_bytes_per_token,

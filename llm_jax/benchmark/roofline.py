@@ -9,10 +9,11 @@ weight does B multiply-adds per read, and the arithmetic binds instead: 2 flops 
 the matrix products, 4 per cached key, query head and head dimension for attention (q·k and p·v), at the
 measured peak of the arithmetic the kernels use (:func:`compute_roofline`).
 
-With ``screened_head`` (a float32 model decoding greedily through its LM head's bfloat16 screen,
-:mod:`llm_jax.model.greedy_head`) the head counts as what that step reads and computes: its bfloat16
-copy, 2 bytes a weight, multiplied at the bfloat16 peak (the few columns then computed exactly from
-the float32 head, ≈ 64 · D bytes each, are not counted: how many depends on the logits).
+With a ``screen`` (greedy decoding through a screen of the LM head, :mod:`llm_jax.model.greedy_head`)
+the head counts as what that step reads and computes: its int8 copy (1 byte a weight, and a scale and a
+norm per column) at the float32 peak, or its bfloat16 copy (2 bytes a weight, and a norm per column) at
+the bfloat16 peak; the few columns then computed exactly from the head (one line per row of D each) are
+not counted: how many depends on the logits.
 """
 
 from __future__ import annotations
@@ -25,16 +26,22 @@ from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import cache_bytes_per_token
 
 
-def weight_bytes_per_step(config: ModelConfig, batch: int, *, screened_head: bool = False) -> int:
-    """Bytes of parameters one decode step reads (``screened_head``: the LM head's bfloat16 screen
-    instead of the head)."""
+def weight_bytes_per_step(config: ModelConfig, batch: int, *, screen: str | None = None) -> int:
+    """Bytes of parameters one decode step reads (with ``screen``, ``"int8"`` or ``"bfloat16"``, the LM
+    head's screen instead of the head)."""
     itemsize = jnp.dtype(config.param_dtype).itemsize
     embedding = config.vocab_size * config.d_model
     read = config.num_params() - embedding + batch * config.d_model
     if config.tie_embeddings:  # the table is the LM head, read whole
         read += embedding
-    head_bytes = embedding * itemsize
-    return read * itemsize - (head_bytes - embedding * 2 if screened_head else 0)
+    if screen is None:
+        return read * itemsize
+    per_weight, per_column = SCREEN_BYTES[screen]
+    return (read - embedding) * itemsize + embedding * per_weight + config.vocab_size * per_column
+
+
+# Bytes a screen reads per weight of the head and per column (scales, norms).
+SCREEN_BYTES = {"int8": (1, 8), "bfloat16": (2, 4)}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,14 +56,14 @@ class Roofline:
 
 
 def decode_roofline(config: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int,
-                    bandwidth_gbps: float, screened_head: bool = False) -> Roofline:
+                    bandwidth_gbps: float, screen: str | None = None) -> Roofline:
     """Roofline of decoding ``new_tokens`` after a ``prompt_len`` prompt, for ``batch`` sequences
-    (``screened_head``: the LM head read as its bfloat16 screen).
+    (``screen``: the LM head read through that screen).
 
     The KV term counts the tokens actually in context (on average ``prompt_len + new_tokens / 2``), not
     the slots a bucketed cache allocates: the bound is on what the computation needs.
     """
-    weights = weight_bytes_per_step(config, batch, screened_head=screened_head)
+    weights = weight_bytes_per_step(config, batch, screen=screen)
     mean_context = prompt_len + new_tokens / 2
     kv = int(batch * mean_context * cache_bytes_per_token(config))
     return Roofline(weight_bytes=weights, kv_bytes=kv,
@@ -85,16 +92,16 @@ class ComputeRoofline:
 
 def compute_roofline(config: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int,
                      product_gflops: float, attention_gflops: float, head_gflops: float | None = None,
-                     screened_head: bool = False) -> ComputeRoofline:
+                     screen: str | None = None) -> ComputeRoofline:
     """The arithmetic bound on decoding ``new_tokens`` after a ``prompt_len`` prompt, for ``batch``
     sequences: the matrix products at ``product_gflops`` (the peak of the weights' dtype: bfloat16 dot
     products where the CPU has them) and attention, in float32, at ``attention_gflops``. Its context is
-    counted as :func:`decode_roofline` counts it. With ``screened_head`` the LM head's products run at
-    ``head_gflops`` (the bfloat16 peak) instead."""
+    counted as :func:`decode_roofline` counts it. Through the ``"bfloat16"`` screen the LM head's products
+    run at ``head_gflops`` (the bfloat16 peak) instead; through ``"int8"``'s, widened, at the float32 one."""
     mean_context = prompt_len + new_tokens / 2
     products = 2 * batch * product_weights(config)
     attention = int(4 * batch * mean_context * config.n_layers * config.n_heads * config.head_dim)
-    head = 2 * batch * config.vocab_size * config.d_model if screened_head else 0
+    head = 2 * batch * config.vocab_size * config.d_model if screen == "bfloat16" else 0
     seconds = arithmetic_seconds(products, attention, product_gflops, attention_gflops, head_flops=head,
                                  head_gflops=head_gflops)
     return ComputeRoofline(product_flops=products, attention_flops=attention, screened_head_flops=head,

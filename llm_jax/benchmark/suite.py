@@ -144,20 +144,20 @@ def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[
     results = []
     for c, (cell, workload, engines) in enumerate(plans):
         # The bound of what llm_jax's step reads and computes: through the LM head's screen where it decodes so.
-        screened = any(isinstance(e, LlmJaxEngine) and e.screened for e in engines)
+        screen = next((e.screen for e in engines if isinstance(e, LlmJaxEngine) and e.screen), None)
         roofline = decode_roofline(config, batch=cell.batch, prompt_len=options.prompt_len,
                                    new_tokens=1 + workload.decode_steps, bandwidth_gbps=options.bandwidth_gbps,
-                                   screened_head=screened)
+                                   screen=screen)
         measured = all(options.peaks_gflops)
         arithmetic = options.peaks_gflops if measured else (1.0, 1.0)  # unmeasured: the flops alone are reported
         compute = compute_roofline(config, batch=cell.batch, prompt_len=options.prompt_len,
                                    new_tokens=1 + workload.decode_steps,
                                    product_gflops=product_peak(cell.dtype, arithmetic), attention_gflops=arithmetic[0],
-                                   head_gflops=arithmetic[1], screened_head=screened)
+                                   head_gflops=arithmetic[1], screen=screen)
         rows = [summarise(engine=e.name, shape=source.label, dtype=cell.dtype, workload=workload,
                           compiled=compiled[c, e.name], runs=runs[c, e.name], roofline=roofline, compute=compute,
                           kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[c, e.name],
-                          run_bandwidths_gbps=bandwidths[c, e.name], peaks_measured=measured)
+                          run_bandwidths_gbps=bandwidths[c, e.name], peaks_measured=measured, head_screen=screen)
                 for e in engines]
         if not options.compare_hf:
             results.append(CellResult(rows=rows, hf_ratio=None, agreement=None, profiles=tuple(profiles[c])))

@@ -19,7 +19,7 @@ kernels read as whole rows (``FUSED_ROW_BYTES``, ``kFullRowBytes`` in ``cpu_kern
 shape's bfloat16 gate/up (22 KiB rows) would be cut into column tiles, which read slower than its two
 11 KiB matrices. In panels (``panels=True``, what :func:`for_inference` and ``llm_jax.load`` use where the
 kernels run) every group is fused: a unit of work is a few panels, whatever the width of the matrix; and
-a float32 model gets its LM head's bfloat16 screen for greedy decoding (:mod:`llm_jax.model.greedy_head`).
+the LM head gets its screens for greedy decoding (:mod:`llm_jax.model.greedy_head`).
 
 Checkpoints, converters and sharding keep the separate layout: :func:`llm_jax.load` fuses where the CPU
 kernels run (one CPU device), ``save_checkpoint`` and ``Model.shard`` unfuse.

@@ -63,69 +63,88 @@ def test_runs_the_kernel_on_cpu():
     assert ("llm_jax_argmax_f32" in lowered) == cpu_kernels.available()
 
 
-# cpu_kernels.screened_argmax: the argmax of x · W from logits screened through W's bfloat16 copy.
+# cpu_kernels.screened_argmax: the argmax of x · W from logits screened through a narrower copy of W.
 
-def _screened_case(D, V, B, seed):
-    """x [B, D], W [D, V] as panels, the screen's logits and norms, and the exact float64 argmax."""
+def _screened_case(D, V, B, seed, screen="bfloat16", head_dtype=jnp.float32):
+    """x [B, D] (rounded as W's product rounds it), W [D, V] as panels, the screen's logits, the arguments
+    that go with them, and the exact float64 argmax."""
     from llm_jax.model import greedy_head
 
     rng = np.random.default_rng(seed)
     W = rng.normal(0, 0.02, (D, V)).astype(np.float32)
     x = rng.normal(0, 1, (B, D)).astype(np.float32)
-    # Near-ties: column 5 equals column 7 (the first must win), column 11 is column 7 raised by 1e-5, and
-    # row 0 points along column 7, so all three lead it.
+    # Near-ties: column 5 equals column 7 (the first must win), column 11 is column 7 raised by 1e-5 (for
+    # a bfloat16 W, by 1/64: a few units in its last place), and row 0 points along column 7, so all three
+    # lead it.
     W[:, 5] = W[:, 7]
-    W[:, 11] = W[:, 7] * np.float32(1 + 1e-5)
+    W[:, 11] = W[:, 7] * np.float32(1 + (1e-5 if head_dtype == jnp.float32 else 1 / 64))
     x[0] = 40 * W[:, 7]
-    panels = cpu_kernels.to_panels(jnp.asarray(W))
-    screen, norms = greedy_head._screen(panels)
-    screened = cpu_kernels.matmul(jnp.asarray(x), screen, panels=True)
-    exact = np.argmax(x.astype(np.float64) @ W.astype(np.float64), axis=-1)
-    return jnp.asarray(x), panels, screened, norms, exact, greedy_head.bound_factor(D)
+    panels = cpu_kernels.to_panels(jnp.asarray(W)).astype(head_dtype)
+    screens = greedy_head._screens(panels)
+    x = jnp.asarray(x).astype(head_dtype).astype(jnp.float32)
+    y = cpu_kernels.matmul(x, screens[screen], panels=True)
+    scales = screens["scales_V"] if screen == "int8" else None
+    exact = np.argmax(np.asarray(x, np.float64) @ np.asarray(cpu_kernels.from_panels(panels), np.float64), axis=-1)
+    return (y, x, panels, scales, screens["norms_V"], *greedy_head.bounds(D, screen)), exact
 
 
+SCREENS = [("bfloat16", jnp.float32), ("int8", jnp.float32), ("int8", jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=["bf16-of-f32", "int8-of-f32", "int8-of-bf16"])
 @pytest.mark.parametrize("D,V,B", [(288, 32000, 32), (37, 160, 9), (64, 48, 3), (768, 4096, 5)])
-def test_screened_argmax_is_the_exact_argmax(D, V, B):
-    x, panels, screened, norms, exact, c = _screened_case(D, V, B, seed=D + V)
-    ours = np.asarray(jax.jit(cpu_kernels.screened_argmax, static_argnums=4)(screened, x, panels, norms, c))
+def test_screened_argmax_is_the_exact_argmax(D, V, B, screen, head_dtype):
+    args, exact = _screened_case(D, V, B, D + V, screen, head_dtype)
+    ours = np.asarray(jax.jit(cpu_kernels.screened_argmax, static_argnums=(5, 6))(*args))
     np.testing.assert_array_equal(ours, exact)
     assert ours[0] == 11  # the raised copy, not the first of the two equal columns before it
+    y, x, panels = args[:3]
     kernel = np.asarray(cpu_kernels.argmax(cpu_kernels.matmul(x, panels, panels=True)))
-    np.testing.assert_array_equal(ours, kernel)  # and the full float32 product's argmax
+    np.testing.assert_array_equal(ours, kernel)  # and the head's own product's argmax
 
 
-def test_the_screen_alone_would_be_wrong_and_a_bound_of_zero_is_caught():
-    """The bfloat16 logits' own argmax misses the exact one in some rows (the test data can tell); with
-    c = 0 the kernel computes only the screen's winners exactly and misses them too."""
-    x, panels, screened, norms, exact, c = _screened_case(288, 32000, 32, seed=3)
-    assert (np.argmax(np.asarray(screened), axis=-1) != exact).any()
-    unbounded = np.asarray(cpu_kernels.screened_argmax(screened, x, panels, norms, 0.0))
+@pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=["bf16-of-f32", "int8-of-f32", "int8-of-bf16"])
+def test_the_screen_alone_would_be_wrong_and_a_bound_of_zero_is_caught(screen, head_dtype):
+    """The screened logits' own argmax misses the exact one in some rows (the test data can tell); with
+    c1 = c2 = 0 the kernel computes only the screen's winners exactly and misses them too."""
+    rows = 2048 if screen == "bfloat16" else 256  # bfloat16's screen misorders about one row in 150
+    args, exact = _screened_case(288, 8000, rows, 3, screen, head_dtype)
+    y, x, panels, scales, norms, c1, c2 = args
+    screened = np.asarray(y) * (1 if scales is None else np.asarray(scales))
+    assert (np.argmax(screened, axis=-1) != exact).any()
+    unbounded = np.asarray(cpu_kernels.screened_argmax(y, x, panels, scales, norms, 0.0, 0.0))
     assert (unbounded != exact).any()
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.screened_argmax(screened, x, panels, norms, c)), exact)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.screened_argmax(*args)), exact)
 
 
-def test_screened_argmax_of_rows_with_nans_and_infinities():
+@pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=["bf16-of-f32", "int8-of-f32", "int8-of-bf16"])
+def test_screened_argmax_of_rows_with_nans_and_infinities(screen, head_dtype):
     """Such rows are computed in full: jnp.argmax's answer for the exact logits (the first NaN)."""
-    x, panels, screened, norms, _, c = _screened_case(37, 160, 4, seed=5)
+    args, _ = _screened_case(37, 160, 4, 5, screen, head_dtype)
+    y, x, panels, scales, norms, c1, c2 = args
     x = x.at[1, 3].set(NAN).at[2, 0].set(INF)
-    screened = screened.at[3, 17].set(NAN)  # a NaN in the screen only: the exact logits decide
-    ours = np.asarray(cpu_kernels.screened_argmax(screened, x, panels, norms, c))
+    y = y.at[3, 17].set(NAN)  # a NaN in the screen only: the exact logits decide
+    ours = np.asarray(cpu_kernels.screened_argmax(y, x, panels, scales, norms, c1, c2))
     logits = np.asarray(x, np.float64) @ np.asarray(cpu_kernels.from_panels(panels), np.float64)
     np.testing.assert_array_equal(ours, np.argmax(logits, axis=-1))
     assert ours[1] == 0  # every logit NaN: the first
 
 
 def test_screened_argmax_checks_its_operands():
-    x, panels, screened, norms, _, c = _screened_case(37, 160, 2, seed=0)
+    (y, x, panels, scales, norms, c1, c2), _ = _screened_case(37, 160, 2, 0, "int8")
     with pytest.raises(ValueError, match="screened_argmax needs"):
-        cpu_kernels.screened_argmax(screened, x[:, :36], panels, norms, c)
+        cpu_kernels.screened_argmax(y, x[:, :36], panels, scales, norms, c1, c2)
     with pytest.raises(ValueError, match="screened_argmax needs"):
-        cpu_kernels.screened_argmax(screened, x, panels, norms[:-16], c)
+        cpu_kernels.screened_argmax(y, x, panels, scales, norms[:-16], c1, c2)
     with pytest.raises(ValueError, match="screened_argmax needs"):
-        cpu_kernels.screened_argmax(screened, x, panels.astype(jnp.bfloat16), norms, c)
+        cpu_kernels.screened_argmax(y, x, panels, scales[:-1], norms, c1, c2)
+    with pytest.raises(ValueError, match="screened_argmax needs"):
+        cpu_kernels.screened_argmax(y, x, panels.astype(jnp.int8), scales, norms, c1, c2)
 
 
-def test_screened_argmax_runs_the_kernel_on_cpu():
-    x, panels, screened, norms, _, c = _screened_case(37, 160, 2, seed=0)
-    lowered = jax.jit(cpu_kernels.screened_argmax, static_argnums=4).lower(screened, x, panels, norms, c).as_text()
-    assert ("llm_jax_screened_argmax_f32" in lowered) == cpu_kernels.available()
+@pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16])
+def test_screened_argmax_runs_the_kernel_on_cpu(head_dtype):
+    args, _ = _screened_case(37, 160, 2, 0, "int8", head_dtype)
+    lowered = jax.jit(cpu_kernels.screened_argmax, static_argnums=(5, 6)).lower(*args).as_text()
+    name = "llm_jax_screened_argmax_" + ("f32" if head_dtype == jnp.float32 else "bf16")
+    assert (name in lowered) == cpu_kernels.available()

@@ -105,3 +105,33 @@ def test_falls_back_to_xla_off_the_kernels(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     ours = cpu_kernels.matmul(x, cpu_kernels.to_panels(w), panels=True)
     np.testing.assert_allclose(np.asarray(ours), reference(x, w), rtol=RTOL, atol=ATOL)
+
+
+# int8 panels (the LM head's screen, llm_jax/model/greedy_head.py): the integers as they are, x not rounded.
+
+@pytest.mark.parametrize("R,K,N", [(1, 288, 32000), (1, 37, 80), (1, 800, 208), (3, 33, 48), (7, 129, 112),
+                                   (9, 40, 80), (32, 288, 768)])
+def test_int8_panels_match_numpy(R, K, N):
+    rng = np.random.default_rng(R + K + N)
+    x = jnp.asarray(rng.normal(size=(R, K)), jnp.float32)
+    q = jnp.asarray(rng.integers(-127, 128, size=(K, N)), jnp.int8)
+    ours = jax.jit(functools.partial(cpu_kernels.matmul, panels=True))(x, cpu_kernels.to_panels(q))
+    assert ours.dtype == jnp.float32 and ours.shape == (R, N)
+    expected = np.asarray(x, np.float64) @ np.asarray(q, np.float64)
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=RTOL, atol=ATOL * 127)
+
+
+def test_int8_panels_of_a_stack_and_only_in_panels():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 40)), jnp.float32)
+    q = jnp.asarray(rng.integers(-127, 128, size=(3, 40, 64)), jnp.int8)
+    ours = cpu_kernels.matmul(x, cpu_kernels.to_panels(q), panels=True, layer=2)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(x, np.float64) @ np.asarray(q[2], np.float64),
+                               rtol=RTOL, atol=ATOL * 127)
+    with pytest.raises(ValueError, match="int8 weights only in the panel layout"):
+        cpu_kernels.matmul(x, q[0])
+    with pytest.raises(ValueError, match="int8 weights only in the panel layout"):
+        cpu_kernels.matmuls(x, [cpu_kernels.to_panels(q[0]), cpu_kernels.to_panels(q[1].astype(jnp.float32))],
+                            panels=True)
+    lowered = jax.jit(functools.partial(cpu_kernels.matmul, panels=True)).lower(x, cpu_kernels.to_panels(q[0])).as_text()
+    assert ("llm_jax_matmul_panels_i8" in lowered) == cpu_kernels.available()

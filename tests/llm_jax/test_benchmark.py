@@ -51,31 +51,33 @@ def test_json_has_a_row_per_engine_with_every_field(report):
 
 def test_the_compute_roofline_is_the_steps_flops_at_the_given_peak(report):
     """260K float32 at batch 1: products and attention at the float32 peak (the second figure of
-    --peak-gflops is bfloat16's); where the kernels run, llm_jax's greedy steps read the LM head through
-    its bfloat16 screen, whose products count at the bfloat16 peak, for both engines' rows."""
+    --peak-gflops is bfloat16's; where the kernels run, the LM head's int8 screen is widened to float32
+    too)."""
     config = shape_config("260K", dtype="float32")
     assert (report["machine"]["peak_gflops"], report["machine"]["peak_gflops_bf16"]) == (100.0, 300.0)
-    head = 2 * config.vocab_size * config.d_model if build.load() else 0
     for row in report["rows"]:
         assert row["product_flops_per_step"] == 2 * product_weights(config)
         assert row["attention_flops_per_step"] == int(4 * (16 + 9 / 2) * config.n_layers * config.n_heads *
                                                       config.head_dim)
-        assert row["screened_head_flops_per_step"] == head
-        seconds = (row["product_flops_per_step"] - head + row["attention_flops_per_step"]) / 100e9 + head / 300e9
-        assert row["compute_roofline_tokens_per_s"] == pytest.approx(1 / seconds)
+        assert row["screened_head_flops_per_step"] == 0
+        flops = row["product_flops_per_step"] + row["attention_flops_per_step"]
+        assert row["compute_roofline_tokens_per_s"] == pytest.approx(100e9 / flops)
         assert row["compute_roofline_fraction"] == pytest.approx(row["decode_tokens_per_s"] /
                                                                  row["compute_roofline_tokens_per_s"])
 
 
-def test_the_screened_head_is_read_at_two_bytes_a_weight(report):
-    """bytes_per_step with the screen: the float32 step's bytes less half the head's."""
+def test_the_roofline_counts_the_screen_a_greedy_step_reads(report):
+    """Where the kernels run, llm_jax's batch-1 greedy steps read the LM head through its int8 screen:
+    bytes_per_step counts it (1 byte a weight, 8 a column) in place of the head, in both engines' rows."""
     config = shape_config("260K", dtype="float32")
     kv = int((16 + 9 / 2) * cache_bytes_per_token(config))
-    saved = 2 * config.vocab_size * config.d_model if build.load() else 0
+    screen = "int8" if build.load() else None
+    V, D = config.vocab_size, config.d_model
     for row in report["rows"]:
-        assert row["bytes_per_step"] == weight_bytes_per_step(config, 1) + kv - saved
-    assert weight_bytes_per_step(config, 1, screened_head=True) == weight_bytes_per_step(config, 1) - (
-        2 * config.vocab_size * config.d_model)
+        assert row["head_screen"] == screen
+        assert row["bytes_per_step"] == weight_bytes_per_step(config, 1, screen=screen) + kv
+    assert weight_bytes_per_step(config, 1, screen="int8") == weight_bytes_per_step(config, 1) - 3 * V * D + 8 * V
+    assert weight_bytes_per_step(config, 1, screen="bfloat16") == weight_bytes_per_step(config, 1) - 2 * V * D + 4 * V
 
 
 def test_the_roofline_at_a_steps_size_is_not_measured_with_a_given_bandwidth(report):
@@ -142,11 +144,14 @@ def test_compute_roofline_takes_products_and_attention_at_their_peaks():
     assert roof.tokens_per_s == pytest.approx(32 / (roof.product_flops / 400e9 + roof.attention_flops / 200e9))
     assert roof.screened_head_flops == 0
     screened = compute_roofline(config, batch=32, prompt_len=16, new_tokens=129, product_gflops=400.0,
-                                attention_gflops=200.0, head_gflops=800.0, screened_head=True)
+                                attention_gflops=200.0, head_gflops=800.0, screen="bfloat16")
     head = 2 * 32 * config.vocab_size * config.d_model
     assert screened.screened_head_flops == head and screened.product_flops == roof.product_flops
     assert screened.tokens_per_s == pytest.approx(32 / ((roof.product_flops - head) / 400e9 + head / 800e9 +
                                                         roof.attention_flops / 200e9))
+    widened = compute_roofline(config, batch=32, prompt_len=16, new_tokens=129, product_gflops=400.0,
+                               attention_gflops=200.0, head_gflops=800.0, screen="int8")  # at the product peak
+    assert widened.screened_head_flops == 0 and widened.tokens_per_s == pytest.approx(roof.tokens_per_s)
     # 15M's products at 32 rows: 0.97 GFLOP a step
     assert roof.product_flops == pytest.approx(0.972e9, rel=1e-3)
 
@@ -247,10 +252,9 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
     report = json.loads(path.read_text())
     assert report["machine"]["bandwidth_gbps"] == 8.0
     assert (report["machine"]["peak_gflops"], report["machine"]["peak_gflops_bf16"]) == (150.0, 300.0)
-    for row in report["rows"]:  # float32: both at 150; the screened head (where the kernels run) at 300
-        head = row["screened_head_flops_per_step"]
-        seconds = (row["product_flops_per_step"] - head + row["attention_flops_per_step"]) / 150e9 + head / 300e9
-        assert row["compute_roofline_tokens_per_s"] == pytest.approx(1 / seconds)
+    for row in report["rows"]:
+        flops = row["product_flops_per_step"] + row["attention_flops_per_step"]
+        assert row["compute_roofline_tokens_per_s"] == pytest.approx(150e9 / flops)  # float32: both at 150
     assert {row["engine"] for row in report["rows"]} == {"llm_jax", "transformers"}
     for row in report["rows"]:
         assert row["roofline_tokens_per_s"] == pytest.approx(8.0e9 / row["bytes_per_step"], rel=1e-6)
@@ -329,8 +333,8 @@ def test_the_profile_attributes_a_decode_step_to_its_ops(report):
     labels = [op["label"] for op in profile["ops"]]
     assert len(set(labels)) == len(labels)
     if build.load():  # on CPU the kernels run: the products and the attention are named by where they run
-        # greedy float32 steps: the LM head through its bfloat16 screen (llm_jax.model.greedy_head)
-        assert any(label.startswith("greedy_head: matmul_panels_bf16") for label in labels), labels
+        # greedy batch-1 steps: the LM head through its int8 screen (llm_jax.model.greedy_head)
+        assert any(label.startswith("greedy_head: matmul_panels_i8") for label in labels), labels
         assert any(label.startswith("greedy_head: screened_argmax_f32") for label in labels), labels
         products = [op for op in profile["ops"] if "matmul_" in op["label"]]
         assert products and all(op["flops_per_call"] > 0 for op in products)

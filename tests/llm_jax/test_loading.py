@@ -8,7 +8,7 @@ import torch
 
 import llm_jax
 from llm_jax.config import AttentionImpl, ConfigError
-from llm_jax.model import is_fused, unfuse_projections
+from llm_jax.model import greedy_head, is_fused, unfuse_projections
 from llm_jax.model.fused import kernels_prefer_fused
 from llm_jax.weights.convert import convert
 from llm_jax.weights.placement import leaves_by_path
@@ -66,7 +66,8 @@ def test_hugging_face_default_dtype_is_the_checkpoints_own(tmp_path):
                     num_attention_heads=4, num_key_value_heads=2).to(torch.bfloat16).save_pretrained(tmp_path)
     model = llm_jax.load(tmp_path)
     assert model.config.param_dtype == "bfloat16"
-    assert {x.dtype for x in jax.tree.leaves(model.params)} == {jnp.dtype(jnp.bfloat16)}
+    # every weight; the LM head's screens for greedy decoding (int8, float32 scales) are not weights
+    assert {x.dtype for x in jax.tree.leaves(greedy_head.without_screen(model.params))} == {jnp.dtype(jnp.bfloat16)}
     assert model.tokenizer is None and model.eos_ids == ()
 
 

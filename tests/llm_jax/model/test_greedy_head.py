@@ -1,6 +1,7 @@
-"""The LM head's bfloat16 screen for greedy float32 decoding (``llm_jax.model.greedy_head``): the bound
-holds, where the screen is built and dropped, and greedy decode gives the same tokens with and without it
-(random weights at batch 3, and the real stories260K), while steps that read the logits skip it."""
+"""The LM head's screens for greedy decoding (``llm_jax.model.greedy_head``): the bounds hold, where the
+screens are built and dropped, which one a step reads, and greedy decode gives the same tokens with and
+without them (random float32 and bfloat16 weights at 3 and 9 rows, and the real stories260K), while steps
+that read the logits skip them."""
 
 import dataclasses
 
@@ -23,103 +24,144 @@ CONFIG = ModelConfig(vocab_size=160, d_model=48, n_layers=2, n_heads=4, n_kv_hea
                      max_seq_len=64)
 PROMPTS = [[3, 14, 15, 9, 26], [5, 35, 8], [9, 7, 9, 3, 23, 8, 4]]
 
-needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="the screen runs on the CPU kernels")
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="the screens run on the CPU kernels")
 
 
-@pytest.fixture(scope="module")
-def params():
+def inference_params(config: ModelConfig, seed: int = 2):
     # Larger weights than the default init, so greedy continuations vary instead of repeating one token.
-    plain = jax.tree.map(lambda a: a * 8 if a.ndim > 1 else a, init_params(CONFIG, seed=2))
-    return fuse_projections(plain, CONFIG, panels=True)
+    plain = jax.tree.map(lambda a: a * 8 if a.ndim > 1 else a, init_params(config, seed=seed))
+    return fuse_projections(plain, config, panels=True)
 
 
-def test_the_bound_holds_with_room_to_spare():
-    """|screened − float32 logit| ≤ c · ‖x‖ · ‖w‖ for random columns and for x along a column (where the
-    logit is the largest it can be for those norms); the worst ratio is printed by -s."""
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def model(request):
+    config = CONFIG.replace(param_dtype=request.param)
+    return config, inference_params(config)
+
+
+@pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16])
+def test_the_bounds_hold_with_room_to_spare(head_dtype):
+    """|screened − head's logit| ≤ c₁ ‖x‖₁ s + c₂ ‖x‖₂ ‖w‖ for random columns and for x along a column
+    (where Cauchy–Schwarz is tight); the worst ratio is printed by -s."""
     rng = np.random.default_rng(0)
     for D in (48, 288, 768):
         W = rng.normal(0, 0.02, (D, 512)).astype(np.float32)
         x = rng.normal(0, 1, (6, D)).astype(np.float32)
         x[:3] = 30 * W[:, :3].T  # along columns 0, 1, 2
-        panels = cpu_kernels.to_panels(jnp.asarray(W))
-        screen, norms = greedy_head._screen(panels)
-        screened = np.asarray(cpu_kernels.matmul(jnp.asarray(x), screen, panels=True), np.float64)
-        exact = np.asarray(cpu_kernels.matmul(jnp.asarray(x), panels, panels=True), np.float64)
-        bound = greedy_head.bound_factor(D) * np.linalg.norm(x.astype(np.float64), axis=1)[:, None] * np.asarray(norms)
-        ratio = np.abs(screened - exact) / bound
-        assert ratio.max() < 1, (D, ratio.max())
-        assert np.all(np.asarray(norms) >= np.linalg.norm(W.astype(np.float64), axis=0))
-        print(f"D={D}: worst |Δ| / bound {ratio.max():.3f}")
+        panels = cpu_kernels.to_panels(jnp.asarray(W)).astype(head_dtype)
+        x = jnp.asarray(x).astype(head_dtype).astype(jnp.float32)
+        screens = greedy_head._screens(panels)
+        exact = np.asarray(cpu_kernels.matmul(x, panels, panels=True), np.float64)
+        xs = np.asarray(x, np.float64)
+        W = np.asarray(cpu_kernels.from_panels(panels), np.float64)
+        assert np.all(np.asarray(screens["norms_V"]) >= np.linalg.norm(W, axis=0))
+        for screen in ("int8", "bfloat16") if head_dtype == jnp.float32 else ("int8",):
+            c1, c2 = greedy_head.bounds(D, screen)
+            screened = np.asarray(cpu_kernels.matmul(x, screens[screen], panels=True), np.float64)
+            scales = np.asarray(screens["scales_V"], np.float64)
+            if screen == "int8":
+                screened = screened * scales
+            bound = (c1 * np.abs(xs).sum(1)[:, None] * scales
+                     + c2 * np.linalg.norm(xs, axis=1)[:, None] * np.asarray(screens["norms_V"]))
+            ratio = np.abs(screened - exact) / bound
+            assert ratio.max() < 1, (D, screen, ratio.max())
+            print(f"D={D} {screen} of {jnp.dtype(head_dtype).name}: worst |Δ| / bound {ratio.max():.3f}")
 
 
-def test_bound_factor_is_the_documented_constant():
-    u, n = 2.0 ** -8, 288 * 2.0 ** -24
-    assert greedy_head.bound_factor(288) == pytest.approx(1.01 * (2 * u + u * u + 2.1 * n / (1 - n)), rel=1e-12)
+def test_bounds_are_the_documented_constants():
+    u, u32, n = 2.0 ** -8, 2.0 ** -24, 288 * 2.0 ** -24
+    gamma = n / (1 - n)
+    assert greedy_head.bounds(288, "bfloat16") == pytest.approx((0.0, 1.01 * (2 * u + u * u + 2.1 * gamma)), rel=1e-12)
+    assert greedy_head.bounds(288, "int8") == pytest.approx(
+        (1.01 * 0.5 * (1 + 2.0 ** -12) * (1 + gamma + u32), 1.01 * 2.1 * (gamma + u32)), rel=1e-12)
+    with pytest.raises(ValueError, match="unknown screen"):
+        greedy_head.bounds(288, "int4")
 
 
-def test_the_screen_is_built_for_float32_heads_in_panels_only(params):
-    screen = params[greedy_head.SCREEN]
-    head = greedy_head.head_panels(params, CONFIG)
-    assert screen["panels"].dtype == jnp.bfloat16 and screen["panels"].shape == head.shape == (10, 48, 16)
-    np.testing.assert_array_equal(np.asarray(screen["panels"]), np.asarray(head.astype(jnp.bfloat16)))
-    assert screen["norms_V"].shape == (160,) and screen["norms_V"].dtype == jnp.float32
-    plain = unfuse_projections(params, CONFIG)  # checkpoints and sharding: no screen
+def test_the_screens_of_a_head_in_panels(model):
+    config, params = model
+    screens = params[greedy_head.SCREEN]
+    head = greedy_head.head_panels(params, config)
+    V, D = config.vocab_size, config.d_model
+    assert head.shape == screens["int8"].shape == (V // 16, D, 16) and screens["int8"].dtype == jnp.int8
+    w = np.asarray(head, np.float32)
+    scales = np.abs(w).max(axis=1) / 127  # [V / 16, 16]
+    np.testing.assert_allclose(np.asarray(screens["scales_V"]), scales.reshape(-1), rtol=1e-6)
+    q = np.asarray(screens["int8"], np.float64)
+    s = np.asarray(screens["scales_V"], np.float64).reshape(scales.shape)[:, None, :]
+    # what the bound assumes: each weight within half a step (and the rounding of w / s) of its integer
+    assert np.all(np.abs(w - s * q) <= s / 2 * (1 + 2.0 ** -12)) and np.abs(q).max() <= 127
+    assert np.abs(q - np.round(w / scales[:, None, :])).max() <= 1  # w / s at .5 may round either way
+    assert screens["norms_V"].shape == (V,)
+    if config.param_dtype == "float32":
+        np.testing.assert_array_equal(np.asarray(screens["bfloat16"]), np.asarray(head.astype(jnp.bfloat16)))
+    else:
+        assert "bfloat16" not in screens  # the head itself is bfloat16
+    plain = unfuse_projections(params, config)  # checkpoints and sharding: no screen
     assert not greedy_head.has_screen(plain)
-    assert not greedy_head.has_screen(fuse_projections(plain, CONFIG))  # fused, not in panels
-    bf16 = CONFIG.replace(param_dtype="bfloat16")
-    assert not greedy_head.has_screen(fuse_projections(init_params(bf16), bf16, panels=True))
-    capped = CONFIG.replace(final_logit_softcap=30.0)  # tanh makes distinct logits equal: not screened
-    assert not greedy_head.has_screen(fuse_projections(init_params(capped), capped, panels=True))
-    assert not greedy_head.applies(CONFIG.replace(matmul_impl=MatmulImpl.XLA))
+    assert not greedy_head.has_screen(fuse_projections(plain, config))  # fused, not in panels
     assert greedy_head.without_screen(plain) is plain
 
 
-def _decode(params, config, controls, steps=12):
-    tokens, lengths = pad_prompts(PROMPTS, 16)
-    logits, cache = prefill(params, config, tokens, lengths, init_cache(config, len(PROMPTS), 32))
+def test_which_models_and_steps_get_a_screen(model):
+    config, params = model
+    capped = config.replace(final_logit_softcap=30.0)  # tanh makes distinct logits equal: not screened
+    assert not greedy_head.has_screen(fuse_projections(init_params(capped), capped, panels=True))
+    assert not greedy_head.applies(config.replace(matmul_impl=MatmulImpl.XLA))
+    if not cpu_kernels.available():
+        assert greedy_head.screen_for(params, config, 1) is None
+        return
+    assert greedy_head.screen_for(params, config, 1) == greedy_head.screen_for(params, config, 7) == "int8"
+    assert greedy_head.screen_for(params, config, 8) == ("bfloat16" if config.param_dtype == "float32" else None)
+    assert greedy_head.screen_for(greedy_head.without_screen(params), config, 1) is None
+
+
+def _decode(params, config, controls, prompts=PROMPTS, steps=12):
+    tokens, lengths = pad_prompts(prompts, 16)
+    logits, cache = prefill(params, config, tokens, lengths, init_cache(config, len(prompts), 32))
     state, first = start(logits, tokens, cache, controls)
     cache, state, out = decode(params, config, cache, state, controls, num_steps=steps)
-    return np.concatenate([first.tokens_BS, out.tokens_BS], axis=1), out
+    return np.concatenate([first.tokens_BS, out.tokens_BS], axis=1)
 
 
-def _controls(sampling=GREEDY, **kwargs):
-    n = len(PROMPTS)
+def _controls(n=len(PROMPTS), sampling=GREEDY, **kwargs):
     return DecodeControls.create([sampling] * n, eos_ids=[()] * n, stop_ids=[()] * n, max_new_tokens=[100] * n,
                                  **kwargs)
 
 
 @needs_kernels
-def test_greedy_decode_through_the_screen_gives_the_same_tokens(params):
-    screened, _ = _decode(params, CONFIG, _controls())
-    full, _ = _decode(greedy_head.without_screen(params), CONFIG, _controls())
+@pytest.mark.parametrize("rows", [3, 9])
+def test_greedy_decode_through_the_screen_gives_the_same_tokens(model, rows):
+    config, params = model
+    prompts = (PROMPTS * 3)[:rows]
+    screened = _decode(params, config, _controls(rows), prompts)
+    full = _decode(greedy_head.without_screen(params), config, _controls(rows), prompts)
     np.testing.assert_array_equal(screened, full)
-    for prompt, generated in zip(PROMPTS, screened):  # and the teacher-forced argmax of the full forward
-        logits = np.asarray(jax.jit(forward, static_argnums=1)(params, CONFIG, jnp.asarray([prompt + list(generated)])))
+    for prompt, generated in zip(prompts[:3], screened):  # and the teacher-forced argmax of the full forward
+        logits = np.asarray(jax.jit(forward, static_argnums=1)(params, config, jnp.asarray([prompt + list(generated)])))
         np.testing.assert_array_equal(generated, logits[0, len(prompt) - 1:-1].argmax(-1))
     assert len(set(screened[0].tolist())) > 2, "degenerate continuation; the test would prove little"
 
 
-def _decode_program(params, controls) -> str:
+def _decode_program(params, config, controls) -> str:
     tokens, lengths = pad_prompts(PROMPTS, 16)
-    cache = init_cache(CONFIG, len(PROMPTS), 32)
-    logits, cache = prefill(params, CONFIG, tokens, lengths, cache)
+    cache = init_cache(config, len(PROMPTS), 32)
+    logits, cache = prefill(params, config, tokens, lengths, cache)
     state, _ = start(logits, tokens, cache, controls)
-    return decode.lower(params, CONFIG, cache, state, controls, num_steps=2).as_text()
+    return decode.lower(params, config, cache, state, controls, num_steps=2).as_text()
 
 
 @needs_kernels
-def test_only_steps_that_need_just_the_argmax_use_the_screen(params):
-    assert "llm_jax_screened_argmax_f32" in _decode_program(params, _controls())
-    for controls in (_controls(Sampling(temperature=0.7, seed=1)), _controls(logprobs=Logprobs(top_n=2)),
-                     _controls(Sampling(repetition_penalty=1.3)), _controls(min_new_tokens=[2] * 3)):
-        assert "llm_jax_screened_argmax_f32" not in _decode_program(params, controls), controls
-    xla = dataclasses.replace(CONFIG, matmul_impl=MatmulImpl.XLA)
-    tokens, lengths = pad_prompts(PROMPTS, 16)
-    cache = init_cache(xla, len(PROMPTS), 32)
-    logits, cache = prefill(params, xla, tokens, lengths, cache)
-    state, _ = start(logits, tokens, cache, _controls())
-    assert "llm_jax_screened_argmax_f32" not in decode.lower(params, xla, cache, state, _controls(),
-                                                             num_steps=2).as_text()
+def test_only_steps_that_need_just_the_argmax_use_the_screen(model):
+    config, params = model
+    target = "llm_jax_screened_argmax_" + ("f32" if config.param_dtype == "float32" else "bf16")
+    program = _decode_program(params, config, _controls())
+    assert target in program and "llm_jax_matmul_panels_i8" in program
+    for controls in (_controls(sampling=Sampling(temperature=0.7, seed=1)), _controls(logprobs=Logprobs(top_n=2)),
+                     _controls(sampling=Sampling(repetition_penalty=1.3)), _controls(min_new_tokens=[2] * 3)):
+        assert target not in _decode_program(params, config, controls), controls
+    xla = dataclasses.replace(config, matmul_impl=MatmulImpl.XLA)
+    assert target not in _decode_program(params, xla, _controls())
 
 
 @needs_kernels
@@ -135,6 +177,5 @@ def test_stories260k_greedy_is_the_same_through_the_screen(stories260k_dir):
 
 
 def test_for_inference_adds_the_screen_where_the_kernels_run():
-    config = CONFIG
-    params = for_inference(init_params(config), config)
+    params = for_inference(init_params(CONFIG), CONFIG)
     assert greedy_head.has_screen(params) == cpu_kernels.available()
