@@ -69,14 +69,17 @@ def is_fused(params: Params) -> bool:
             or _panels.has_panels(params))
 
 
-def fuse_projections(params: Params, config: ModelConfig, *, consume: bool = False, panels: bool = False) -> Params:
+def fuse_projections(params: Params, config: ModelConfig, *, consume: bool = False, panels: bool = False,
+                     screen: bool = True) -> Params:
     """``params`` with q/k/v and gate/up fused where :func:`fusion_plan` says (a new pytree; the other
     leaves are shared), and with ``panels`` every projection it can take in the panel layout of
-    :mod:`llm_jax.model.panels`. Already fused groups stay as they are. ``consume``: the replaced arrays
-    are deleted (for a caller that owns ``params`` and will not use them again)."""
+    :mod:`llm_jax.model.panels`, and (``screen``) the LM head's screens of
+    :mod:`llm_jax.model.greedy_head`. Already fused groups stay as they are. ``consume``: the replaced
+    arrays are deleted (for a caller that owns ``params`` and will not use them again)."""
+    add_screen = _greedy_head.with_screen if screen else lambda params, config: _greedy_head.without_screen(params)
     if _panels.has_panels(params):
         if panels:
-            return _greedy_head.with_screen(params, config)  # already the layout asked for
+            return add_screen(params, config)  # already the layout asked for
         params = unfuse_projections(params, config)  # back to the plain layout first
     fuse_qkv, fuse_gate_up = fusion_plan(config, panels=panels)
     layers = dict(params["layers"])
@@ -95,7 +98,7 @@ def fuse_projections(params: Params, config: ModelConfig, *, consume: bool = Fal
     params = {**params, "layers": layers}
     if not panels:
         return params
-    return _greedy_head.with_screen(_panels.to_panel_layout(params, config, consume=consume), config)
+    return add_screen(_panels.to_panel_layout(params, config, consume=consume), config)
 
 
 def unfuse_projections(params: Params, config: ModelConfig) -> Params:
@@ -144,7 +147,9 @@ def split_qkv(qkv: jax.Array, config: ModelConfig) -> tuple[jax.Array, jax.Array
     return qkv[..., :q_cols], qkv[..., q_cols:q_cols + kv_cols], qkv[..., q_cols + kv_cols:]
 
 
-def for_inference(params: Params, config: ModelConfig, *, consume: bool = False) -> Params:
-    """``params`` in the layout that decodes fastest here: fused and in panels where the CPU kernels run
-    (``consume`` as for :func:`fuse_projections`)."""
-    return fuse_projections(params, config, consume=consume, panels=True) if kernels_prefer_fused() else params
+def for_inference(params: Params, config: ModelConfig, *, consume: bool = False, screen: bool = True) -> Params:
+    """``params`` in the layout that decodes fastest here: fused and in panels, with the LM head's screens
+    unless ``screen`` is False, where the CPU kernels run (``consume`` as for :func:`fuse_projections`)."""
+    if not kernels_prefer_fused():
+        return params
+    return fuse_projections(params, config, consume=consume, panels=True, screen=screen)

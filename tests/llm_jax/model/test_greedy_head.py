@@ -170,8 +170,9 @@ def test_stories260k_greedy_is_the_same_through_the_screen(stories260k_dir):
     assert greedy_head.has_screen(model.params)
     prompts = [[1] + np.random.default_rng(i).integers(3, 512, 4 + 3 * i).tolist() for i in range(5)]
     screened = llm_jax.generate(model, prompts, max_new_tokens=40, ignore_eos=True)
-    full = llm_jax.generate(dataclasses.replace(model, params=greedy_head.without_screen(model.params)), prompts,
-                            max_new_tokens=40, ignore_eos=True)
+    unscreened = llm_jax.load(stories260k_dir / "stories260K.bin", greedy_screen=False)
+    assert not greedy_head.has_screen(unscreened.params)
+    full = llm_jax.generate(unscreened, prompts, max_new_tokens=40, ignore_eos=True)
     assert [r.output_ids for r in screened] == [r.output_ids for r in full]
     assert all(len(r.output_ids) == 40 for r in screened)
 
@@ -179,3 +180,5 @@ def test_stories260k_greedy_is_the_same_through_the_screen(stories260k_dir):
 def test_for_inference_adds_the_screen_where_the_kernels_run():
     params = for_inference(init_params(CONFIG), CONFIG)
     assert greedy_head.has_screen(params) == cpu_kernels.available()
+    assert not greedy_head.has_screen(for_inference(init_params(CONFIG), CONFIG, screen=False))
+    assert not greedy_head.has_screen(fuse_projections(params, CONFIG, panels=True, screen=False))  # taken off
