@@ -66,17 +66,21 @@ int32_t row_argmax(const float* x, int64_t V) {
   return index;
 }
 
+// fn(b) for each of B rows of V values, shared among the threads: rows of at least 16 K values are worth
+// a thread each; shorter ones go together.
+template <typename Fn>
+void for_each_row(ffi::ThreadPool& pool, int64_t B, int64_t V, const Fn& fn) {
+  const int64_t rows_per_unit = std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1));
+  parallel_for(pool, (B + rows_per_unit - 1) / rows_per_unit, [&](int64_t unit) {
+    for (int64_t b = unit * rows_per_unit; b < std::min(B, (unit + 1) * rows_per_unit); ++b) fn(b);
+  });
+}
+
 ffi::Error Argmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::ResultBuffer<ffi::S32, 1> out) {
   const int64_t B = x.dimensions()[0], V = x.dimensions()[1];
   const float* data = x.typed_data();
   int32_t* index = out->typed_data();
-  // Rows of at least 16 K values are worth a thread each; shorter ones go together.
-  const int64_t rows_per_unit = std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1));
-  parallel_for(pool, (B + rows_per_unit - 1) / rows_per_unit, [&](int64_t unit) {
-    for (int64_t b = unit * rows_per_unit; b < std::min(B, (unit + 1) * rows_per_unit); ++b) {
-      index[b] = row_argmax(data + b * V, V);
-    }
-  });
+  for_each_row(pool, B, V, [&](int64_t b) { index[b] = row_argmax(data + b * V, V); });
   return ffi::Error::Success();
 }
 
@@ -210,12 +214,9 @@ ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> y, ffi:
   }
   const H* head = reinterpret_cast<const H*>(panels.untyped_data());
   const float* scale = S ? scales.typed_data() : nullptr;
-  const int64_t rows_per_unit = std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1));
-  parallel_for(pool, (B + rows_per_unit - 1) / rows_per_unit, [&](int64_t unit) {
-    for (int64_t b = unit * rows_per_unit; b < std::min(B, (unit + 1) * rows_per_unit); ++b) {
-      out->typed_data()[b] = screened_row(y.typed_data() + b * V, x.typed_data() + b * D, head, scale,
-                                          norms.typed_data(), D, V, c1, c2);
-    }
+  for_each_row(pool, B, V, [&](int64_t b) {
+    out->typed_data()[b] = screened_row(y.typed_data() + b * V, x.typed_data() + b * D, head, scale,
+                                        norms.typed_data(), D, V, c1, c2);
   });
   return ffi::Error::Success();
 }

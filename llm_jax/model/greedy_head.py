@@ -55,7 +55,7 @@ import jax.numpy as jnp
 
 import cpu_kernels
 from llm_jax.config import MatmulImpl, ModelConfig
-from llm_jax.model.layers import PANELS_SUFFIX, RMSNorm
+from llm_jax.model.layers import PANELS_SUFFIX, final_norm
 
 Params = dict[str, Any]
 
@@ -146,8 +146,7 @@ def greedy_tokens(params: Params, config: ModelConfig, x_BD: jax.Array) -> jax.A
     screen = screen_for(params, config, x_BD.shape[0])
     if screen is None:
         return None
-    x_BD = RMSNorm(eps=config.norm_eps, weight_offset=config.norm_weight_offset).apply(
-        {"params": params["final_norm"]}, x_BD)
+    x_BD = final_norm(params, config, x_BD)
     head, screens = head_panels(params, config), params[SCREEN]
     x_BD = x_BD.astype(head.dtype).astype(jnp.float32)  # as the head's product rounds it
     c1, c2 = bounds(config.d_model, screen)

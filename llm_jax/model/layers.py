@@ -21,7 +21,7 @@ from flax import linen as nn
 
 import cpu_kernels
 from llm_jax.bits import as_bits, from_bits
-from llm_jax.config import Activation, MatmulImpl
+from llm_jax.config import Activation, MatmulImpl, ModelConfig
 from llm_jax.model.panels import SUFFIX as PANELS_SUFFIX
 from llm_jax.model.panels import Panels
 
@@ -152,6 +152,12 @@ class RMSNorm(nn.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (normed * (self.weight_offset + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+def final_norm(params: dict, config: ModelConfig, x_BTD: jnp.ndarray) -> jnp.ndarray:
+    """The model's final RMSNorm (``params["final_norm"]``), what the LM head reads ([..., D])."""
+    return RMSNorm(eps=config.norm_eps, weight_offset=config.norm_weight_offset).apply(
+        {"params": params["final_norm"]}, x_BTD)
 
 
 class Embedder(nn.Module):

@@ -23,7 +23,7 @@ from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.model.attention import Attention, append_and_attend, attention
-from llm_jax.model.layers import PANELS_SUFFIX, Embedder, GatedMLP, Panels, RMSNorm, dense
+from llm_jax.model.layers import PANELS_SUFFIX, Embedder, GatedMLP, Panels, RMSNorm, dense, final_norm
 
 Params = dict[str, Any]
 # attend(layer, q_BTNH, k_BTKH, v_BTKH, window, cache) -> (o_BTNH, cache)
@@ -112,8 +112,7 @@ def embed(params: Params, config: ModelConfig, tokens_BT: jax.Array) -> jax.Arra
 
 def unembed(params: Params, config: ModelConfig, x_BTD: jax.Array) -> jax.Array:
     """Final norm and LM head: float32 logits [B, T, V]."""
-    x_BTD = RMSNorm(eps=config.norm_eps, weight_offset=config.norm_weight_offset).apply(
-        {"params": params["final_norm"]}, x_BTD)
+    x_BTD = final_norm(params, config, x_BTD)
     if config.tie_embeddings:
         logits_BTV = Embedder(config.vocab_size, config.d_model, config.matmul_impl).apply(
             {"params": params["embedder"]}, x_BTD, method=Embedder.decode)
