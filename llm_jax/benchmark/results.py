@@ -78,6 +78,7 @@ class Row:
     decode_aliased_mb: float | None  # decode outputs written into donated inputs (≥ the cache: in place)
     decode_temp_mb: float | None  # decode scratch memory
     decode_tokens_per_s_spread: Spread
+    decode_tokens_per_s_runs: tuple[float, ...]  # each run's, in the order of the repeats (for paired ratios)
     ttft_s_spread: Spread
     prefill_tokens_per_s_spread: Spread
 
@@ -121,7 +122,7 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
                peak_rss_mb=peak_rss_mb, kv_cache_mb=_mib(memory and memory.cache_bytes),
                decode_aliased_mb=_mib(memory and memory.aliased_bytes),
                decode_temp_mb=_mib(memory and memory.temp_bytes),
-               decode_tokens_per_s_spread=decode,
+               decode_tokens_per_s_spread=decode, decode_tokens_per_s_runs=tuple(decode_rate),
                ttft_s_spread=Spread.of([r.ttft_s for r in runs]), prefill_tokens_per_s_spread=Spread.of(prefill_rate))
 
 
@@ -147,6 +148,14 @@ def at_peaks(row: Row, peaks: tuple[float, float]) -> Row:
     roof = row.batch / seconds
     return dataclasses.replace(row, compute_roofline_tokens_per_s=roof,
                                compute_roofline_fraction=row.decode_tokens_per_s / roof)
+
+
+def paired_ratio(row: Row, base: Row) -> Spread:
+    """``row``'s decode rate over ``base``'s, repeat by repeat (runs of the same round, which took turns:
+    the same moments of the machine), summarised as median, min and max."""
+    if len(row.decode_tokens_per_s_runs) != len(base.decode_tokens_per_s_runs):
+        raise ValueError(f"paired_ratio needs rows of as many repeats, got {row.repeats} and {base.repeats}")
+    return Spread.of([a / b for a, b in zip(row.decode_tokens_per_s_runs, base.decode_tokens_per_s_runs)])
 
 
 def _mib(nbytes: int | None) -> float | None:

@@ -1,9 +1,13 @@
-"""Running the benchmark matrix: models × dtypes × batch sizes, engines and batch sizes alternating.
+"""Running the benchmark matrix: models × dtypes × batch sizes, engines, dtypes and batch sizes alternating.
 
 Alternating (llm_jax run, transformers run, llm_jax run, ...) exposes both engines to the same
 machine conditions, so their ratio holds even when other processes disturb the absolute numbers. For
-the same reason the batch sizes of one model and dtype take turns too (each repeat runs every batch
-size once), so that throughput ratios between batch sizes compare runs of the same moments.
+the same reason the dtypes and batch sizes of one model take turns too (each repeat runs every dtype at
+every batch size once), so that the ratios between them (bfloat16 over float32, batch 32 over batch 1)
+compare runs of the same moments: run one after the other, minutes apart, they compared phases of a
+shared machine whose memory bandwidth moves by a third within minutes (probes of 12–16 GB/s within
+one hour of 2026-12-02). Every
+dtype's params are loaded at once for it.
 """
 
 from __future__ import annotations
@@ -98,12 +102,13 @@ class ModelSource:
         return config, for_inference(jax.tree.map(jnp.asarray, init_params(config)), config, consume=True)
 
 
-def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[Cell], options: Options,
+def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, llm_jax.Params]], options: Options,
               log: Log) -> list[CellResult]:
-    """Every cell's engines compiled, then ``options.repeats`` rounds in which each cell runs each of its
-    engines once."""
-    plans = []
-    for cell in cells:
+    """Every cell's engines compiled (each cell with the config and params of its dtype), then
+    ``options.repeats`` rounds in which each cell runs each of its engines once."""
+    plans, configs = [], []
+    for cell, config, params in cells:
+        configs.append(config)
         workload = Workload(batch=cell.batch, prompt_len=options.prompt_len, new_tokens=options.new_tokens,
                             chunk_steps=options.chunk_steps)
         engines = [LlmJaxEngine(params, config.replace(matmul_impl=m), workload) for m in options.matmuls]
@@ -132,17 +137,18 @@ def run_cells(source: ModelSource, config: ModelConfig, params, cells: Sequence[
                 if options.probe_each_run:  # the better of before and after: the run's roofline is not understated
                     bandwidths[key].append(max(before, probe()))
                 runs[key].append(run)
-                log(f"  batch {cell.batch}, {engine.name} run {rep + 1}/{options.repeats}: ttft "
+                log(f"  {cell.dtype} batch {cell.batch}, {engine.name} run {rep + 1}/{options.repeats}: ttft "
                     f"{run.ttft_s * 1e3:.1f} ms, decode {run.decode_tokens / run.decode_s:.1f} tok/s")
     profiles: dict[int, list] = {c: [] for c in range(len(plans))}
     if options.profile:
         for c, (cell, _, engines) in enumerate(plans):
             for engine in engines:
                 if isinstance(engine, LlmJaxEngine):
-                    log(f"  batch {cell.batch}, {engine.name}: tracing a decode chunk")
+                    log(f"  {cell.dtype} batch {cell.batch}, {engine.name}: tracing a decode chunk")
                     profiles[c].append((engine.name, profile_decode(engine)))
     results = []
     for c, (cell, workload, engines) in enumerate(plans):
+        config = configs[c]
         # The bound of what llm_jax's step reads and computes: through the LM head's screen where it decodes so.
         screen = next((e.screen for e in engines if isinstance(e, LlmJaxEngine) and e.screen), None)
         roofline = decode_roofline(config, batch=cell.batch, prompt_len=options.prompt_len,
@@ -177,10 +183,10 @@ def run_matrix(models: Sequence[str], dtypes: Sequence[str], batches: Sequence[i
         for model in models:
             log(f"{model}: preparing weights" + (" (and the transformers copy)" if options.compare_hf else ""))
             source = ModelSource(model, need_hf=options.compare_hf, workdir=pathlib.Path(tmp))
-            for dtype in dtypes:
-                config, params = source.load(dtype)
-                log(f"{source.label} {dtype}, batch {', '.join(map(str, batches))}:")
-                cells = [Cell(model=model, dtype=dtype, batch=batch) for batch in batches]
-                results.extend(run_cells(source, config, params, cells, options, log))
-                del params
+            loaded = {dtype: source.load(dtype) for dtype in dtypes}
+            log(f"{source.label} {' and '.join(dtypes)}, batch {', '.join(map(str, batches))}, taking turns:")
+            cells = [(Cell(model=model, dtype=dtype, batch=batch), *loaded[dtype]) for dtype in dtypes
+                     for batch in batches]
+            results.extend(run_cells(source, cells, options, log))
+            del cells, loaded
     return results

@@ -32,8 +32,11 @@ than memory allows, and can pass 100 % of the memory roofline. "flop roof" is th
 tokens/s the measured peak of multiply-adds (bfloat16 weights: of the CPU's bfloat16 dot products, where
 it has them) allows for a step's matrix products and attention; "% flop" the share of it reached. It
 binds where it is below the memory roofline: batched decode. "× hf" is llm_jax's decode rate over
-transformers' in the same process, runs alternating.
-Peak memory is the process's: with --compare hf both engines' weights are resident.
+transformers' in the same process, runs alternating. The dtypes and batch sizes of a model take turns as
+well (each repeat runs every one once), and the lines under the table give their ratios repeat by repeat
+(median, min–max): bfloat16 ÷ float32 and batch B ÷ batch 1 decode throughput.
+Peak memory is the process's: with --compare hf both engines' weights are resident, and with several
+dtypes every dtype's copy.
 """
 
 
@@ -67,14 +70,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def batch_scaling(rows) -> dict:
-    """Decode throughput (tokens/s of all rows) of each batch size over batch 1's, per shape, dtype and
-    engine that ran batch 1 and another batch size."""
+    """Decode throughput (tokens/s of all rows) of each batch size over batch 1's, repeat by repeat
+    (``results.paired_ratio``), per shape, dtype and engine that ran batch 1 and another batch size."""
+    from llm_jax.benchmark.results import paired_ratio
+
     out: dict = {}
     for r in rows:
         base = next((b for b in rows if (b.shape, b.dtype, b.engine, b.batch) == (r.shape, r.dtype, r.engine, 1)),
                     None)
         if base is not None and r.batch != 1:
-            out.setdefault((r.shape, r.dtype, r.engine), {})[r.batch] = r.decode_tokens_per_s / base.decode_tokens_per_s
+            out.setdefault((r.shape, r.dtype, r.engine), {})[r.batch] = paired_ratio(r, base)
+    return out
+
+
+def dtype_ratios(rows) -> dict:
+    """bfloat16's decode rate over float32's, repeat by repeat, per shape, engine and batch size that ran
+    both."""
+    from llm_jax.benchmark.results import paired_ratio
+
+    out: dict = {}
+    for r in rows:
+        base = next((b for b in rows if (b.shape, b.engine, b.batch, b.dtype) == (r.shape, r.engine, r.batch,
+                                                                                    "float32")), None)
+        if base is not None and r.dtype == "bfloat16":
+            out[r.shape, r.engine, r.batch] = paired_ratio(r, base)
     return out
 
 
@@ -157,13 +176,21 @@ def main(argv: list[str] | None = None) -> int:
                                "greedy_agreement": r.agreement,
                                "first_differences": [dataclasses.asdict(d) for d in r.differences]}
                               for r in compared]
+    # Ratios of runs of the same round (median, min–max over the repeats): cells took turns in each round.
     scaling = batch_scaling(rows)
     for (shape, dtype, engine), by_batch in scaling.items():
         print(f"decode throughput {shape} {dtype} {engine}: "
-              + ", ".join(f"batch {b} {x:.1f}× batch 1" for b, x in by_batch.items()))
+              + ", ".join(f"batch {b} {x.median:.1f}× batch 1 ({x.min:.1f}–{x.max:.1f})" for b, x in by_batch.items()))
     if scaling:
-        extra["batch_scaling"] = [{"shape": shape, "dtype": dtype, "engine": engine, "batch": b, "times_batch_1": x}
+        extra["batch_scaling"] = [{"shape": shape, "dtype": dtype, "engine": engine, "batch": b,
+                                   "times_batch_1": x.median, "min": x.min, "max": x.max}
                                   for (shape, dtype, engine), by_batch in scaling.items() for b, x in by_batch.items()]
+    by_dtype = dtype_ratios(rows)
+    for (shape, engine, batch), x in by_dtype.items():
+        print(f"decode bfloat16 ÷ float32 {shape} batch {batch} {engine}: {x.median:.2f}× ({x.min:.2f}–{x.max:.2f})")
+    if by_dtype:
+        extra["dtype_ratios"] = [{"shape": shape, "engine": engine, "batch": batch, "bfloat16_over_float32": x.median,
+                                  "min": x.min, "max": x.max} for (shape, engine, batch), x in by_dtype.items()]
     traced = [(result.rows[0], engine, profile) for result in results for engine, profile in result.profiles]
     for row, engine, profile in traced:
         print("\n" + step_table(profile, f"{row.shape} {row.dtype} batch {row.batch}, {engine}"))

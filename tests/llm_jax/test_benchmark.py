@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import types
 
 import jax
 import numpy as np
@@ -12,7 +13,8 @@ from cpu_kernels import build
 from llm_jax.benchmark.compile_study import cli_ttft, compile_vs_depth
 from llm_jax.benchmark.llm_jax_engine import Workload
 from llm_jax.benchmark import hf_engine, machine
-from llm_jax.benchmark.results import Difference, agreement, describe_differences, first_differences
+from llm_jax.benchmark.results import (Difference, agreement, describe_differences, first_differences,
+                                       paired_ratio)
 from llm_jax.benchmark.roofline import compute_roofline, decode_roofline, product_weights, weight_bytes_per_step
 from llm_jax.benchmark.shapes import SHAPES, shape_config
 from llm_jax.benchmark.step_profile import OpTime, exclusive_times, op_flops, op_labels
@@ -304,12 +306,42 @@ def test_batch_sizes_take_turns_and_their_throughput_ratio_is_reported(tmp_path,
                              "--repeats", "2", "--bandwidth", "10", "--json", str(path)])
     assert status == 0
     progress = [line.split(",")[0].strip() for line in capsys.readouterr().err.splitlines() if " run " in line]
-    assert progress == ["batch 1", "batch 3", "batch 1", "batch 3"]
+    assert progress == ["float32 batch 1", "float32 batch 3"] * 2
     report = json.loads(path.read_text())
-    rate = {row["batch"]: row["decode_tokens_per_s"] for row in report["rows"]}
+    runs = {row["batch"]: row["decode_tokens_per_s_runs"] for row in report["rows"]}
+    assert all(len(r) == 2 for r in runs.values())
     [scaling] = report["batch_scaling"]
     assert (scaling["shape"], scaling["engine"], scaling["batch"]) == ("260K", "llm_jax", 3)
-    assert scaling["times_batch_1"] == pytest.approx(rate[3] / rate[1])
+    paired = sorted(b / a for a, b in zip(runs[1], runs[3]))  # repeat by repeat
+    assert (scaling["min"], scaling["max"]) == pytest.approx(tuple(paired))
+    assert scaling["times_batch_1"] == pytest.approx(sum(paired) / 2)
+
+
+def test_dtypes_take_turns_and_their_ratio_is_reported_repeat_by_repeat(tmp_path, capsys):
+    """Each repeat runs float32 and bfloat16 once each (both loaded at once), and the report gives
+    bfloat16's decode rate over float32's from the runs of the same repeat."""
+    path = tmp_path / "bench.json"
+    status = benchmark_main(["--model", "260K", "--dtype", "float32", "bfloat16", "--new-tokens", "5",
+                             "--chunk-steps", "4", "--repeats", "3", "--bandwidth", "10", "--json", str(path)])
+    assert status == 0
+    out, err = capsys.readouterr()
+    progress = [line.split(",")[0].strip() for line in err.splitlines() if " run " in line]
+    assert progress == ["float32 batch 1", "bfloat16 batch 1"] * 3
+    report = json.loads(path.read_text())
+    runs = {row["dtype"]: row["decode_tokens_per_s_runs"] for row in report["rows"]}
+    paired = sorted(b / a for a, b in zip(runs["float32"], runs["bfloat16"]))
+    [ratio] = report["dtype_ratios"]
+    assert (ratio["shape"], ratio["engine"], ratio["batch"]) == ("260K", "llm_jax", 1)
+    assert (ratio["min"], ratio["bfloat16_over_float32"], ratio["max"]) == pytest.approx(tuple(paired))
+    assert f"decode bfloat16 ÷ float32 260K batch 1 llm_jax: {paired[1]:.2f}×" in out
+
+
+def test_a_paired_ratio_takes_runs_of_the_same_repeat():
+    row = lambda *runs: types.SimpleNamespace(decode_tokens_per_s_runs=runs, repeats=len(runs))
+    spread = paired_ratio(row(30.0, 10.0, 40.0), row(10.0, 20.0, 20.0))  # the medians' ratio: 30 / 20
+    assert (spread.min, spread.median, spread.max) == (0.5, 2.0, 3.0)
+    with pytest.raises(ValueError, match="as many repeats"):
+        paired_ratio(row(1.0, 2.0), row(1.0))
 
 
 def test_bandwidth_readers_read_every_value():
