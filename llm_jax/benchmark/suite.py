@@ -6,8 +6,7 @@ the same reason the dtypes and batch sizes of one model take turns too (each rep
 every batch size once), so that the ratios between them (bfloat16 over float32, batch 32 over batch 1)
 compare runs of the same moments: run one after the other, minutes apart, they compared phases of a
 shared machine whose memory bandwidth moves by a third within minutes (probes of 12–16 GB/s within
-one hour of 2026-12-02). Every
-dtype's params are loaded at once for it.
+one hour of 2026-12-02). Every dtype's params are loaded at once for it.
 """
 
 from __future__ import annotations
@@ -106,18 +105,17 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, llm_
               log: Log) -> list[CellResult]:
     """Every cell's engines compiled (each cell with the config and params of its dtype), then
     ``options.repeats`` rounds in which each cell runs each of its engines once."""
-    plans, configs = [], []
+    plans = []
     for cell, config, params in cells:
-        configs.append(config)
         workload = Workload(batch=cell.batch, prompt_len=options.prompt_len, new_tokens=options.new_tokens,
                             chunk_steps=options.chunk_steps)
         engines = [LlmJaxEngine(params, config.replace(matmul_impl=m), workload) for m in options.matmuls]
         if options.compare_hf:
             threads = options.threads or machine_lib.cpu_threads()
             engines.append(HfEngine(source.hf_folder, config, workload, threads=threads))
-        plans.append((cell, workload, engines))
+        plans.append((cell, config, workload, engines))
     compiled, runs, peaks, bandwidths = {}, {}, {}, {}
-    for c, (cell, _, engines) in enumerate(plans):
+    for c, (cell, _, _, engines) in enumerate(plans):
         for engine in engines:
             key = (c, engine.name)
             machine_lib.reset_peak_rss()
@@ -126,7 +124,7 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, llm_
             log(f"  {source.label} {cell.dtype} batch {cell.batch}, {engine.name}: compiled in "
                 f"{done.prefill_s:.1f}+{done.decode_s:.1f} s")
     for rep in range(options.repeats):
-        for c, (cell, _, engines) in enumerate(plans):
+        for c, (cell, _, _, engines) in enumerate(plans):
             for engine in engines:
                 key = (c, engine.name)
                 probe = functools.partial(machine_lib.measure_run_bandwidth, threads=options.threads or None)
@@ -141,14 +139,13 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, llm_
                     f"{run.ttft_s * 1e3:.1f} ms, decode {run.decode_tokens / run.decode_s:.1f} tok/s")
     profiles: dict[int, list] = {c: [] for c in range(len(plans))}
     if options.profile:
-        for c, (cell, _, engines) in enumerate(plans):
+        for c, (cell, _, _, engines) in enumerate(plans):
             for engine in engines:
                 if isinstance(engine, LlmJaxEngine):
                     log(f"  {cell.dtype} batch {cell.batch}, {engine.name}: tracing a decode chunk")
                     profiles[c].append((engine.name, profile_decode(engine)))
     results = []
-    for c, (cell, workload, engines) in enumerate(plans):
-        config = configs[c]
+    for c, (cell, config, workload, engines) in enumerate(plans):
         # The bound of what llm_jax's step reads and computes: through the LM head's screen where it decodes so.
         screen = next((e.screen for e in engines if isinstance(e, LlmJaxEngine) and e.screen), None)
         roofline = decode_roofline(config, batch=cell.batch, prompt_len=options.prompt_len,

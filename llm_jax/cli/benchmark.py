@@ -69,32 +69,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def batch_scaling(rows) -> dict:
-    """Decode throughput (tokens/s of all rows) of each batch size over batch 1's, repeat by repeat
-    (``results.paired_ratio``), per shape, dtype and engine that ran batch 1 and another batch size."""
+def _paired_against(rows, field: str, base_value):
+    """(row, its ratio to the base) for each row whose ``field`` is not ``base_value`` and that has a base: the
+    row equal to it but for ``field`` (shape, dtype, engine, batch). Ratios of decode rates repeat by repeat
+    (``results.paired_ratio``)."""
     from llm_jax.benchmark.results import paired_ratio
 
-    out: dict = {}
+    key = lambda r: {f: getattr(r, f) for f in ("shape", "dtype", "engine", "batch") if f != field}
     for r in rows:
-        base = next((b for b in rows if (b.shape, b.dtype, b.engine, b.batch) == (r.shape, r.dtype, r.engine, 1)),
-                    None)
-        if base is not None and r.batch != 1:
-            out.setdefault((r.shape, r.dtype, r.engine), {})[r.batch] = paired_ratio(r, base)
+        base = next((b for b in rows if getattr(b, field) == base_value and key(b) == key(r)), None)
+        if base is not None and getattr(r, field) != base_value:
+            yield r, paired_ratio(r, base)
+
+
+def batch_scaling(rows) -> dict:
+    """Decode throughput (tokens/s of all rows) of each batch size over batch 1's, repeat by repeat, per
+    shape, dtype and engine that ran batch 1 and another batch size."""
+    out: dict = {}
+    for r, ratio in _paired_against(rows, "batch", 1):
+        out.setdefault((r.shape, r.dtype, r.engine), {})[r.batch] = ratio
     return out
 
 
 def dtype_ratios(rows) -> dict:
     """bfloat16's decode rate over float32's, repeat by repeat, per shape, engine and batch size that ran
     both."""
-    from llm_jax.benchmark.results import paired_ratio
-
-    out: dict = {}
-    for r in rows:
-        base = next((b for b in rows if (b.shape, b.engine, b.batch, b.dtype) == (r.shape, r.engine, r.batch,
-                                                                                    "float32")), None)
-        if base is not None and r.dtype == "bfloat16":
-            out[r.shape, r.engine, r.batch] = paired_ratio(r, base)
-    return out
+    return {(r.shape, r.engine, r.batch): ratio for r, ratio in _paired_against(rows, "dtype", "float32")
+            if r.dtype == "bfloat16"}
 
 
 def main(argv: list[str] | None = None) -> int:
