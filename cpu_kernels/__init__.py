@@ -20,6 +20,8 @@ compiler), it is XLA's product. Gradients are XLA's.
         int8 panels too, unscaled and x not rounded: the LM head's screen of llm_jax/model/greedy_head.py)
     matmuls(x_RK, ws, *, transposed=False, panels=False, layer=None) -> (y_RN, ...)  # weights sharing x, one call
     to_panels(w_KN) -> p [N / 16, K, 16];  from_panels(p) -> w_KN   # leading axes (layers) kept
+    to_pairs(p) -> p in pairs of rows;  from_pairs(p) -> p  # what matmuls(..., pairs=True) reads
+    pairs_available() -> bool   # products on pairs run on the kernels (AVX512_BF16), else XLA's
     decode_attention(q_BNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BNH  # one query per row, cache read in place
     decode_attention_append(q_BNH, k_new_BKH, v_new_BKH, k_LBSKH, v_LBSKH, layer, slots_B, ...)
         -> (o_BNH, k_LBSKH, v_LBSKH)  # the step's keys and values written first, the caches in place
@@ -39,8 +41,8 @@ from cpu_kernels import build
 from cpu_kernels.decode_attention import decode_attention, decode_attention_append
 from cpu_kernels.prefill_attention import prefill_attention
 
-__all__ = ["PANEL", "argmax", "screened_argmax", "available", "decode_attention", "decode_attention_append", "from_panels", "matmul",
-           "matmuls", "prefill_attention", "to_panels"]
+__all__ = ["PANEL", "argmax", "screened_argmax", "available", "decode_attention", "decode_attention_append", "from_pairs",
+           "from_panels", "matmul", "matmuls", "pairs_available", "prefill_attention", "to_pairs", "to_panels"]
 
 
 def available() -> bool:
@@ -68,6 +70,29 @@ def from_panels(p: jax.Array) -> jax.Array:
     return jnp.swapaxes(p, -3, -2).reshape(*lead, K, P * PANEL)
 
 
+def to_pairs(p: jax.Array) -> jax.Array:
+    """Panels [..., N / 16, K, 16] → the same panels in pairs of rows, the layout the CPU's bfloat16 dot
+    products read (K even): rows 2i and 2i + 1 of a panel interleaved, [..., N / 16, K / 2, 16, 2], held
+    as [..., N / 16, K, 16] (same shape and size; only the order within each panel differs)."""
+    *lead, P, K, width = p.shape
+    if width != PANEL or K % 2:
+        raise ValueError(f"pairs of rows need panels [..., N / {PANEL}, K, {PANEL}] with K even, got {p.shape}")
+    return jnp.swapaxes(p.reshape(*lead, P, K // 2, 2, PANEL), -2, -1).reshape(p.shape)
+
+
+def from_pairs(p: jax.Array) -> jax.Array:
+    """The inverse of :func:`to_pairs`: panels [..., N / 16, K, 16] in their plain row order."""
+    *lead, P, K, width = p.shape
+    return jnp.swapaxes(p.reshape(*lead, P, K // 2, PANEL, 2), -2, -1).reshape(p.shape)
+
+
+def pairs_available() -> bool:
+    """Whether products on panels in pairs (``matmuls(..., pairs=True)``) run on the kernels: the CPU's
+    bfloat16 dot products are built and on (:func:`cpu_kernels.build.bf16_dot`) and AMX, which takes
+    bfloat16 products where present, is not (elsewhere such products run as XLA's)."""
+    return available() and build.bf16_dot() and not build.amx()
+
+
 def _layer(w: jax.Array, layer: jax.Array | None) -> jax.Array:
     """Layer ``layer`` of a stack of weights [L, ...] (``w`` itself when not stacked)."""
     return w if layer is None else jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
@@ -75,7 +100,8 @@ def _layer(w: jax.Array, layer: jax.Array | None) -> jax.Array:
 
 def _as_kn(w: jax.Array, layout: str) -> jax.Array:
     """One (unstacked) weight as [K, N]."""
-    return {"kn": lambda: w, "nk": lambda: w.T, "panels": lambda: from_panels(w)}[layout]()
+    return {"kn": lambda: w, "nk": lambda: w.T, "panels": lambda: from_panels(w),
+            "pairs": lambda: from_panels(from_pairs(w))}[layout]()
 
 
 def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
@@ -88,11 +114,12 @@ def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, la
 
 def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
     dtype = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.int8): "i8"}.get(jnp.dtype(ws[0].dtype), "f32")
-    width = {"kn": lambda w: w.shape[-1], "nk": lambda w: w.shape[-2], "panels": lambda w: w.shape[-3] * PANEL}
+    width = {"kn": lambda w: w.shape[-1], "nk": lambda w: w.shape[-2], "panels": lambda w: w.shape[-3] * PANEL,
+             "pairs": lambda w: w.shape[-3] * PANEL}
     shapes = [jax.ShapeDtypeStruct((x_RK.shape[0], width[layout](w)), jnp.float32) for w in ws]
     call = jax.ffi.ffi_call(f"llm_jax_matmul_{layout}_{dtype}", shapes, vmap_method="sequential")
     index = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-    if layout == "panels" and layer is None:  # the kernel takes stacks [L, N / 16, K, 16]
+    if layout in ("panels", "pairs") and layer is None:  # the kernel takes stacks [L, N / 16, K, 16]
         ws = tuple(w[None] for w in ws)
     # x rounded to the weights' dtype, as XLA's product (``_xla``) does: both routes compute the same.
     x_RK = x_RK.astype(jnp.float32) if dtype == "i8" else x_RK.astype(ws[0].dtype).astype(jnp.float32)
@@ -127,12 +154,14 @@ def _matmuls_bwd(layout, residuals, dys):
 _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
 
 
-def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = False,
+def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = False, pairs: bool = False,
             layer: jax.Array | int | None = None):
     """x [R, K] · W_i → [R, N_i] float32 for each W_i in ``ws`` ([K, N_i]; [N_i, K] when ``transposed``; in
     the panel layout [N_i / 16, K, 16] of :func:`to_panels` when ``panels``; all float32 or all bfloat16,
     or, in panels, all int8: the product with the integers as they are and x not rounded, for a caller
-    that applies its own scales, with no gradient).
+    that applies its own scales, with no gradient). ``pairs`` (with ``panels``): bfloat16 panels in pairs
+    of rows (:func:`to_pairs`), read as they lie by the CPU's bfloat16 dot products where
+    :func:`pairs_available` (the LM head's screen; no gradient).
     On CPU one kernel call streams every W_i: one fork-join for all.
 
     With ``layer`` (an int32 scalar, may be traced), every W_i is a stack [L, ...] of such matrices and
@@ -143,19 +172,30 @@ def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = Fal
     ws = tuple(ws)
     if transposed and panels:
         raise ValueError("matmul: the panel layout holds W [K, N] (not transposed)")
-    layout = "panels" if panels else "nk" if transposed else "kn"
-    k_axis = {"kn": -2, "nk": -1, "panels": -2}[layout]
-    rank = (2 if layer is None else 3) + (layout == "panels")
+    if pairs and not panels:
+        raise ValueError("matmul: pairs of rows are a form of the panel layout (panels=True)")
+    layout = "pairs" if pairs else "panels" if panels else "nk" if transposed else "kn"
+    k_axis = {"kn": -2, "nk": -1, "panels": -2, "pairs": -2}[layout]
+    rank = (2 if layer is None else 3) + (layout in ("panels", "pairs"))
     for w in ws:
         if (x_RK.ndim != 2 or w.ndim != rank or x_RK.shape[1] != w.shape[k_axis]
-                or (layout == "panels" and w.shape[-1] != PANEL)):
+                or (layout in ("panels", "pairs") and w.shape[-1] != PANEL)):
             stack = "" if layer is None else "L, "
-            form = {"kn": "K, N", "nk": "N, K", "panels": f"N / {PANEL}, K, {PANEL}"}[layout]
+            form = {"kn": "K, N", "nk": "N, K", "panels": f"N / {PANEL}, K, {PANEL}",
+                    "pairs": f"N / {PANEL}, K, {PANEL}"}[layout]
             raise ValueError(f"matmul needs x [R, K] and w [{stack}{form}] with the same K, got x {x_RK.shape} "
                              f"and w {w.shape}")
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32)
     dtypes = {w.dtype for w in ws}
+    if pairs:  # the LM head's screen: bfloat16, K even, no gradient
+        if dtypes != {jnp.dtype(jnp.bfloat16)} or x_RK.shape[1] % 2:
+            raise ValueError(f"matmul: pairs of rows hold bfloat16 weights with K even, got {sorted(map(str, dtypes))} "
+                             f"and K = {x_RK.shape[1]}")
+        if not pairs_available():
+            return _xla(x_RK, ws, layer, layout)
+        return jax.lax.platform_dependent(x_RK, ws, layer, cpu=functools.partial(_kernel, layout=layout),
+                                          default=functools.partial(_xla, layout=layout))
     if jnp.dtype(jnp.int8) in dtypes:  # the LM head's screen: panels, no gradient
         if len(dtypes) != 1 or layout != "panels":
             raise ValueError("matmul: int8 weights only in the panel layout, not mixed with others")
@@ -168,11 +208,12 @@ def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = Fal
     return _matmuls(x_RK, ws, layer, layout)
 
 
-def matmul(x_RK: jax.Array, w: jax.Array, *, transposed: bool = False, panels: bool = False,
+def matmul(x_RK: jax.Array, w: jax.Array, *, transposed: bool = False, panels: bool = False, pairs: bool = False,
            layer: jax.Array | int | None = None):
-    """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``, or panels [N / 16, K, 16];
-    with ``layer``, a stack [L, ...] of them), float32 or bfloat16."""
-    return matmuls(x_RK, (w,), transposed=transposed, panels=panels, layer=layer)[0]
+    """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``, or panels [N / 16, K, 16],
+    bfloat16 ones in pairs of rows when ``pairs``; with ``layer``, a stack [L, ...] of them), float32 or
+    bfloat16."""
+    return matmuls(x_RK, (w,), transposed=transposed, panels=panels, pairs=pairs, layer=layer)[0]
 
 
 def argmax(x_BV: jax.Array) -> jax.Array:
@@ -220,3 +261,4 @@ def screened_argmax(y_BV: jax.Array, x_BD: jax.Array, panels: jax.Array, scales_
                             vmap_method="sequential")
     kernel = lambda *args: call(*args, c1=float(c1), c2=float(c2))
     return jax.lax.platform_dependent(y_BV, x_BD, panels, scales, norms_V, cpu=kernel, default=xla)
+

@@ -114,33 +114,43 @@ int32_t screened_row(const float* y, const float* x, const H* panels, const floa
   // Rounded up, and far beyond float's rounding of a_j ± r_j below (r_j is at least 0.4 % of |a_j|).
   const float s1 = static_cast<float>(c1 * l1 * (1.0 + 1e-3)), s2 = static_cast<float>(c2 * std::sqrt(l2) * (1.0 + 1e-3));
   bool finite = std::isfinite(s1) && std::isfinite(s2);
-  const int64_t v_vec = V / 32 * 32;
-  const f32x8 s1v = splat(s1), s2v = splat(s2), one = splat(1.f), inf8 = splat(std::numeric_limits<float>::infinity());
-  // a_j and r_j of the 8 columns from v.
-  auto bounds = [&](int64_t v, f32x8* a, f32x8* r) {
-    const f32x8 yv = load8(y + v), nv = load8(norms + v);
+  // kLanes columns at a time, four vectors a step (16 with AVX-512: 0.73–0.81 of the time of 8 at 32 rows
+  // of 32,000 columns, Zen 5, processes taking turns).
+  typedef int32_t ivec __attribute__((vector_size(sizeof(fvec))));
+  constexpr int64_t kStep = 4 * kLanes;
+  const int64_t v_vec = V / kStep * kStep;
+  const fvec s1v = fvec{} + s1, s2v = fvec{} + s2, infv = fvec{} + std::numeric_limits<float>::infinity();
+  // a_j and r_j of the kLanes columns from v.
+  auto bounds = [&](int64_t v, fvec* a, fvec* r) {
+    const fvec yv = loadv(y + v), nv = loadv(norms + v);
     if (scales) {
-      const f32x8 sv = load8(scales + v);
+      const fvec sv = loadv(scales + v);
       *a = yv * sv, *r = s1v * sv + s2v * nv;
     } else {
-      *a = yv * one, *r = s2v * nv;
+      *a = yv, *r = s2v * nv;
     }
   };
+  auto any = [](ivec m) {
+    for (int i = 0; i < kLanes; ++i) {
+      if (m[i]) return true;
+    }
+    return false;
+  };
   // The largest lower end: four independent maxima (one alone would wait on itself every step).
-  f32x8 lo_max[4] = {-inf8, -inf8, -inf8, -inf8};
-  i32x8 bad = splat_i32(0);
-  for (int64_t v = 0; v < v_vec; v += 32) {
+  fvec lo_max[4] = {-infv, -infv, -infv, -infv};
+  ivec bad = {};
+  for (int64_t v = 0; v < v_vec; v += kStep) {
     for (int u = 0; u < 4; ++u) {
-      f32x8 a, r;
-      bounds(v + 8 * u, &a, &r);
-      bad |= (a != a) | (a == inf8) | (a == -inf8);  // NaN or ±inf
-      const f32x8 lo = a - r;
+      fvec a, r;
+      bounds(v + kLanes * u, &a, &r);
+      bad |= (a != a) | (a == infv) | (a == -infv);  // NaN or ±inf
+      const fvec lo = a - r;
       lo_max[u] = lo > lo_max[u] ? lo : lo_max[u];
     }
   }
   float threshold = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < 8; ++i) {
-    finite &= bad[i] == 0;
+  finite &= !any(bad);
+  for (int i = 0; i < kLanes; ++i) {
     for (int u = 0; u < 4; ++u) threshold = std::max(threshold, lo_max[u][i]);
   }
   auto scalar = [&](int64_t v, float* a, float* r) {
@@ -165,19 +175,19 @@ int32_t screened_row(const float* y, const float* x, const H* panels, const floa
   }
   // The candidates first, then their columns: every line of every candidate asked for before the first
   // is read (a column is D lines apart, from memory; read one after another they wait on each).
-  const f32x8 t8 = splat(threshold);
+  const fvec tv = fvec{} + threshold;
   thread_local std::vector<int64_t> candidates;
   candidates.clear();
-  for (int64_t v = 0; v < v_vec; v += 32) {
-    i32x8 hit[4], any = splat_i32(0);
+  for (int64_t v = 0; v < v_vec; v += kStep) {
+    ivec hit[4], some = {};
     for (int u = 0; u < 4; ++u) {
-      f32x8 a, r;
-      bounds(v + 8 * u, &a, &r);
-      any |= hit[u] = a + r >= t8;
+      fvec a, r;
+      bounds(v + kLanes * u, &a, &r);
+      some |= hit[u] = a + r >= tv;
     }
-    if (any[0] | any[1] | any[2] | any[3] | any[4] | any[5] | any[6] | any[7]) {
-      for (int i = 0; i < 32; ++i) {
-        if (hit[i / 8][i % 8]) candidates.push_back(v + i);
+    if (any(some)) {
+      for (int i = 0; i < kStep; ++i) {
+        if (hit[i / kLanes][i % kLanes]) candidates.push_back(v + i);
       }
     }
   }

@@ -41,6 +41,7 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_matmul_panels_f32": "MatmulPanelsF32",
     "llm_jax_matmul_panels_bf16": "MatmulPanelsBF16",
     "llm_jax_matmul_panels_i8": "MatmulPanelsI8",
+    "llm_jax_matmul_pairs_bf16": "MatmulPairsBF16",
     "llm_jax_decode_attention_f32": "DecodeAttentionF32",
     "llm_jax_decode_attention_bf16": "DecodeAttentionBF16",
     "llm_jax_decode_attention_u16": "DecodeAttentionBits",

@@ -82,7 +82,10 @@ def _screened_case(D, V, B, seed, screen="bfloat16", head_dtype=jnp.float32):
     panels = cpu_kernels.to_panels(jnp.asarray(W)).astype(head_dtype)
     screens = greedy_head._screens(panels)
     x = jnp.asarray(x).astype(head_dtype).astype(jnp.float32)
-    y = cpu_kernels.matmul(x, screens[screen], panels=True)
+    if screen == "bfloat16" and greedy_head.PAIRED in screens:  # stored in pairs of rows (D even, AVX512_BF16)
+        y = cpu_kernels.matmul(x, screens[greedy_head.PAIRED], panels=True, pairs=True)
+    else:
+        y = cpu_kernels.matmul(x, screens[screen], panels=True)
     scales = screens["scales_V"] if screen == "int8" else None
     exact = np.argmax(np.asarray(x, np.float64) @ np.asarray(cpu_kernels.from_panels(panels), np.float64), axis=-1)
     return (y, x, panels, scales, screens["norms_V"], *greedy_head.bounds(D, screen)), exact

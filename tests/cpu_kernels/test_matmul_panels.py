@@ -135,3 +135,62 @@ def test_int8_panels_of_a_stack_and_only_in_panels():
                             panels=True)
     lowered = jax.jit(functools.partial(cpu_kernels.matmul, panels=True)).lower(x, cpu_kernels.to_panels(q[0])).as_text()
     assert ("llm_jax_matmul_panels_i8" in lowered) == cpu_kernels.available()
+
+
+# bfloat16 panels in pairs of rows (the LM head's bfloat16 screen, llm_jax/model/greedy_head.py): the CPU's
+# bfloat16 dot products read them as they lie, where they run; elsewhere XLA's product on the panels.
+
+def test_to_pairs_and_back():
+    p = cpu_kernels.to_panels(jnp.arange(2 * 6 * 32.0).reshape(2, 6, 32))  # [2, 2, 6, 16]
+    q = cpu_kernels.to_pairs(p)
+    assert q.shape == p.shape
+    # rows 2i and 2i + 1 of a panel interleaved: pair i, column j at [2 i · 16 + 2 j + e]
+    flat = np.asarray(q[1, 1]).reshape(-1)
+    np.testing.assert_array_equal(flat[64 + 2 * 5: 64 + 2 * 5 + 2], [p[1, 1, 4, 5], p[1, 1, 5, 5]])
+    np.testing.assert_array_equal(cpu_kernels.from_pairs(q), p)
+    with pytest.raises(ValueError, match="K even"):
+        cpu_kernels.to_pairs(jnp.ones((2, 5, 16)))
+
+
+@pytest.mark.parametrize("R,K,N", [(1, 10, 32), (5, 48, 80), (8, 20, 4112), (13, 1030, 48), (32, 288, 768),
+                                   (21, 600, 25008), (33, 64, 48)])
+def test_bf16_pairs_match_numpy_and_the_panels(R, K, N):
+    """The product on pairs equals NumPy's within float32 sums, and, where the dot products run it, the
+    same product on the panels as they are (which rearranges them into pairs per call) bit for bit."""
+    x, w = case(R, K, N, jnp.bfloat16, seed=R + K + N)
+    p = cpu_kernels.to_panels(w)
+    ours = jax.jit(functools.partial(cpu_kernels.matmul, panels=True, pairs=True))(x, cpu_kernels.to_pairs(p))
+    assert ours.dtype == jnp.float32 and ours.shape == (R, N)
+    np.testing.assert_allclose(np.asarray(ours), reference(x, w), rtol=RTOL, atol=ATOL)
+    if cpu_kernels.pairs_available() and R >= 8:
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(cpu_kernels.matmul(x, p, panels=True)))
+
+
+@pytest.mark.parametrize("R", [2, 9])
+def test_bf16_pairs_of_a_stack_several_weights(R):
+    L, K = 3, 40
+    x, _ = case(R, K, 16, jnp.bfloat16, seed=3)
+    ws = [case(R, K, n, jnp.bfloat16, L=L, seed=n)[1] for n in (48, 1040)]
+    ps = [cpu_kernels.to_pairs(cpu_kernels.to_panels(w)) for w in ws]
+    f = jax.jit(lambda x, ps, layer: cpu_kernels.matmuls(x, ps, panels=True, pairs=True, layer=layer))
+    for layer in range(L):
+        for w, y in zip(ws, f(x, ps, layer)):
+            np.testing.assert_allclose(np.asarray(y), reference(x, w[layer]), rtol=RTOL, atol=ATOL)
+    if cpu_kernels.pairs_available():
+        assert_one_call_on_whole_stacks(f.lower(x, ps, 0), "llm_jax_matmul_pairs", jnp.bfloat16, L, stacks=2)
+
+
+def test_bf16_pairs_errors_and_fallback(monkeypatch):
+    x, w = case(9, 10, 32, jnp.bfloat16)
+    p = cpu_kernels.to_pairs(cpu_kernels.to_panels(w))
+    with pytest.raises(ValueError, match="panel layout"):
+        cpu_kernels.matmul(x, p, pairs=True)
+    with pytest.raises(ValueError, match="bfloat16 weights with K even"):
+        cpu_kernels.matmul(x, p.astype(jnp.float32), panels=True, pairs=True)
+    with pytest.raises(ValueError, match="bfloat16 weights with K even"):
+        cpu_kernels.matmul(x[:, :9], jnp.ones((2, 9, 16), jnp.bfloat16), panels=True, pairs=True)
+    empty = cpu_kernels.matmul(x[:, :0], jnp.ones((2, 0, 16), jnp.bfloat16), panels=True, pairs=True)
+    np.testing.assert_array_equal(np.asarray(empty), np.zeros((9, 32), np.float32))  # K = 0: an empty sum
+    monkeypatch.setattr(cpu_kernels, "pairs_available", lambda: False)
+    np.testing.assert_allclose(np.asarray(cpu_kernels.matmul(x, p, panels=True, pairs=True)), reference(x, w),
+                               rtol=RTOL, atol=ATOL)
