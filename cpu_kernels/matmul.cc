@@ -1050,8 +1050,6 @@ void dot_tile_rows(int64_t mr, const uint32_t* xq, int64_t kp, const uint16_t* p
   }
 }
 
-bool bf16_dot_available() { return bf16_dot_ready(); }
-
 // Whether the dot products take this product: bfloat16 panels, kTiledMinRows rows or more.
 template <typename W>
 bool bf16_dot_takes(int64_t R) {
@@ -1127,7 +1125,7 @@ void bf16_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<co
   });
 }
 #else
-bool bf16_dot_available() { return false; }
+bool bf16_dot_ready() { return false; }
 
 template <typename W>
 bool bf16_dot_takes(int64_t) {
@@ -1248,7 +1246,7 @@ ffi::Error MatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_ind
   if (kPairs && K % 2 != 0) {
     return ffi::Error::InvalidArgument("cpu_kernels matmul (pairs): K must be even, got " + std::to_string(K));
   }
-  if (kPairs && !bf16_dot_available()) {
+  if (kPairs && !bf16_dot_ready()) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "cpu_kernels matmul (pairs): needs AVX512_BF16 dot products (absent, or LLM_JAX_BF16_DOT=off)");
   }
