@@ -88,9 +88,9 @@ def from_pairs(p: jax.Array) -> jax.Array:
 
 def pairs_available() -> bool:
     """Whether products on panels in pairs (``matmuls(..., pairs=True)``) run on the kernels: the CPU's
-    bfloat16 dot products are built and on (:func:`cpu_kernels.build.bf16_dot`) and AMX, which takes
-    bfloat16 products where present, is not (elsewhere such products run as XLA's)."""
-    return available() and build.bf16_dot() and not build.amx()
+    bfloat16 dot products are built and on (:func:`cpu_kernels.build.bf16_dot`); where AMX runs too, it
+    takes those of 32 rows or more, K a multiple of 32 (elsewhere such products run as XLA's)."""
+    return available() and build.bf16_dot()
 
 
 def _layer(w: jax.Array, layer: jax.Array | None) -> jax.Array:

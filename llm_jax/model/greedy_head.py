@@ -47,7 +47,9 @@ In the params pytree: ``greedy_screen/int8`` [V / 16, D, 16] (int8), ``greedy_sc
 (``cpu_kernels.pairs_available()``, D even), the same in pairs of rows as they read it,
 ``greedy_screen/bfloat16_pairs``: no rearranging per step (the screen's product alone, calls taking
 turns, paired medians of 30: 15M's [32000, 288] 0.85–0.87× the time of rearranging it at 32 rows, 0.70×
-at 8; 110M's [32000, 768] 0.87–0.88× and 0.75×).
+at 8; 110M's [32000, 768] 0.87–0.88× and 0.75×). Where AMX runs too, products of 32 rows and more read
+the pairs straight into its tiles (15M's screen at 32 rows on a Xeon with AMX: 0.71–0.87× the time of the
+panel layout, with the next unit's panels read ahead).
 """
 
 from __future__ import annotations

@@ -51,8 +51,9 @@ def test_to_panels_and_back():
     # block of K or (K = 600) on its last
     (16, 37, 32768), (21, 600, 25008),
     # bfloat16, 32 rows or more, K a multiple of 32: the AMX tile unit where the CPU has one (blocks of
-    # 32 rows, the last one part padding; pairs of panels and an odd one)
-    (33, 64, 48), (64, 96, 32), (70, 320, 112)])
+    # 32 rows, the last one part padding; pairs of panels and an odd one; 32 rows of 2 MiB written past
+    # the caches)
+    (33, 64, 48), (64, 96, 32), (70, 320, 112), (32, 96, 16400)])
 def test_matches_numpy(R, K, N, dtype):
     x, w = case(R, K, N, dtype, seed=R * K + N)
     ours = jax.jit(functools.partial(cpu_kernels.matmul, panels=True))(x, cpu_kernels.to_panels(w))
@@ -138,7 +139,8 @@ def test_int8_panels_of_a_stack_and_only_in_panels():
 
 
 # bfloat16 panels in pairs of rows (the LM head's bfloat16 screen, llm_jax/model/greedy_head.py): the CPU's
-# bfloat16 dot products read them as they lie, where they run; elsewhere XLA's product on the panels.
+# bfloat16 dot products, or AMX's tiles (32 rows or more, K a multiple of 32), read them as they lie, where
+# they run; elsewhere XLA's product on the panels.
 
 def test_to_pairs_and_back():
     p = cpu_kernels.to_panels(jnp.arange(2 * 6 * 32.0).reshape(2, 6, 32))  # [2, 2, 6, 16]
@@ -153,7 +155,9 @@ def test_to_pairs_and_back():
 
 
 @pytest.mark.parametrize("R,K,N", [(1, 10, 32), (5, 48, 80), (8, 20, 4112), (13, 1030, 48), (32, 288, 768),
-                                   (21, 600, 25008), (33, 64, 48)])
+                                   (21, 600, 25008), (33, 64, 48), (70, 320, 112),
+                                   # 32 rows of 2 MiB and more (written past the caches), an odd panel
+                                   (32, 96, 16400)])
 def test_bf16_pairs_match_numpy_and_the_panels(R, K, N):
     """The product on pairs equals NumPy's within float32 sums, and, where the dot products run it, the
     same product on the panels as they are (which rearranges them into pairs per call) bit for bit."""
@@ -166,9 +170,9 @@ def test_bf16_pairs_match_numpy_and_the_panels(R, K, N):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(cpu_kernels.matmul(x, p, panels=True)))
 
 
-@pytest.mark.parametrize("R", [2, 9])
-def test_bf16_pairs_of_a_stack_several_weights(R):
-    L, K = 3, 40
+@pytest.mark.parametrize("R,K", [(2, 40), (9, 40), (40, 64)])
+def test_bf16_pairs_of_a_stack_several_weights(R, K):
+    L = 3
     x, _ = case(R, K, 16, jnp.bfloat16, seed=3)
     ws = [case(R, K, n, jnp.bfloat16, L=L, seed=n)[1] for n in (48, 1040)]
     ps = [cpu_kernels.to_pairs(cpu_kernels.to_panels(w)) for w in ws]
