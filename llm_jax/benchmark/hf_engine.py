@@ -71,11 +71,11 @@ class HfEngine:
             token_B = out.logits[:, -1].argmax(-1)
             tokens = [token_B.numpy().copy()]
             ttft = time.perf_counter() - t0
-            # Ties are read from each step's logits as it comes (keeping every step's logits would hold
-            # steps × B × V floats); the time that takes is not the engine's, and is taken out.
-            t_tied = time.perf_counter()
-            tied = [_tied(out.logits[:, -1])]
-            untimed = time.perf_counter() - t_tied
+            # Each step's second choice is read from its logits as they come (keeping every step's logits
+            # would hold steps × B × V floats); the time that takes is not the engine's, and is taken out.
+            t_runner_up = time.perf_counter()
+            runners_up = [_runner_up(out.logits[:, -1])]
+            untimed = time.perf_counter() - t_runner_up
             cache, step_s = out.cache, []
             for _ in range(steps):
                 t_step = time.perf_counter()
@@ -83,18 +83,21 @@ class HfEngine:
                 cache, token_B = out.cache, out.logits[:, -1].argmax(-1)
                 tokens.append(token_B.numpy().copy())
                 step_s.append(time.perf_counter() - t_step)
-                t_tied = time.perf_counter()
-                tied.append(_tied(out.logits[:, -1]))
-                untimed += time.perf_counter() - t_tied
+                t_runner_up = time.perf_counter()
+                runners_up.append(_runner_up(out.logits[:, -1]))
+                untimed += time.perf_counter() - t_runner_up
             decode_s = time.perf_counter() - t0 - ttft - untimed
         tokens_BS = np.stack(tokens, axis=1)
         return Run(ttft_s=ttft, decode_s=decode_s, step_s=tuple(step_s), decode_tokens=tokens_BS[:, 1:].size,
-                   tokens=tokens_BS, tied=np.stack(tied, axis=1))
+                   tokens=tokens_BS, runner_up=np.stack([ids for ids, _ in runners_up], axis=1),
+                   runner_up_gap=np.stack([gaps for _, gaps in runners_up], axis=1))
 
 
-def _tied(logits_BV) -> np.ndarray:
-    """Per row, the second-best token where it ties with the best (argmax takes the lower id), else -1."""
+def _runner_up(logits_BV) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, of the two best tokens the one argmax does not take (on a tie, the higher id: argmax takes
+    the lower), and how far its logit lies below the best (0.0 on a tie): ids [B] and gaps [B]."""
     best = logits_BV.float().topk(2, dim=-1)
     values, ids = best.values.numpy(), best.indices.numpy()
-    other = np.where(ids[:, 0] < ids[:, 1], ids[:, 1], ids[:, 0])
-    return np.where(values[:, 0] == values[:, 1], other, -1)
+    tie = values[:, 0] == values[:, 1]
+    other = np.where(tie, np.maximum(ids[:, 0], ids[:, 1]), ids[:, 1])
+    return other, (values[:, 0] - values[:, 1]).astype(np.float64)

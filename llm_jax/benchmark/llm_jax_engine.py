@@ -48,9 +48,11 @@ class Run:
     step_s: tuple[float, ...]  # per-step latency of each decode chunk (chunk time ÷ steps)
     decode_tokens: int  # tokens produced by decode steps, all rows
     tokens: np.ndarray  # [B, 1 + decode steps] generated ids (the first from prefill)
-    # [B, 1 + decode steps]: where the best logit was tied, the id of the other best token (-1 elsewhere);
-    # None where the engine does not say (llm_jax)
-    tied: np.ndarray | None = None
+    # [B, 1 + decode steps]: the engine's second choice at each step — the token its argmax did not take
+    # among its two best logits — and how far its logit lies below the best (0: a tie, broken by the lower
+    # id); None where the engine does not say (llm_jax)
+    runner_up: np.ndarray | None = None
+    runner_up_gap: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -177,19 +177,29 @@ class Difference:
 
     row: int
     step: int  # 0: the token after the prompt
-    at_tie: bool  # the reference's two best logits were equal there, and ours is the other one
+    # ours is the reference's second choice there: its logit lies ``gap`` below the reference's best
+    # (None where it is not, or the reference did not say)
+    gap: float | None = None
+
+    @property
+    def at_tie(self) -> bool:
+        """The reference's two best logits were equal there, and ours is the one its argmax did not take."""
+        return self.gap == 0.0
 
 
-def first_differences(ours_BS: np.ndarray, reference_BS: np.ndarray, tied_BS: np.ndarray | None) -> list[Difference]:
+def first_differences(ours_BS: np.ndarray, reference_BS: np.ndarray, runner_up_BS: np.ndarray | None = None,
+                      runner_up_gap_BS: np.ndarray | None = None) -> list[Difference]:
     """Each row's first difference from the reference (rows that agree throughout are left out);
-    ``tied_BS`` as in ``Run.tied`` for the reference."""
+    ``runner_up_BS`` and ``runner_up_gap_BS`` as in ``Run.runner_up`` and ``Run.runner_up_gap`` for the
+    reference."""
     n = min(ours_BS.shape[1], reference_BS.shape[1])
     out = []
     for b in range(ours_BS.shape[0]):
         differs = np.flatnonzero(ours_BS[b, :n] != reference_BS[b, :n])
         if differs.size:
             s = int(differs[0])
-            out.append(Difference(row=b, step=s, at_tie=bool(tied_BS is not None and tied_BS[b, s] == ours_BS[b, s])))
+            second = runner_up_BS is not None and runner_up_gap_BS is not None and runner_up_BS[b, s] == ours_BS[b, s]
+            out.append(Difference(row=b, step=s, gap=float(runner_up_gap_BS[b, s]) if second else None))
     return out
 
 
@@ -197,11 +207,15 @@ def describe_differences(differences: Sequence[Difference]) -> str:
     """``differences`` in words, for the agreement line of the benchmark."""
     if not differences:
         return ""
-    ties = sum(d.at_tie for d in differences)
     first = min(differences, key=lambda d: d.step)
     where = f"row {first.row} first at step {first.step}" if len(differences) > 1 else f"at step {first.step}"
-    return (f"; {len(differences)} row(s) differ, {where}; {ties} of them first where transformers' two best "
-            f"logits are equal (a tie its argmax breaks by the lower id)")
+    gaps = [d.gap for d in differences if d.gap is not None]
+    said = f"; {len(differences)} row(s) differ, {where}; "
+    if not gaps:
+        return said + "none of them first where ours is transformers' second choice"
+    return (said + f"{len(gaps)} of them first where ours is transformers' second choice, "
+            f"{', '.join(f'{g:.3g}' for g in gaps)} below its best logit (0: a tie, which its argmax breaks by the "
+            f"lower id)")
 
 
 COLUMNS = ("engine", "shape", "dtype", "B", "prompt", "new", "compile s", "ttft ms", "itl p50/p90 ms",

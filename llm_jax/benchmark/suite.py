@@ -168,7 +168,8 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, llm_
         ratio = rows[0].decode_tokens_per_s / rows[-1].decode_tokens_per_s
         ours, theirs = runs[c, engines[0].name][0], runs[c, "transformers"][0]
         results.append(CellResult(rows=rows, hf_ratio=ratio, agreement=agreement(ours.tokens, theirs.tokens),
-                                  differences=tuple(first_differences(ours.tokens, theirs.tokens, theirs.tied)),
+                                  differences=tuple(first_differences(ours.tokens, theirs.tokens, theirs.runner_up,
+                                                                       theirs.runner_up_gap)),
                                   profiles=tuple(profiles[c])))
     return results
 

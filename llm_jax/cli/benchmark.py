@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     if compared:
         extra["agreement"] = [{"shape": r.rows[0].shape, "dtype": r.rows[0].dtype, "batch": r.rows[0].batch,
                                "greedy_agreement": r.agreement,
-                               "first_differences": [dataclasses.asdict(d) for d in r.differences]}
+                               "first_differences": [{**dataclasses.asdict(d), "at_tie": d.at_tie}
+                                                     for d in r.differences]}
                               for r in compared]
     # Ratios of runs of the same round (median, min–max over the repeats): cells took turns in each round.
     scaling = batch_scaling(rows)

@@ -174,27 +174,34 @@ def test_agreement_is_the_shared_prefix():
     assert agreement(a, b) == pytest.approx((2 / 4 + 0) / 2)
 
 
-def test_first_differences_name_ties_of_the_reference():
-    ours = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [1, 1, 1, 1]])
-    reference = np.array([[1, 2, 9, 4], [5, 0, 7, 8], [1, 1, 1, 1]])
-    tied = np.full((3, 4), -1)
-    tied[0, 2] = 3  # row 0: the reference's best logits at step 2 are equal for 9 and 3, and we took 3
-    tied[1, 1] = 4  # row 1: a tie, but with another token than ours
-    assert first_differences(ours, reference, tied) == [Difference(row=0, step=2, at_tie=True),
-                                                        Difference(row=1, step=1, at_tie=False)]
-    assert first_differences(ours, reference, None)[0].at_tie is False  # the reference did not say
-    assert json.loads(json.dumps([dataclasses.asdict(d) for d in first_differences(ours, reference, tied)]))
-    assert first_differences(ours, ours, tied) == []
-    assert "2 row(s) differ, row 1 first at step 1; 1 of them" in describe_differences(
-        first_differences(ours, reference, tied))
+def test_first_differences_name_the_reference_s_second_choice():
+    ours = np.array([[1, 2, 3, 4], [5, 6, 7, 8], [1, 1, 1, 1], [2, 2, 2, 2]])
+    reference = np.array([[1, 2, 9, 4], [5, 0, 7, 8], [1, 1, 1, 1], [2, 5, 2, 2]])
+    runner_up, gap = np.full((4, 4), 7), np.full((4, 4), 0.5)
+    runner_up[0, 2], gap[0, 2] = 3, 0.0  # row 0: the reference's best logits at step 2 are equal for 9 and 3, we took 3
+    runner_up[1, 1] = 4  # row 1: the reference's second choice is another token than ours
+    runner_up[3, 1], gap[3, 1] = 2, 0.0078125  # row 3: ours is its second choice, one bfloat16 unit (at 1.45) below
+    differences = first_differences(ours, reference, runner_up, gap)
+    assert differences == [Difference(row=0, step=2, gap=0.0), Difference(row=1, step=1),
+                           Difference(row=3, step=1, gap=0.0078125)]
+    assert [d.at_tie for d in differences] == [True, False, False]
+    assert first_differences(ours, reference)[0] == Difference(row=0, step=2)  # the reference did not say
+    assert json.loads(json.dumps([dataclasses.asdict(d) for d in differences]))
+    assert first_differences(ours, ours, runner_up, gap) == []
+    said = describe_differences(differences)
+    assert "3 row(s) differ, row 1 first at step 1; 2 of them first where ours is transformers' second choice" in said
+    assert "0, 0.00781 below its best logit" in said
+    assert describe_differences(differences[1:2]).endswith("none of them first where ours is transformers' second choice")
     assert describe_differences([]) == ""
 
 
-def test_hf_ties_are_the_other_best_token():
+def test_hf_runner_up_is_the_best_token_argmax_did_not_take():
     import torch
 
-    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0], [3.0, 1.0, 2.0, 0.0]], dtype=torch.bfloat16)
-    assert hf_engine._tied(logits).tolist() == [3, -1]  # argmax takes 1; 3 ties with it
+    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0], [3.0, 1.0, 2.5, 0.0]], dtype=torch.bfloat16)
+    ids, gaps = hf_engine._runner_up(logits)
+    assert ids.tolist() == [3, 2]  # row 0: argmax takes 1, 3 ties with it; row 1: argmax takes 0, 2 is next
+    assert gaps.tolist() == [0.0, 0.5]
 
 
 def test_json_reports_agreement_and_differences(report):
