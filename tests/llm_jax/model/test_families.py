@@ -188,7 +188,7 @@ def test_greedy_decode_matches_transformers_and_full_forward(case):
 # so their logits differ by a few bfloat16 units and greedy continuations may part where two logits are
 # that close. The reference is the float32 forward on the same bfloat16 weights: llm_jax's error against
 # it may be at most these multiples of transformers' bfloat16 error. Measured over the eight families
-# (forward and decode): mean 0.71–1.08×, max 0.45–1.24×. Roundings transformers itself makes (RoPE's
+# (forward and decode): mean 0.70–1.08×, max 0.45–1.24×. Roundings transformers itself makes (RoPE's
 # tables, the norm's rsqrt) stay within them; RMSNorm computed wholly in bfloat16 raises the means by
 # 15–25 % and fails one family; errors of a wrong dtype in a product or a softmax are far larger.
 BF16_MEAN_RATIO, BF16_MAX_RATIO = 1.25, 1.5
