@@ -260,18 +260,21 @@ inline bool rounds_to_bf16(const float*) { return false; }
 inline bool rounds_to_bf16(const uint16_t*) { return true; }
 
 // Cache lines of a block of memory — `left` lines of runs `run` bytes long, `stride` apart — asked for
-// one at a time, while other work runs (a block of W for the next tile; the next row's keys and values).
+// one at a time, while other work runs (a block of W for the next tile; the next row's keys and values):
+// into every level of cache (kLocality 3), or into L2 and below (2) for lines that will be read once.
 struct Prefetcher {
   const char* p = nullptr;
   int64_t stride = 0, run = 0, offset = 0, left = 0;
+  template <int kLocality = 3>
   void one() {
     if (left <= 0) return;
-    __builtin_prefetch(p + offset, 0, 3);
+    __builtin_prefetch(p + offset, 0, kLocality);
     if ((offset += 64) >= run) offset = 0, p += stride;
     --left;
   }
+  template <int kLocality = 3>
   void some(int64_t lines) {
-    for (int64_t i = 0; i < lines && left > 0; ++i) one();
+    for (int64_t i = 0; i < lines && left > 0; ++i) one<kLocality>();
   }
 };
 
