@@ -25,6 +25,7 @@ BANDWIDTH_BYTES = 1 << 30  # far larger than any cache
 # The probe beside each run: eight times a large L3 (32 MiB here), read in tens of milliseconds (64 MiB
 # read 26–53 GB/s in one minute where 256 MiB read 31–52 and 1 GiB 34–49).
 RUN_PROBE_BYTES = 1 << 28
+RUN_PROBE_S = 0.5  # each window of reads beside a run: a 110M float32 run of 65 tokens lasts ≈ 0.9 s
 PEAK_PROBE_S = 0.05  # each thread's run of the arithmetic probe
 
 
@@ -73,25 +74,60 @@ def measure_bandwidth(*, threads: int | None = None, nbytes: int = BANDWIDTH_BYT
     """
     threads = threads or cpu_threads()
     data = np.ones(nbytes // 4, np.float32)
-    parts = np.array_split(data, threads)
     best = float("inf")
-    candidates = readers()
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        list(pool.map(np.sum, parts))  # touches the pages once
-        for _ in range(repeats):
-            for read in candidates:  # taking turns, so that no reader has only the machine's slow moments
-                start = time.perf_counter()
-                list(pool.map(read, parts))
-                best = min(best, time.perf_counter() - start)
+    for _, seconds in _timed_reads(data, threads, rounds=repeats):
+        best = min(best, seconds)
     return data.nbytes / best / 1e9
 
 
-def measure_run_bandwidth(*, threads: int | None = None) -> float:
-    """The bandwidth right now, quickly (:data:`RUN_PROBE_BYTES`, best of 2 rounds of the readers):
-    measured just before and just after each timed run, it says what memory could give that run on a
-    machine shared with others, whose bandwidth moves by 1.5× from one minute to the next. Its array is
-    freed on return, before a run's peak memory is counted."""
-    return measure_bandwidth(threads=threads, nbytes=RUN_PROBE_BYTES, repeats=2)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunBandwidth:
+    """What memory gave a streaming read beside a timed run, in GB/s."""
+
+    sustained_gbps: float  # bytes read over the window ÷ its time (the best reader's)
+    burst_gbps: float  # the fastest single read in the window
+
+    def better(self, other: "RunBandwidth") -> "RunBandwidth":
+        return RunBandwidth(sustained_gbps=max(self.sustained_gbps, other.sustained_gbps),
+                            burst_gbps=max(self.burst_gbps, other.burst_gbps))
+
+
+def measure_run_bandwidth(*, threads: int | None = None, seconds: float = RUN_PROBE_S) -> RunBandwidth:
+    """The bandwidth right now: reads of :data:`RUN_PROBE_BYTES` for ``seconds``, the readers taking
+    turns. Measured just before and just after each timed run, it says what memory could give that run
+    on a machine shared with others. Its sustained rate is the bound of a run, which streams for as long:
+    single reads of this host swing between ≈ 30 and ≈ 50 GB/s within tens of milliseconds, so the best
+    of a few reads states what no run of a second sustains (a plain read of the same length included).
+    Its array is freed on return, before a run's peak memory is counted."""
+    threads = threads or cpu_threads()
+    data = np.ones(RUN_PROBE_BYTES // 4, np.float32)
+    spent: dict[int, float] = {}
+    reads: dict[int, int] = {}
+    fastest = float("inf")
+    for reader, elapsed in _timed_reads(data, threads, seconds=seconds):
+        spent[reader] = spent.get(reader, 0.0) + elapsed
+        reads[reader] = reads.get(reader, 0) + 1
+        fastest = min(fastest, elapsed)
+    sustained = max(reads[r] * data.nbytes / spent[r] for r in spent)
+    return RunBandwidth(sustained_gbps=sustained / 1e9, burst_gbps=data.nbytes / fastest / 1e9)
+
+
+def _timed_reads(data: np.ndarray, threads: int, *, rounds: int = 1, seconds: float = 0.0):
+    """Yields (reader index, seconds) for reads of the whole of ``data`` by ``threads`` threads, each
+    reading its share: ``rounds`` rounds of every reader taking turns (so that no reader has only the
+    machine's slow moments), and more rounds until ``seconds`` have passed. The pages are touched first."""
+    parts = np.array_split(data, threads)
+    candidates = readers()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(np.sum, parts))
+        start = time.perf_counter()
+        done = 0
+        while done < rounds or time.perf_counter() - start < seconds:
+            for i, read in enumerate(candidates):
+                began = time.perf_counter()
+                list(pool.map(read, parts))
+                yield i, time.perf_counter() - began
+            done += 1
 
 
 def measure_peak_gflops(*, threads: int | None = None, dtype: str = "float32", repeats: int = 3) -> float | None:

@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from llm_jax.benchmark.llm_jax_engine import Compiled, Run, Workload
-from llm_jax.benchmark.machine import Machine
+from llm_jax.benchmark.machine import Machine, RunBandwidth
 from llm_jax.benchmark.roofline import ComputeRoofline, Roofline, arithmetic_seconds, product_peak
 
 
@@ -54,11 +54,15 @@ class Row:
     bandwidth_at_size_gbps: float | None
     roofline_at_size_tokens_per_s: float | None
     roofline_at_size_fraction: float | None
-    # The bandwidth measured around each run (the better of just before and just after; None with
-    # --bandwidth), and the median over the runs of each run's rate over the roofline at its own bandwidth:
-    # like for like on a machine whose bandwidth moves while it runs.
+    # The bandwidth a streaming read sustained around each run (the better of just before and just after;
+    # None with --bandwidth), and the median over the runs of each run's rate over the roofline at its own
+    # bandwidth: like for like on a machine whose bandwidth moves while it runs. The same for the fastest
+    # single read around each run (a burst of the host's memory, which a run lasting longer sees only
+    # part of).
     run_bandwidth_gbps: Spread | None
     roofline_at_run_fraction: float | None
+    run_burst_bandwidth_gbps: Spread | None
+    roofline_at_run_burst_fraction: float | None
     # The arithmetic bound (roofline.compute_roofline): the flops of a step, and the token rate the
     # arithmetic peaks measured before and after the runs allow (None where not measured). It binds where
     # it is below the memory roofline: batched decode.
@@ -88,16 +92,21 @@ class Row:
 
 def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compiled: Compiled, runs: Sequence[Run],
               roofline: Roofline, compute: ComputeRoofline, kv_bytes_per_token: int, peak_rss_mb: float,
-              run_bandwidths_gbps: Sequence[float] | None = None, peaks_measured: bool = True,
+              run_bandwidths: Sequence[RunBandwidth] = (), peaks_measured: bool = True,
               head_screen: str | None = None) -> Row:
-    """``runs`` in one row; ``run_bandwidths_gbps[i]`` is the bandwidth measured around run i; ``compute``
+    """``runs`` in one row; ``run_bandwidths[i]`` is the bandwidth measured around run i; ``compute``
     at the measured arithmetic peaks (without ``peaks_measured``, its flops only)."""
     B = workload.batch
     decode_rate = [r.decode_tokens / r.decode_s for r in runs]
-    at_run = None
-    if run_bandwidths_gbps:
-        at_run = float(np.median([rate * roofline.bytes_per_step / (B * gbps * 1e9)
-                                  for rate, gbps in zip(decode_rate, run_bandwidths_gbps)]))
+
+    def around_runs(gbps: Sequence[float]) -> tuple[Spread | None, float | None]:
+        if not run_bandwidths:
+            return None, None
+        return Spread.of(gbps), float(np.median([rate * roofline.bytes_per_step / (B * g * 1e9)
+                                                 for rate, g in zip(decode_rate, gbps)]))
+
+    at_run = around_runs([b.sustained_gbps for b in run_bandwidths])
+    at_burst = around_runs([b.burst_gbps for b in run_bandwidths])
     prefill_rate = [B * workload.prompt_len / r.ttft_s for r in runs]
     steps = np.concatenate([r.step_s for r in runs])
     decode = Spread.of(decode_rate)
@@ -112,8 +121,9 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
                roofline_tokens_per_s=roofline.tokens_per_s, roofline_fraction=decode.median / roofline.tokens_per_s,
                bytes_per_step=roofline.bytes_per_step, bandwidth_at_size_gbps=None,
                roofline_at_size_tokens_per_s=None, roofline_at_size_fraction=None,
-               run_bandwidth_gbps=Spread.of(run_bandwidths_gbps) if run_bandwidths_gbps else None,
-               roofline_at_run_fraction=at_run, product_flops_per_step=compute.product_flops,
+               run_bandwidth_gbps=at_run[0], roofline_at_run_fraction=at_run[1],
+               run_burst_bandwidth_gbps=at_burst[0], roofline_at_run_burst_fraction=at_burst[1],
+               product_flops_per_step=compute.product_flops,
                attention_flops_per_step=compute.attention_flops,
                head_screen=head_screen, screened_head_flops_per_step=compute.screened_head_flops,
                compute_roofline_tokens_per_s=compute.tokens_per_s if peaks_measured else None,
@@ -219,7 +229,7 @@ def describe_differences(differences: Sequence[Difference]) -> str:
 
 
 COLUMNS = ("engine", "shape", "dtype", "B", "prompt", "new", "compile s", "ttft ms", "itl p50/p90 ms",
-           "decode tok/s (min–max)", "prefill tok/s", "roofline", "% roof", "% roof@run", "% roof@size",
+           "decode tok/s (min–max)", "prefill tok/s", "roofline", "% roof", "% roof@run", "% @burst", "% roof@size",
            "flop roof", "% flop", "peak MiB")
 
 
@@ -234,10 +244,10 @@ def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
                f"{r.compile_prefill_s:.1f}+{r.compile_decode_s:.1f}", f"{r.ttft_s * 1e3:.1f}",
                f"{r.itl_p50_s * 1e3:.2f}/{r.itl_p90_s * 1e3:.2f}", f"{d.median:.1f} ({d.min:.1f}–{d.max:.1f})",
                f"{r.prefill_tokens_per_s:.0f}", f"{r.roofline_tokens_per_s:.0f}", f"{100 * r.roofline_fraction:.0f}",
-               "" if r.roofline_at_run_fraction is None else f"{100 * r.roofline_at_run_fraction:.0f}",
-               "" if r.roofline_at_size_fraction is None else f"{100 * r.roofline_at_size_fraction:.0f}",
+               _percent(r.roofline_at_run_fraction), _percent(r.roofline_at_run_burst_fraction),
+               _percent(r.roofline_at_size_fraction),
                "" if r.compute_roofline_tokens_per_s is None else f"{r.compute_roofline_tokens_per_s:.0f}",
-               "" if r.compute_roofline_fraction is None else f"{100 * r.compute_roofline_fraction:.0f}",
+               _percent(r.compute_roofline_fraction),
                f"{r.peak_rss_mb:.0f}")
         if ratios:
             row += (f"{ratios[i]:.2f}" if i in ratios else "",)
@@ -247,6 +257,10 @@ def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
         lines.append("  ".join(c.rjust(w) if j >= 3 else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths))))
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
+
+
+def _percent(fraction: float | None) -> str:
+    return "" if fraction is None else f"{100 * fraction:.0f}"
 
 
 def write_json(path: pathlib.Path, machine: Machine, rows: Sequence[Row], extra: dict | None = None) -> None:

@@ -133,7 +133,7 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, llm_
                 run = engine.run()
                 peaks[key] = max(peaks[key], machine_lib.peak_rss_mb())  # before the probe's array
                 if options.probe_each_run:  # the better of before and after: the run's roofline is not understated
-                    bandwidths[key].append(max(before, probe()))
+                    bandwidths[key].append(before.better(probe()))
                 runs[key].append(run)
                 log(f"  {cell.dtype} batch {cell.batch}, {engine.name} run {rep + 1}/{options.repeats}: ttft "
                     f"{run.ttft_s * 1e3:.1f} ms, decode {run.decode_tokens / run.decode_s:.1f} tok/s")
@@ -160,7 +160,7 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, llm_
         rows = [summarise(engine=e.name, shape=source.label, dtype=cell.dtype, workload=workload,
                           compiled=compiled[c, e.name], runs=runs[c, e.name], roofline=roofline, compute=compute,
                           kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[c, e.name],
-                          run_bandwidths_gbps=bandwidths[c, e.name], peaks_measured=measured, head_screen=screen)
+                          run_bandwidths=bandwidths[c, e.name], peaks_measured=measured, head_screen=screen)
                 for e in engines]
         if not options.compare_hf:
             results.append(CellResult(rows=rows, hf_ratio=None, agreement=None, profiles=tuple(profiles[c])))

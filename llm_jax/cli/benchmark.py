@@ -24,9 +24,10 @@ models: a named shape with random weights (260K, 15M, 110M: llama2.c stories; 1B
 checkpoint path (llama2.c .bin or Hugging Face folder). The roofline is the measured memory bandwidth
 divided by the bytes one decode step must read (weights + the KV cache in use); "% roof" is the share
 of it reached, at the best bandwidth measured before and after all the runs. "% roof@run" is the median
-over the runs of each run's share of the roofline at the bandwidth measured around it (the better of just
-before and just after; on a machine shared with others, memory's speed moves from one minute to the
-next). "% roof@size" is the share of the same bound at the bandwidth of reading just a step's
+over the runs of each run's share of the roofline at the bandwidth a streaming read sustains around it
+(half a second of reads just before and just after, the better of the two; on a machine shared with
+others, memory's speed moves from one moment to the next), "% @burst" the same at the fastest single
+read around it (a burst of memory, which a run lasting longer sees only part of). "% roof@size" is the share of the same bound at the bandwidth of reading just a step's
 bytes over and over: a model that fits in a cache (15M in a large L3) is read from the cache, faster
 than memory allows, and can pass 100 % of the memory roofline. "flop roof" is the arithmetic bound: the
 tokens/s the measured peak of multiply-adds (bfloat16 weights: of the CPU's bfloat16 dot products, where

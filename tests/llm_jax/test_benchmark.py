@@ -86,6 +86,7 @@ def test_the_roofline_at_a_steps_size_is_not_measured_with_a_given_bandwidth(rep
     for row in report["rows"]:
         assert row["bandwidth_at_size_gbps"] is None and row["roofline_at_size_fraction"] is None
         assert row["run_bandwidth_gbps"] is None and row["roofline_at_run_fraction"] is None
+        assert row["run_burst_bandwidth_gbps"] is None and row["roofline_at_run_burst_fraction"] is None
 
 
 def test_numbers_are_well_formed(report):
@@ -212,6 +213,8 @@ def test_json_reports_agreement_and_differences(report):
 
 def test_machine_probes_give_positive_numbers():
     assert positive_finite(machine.measure_bandwidth(threads=2, nbytes=1 << 24, repeats=1))
+    around = machine.measure_run_bandwidth(threads=2, seconds=0.05)
+    assert positive_finite(around.sustained_gbps) and around.sustained_gbps <= around.burst_gbps
     float32, bfloat16 = machine.measure_peaks(threads=2)
     assert positive_finite(float32) and positive_finite(bfloat16)
     machine.reset_peak_rss()
@@ -251,7 +254,9 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
         return 20.0
 
     monkeypatch.setattr(machine, "measure_bandwidth", measure)
-    monkeypatch.setattr(machine, "measure_run_bandwidth", lambda *, threads: 5.0)
+    around = iter([machine.RunBandwidth(sustained_gbps=5.0, burst_gbps=6.0),  # before and after each run
+                   machine.RunBandwidth(sustained_gbps=4.0, burst_gbps=7.5)] * 2)
+    monkeypatch.setattr(machine, "measure_run_bandwidth", lambda *, threads: next(around))
     peaks = iter([(100.0, 300.0), (150.0, 200.0)])  # before, after: the best of each is kept
     monkeypatch.setattr(machine, "measure_peaks", lambda *, threads: next(peaks))
     path = tmp_path / "bench.json"
@@ -271,10 +276,13 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
         assert row["roofline_at_size_tokens_per_s"] == pytest.approx(20.0e9 / row["bytes_per_step"], rel=1e-6)
         assert row["roofline_at_size_fraction"] == pytest.approx(row["decode_tokens_per_s"] /
                                                                  row["roofline_at_size_tokens_per_s"])
-        # each run against the bandwidth measured just before it
+        # each run against the better of the bandwidths measured just before and just after it: the
+        # sustained read's (before) and the fastest single read's (after)
         assert row["run_bandwidth_gbps"] == {"median": 5.0, "min": 5.0, "max": 5.0}
         assert row["roofline_at_run_fraction"] == pytest.approx(row["decode_tokens_per_s"] * row["bytes_per_step"] /
                                                                 (row["batch"] * 5.0e9))
+        assert row["run_burst_bandwidth_gbps"] == {"median": 7.5, "min": 7.5, "max": 7.5}
+        assert row["roofline_at_run_burst_fraction"] == pytest.approx(row["roofline_at_run_fraction"] * 5.0 / 7.5)
     assert sizes == sorted({row["bytes_per_step"] for row in report["rows"]})
 
 
@@ -284,7 +292,7 @@ def test_a_runs_peak_memory_is_read_before_the_probe_after_it(tmp_path, monkeypa
     events = []
     monkeypatch.setattr(machine, "measure_bandwidth",
                         lambda *, threads, nbytes=machine.BANDWIDTH_BYTES, repeats=5: 8.0)
-    monkeypatch.setattr(machine, "measure_run_bandwidth", lambda *, threads: events.append("probe") or 5.0)
+    monkeypatch.setattr(machine, "measure_run_bandwidth", lambda *, threads: events.append("probe") or machine.RunBandwidth(sustained_gbps=5.0, burst_gbps=6.0))
     reset, peak = machine.reset_peak_rss, machine.peak_rss_mb
     monkeypatch.setattr(machine, "reset_peak_rss", lambda: events.append("reset") or reset())
     monkeypatch.setattr(machine, "peak_rss_mb", lambda: events.append("peak") or peak())
