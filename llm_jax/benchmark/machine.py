@@ -15,6 +15,7 @@ import dataclasses
 import os
 import platform
 import time
+from typing import Sequence
 
 import jax
 import numpy as np
@@ -101,15 +102,19 @@ def measure_run_bandwidth(*, threads: int | None = None, seconds: float = RUN_PR
     Its array is freed on return, before a run's peak memory is counted."""
     threads = threads or cpu_threads()
     data = np.ones(RUN_PROBE_BYTES // 4, np.float32)
+    return run_bandwidth_of(list(_timed_reads(data, threads, seconds=seconds)), data.nbytes)
+
+
+def run_bandwidth_of(reads: Sequence[tuple[int, float]], nbytes: int) -> RunBandwidth:
+    """:class:`RunBandwidth` of ``reads`` (reader index, seconds) of ``nbytes`` each: the sustained rate is
+    the best reader's bytes ÷ its time in all, the burst the fastest single read's."""
     spent: dict[int, float] = {}
-    reads: dict[int, int] = {}
-    fastest = float("inf")
-    for reader, elapsed in _timed_reads(data, threads, seconds=seconds):
-        spent[reader] = spent.get(reader, 0.0) + elapsed
-        reads[reader] = reads.get(reader, 0) + 1
-        fastest = min(fastest, elapsed)
-    sustained = max(reads[r] * data.nbytes / spent[r] for r in spent)
-    return RunBandwidth(sustained_gbps=sustained / 1e9, burst_gbps=data.nbytes / fastest / 1e9)
+    counts: dict[int, int] = {}
+    for reader, seconds in reads:
+        spent[reader] = spent.get(reader, 0.0) + seconds
+        counts[reader] = counts.get(reader, 0) + 1
+    sustained = max(counts[r] * nbytes / spent[r] for r in spent)
+    return RunBandwidth(sustained_gbps=sustained / 1e9, burst_gbps=nbytes / min(t for _, t in reads) / 1e9)
 
 
 def _timed_reads(data: np.ndarray, threads: int, *, rounds: int = 1, seconds: float = 0.0):

@@ -221,6 +221,15 @@ def test_machine_probes_give_positive_numbers():
     assert positive_finite(machine.peak_rss_mb())
 
 
+def test_the_run_probe_sustains_the_best_readers_rate_and_bursts_at_its_fastest_read():
+    reads = [(0, 0.01), (1, 0.02), (0, 0.03), (1, 0.06), (2, 0.05)]  # (reader, seconds) of 1 GB each
+    around = machine.run_bandwidth_of(reads, 10**9)
+    assert around.sustained_gbps == pytest.approx(2 / 0.04)  # reader 0: 2 GB in 0.04 s, not its best read's 100
+    assert around.burst_gbps == pytest.approx(1 / 0.01)
+    later = machine.RunBandwidth(sustained_gbps=60.0, burst_gbps=70.0)
+    assert around.better(later) == machine.RunBandwidth(sustained_gbps=60.0, burst_gbps=100.0)
+
+
 @pytest.mark.parametrize("peaks", [["100", "200", "300"], ["0"], ["-5", "10"]])
 def test_a_bad_peak_is_a_clear_error(peaks):
     with pytest.raises(ValueError, match="--peak-gflops takes one or two positive numbers"):
