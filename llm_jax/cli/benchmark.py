@@ -27,8 +27,8 @@ of it reached, at the best bandwidth measured before and after all the runs. "% 
 over the runs of each run's share of the roofline at the bandwidth a streaming read sustains around it
 (half a second of reads just before and just after, the better of the two; on a machine shared with
 others, memory's speed moves from one moment to the next), "% @burst" the same at the fastest single
-read around it (a burst of memory, which a run lasting longer sees only part of). "% roof@size" is the share of the same bound at the bandwidth of reading just a step's
-bytes over and over: a model that fits in a cache (15M in a large L3) is read from the cache, faster
+read around it (a burst of memory, which a run lasting longer sees only part of). "% roof@size" is
+the share of the same bound at the bandwidth of reading just a step's bytes over and over: a model that fits in a cache (15M in a large L3) is read from the cache, faster
 than memory allows, and can pass 100 % of the memory roofline. "flop roof" is the arithmetic bound: the
 tokens/s the measured peak of multiply-adds (bfloat16 weights: of the CPU's bfloat16 dot products, where
 it has them) allows for a step's matrix products and attention; "% flop" the share of it reached. It

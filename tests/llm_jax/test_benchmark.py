@@ -301,7 +301,8 @@ def test_a_runs_peak_memory_is_read_before_the_probe_after_it(tmp_path, monkeypa
     events = []
     monkeypatch.setattr(machine, "measure_bandwidth",
                         lambda *, threads, nbytes=machine.BANDWIDTH_BYTES, repeats=5: 8.0)
-    monkeypatch.setattr(machine, "measure_run_bandwidth", lambda *, threads: events.append("probe") or machine.RunBandwidth(sustained_gbps=5.0, burst_gbps=6.0))
+    around = machine.RunBandwidth(sustained_gbps=5.0, burst_gbps=6.0)
+    monkeypatch.setattr(machine, "measure_run_bandwidth", lambda *, threads: events.append("probe") or around)
     reset, peak = machine.reset_peak_rss, machine.peak_rss_mb
     monkeypatch.setattr(machine, "reset_peak_rss", lambda: events.append("reset") or reset())
     monkeypatch.setattr(machine, "peak_rss_mb", lambda: events.append("peak") or peak())
