@@ -22,12 +22,16 @@ compiler), it is XLA's product. Gradients are XLA's.
     to_panels(w_KN) -> p [N / 16, K, 16];  from_panels(p) -> w_KN   # leading axes (layers) kept
     to_pairs(p) -> p in pairs of rows;  from_pairs(p) -> p  # what matmuls(..., pairs=True) reads
     pairs_available() -> bool   # products on pairs run on the kernels (AVX512_BF16), else XLA's
+    to_quads(p) -> int8 p in quads of rows;  from_quads(p) -> p  # what matmuls(..., quads=True) reads
+    quads_available() -> bool   # products on quads run on the kernels (AVX512_VNNI), else XLA's
+    quantize_rows(x_RK) -> (n_RK int8, t_R)  # x per row as the products on quads quantize it
     decode_attention(q_BNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BNH  # one query per row, cache read in place
     decode_attention_append(q_BNH, k_new_BKH, v_new_BKH, k_LBSKH, v_LBSKH, layer, slots_B, ...)
         -> (o_BNH, k_LBSKH, v_LBSKH)  # the step's keys and values written first, the caches in place
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
     argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU
-    screened_argmax(y_BV, x_BD, panels, scales_V, norms_V, c1, c2) -> i_B  # argmax of x · W from a screen
+    screened_argmax(y_BV, x_BD, panels, scales_V, norms_V, c1, c2, errors_V=None) -> i_B  # argmax of x · W
+        from a screen
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from cpu_kernels.decode_attention import decode_attention, decode_attention_appe
 from cpu_kernels.prefill_attention import prefill_attention
 
 __all__ = ["PANEL", "argmax", "screened_argmax", "available", "decode_attention", "decode_attention_append", "from_pairs",
-           "from_panels", "matmul", "matmuls", "pairs_available", "prefill_attention", "to_pairs", "to_panels"]
+           "from_panels", "from_quads", "matmul", "matmuls", "pairs_available", "prefill_attention", "quads_available",
+           "quantize_rows", "to_pairs", "to_panels", "to_quads"]
 
 
 def available() -> bool:
@@ -86,6 +91,46 @@ def from_pairs(p: jax.Array) -> jax.Array:
     return jnp.swapaxes(p.reshape(*lead, P, K // 2, PANEL, 2), -2, -1).reshape(p.shape)
 
 
+def to_quads(p: jax.Array) -> jax.Array:
+    """int8 panels [..., N / 16, K, 16] → the same panels in quads of rows, the layout AVX-512 VNNI's dot
+    products read (K a multiple of 4): rows 4i … 4i + 3 of a panel interleaved, [..., N / 16, K / 4, 16, 4],
+    held as [..., N / 16, K, 16] (same shape and size; only the order within each 64-byte line differs)."""
+    *lead, P, K, width = p.shape
+    if width != PANEL or K % 4 or p.dtype != jnp.int8:
+        raise ValueError(f"quads of rows need int8 panels [..., N / {PANEL}, K, {PANEL}] with K a multiple of 4, "
+                         f"got {p.dtype} {p.shape}")
+    return jnp.swapaxes(p.reshape(*lead, P, K // 4, 4, PANEL), -2, -1).reshape(p.shape)
+
+
+def from_quads(p: jax.Array) -> jax.Array:
+    """The inverse of :func:`to_quads`: panels [..., N / 16, K, 16] in their plain row order."""
+    *lead, P, K, width = p.shape
+    return jnp.swapaxes(p.reshape(*lead, P, K // 4, PANEL, 4), -2, -1).reshape(p.shape)
+
+
+def quads_available() -> bool:
+    """Whether products on int8 panels in quads (``matmuls(..., quads=True)``) run on the kernels: AVX-512
+    VNNI's dot products are built and on (:func:`cpu_kernels.build.int8_dot`)."""
+    return available() and build.int8_dot()
+
+
+def quantize_rows(x_RK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [R, K] (float32) as products on quads quantize it, row by row: t = max |x| / 127 and n = x / t
+    rounded to the nearest integer (ties to even) → (n [R, K] int8, t [R] float32), |x − t n| ≤ t / 2
+    (1 + 2⁻¹⁶); a row of zeros gives t = 0 and n = 0, a row with a NaN or an infinity t = NaN and n = 0.
+    The kernels run ``common.h``'s ``quantize_row``, with correctly rounded divisions; XLA:CPU divides
+    approximately (one float32 quotient in twenty differs in its last place), so here t, and rarely an n,
+    may differ from theirs: what the products on quads compute where the kernels do not run."""
+    x_RK = x_RK.astype(jnp.float32)
+    m_R = jnp.max(jnp.abs(x_RK), axis=-1)
+    finite_R = m_R <= jnp.finfo(jnp.float32).max
+    t_R = jnp.where(finite_R, m_R / jnp.float32(127), jnp.float32(jnp.nan))
+    ok_R = t_R > 0
+    safe_R = jnp.where(ok_R, t_R, jnp.float32(1))
+    n_RK = jnp.where(ok_R[:, None], jnp.clip(jnp.round(x_RK / safe_R[:, None]), -127, 127), 0).astype(jnp.int8)
+    return n_RK, t_R
+
+
 def pairs_available() -> bool:
     """Whether products on panels in pairs (``matmuls(..., pairs=True)``) run on the kernels: the CPU's
     bfloat16 dot products are built and on (:func:`cpu_kernels.build.bf16_dot`); where AMX runs too, it
@@ -101,10 +146,14 @@ def _layer(w: jax.Array, layer: jax.Array | None) -> jax.Array:
 def _as_kn(w: jax.Array, layout: str) -> jax.Array:
     """One (unstacked) weight as [K, N]."""
     return {"kn": lambda: w, "nk": lambda: w.T, "panels": lambda: from_panels(w),
-            "pairs": lambda: from_panels(from_pairs(w))}[layout]()
+            "pairs": lambda: from_panels(from_pairs(w)), "quads": lambda: from_panels(from_quads(w))}[layout]()
 
 
 def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
+    if layout == "quads":  # x quantized per row, integer sums (exact), then the step: as the kernel
+        n_RK, t_R = quantize_rows(x_RK)
+        return tuple(jnp.einsum("RK,KN->RN", n_RK.astype(jnp.int32), _as_kn(_layer(w, layer), layout).astype(jnp.int32))
+                     .astype(jnp.float32) * t_R[:, None] for w in ws)
     if ws[0].dtype == jnp.int8:  # integer weights as float32 values, x as it is (see matmuls)
         return tuple(jnp.einsum("RK,KN->RN", x_RK.astype(jnp.float32), _as_kn(_layer(w, layer), layout).astype(jnp.float32),
                                 precision="highest") for w in ws)
@@ -115,11 +164,11 @@ def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, la
 def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
     dtype = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.int8): "i8"}.get(jnp.dtype(ws[0].dtype), "f32")
     width = {"kn": lambda w: w.shape[-1], "nk": lambda w: w.shape[-2], "panels": lambda w: w.shape[-3] * PANEL,
-             "pairs": lambda w: w.shape[-3] * PANEL}
+             "pairs": lambda w: w.shape[-3] * PANEL, "quads": lambda w: w.shape[-3] * PANEL}
     shapes = [jax.ShapeDtypeStruct((x_RK.shape[0], width[layout](w)), jnp.float32) for w in ws]
     call = jax.ffi.ffi_call(f"llm_jax_matmul_{layout}_{dtype}", shapes, vmap_method="sequential")
     index = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
-    if layout in ("panels", "pairs") and layer is None:  # the kernel takes stacks [L, N / 16, K, 16]
+    if layout in ("panels", "pairs", "quads") and layer is None:  # the kernel takes stacks [L, N / 16, K, 16]
         ws = tuple(w[None] for w in ws)
     # x rounded to the weights' dtype, as XLA's product (``_xla``) does: both routes compute the same.
     x_RK = x_RK.astype(jnp.float32) if dtype == "i8" else x_RK.astype(ws[0].dtype).astype(jnp.float32)
@@ -155,13 +204,16 @@ _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
 
 
 def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = False, pairs: bool = False,
-            layer: jax.Array | int | None = None):
+            quads: bool = False, layer: jax.Array | int | None = None):
     """x [R, K] · W_i → [R, N_i] float32 for each W_i in ``ws`` ([K, N_i]; [N_i, K] when ``transposed``; in
     the panel layout [N_i / 16, K, 16] of :func:`to_panels` when ``panels``; all float32 or all bfloat16,
     or, in panels, all int8: the product with the integers as they are and x not rounded, for a caller
     that applies its own scales, with no gradient). ``pairs`` (with ``panels``): bfloat16 panels in pairs
     of rows (:func:`to_pairs`), read as they lie by the CPU's bfloat16 dot products where
-    :func:`pairs_available` (the LM head's screen; no gradient).
+    :func:`pairs_available` (the LM head's screen; no gradient). ``quads`` (with ``panels``): int8 panels
+    in quads of rows (:func:`to_quads`) and x quantized per row (:func:`quantize_rows`: n, t), the result
+    t · (n · W_i) with exact integer sums, on AVX-512 VNNI where :func:`quads_available` (the LM head's
+    screen at many rows; no gradient).
     On CPU one kernel call streams every W_i: one fork-join for all.
 
     With ``layer`` (an int32 scalar, may be traced), every W_i is a stack [L, ...] of such matrices and
@@ -172,27 +224,32 @@ def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = Fal
     ws = tuple(ws)
     if transposed and panels:
         raise ValueError("matmul: the panel layout holds W [K, N] (not transposed)")
-    if pairs and not panels:
-        raise ValueError("matmul: pairs of rows are a form of the panel layout (panels=True)")
-    layout = "pairs" if pairs else "panels" if panels else "nk" if transposed else "kn"
-    k_axis = {"kn": -2, "nk": -1, "panels": -2, "pairs": -2}[layout]
-    rank = (2 if layer is None else 3) + (layout in ("panels", "pairs"))
+    if (pairs or quads) and not panels:
+        raise ValueError("matmul: pairs and quads of rows are forms of the panel layout (panels=True)")
+    if pairs and quads:
+        raise ValueError("matmul: panels are in pairs or in quads of rows, not both")
+    layout = "pairs" if pairs else "quads" if quads else "panels" if panels else "nk" if transposed else "kn"
+    in_panels = layout in ("panels", "pairs", "quads")
+    k_axis = -1 if layout == "nk" else -2
+    rank = (2 if layer is None else 3) + in_panels
     for w in ws:
         if (x_RK.ndim != 2 or w.ndim != rank or x_RK.shape[1] != w.shape[k_axis]
-                or (layout in ("panels", "pairs") and w.shape[-1] != PANEL)):
+                or (in_panels and w.shape[-1] != PANEL)):
             stack = "" if layer is None else "L, "
-            form = {"kn": "K, N", "nk": "N, K", "panels": f"N / {PANEL}, K, {PANEL}",
-                    "pairs": f"N / {PANEL}, K, {PANEL}"}[layout]
+            form = {"kn": "K, N", "nk": "N, K"}.get(layout, f"N / {PANEL}, K, {PANEL}")
             raise ValueError(f"matmul needs x [R, K] and w [{stack}{form}] with the same K, got x {x_RK.shape} "
                              f"and w {w.shape}")
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32)
     dtypes = {w.dtype for w in ws}
-    if pairs:  # the LM head's screen: bfloat16, K even, no gradient
-        if dtypes != {jnp.dtype(jnp.bfloat16)} or x_RK.shape[1] % 2:
-            raise ValueError(f"matmul: pairs of rows hold bfloat16 weights with K even, got {sorted(map(str, dtypes))} "
-                             f"and K = {x_RK.shape[1]}")
-        if not pairs_available():
+    screen = {"pairs": (jnp.bfloat16, 2, pairs_available), "quads": (jnp.int8, 4, quads_available)}.get(layout)
+    if screen is not None:  # the LM head's screens: bfloat16 in pairs, int8 in quads; no gradient
+        dtype, multiple, runs = screen
+        if dtypes != {jnp.dtype(dtype)} or x_RK.shape[1] % multiple:
+            what = "even" if multiple == 2 else f"a multiple of {multiple}"
+            raise ValueError(f"matmul: {layout} of rows hold {jnp.dtype(dtype).name} weights with K {what}, got "
+                             f"{sorted(map(str, dtypes))} and K = {x_RK.shape[1]}")
+        if not runs():
             return _xla(x_RK, ws, layer, layout)
         return jax.lax.platform_dependent(x_RK, ws, layer, cpu=functools.partial(_kernel, layout=layout),
                                           default=functools.partial(_xla, layout=layout))
@@ -209,11 +266,11 @@ def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = Fal
 
 
 def matmul(x_RK: jax.Array, w: jax.Array, *, transposed: bool = False, panels: bool = False, pairs: bool = False,
-           layer: jax.Array | int | None = None):
+           quads: bool = False, layer: jax.Array | int | None = None):
     """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``, or panels [N / 16, K, 16],
-    bfloat16 ones in pairs of rows when ``pairs``; with ``layer``, a stack [L, ...] of them), float32 or
-    bfloat16."""
-    return matmuls(x_RK, (w,), transposed=transposed, panels=panels, pairs=pairs, layer=layer)[0]
+    bfloat16 ones in pairs of rows when ``pairs``, int8 ones in quads when ``quads``; with ``layer``, a
+    stack [L, ...] of them), float32 or bfloat16."""
+    return matmuls(x_RK, (w,), transposed=transposed, panels=panels, pairs=pairs, quads=quads, layer=layer)[0]
 
 
 def argmax(x_BV: jax.Array) -> jax.Array:
@@ -231,34 +288,39 @@ def argmax(x_BV: jax.Array) -> jax.Array:
 
 
 def screened_argmax(y_BV: jax.Array, x_BD: jax.Array, panels: jax.Array, scales_V: jax.Array | None,
-                    norms_V: jax.Array, c1: float, c2: float) -> jax.Array:
+                    norms_V: jax.Array, c1: float, c2: float, errors_V: jax.Array | None = None) -> jax.Array:
     """The greedy token per row [B] (int32) of the logits x [B, D] · W, W [D, V] (float32 or bfloat16) held
     as panels [V / 16, D, 16], given screened logits a = ``y_BV`` (times ``scales_V`` [V] when given) that
-    differ from them by at most r = c1 · ||x_b||₁ · scales_V[j] + c2 · ||x_b||₂ · norms_V[j]: the columns
-    whose interval [a − r, a + r] reaches the largest lower end are computed exactly (in double
+    differ from them by at most r = c1 · ||x_b||₁ · scales_V[j] + c2 · ||x_b||₂ · norms_V[j], or, with
+    ``errors_V`` [V] (screened logits of x quantized as :func:`quantize_rows` does, δ_b = x_b − t_b n_b; needs
+    ``scales_V``), r = c1 · (||x_b||₂ + ||δ_b||₂) · errors_V[j] + (c1 · ||δ_b||₂ + c2 · ||x_b||₂) · norms_V[j]:
+    the columns whose interval [a − r, a + r] reaches the largest lower end are computed exactly (in double
     precision), the largest wins, the first on ties; a row with a NaN or an infinity is computed in full
     (its first NaN wins, as in ``jnp.argmax``). x is used as given (a bfloat16 W's logits are those of x
     rounded to bfloat16: round it first). XLA's full product and argmax where the kernels are not
     available."""
     B, V = y_BV.shape
-    scales = jnp.zeros((0,), jnp.float32) if scales_V is None else scales_V
-    floats = {a.dtype for a in (y_BV, x_BD, scales, norms_V)}
+    none = jnp.zeros((0,), jnp.float32)
+    scales = none if scales_V is None else scales_V
+    errors = none if errors_V is None else errors_V
+    floats = {a.dtype for a in (y_BV, x_BD, scales, errors, norms_V)}
     if (x_BD.ndim != 2 or x_BD.shape[0] != B or panels.shape != (V // PANEL, x_BD.shape[1], PANEL)
-            or norms_V.shape != (V,) or scales.shape not in ((V,), (0,)) or floats != {jnp.dtype(jnp.float32)}
+            or norms_V.shape != (V,) or scales.shape not in ((V,), (0,)) or errors.shape not in ((V,), (0,))
+            or (errors_V is not None and scales_V is None) or floats != {jnp.dtype(jnp.float32)}
             or panels.dtype not in (jnp.float32, jnp.bfloat16)):
-        raise ValueError(f"screened_argmax needs float32 y [B, V], x [B, D], scales and norms [V], and panels "
-                         f"[V / {PANEL}, D, {PANEL}] (float32 or bfloat16), got {y_BV.shape}, {x_BD.shape}, "
-                         f"{scales.shape}, {norms_V.shape}, {panels.dtype} {panels.shape}")
+        raise ValueError(f"screened_argmax needs float32 y [B, V], x [B, D], scales, norms and errors [V] (errors "
+                         f"only with scales), and panels [V / {PANEL}, D, {PANEL}] (float32 or bfloat16), got "
+                         f"{y_BV.shape}, {x_BD.shape}, {scales.shape}, {norms_V.shape}, {errors.shape}, "
+                         f"{panels.dtype} {panels.shape}")
 
-    def xla(y_BV, x_BD, panels, scales, norms_V):
+    def xla(y_BV, x_BD, panels, scales, errors, norms_V):
         logits_BV = jnp.einsum("BD,DV->BV", x_BD, from_panels(panels).astype(jnp.float32), precision="highest")
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
     if not available():
-        return xla(y_BV, x_BD, panels, scales, norms_V)
+        return xla(y_BV, x_BD, panels, scales, errors, norms_V)
     dtype = "bf16" if panels.dtype == jnp.bfloat16 else "f32"
     call = jax.ffi.ffi_call(f"llm_jax_screened_argmax_{dtype}", jax.ShapeDtypeStruct((B,), jnp.int32),
                             vmap_method="sequential")
     kernel = lambda *args: call(*args, c1=float(c1), c2=float(c2))
-    return jax.lax.platform_dependent(y_BV, x_BD, panels, scales, norms_V, cpu=kernel, default=xla)
-
+    return jax.lax.platform_dependent(y_BV, x_BD, panels, scales, errors, norms_V, cpu=kernel, default=xla)

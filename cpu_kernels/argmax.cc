@@ -5,8 +5,9 @@
 //
 // ScreenedArgmax{F32,BF16}: the greedy token of logits x[b] · W (W float32 or bfloat16) that were not
 // computed, from logits that were, through a narrower copy of W (its screen: bfloat16 for a float32 W,
-// int8 with a scale per column for either: fewer bytes to read), and W itself for the few columns that
-// can still win; see llm_jax/model/greedy_head.py for the bound that makes it exact.
+// int8 with a scale per column for either: fewer bytes to read; at many rows the int8 one in quads, x
+// quantized too: half the arithmetic of bfloat16's), and W itself for the few columns that can still
+// win; see llm_jax/model/greedy_head.py for the bound that makes it exact.
 //
 // XLA:CPU computes an argmax as a reduction of (value, index) pairs, one element at a time: 1.3 ms for
 // [32, 32000] float32 logits, 8 % of a 15M decode step at batch 32. Here each row is read once, 32 lanes
@@ -99,20 +100,34 @@ double column_dot(const float* x, const H* panels, int64_t D, int64_t j) {
 }
 
 // The greedy token of row x [D] from its screened logits: a_j = y_j (or y_j · scale_j, `scales` given),
-// within r_j = c1 · ‖x‖₁ · scale_j + c2 · ‖x‖₂ · norm_j of the exact logit x · W[:, j]. Every column whose
-// interval [a_j - r_j, a_j + r_j] reaches the largest lower end is computed exactly, and the largest
-// exact logit wins (the first on ties). Rows with a NaN or an infinity anywhere are computed in full, as
-// jnp.argmax would see them (the first NaN wins).
+// within r_j of the exact logit x · W[:, j]: r_j = c1 · ‖x‖₁ · scale_j + c2 · ‖x‖₂ · norm_j, or, with
+// `errors` (the int8 screen in quads, whose product quantized x too: δ = x - t n, quantize_row's n and
+// t), r_j = c1 · (‖x‖₂ + ‖δ‖₂) · error_j + (c1 · ‖δ‖₂ + c2 · ‖x‖₂) · norm_j. Every column whose interval
+// [a_j - r_j, a_j + r_j] reaches the largest lower end is computed exactly, and the largest exact logit
+// wins (the first on ties). Rows with a NaN or an infinity anywhere are computed in full, as jnp.argmax
+// would see them (the first NaN wins).
 template <typename H>
-int32_t screened_row(const float* y, const float* x, const H* panels, const float* scales, const float* norms,
-                     int64_t D, int64_t V, double c1, double c2) {
-  double l1 = 0.0, l2 = 0.0;
+int32_t screened_row(const float* y, const float* x, const H* panels, const float* scales, const float* errors,
+                     const float* norms, int64_t D, int64_t V, double c1, double c2) {
+  double l1 = 0.0, l2 = 0.0, d2 = 0.0;
   for (int64_t d = 0; d < D; ++d) {
     l1 += std::fabs(static_cast<double>(x[d]));
     l2 += static_cast<double>(x[d]) * static_cast<double>(x[d]);
   }
+  if (errors) {  // what quantizing x changed, exactly (t n is exact in double, and so is x - t n)
+    thread_local std::vector<int8_t> n;
+    n.resize(static_cast<size_t>(D));
+    const double t = quantize_row(x, D, n.data());
+    for (int64_t d = 0; d < D; ++d) {
+      const double delta = static_cast<double>(x[d]) - t * n[d];
+      d2 += delta * delta;
+    }
+  }
+  const double x2 = std::sqrt(l2), delta2 = std::sqrt(d2);
   // Rounded up, and far beyond float's rounding of a_j ± r_j below (r_j is at least 0.4 % of |a_j|).
-  const float s1 = static_cast<float>(c1 * l1 * (1.0 + 1e-3)), s2 = static_cast<float>(c2 * std::sqrt(l2) * (1.0 + 1e-3));
+  const float s1 = static_cast<float>((errors ? c1 * (x2 + delta2) : c1 * l1) * (1.0 + 1e-3));
+  const float s2 = static_cast<float>((errors ? c1 * delta2 + c2 * x2 : c2 * x2) * (1.0 + 1e-3));
+  const float* first = errors ? errors : scales;  // the columns r_j's first term is proportional to
   bool finite = std::isfinite(s1) && std::isfinite(s2);
   // kLanes columns at a time, four vectors a step (16 with AVX-512: 0.73–0.81 of the time of 8 at 32 rows
   // of 32,000 columns, Zen 5, processes taking turns).
@@ -123,12 +138,8 @@ int32_t screened_row(const float* y, const float* x, const H* panels, const floa
   // a_j and r_j of the kLanes columns from v.
   auto bounds = [&](int64_t v, fvec* a, fvec* r) {
     const fvec yv = loadv(y + v), nv = loadv(norms + v);
-    if (scales) {
-      const fvec sv = loadv(scales + v);
-      *a = yv * sv, *r = s1v * sv + s2v * nv;
-    } else {
-      *a = yv, *r = s2v * nv;
-    }
+    *a = scales ? yv * loadv(scales + v) : yv;
+    *r = first ? s1v * loadv(first + v) + s2v * nv : s2v * nv;
   };
   auto any = [](ivec m) {
     for (int i = 0; i < kLanes; ++i) {
@@ -155,7 +166,7 @@ int32_t screened_row(const float* y, const float* x, const H* panels, const floa
   }
   auto scalar = [&](int64_t v, float* a, float* r) {
     *a = scales ? y[v] * scales[v] : y[v];
-    *r = (scales ? s1 * scales[v] : 0.f) + s2 * norms[v];
+    *r = (first ? s1 * first[v] : 0.f) + s2 * norms[v];
   };
   for (int64_t v = v_vec; v < V; ++v) {
     float a, r;
@@ -209,23 +220,24 @@ int32_t screened_row(const float* y, const float* x, const H* panels, const floa
 }
 
 // y [B, V] the screen's logits, x [B, D], the head's panels [V / 16, D, 16], scales [V] (or [0]: none),
-// norms [V]; attributes c1 and c2 of the bound.
+// errors [V] (or [0]: none; given, scales are too), norms [V]; attributes c1 and c2 of the bound.
 template <ffi::DataType T, typename H>
 ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> y, ffi::Buffer<ffi::F32, 2> x,
-                          ffi::Buffer<T, 3> panels, ffi::Buffer<ffi::F32, 1> scales, ffi::Buffer<ffi::F32, 1> norms,
-                          double c1, double c2, ffi::ResultBuffer<ffi::S32, 1> out) {
+                          ffi::Buffer<T, 3> panels, ffi::Buffer<ffi::F32, 1> scales, ffi::Buffer<ffi::F32, 1> errors,
+                          ffi::Buffer<ffi::F32, 1> norms, double c1, double c2, ffi::ResultBuffer<ffi::S32, 1> out) {
   const int64_t B = y.dimensions()[0], V = y.dimensions()[1], D = x.dimensions()[1];
   const auto p = panels.dimensions();
-  const int64_t S = scales.dimensions()[0];
+  const int64_t S = scales.dimensions()[0], E = errors.dimensions()[0];
   if (x.dimensions()[0] != B || p[0] * 16 != V || p[1] != D || p[2] != 16 || norms.dimensions()[0] != V ||
-      (S != V && S != 0)) {
-    return ffi::Error::InvalidArgument(
-        "screened argmax: y [B, V], x [B, D], panels [V / 16, D, 16], scales [V] or [0], norms [V]");
+      (S != V && S != 0) || (E != V && E != 0) || (E != 0 && S == 0)) {
+    return ffi::Error::InvalidArgument("screened argmax: y [B, V], x [B, D], panels [V / 16, D, 16], scales [V] or "
+                                       "[0], errors [V] (with scales) or [0], norms [V]");
   }
   const H* head = reinterpret_cast<const H*>(panels.untyped_data());
   const float* scale = S ? scales.typed_data() : nullptr;
+  const float* error = E ? errors.typed_data() : nullptr;
   for_each_row(pool, B, V, [&](int64_t b) {
-    out->typed_data()[b] = screened_row(y.typed_data() + b * V, x.typed_data() + b * D, head, scale,
+    out->typed_data()[b] = screened_row(y.typed_data() + b * V, x.typed_data() + b * D, head, scale, error,
                                         norms.typed_data(), D, V, c1, c2);
   });
   return ffi::Error::Success();
@@ -238,6 +250,7 @@ auto ScreenedBinding() {
       .Arg<ffi::Buffer<ffi::F32, 2>>()
       .Arg<ffi::Buffer<ffi::F32, 2>>()
       .template Arg<ffi::Buffer<T, 3>>()
+      .template Arg<ffi::Buffer<ffi::F32, 1>>()
       .template Arg<ffi::Buffer<ffi::F32, 1>>()
       .template Arg<ffi::Buffer<ffi::F32, 1>>()
       .template Attr<double>("c1")

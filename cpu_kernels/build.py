@@ -42,6 +42,7 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_matmul_panels_bf16": "MatmulPanelsBF16",
     "llm_jax_matmul_panels_i8": "MatmulPanelsI8",
     "llm_jax_matmul_pairs_bf16": "MatmulPairsBF16",
+    "llm_jax_matmul_quads_i8": "MatmulQuadsI8",
     "llm_jax_decode_attention_f32": "DecodeAttentionF32",
     "llm_jax_decode_attention_bf16": "DecodeAttentionBF16",
     "llm_jax_decode_attention_u16": "DecodeAttentionBits",
@@ -156,6 +157,13 @@ def bf16_dot() -> bool:
     return lib is not None and bool(lib.LlmJaxBf16Dot())
 
 
+def int8_dot() -> bool:
+    """Whether the LM head's int8 screen in quads of rows runs on AVX-512 VNNI (vpdpbusd) in this process
+    (a CPU with AVX512_VNNI and a build that has it; ``LLM_JAX_INT8_DOT=off`` turns it off)."""
+    lib = library()
+    return lib is not None and bool(lib.LlmJaxInt8Dot())
+
+
 def stream_read():
     """``read(a)``: the sum of a contiguous float32 NumPy array, read once by compiled code (GIL released);
     None when the library cannot be built."""
@@ -173,12 +181,13 @@ def stream_read():
 
 
 def arithmetic_probe(kind: str):
-    """``run(iterations)`` → the floating-point operations one thread did in chains of float32 multiply-adds
-    (``kind="float32"``) or of bfloat16 dot products (``"bfloat16"``; 0 where the CPU or the build lacks
-    them), GIL released; None when the library cannot be built."""
+    """``run(iterations)`` → the operations one thread did in chains of float32 multiply-adds
+    (``kind="float32"``), of bfloat16 dot products (``"bfloat16"``) or of AVX-512 VNNI's int8 dot products
+    (``"int8"``; these two 0 where the CPU or the build lacks them), GIL released; None when the library
+    cannot be built."""
     lib = library()
     if lib is None:
         return None
-    fn = {"float32": lib.LlmJaxMultiplyAddFlops, "bfloat16": lib.LlmJaxBf16DotFlops}[kind]
+    fn = {"float32": lib.LlmJaxMultiplyAddFlops, "bfloat16": lib.LlmJaxBf16DotFlops, "int8": lib.LlmJaxInt8DotOps}[kind]
     fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int64]
     return fn

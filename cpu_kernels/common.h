@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -258,6 +260,29 @@ inline void pv_columns(const float* p, int64_t p_row, int64_t p_key, const float
 // Whether probabilities are rounded to bfloat16 before they meet values of this type (as XLA does).
 inline bool rounds_to_bf16(const float*) { return false; }
 inline bool rounds_to_bf16(const uint16_t*) { return true; }
+
+// A row x [K] of float32 as int8 n [K] and a step t, for the products of the LM head's int8 screen on
+// AVX-512 VNNI (matmul.cc, "int8 in quads of rows") and its bound (argmax.cc): t = max |x| / 127 and
+// n = x / t rounded to the nearest integer (ties to even), so |x - t n| <= t / 2 (1 + 2^-16) (x / t is
+// within 127 (1 + 2^-23) of zero, rounded once before its integer). A row of zeros, or one whose t
+// underflows to zero, gives t = 0 and n = 0; a row with a NaN or an infinity gives t = NaN and n = 0. One
+// function for both kernels: the bound is computed from the very n and t the product used.
+inline float quantize_row(const float* x, int64_t K, int8_t* n) {
+  float m = 0.f;
+  bool finite = true;
+  for (int64_t k = 0; k < K; ++k) {
+    const float a = std::fabs(x[k]);
+    finite &= a <= std::numeric_limits<float>::max();  // false for NaN and infinity
+    m = std::max(m, a);
+  }
+  const float t = finite ? m / 127.f : std::numeric_limits<float>::quiet_NaN();
+  if (!(t > 0.f)) {  // zeros, an underflow, or not finite
+    std::memset(n, 0, static_cast<size_t>(K));
+    return t == t ? 0.f : t;
+  }
+  for (int64_t k = 0; k < K; ++k) n[k] = static_cast<int8_t>(std::clamp(std::nearbyint(x[k] / t), -127.f, 127.f));
+  return t;
+}
 
 // Cache lines of a block of memory — `left` lines of runs `run` bytes long, `stride` apart — asked for
 // one at a time, while other work runs (a block of W for the next tile; the next row's keys and values):

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
@@ -277,6 +278,20 @@ constexpr int64_t kBlockBytes = 192 * 1024;  // a unit's packed panels, in L2
 // ms; 32 rows 23.5 / 22.1 ms streaming, 16.2 / 15.4 tiled.)
 constexpr int64_t kTiledMinRows = 8;
 
+// fn(std::integral_constant<int, m>{}) for m = mr, a tile's rows known only at run time (1 to kMax): the
+// register tiles are templates on their rows, so that their sums stay in registers (and not inlined
+// here: GCC 12 spilled sums of bfloat16's dot products to the stack every step where it inlined them).
+template <int kMax, typename Fn>
+void with_rows(int64_t mr, const Fn& fn) {
+  if constexpr (kMax <= 1) {
+    fn(std::integral_constant<int, 1>{});
+  } else if (mr >= kMax) {
+    fn(std::integral_constant<int, kMax>{});
+  } else {
+    with_rows<kMax - 1>(mr, fn);
+  }
+}
+
 // `lines` of a Prefetcher's lines asked for over the `steps` steps of a tile's loop over k, evenly. With
 // one tile of rows (8 float32 rows on stored panels, 8–12 packed or on bfloat16's dot products) the tile
 // over two panels reads two lines of W a step, and the next block it asks for holds as many: two a step
@@ -314,7 +329,7 @@ class PrefetchOverK {
 // the core has); y rows ldy apart. Asks `pf` for `lines` lines on the way, spread over k. `stream`: y
 // written with non-temporal stores (AVX-512; y and ldy 64-byte aligned; the caller fences).
 template <int MR, int NP, typename P>
-void tile(const float* xp, int64_t kc, const P* p, int64_t ps, float* y, int64_t ldy, bool add, Prefetcher& pf,
+__attribute__((noinline)) void tile(const float* xp, int64_t kc, const P* p, int64_t ps, float* y, int64_t ldy, bool add, Prefetcher& pf,
           int64_t lines, bool stream = false) {
   constexpr int V = kPanel / kLanes, NV = NP * V;  // vectors per row of a panel, of the tile
   fvec acc[MR][NV];
@@ -349,22 +364,7 @@ void tile(const float* xp, int64_t kc, const P* p, int64_t ps, float* y, int64_t
 template <int NP, typename P>
 void tile_rows(int64_t mr, const float* xp, int64_t kc, const P* p, int64_t ps, float* y, int64_t ldy, bool add,
                Prefetcher& pf, int64_t lines, bool stream = false) {
-  switch (mr) {
-#if defined(__AVX512F__)
-    case 12: return tile<12, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-    case 11: return tile<11, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-    case 10: return tile<10, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-    case 9: return tile<9, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-    case 8: return tile<8, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-    case 7: return tile<7, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-#endif
-    case 6: return tile<6, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-    case 5: return tile<5, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-    case 4: return tile<4, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-    case 3: return tile<3, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-    case 2: return tile<2, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-    default: return tile<1, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream);
-  }
+  with_rows<kMR>(mr, [&](auto MR) { tile<MR, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream); });
 }
 
 // mr rows of y over n whole panels (ps values apart; their columns side by side in y): kTilePanels
@@ -389,22 +389,7 @@ void pack_rows(const float* x, int64_t ldx, int64_t kc, float* xp) {
 }
 
 inline void pack_rows(const float* x, int64_t ldx, int64_t mr, int64_t kc, float* xp) {
-  switch (mr) {
-#if defined(__AVX512F__)
-    case 12: return pack_rows<12>(x, ldx, kc, xp);
-    case 11: return pack_rows<11>(x, ldx, kc, xp);
-    case 10: return pack_rows<10>(x, ldx, kc, xp);
-    case 9: return pack_rows<9>(x, ldx, kc, xp);
-    case 8: return pack_rows<8>(x, ldx, kc, xp);
-    case 7: return pack_rows<7>(x, ldx, kc, xp);
-#endif
-    case 6: return pack_rows<6>(x, ldx, kc, xp);
-    case 5: return pack_rows<5>(x, ldx, kc, xp);
-    case 4: return pack_rows<4>(x, ldx, kc, xp);
-    case 3: return pack_rows<3>(x, ldx, kc, xp);
-    case 2: return pack_rows<2>(x, ldx, kc, xp);
-    default: return pack_rows<1>(x, ldx, kc, xp);
-  }
+  with_rows<kMR>(mr, [&](auto MR) { pack_rows<MR>(x, ldx, kc, xp); });
 }
 
 // R rows cut into `tiles` tiles of even size (32 rows, kMR 6: 5 + 5 + 6 + 5 + 5 + 6): tile t's first row
@@ -1075,7 +1060,7 @@ bool bf16_dot_ready() {
 // y[0:MR, 0:16 NP] (+= when `add`) = x pairs [0:kp] · NP panels of pairs [kp, 16, 2] (ps values apart);
 // xq[p · MR + r] holds row r's pair p.
 template <int MR, int NP>
-void dot_tile(const uint32_t* xq, int64_t kp, const uint16_t* p, int64_t ps, float* y, int64_t ldy, bool add,
+__attribute__((noinline)) void dot_tile(const uint32_t* xq, int64_t kp, const uint16_t* p, int64_t ps, float* y, int64_t ldy, bool add,
               Prefetcher& pf, int64_t lines) {
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r) {
@@ -1099,20 +1084,7 @@ void dot_tile(const uint32_t* xq, int64_t kp, const uint16_t* p, int64_t ps, flo
 template <int NP>
 void dot_tile_rows(int64_t mr, const uint32_t* xq, int64_t kp, const uint16_t* p, int64_t ps, float* y, int64_t ldy,
                    bool add, Prefetcher& pf, int64_t lines) {
-  switch (mr) {
-    case 12: return dot_tile<12, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    case 11: return dot_tile<11, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    case 10: return dot_tile<10, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    case 9: return dot_tile<9, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    case 8: return dot_tile<8, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    case 7: return dot_tile<7, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    case 6: return dot_tile<6, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    case 5: return dot_tile<5, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    case 4: return dot_tile<4, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    case 3: return dot_tile<3, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    case 2: return dot_tile<2, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-    default: return dot_tile<1, NP>(xq, kp, p, ps, y, ldy, add, pf, lines);
-  }
+  with_rows<kMR>(mr, [&](auto MR) { dot_tile<MR, NP>(xq, kp, p, ps, y, ldy, add, pf, lines); });
 }
 
 // Whether the dot products take this product: bfloat16 panels, kTiledMinRows rows or more.
@@ -1200,6 +1172,141 @@ bool bf16_dot_takes(int64_t) {
 template <typename W>
 void bf16_dot_matmul(ffi::ThreadPool&, const float*, const std::vector<const W*>&, const std::vector<float*>&,
                      const std::vector<int64_t>&, int64_t, int64_t, bool = false) {}
+#endif
+
+// ---- int8 in quads of rows: the LM head's screen on AVX-512 VNNI ------------------------------------
+//
+// Greedy steps of many rows read the LM head through a screen (llm_jax/model/greedy_head.py) whose
+// product is bound by arithmetic. AVX-512 VNNI's vpdpbusd multiplies 64 pairs of bytes (unsigned by
+// signed) and adds each four to a 32-bit sum: twice the multiply-adds of vdpbf16ps, four times those of a
+// float32 multiply-add (one Zen 4 core: 460 against 228 and 114 G/s). So x is quantized too, per row
+// (quantize_row: int8 n, step t), and the int8 screen q is stored in quads of rows (rows 4k … 4k + 3 of
+// a panel interleaved, [N / 16, K / 4, 16, 4]: one 64-byte line per quad of k). The sums are exact in
+// int32 (|n q| ≤ 127 · 127 per product and K < 2^16 here); q is read as q + 128 (its top bit flipped,
+// unsigned) and 128 Σ n taken off at the end. y = float(Σ_k n_k q_kj) · t: the caller applies the
+// columns' scales, and argmax.cc bounds what quantizing x changed (from the same n and t).
+
+constexpr int64_t kQuadsMaxK = 1 << 16;
+// Rows per tile: 8 × 2 panels, 16 registers of sums. GCC 12 (-O3) keeps at most 18 of vpdpbusd's sums in
+// registers and spills the rest to the stack every step (12 rows: 21 spills a step), where it keeps
+// vdpbf16ps's 24.
+constexpr int kQuadMR = 8;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+bool int8_dot_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("LLM_JAX_INT8_DOT");
+    return env == nullptr || std::string(env) != "off";
+  }();
+  return ready;
+}
+
+// y[0:MR, 0:16 NP] (+= when `add`) = Σ over kq quads of k of x's quads · NP panels of quads (ps bytes
+// apart), as int32; xq[q · MR + r] holds row r's quad q (four int8 as one 32-bit word).
+template <int MR, int NP>
+__attribute__((noinline)) void quad_tile(const uint32_t* xq, int64_t kq, const int8_t* p, int64_t ps, int32_t* y, int64_t ldy, bool add,
+               Prefetcher& pf, int64_t lines) {
+  __m512i acc[MR][NP];
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NP; ++j) acc[r][j] = add ? _mm512_loadu_si512(y + r * ldy + j * kPanel) : _mm512_setzero_si512();
+  }
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // q + 128 as unsigned bytes
+  PrefetchOverK ahead(pf, lines, kq);
+  for (int64_t q = 0; q < kq; ++q) {
+    ahead.at(q);
+    __m512i w[NP];
+    for (int j = 0; j < NP; ++j) w[j] = _mm512_xor_si512(_mm512_loadu_si512(p + j * ps + q * 4 * kPanel), flip);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(xq[q * MR + r]));
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], w[j], a);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NP; ++j) _mm512_storeu_si512(y + r * ldy + j * kPanel, acc[r][j]);
+  }
+}
+
+template <int NP>
+void quad_tile_rows(int64_t mr, const uint32_t* xq, int64_t kq, const int8_t* p, int64_t ps, int32_t* y, int64_t ldy,
+                    bool add, Prefetcher& pf, int64_t lines) {
+  with_rows<kQuadMR>(mr, [&](auto MR) { quad_tile<MR, NP>(xq, kq, p, ps, y, ldy, add, pf, lines); });
+}
+
+// y_i = t · (n · Q_i) (float32) for x [R, K] quantized per row (quantize_row) and int8 panels Q_i in
+// quads of rows (K a multiple of 4, below kQuadsMaxK). Each unit of panels runs its blocks of kKC rows
+// of K over every tile of rows, summing in y's own memory as int32, and turns its columns into floats
+// at the end; it asks for the next block (or the next unit's first) a few lines per tile, as the
+// bfloat16 dot products do.
+void int8_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const int8_t*>& ws,
+                     const std::vector<float*>& ys, const std::vector<int64_t>& ns, int64_t R, int64_t K) {
+  const int64_t kc_max = std::min(K, kKC), tiles = (R + kQuadMR - 1) / kQuadMR, blocks = (K + kc_max - 1) / kc_max;
+  // Per row: the step t and 128 Σ_k n_k; x's quads, block by block and tile by tile (as bfloat16's pairs).
+  thread_local std::vector<int8_t> n_buffer;
+  thread_local std::vector<float> t_buffer;
+  thread_local std::vector<int32_t> shift_buffer;
+  thread_local std::vector<uint32_t> xq_buffer;
+  std::vector<int8_t>& n = n_buffer;
+  std::vector<float>& t = t_buffer;
+  std::vector<int32_t>& shift = shift_buffer;
+  std::vector<uint32_t>& xq = xq_buffer;
+  n.resize(static_cast<size_t>(R * K)), t.resize(static_cast<size_t>(R)), shift.resize(static_cast<size_t>(R));
+  xq.resize(static_cast<size_t>(R * K / 4));
+  for (int64_t r = 0; r < R; ++r) {
+    t[r] = quantize_row(x + r * K, K, n.data() + r * K);
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K; ++k) sum += n[r * K + k];
+    shift[r] = 128 * sum;
+  }
+  for (int64_t b = 0; b < blocks; ++b) {  // block b, tile at r0 (mr rows): mr · quads words from (k0 R + r0 kc) / 4
+    const int64_t k0 = b * kc_max, kq = std::min(kc_max, K - k0) / 4;
+    for (int64_t tt = 0; tt < tiles; ++tt) {
+      int64_t r0, mr;
+      tile_span(R, tiles, tt, &r0, &mr);
+      uint32_t* out = xq.data() + (k0 * R) / 4 + r0 * kq;
+      for (int64_t q = 0; q < kq; ++q) {
+        for (int64_t r = 0; r < mr; ++r) std::memcpy(out + q * mr + r, n.data() + (r0 + r) * K + k0 + 4 * q, 4);
+      }
+    }
+  }
+  for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit nu) {
+    const Prefetcher next = nu.j >= 0 ? panel_block(ws[nu.j], K, nu.v0, nu.v1, 0, kc_max) : Prefetcher{};
+    const int64_t N = ns[i], panels = q1 - q0, calls = tiles * ((panels + 1) / 2);
+    int32_t* const y = reinterpret_cast<int32_t*>(ys[i]) + q0 * kPanel;  // int32 sums until the end
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t k0 = b * kc_max, kc = std::min(kc_max, K - k0), kq = kc / 4;
+      const int8_t* p = ws[i] + (q0 * K + k0) * kPanel;  // the unit's first panel, block b
+      const int64_t ps = K * kPanel;
+      Prefetcher pf = k0 + kc < K ? panel_block(ws[i], K, q0, q1, k0 + kc, std::min(K, k0 + kc + kc_max)) : next;
+      const int64_t lines = (pf.left + calls - 1) / calls;
+      for (int64_t tt = 0; tt < tiles; ++tt) {
+        int64_t r0, mr;
+        tile_span(R, tiles, tt, &r0, &mr);
+        const uint32_t* xt = xq.data() + (k0 * R) / 4 + r0 * kq;
+        int32_t* out = y + r0 * N;
+        int64_t q = 0;
+        for (; q + 2 <= panels; q += 2) {
+          quad_tile_rows<2>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
+        }
+        if (q < panels) quad_tile_rows<1>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {  // the sums as floats, in place: (Σ (q + 128) n - 128 Σ n) t
+      int32_t* row = y + r * N;
+      float* out = reinterpret_cast<float*>(row);
+      const __m512i s = _mm512_set1_epi32(shift[r]);
+      const __m512 tv = _mm512_set1_ps(t[r]);
+      for (int64_t c = 0; c < panels * kPanel; c += kPanel) {
+        const __m512i sum = _mm512_sub_epi32(_mm512_loadu_si512(row + c), s);
+        _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), tv));
+      }
+    }
+  });
+}
+#else
+bool int8_dot_ready() { return false; }
+
+void int8_dot_matmul(ffi::ThreadPool&, const float*, const std::vector<const int8_t*>&, const std::vector<float*>&,
+                     const std::vector<int64_t>&, int64_t, int64_t) {}
 #endif
 
 // Every product on panels: the tile unit, bfloat16 dot products, register tiles or streams, by rows and
@@ -1329,6 +1436,36 @@ ffi::Error MatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_ind
   return ffi::Error::Success();
 }
 
+// int8 panels in quads of rows (the LM head's screen on AVX-512 VNNI): stacks [L, N / 16, K, 16], K a
+// multiple of 4 below kQuadsMaxK; y_i = t · (n · Q_i) for x quantized per row (int8_dot_matmul).
+ffi::Error MatmulQuads(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Matrix<ffi::F32> x,
+                       ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+  const int64_t R = x.dimensions()[0], K = x.dimensions()[1];
+  Operands<int8_t> ops;
+  auto shape = [](auto wd, int64_t* L, int64_t* N, int64_t* k) {
+    if (wd.size() != 4 || wd[3] != kPanel) return false;
+    *L = wd[0], *N = wd[1] * kPanel, *k = wd[2];
+    return true;
+  };
+  const ffi::Error read = read_operands<ffi::Buffer<ffi::S8>>(" (quads)", "[L, N / 16, K, 16] stacks", R, K,
+                                                              *layer_index.typed_data(), weights, outs, shape, &ops);
+  if (read.failure()) return read;
+  if (K % 4 != 0 || K >= kQuadsMaxK) {
+    return ffi::Error::InvalidArgument("cpu_kernels matmul (quads): K must be a multiple of 4 below " +
+                                       std::to_string(kQuadsMaxK) + ", got " + std::to_string(K));
+  }
+  if (!int8_dot_ready()) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "cpu_kernels matmul (quads): needs AVX-512 VNNI (absent, or LLM_JAX_INT8_DOT=off)");
+  }
+  if (K == 0 || R == 0) {
+    for (size_t i = 0; i < ops.ys.size(); ++i) std::fill(ops.ys[i], ops.ys[i] + R * ops.ns[i], 0.f);
+  } else {
+    int8_dot_matmul(pool, x.typed_data(), ops.ws, ops.ys, ops.ns, R, K);
+  }
+  return ffi::Error::Success();
+}
+
 auto Binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -1349,6 +1486,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsBF16, (MatmulPanels<ffi::BF16, uint16_
 // int8 panels: only the LM head's screen (llm_jax/model/greedy_head.py), whose scales the caller applies.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsI8, (MatmulPanels<ffi::S8, int8_t>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPairsBF16, (MatmulPanels<ffi::BF16, uint16_t, true>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulQuadsI8, MatmulQuads, Binding());
 
 // Floats per vector of the products above (build.vector_lanes): what the library was built for.
 extern "C" int LlmJaxVectorLanes() { return kLanes; }
@@ -1371,3 +1509,6 @@ extern "C" int LlmJaxBf16Dot() {
   return 0;
 #endif
 }
+
+// Whether the LM head's int8 screen in quads of rows runs on AVX-512 VNNI in this process (build.int8_dot).
+extern "C" int LlmJaxInt8Dot() { return int8_dot_ready() ? 1 : 0; }

@@ -67,8 +67,8 @@ def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None, m
     layout of :mod:`llm_jax.model.fused`, and in panels where the CPU kernels run (default: where they run
     the products, that is without ``mesh`` or ``sharding`` on one CPU device). ``greedy_screen``: in panels,
     the LM head's screens too, which greedy decoding reads instead of the head
-    (:mod:`llm_jax.model.greedy_head`); False saves their memory (0.75 of a float32 head, 0.5 of a bfloat16
-    one) and computes every logit of every step.
+    (:mod:`llm_jax.model.greedy_head`); False saves their memory (0.5 or 0.75 of a float32 head, 0.5 or 1
+    of a bfloat16 one, as the CPU's dot products have them read) and computes every logit of every step.
     """
     attention = AttentionImpl.parse(attention)  # before any slow work
     if fuse and mesh is not None:

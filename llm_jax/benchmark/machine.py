@@ -33,10 +33,12 @@ PEAK_PROBE_S = 0.05  # each thread's run of the arithmetic probe
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Machine:
     bandwidth_gbps: float  # best streaming-read bandwidth, 10^9 bytes/s
-    # Arithmetic peaks, 10^9 flops/s (None where the kernels cannot be built): float32 multiply-adds, and
-    # what bfloat16 weights' products can reach (AVX-512's bfloat16 dot products, else the float32 peak).
+    # Arithmetic peaks, 10^9 flops/s (None where the kernels cannot be built): float32 multiply-adds, what
+    # bfloat16 weights' products can reach (AVX-512's bfloat16 dot products, else the float32 peak), and
+    # the int8 products of the LM head's screen in quads (AVX-512 VNNI, else the bfloat16 peak).
     peak_gflops: float | None
     peak_gflops_bf16: float | None
+    peak_gops_int8: float | None
     threads: int
     cpu: str
     jax_version: str
@@ -137,9 +139,9 @@ def _timed_reads(data: np.ndarray, threads: int, *, rounds: int = 1, seconds: fl
 
 def measure_peak_gflops(*, threads: int | None = None, dtype: str = "float32", repeats: int = 3) -> float | None:
     """Arithmetic peak in GFLOP/s: ``threads`` threads each run independent chains of float32
-    multiply-adds (``dtype="bfloat16"``: of bfloat16 dot products) for :data:`PEAK_PROBE_S`; the best of
-    ``repeats``. None where the kernels cannot be built, or for bfloat16 where the CPU lacks the dot
-    products (its bfloat16 weights are then multiplied in float32)."""
+    multiply-adds (``dtype="bfloat16"``: of bfloat16 dot products; ``"int8"``: of VNNI's int8 ones) for
+    :data:`PEAK_PROBE_S`; the best of ``repeats``. None where the kernels cannot be built, or for bfloat16
+    and int8 where the CPU lacks the dot products (its bfloat16 weights are then multiplied in float32)."""
     probe = build.arithmetic_probe(dtype)
     if probe is None:
         return None
@@ -158,10 +160,11 @@ def measure_peak_gflops(*, threads: int | None = None, dtype: str = "float32", r
     return best
 
 
-def measure_peaks(*, threads: int | None = None) -> tuple[float | None, float | None]:
-    """(float32, bfloat16) arithmetic peaks as :class:`Machine` reports them."""
+def measure_peaks(*, threads: int | None = None) -> tuple[float | None, float | None, float | None]:
+    """(float32, bfloat16, int8) arithmetic peaks as :class:`Machine` reports them."""
     float32 = measure_peak_gflops(threads=threads)
-    return float32, measure_peak_gflops(threads=threads, dtype="bfloat16") or float32
+    bfloat16 = measure_peak_gflops(threads=threads, dtype="bfloat16") or float32
+    return float32, bfloat16, measure_peak_gflops(threads=threads, dtype="int8") or bfloat16
 
 
 def readers() -> list:
@@ -169,8 +172,8 @@ def readers() -> list:
     return [read for read in (build.stream_read(), np.sum, np.max) if read is not None]
 
 
-def describe(bandwidth_gbps: float, peaks: tuple[float | None, float | None] = (None, None)) -> Machine:
-    return Machine(bandwidth_gbps=bandwidth_gbps, peak_gflops=peaks[0], peak_gflops_bf16=peaks[1],
+def describe(bandwidth_gbps: float, peaks: tuple[float | None, ...] = (None, None, None)) -> Machine:
+    return Machine(bandwidth_gbps=bandwidth_gbps, peak_gflops=peaks[0], peak_gflops_bf16=peaks[1], peak_gops_int8=peaks[2],
                    threads=cpu_threads(), cpu=cpu_name(), jax_version=jax.__version__, backend=jax.default_backend())
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from llm_jax.benchmark.llm_jax_engine import Compiled, Run, Workload
 from llm_jax.benchmark.machine import Machine, RunBandwidth
-from llm_jax.benchmark.roofline import ComputeRoofline, Roofline, arithmetic_seconds, product_peak
+from llm_jax.benchmark.roofline import ComputeRoofline, Roofline, arithmetic_seconds, head_peak, product_peak
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,10 +68,10 @@ class Row:
     # it is below the memory roofline: batched decode.
     product_flops_per_step: int
     attention_flops_per_step: int
-    # The screen llm_jax's greedy steps read the LM head through ("int8", "bfloat16"; None: the head
-    # itself; llm_jax.model.greedy_head): bytes_per_step counts it in place of the head, for both engines'
-    # rows (the bound of the computation llm_jax does); and of product_flops_per_step, the LM head's when
-    # through the bfloat16 screen, at the bfloat16 peak.
+    # The screen llm_jax's greedy steps read the LM head through ("int8", "bfloat16", "int8_quads"; None:
+    # the head itself; llm_jax.model.greedy_head): bytes_per_step counts it in place of the head, for both
+    # engines' rows (the bound of the computation llm_jax does); and of product_flops_per_step, the LM
+    # head's when through the bfloat16 screen or the quads, at the bfloat16 or int8 peak.
     head_screen: str | None
     screened_head_flops_per_step: int
     compute_roofline_tokens_per_s: float | None
@@ -150,11 +150,12 @@ def at_size(row: Row, bandwidth_gbps: float) -> Row:
                                roofline_at_size_fraction=row.decode_tokens_per_s / roof)
 
 
-def at_peaks(row: Row, peaks: tuple[float, float]) -> Row:
-    """``row`` with the compute roofline of (float32, bfloat16) arithmetic ``peaks``."""
+def at_peaks(row: Row, peaks: tuple[float, float, float]) -> Row:
+    """``row`` with the compute roofline of (float32, bfloat16, int8) arithmetic ``peaks``."""
     seconds = arithmetic_seconds(row.product_flops_per_step, row.attention_flops_per_step,
                                  product_peak(row.dtype, peaks), peaks[0],
-                                 head_flops=row.screened_head_flops_per_step, head_gflops=peaks[1])
+                                 head_flops=row.screened_head_flops_per_step,
+                                 head_gflops=head_peak(row.head_screen, peaks))
     roof = row.batch / seconds
     return dataclasses.replace(row, compute_roofline_tokens_per_s=roof,
                                compute_roofline_fraction=row.decode_tokens_per_s / roof)

@@ -11,9 +11,10 @@ measured peak of the arithmetic the kernels use (:func:`compute_roofline`).
 
 With a ``screen`` (greedy decoding through a screen of the LM head, :mod:`llm_jax.model.greedy_head`)
 the head counts as what that step reads and computes: its int8 copy (1 byte a weight, and a scale and a
-norm per column) at the float32 peak, or its bfloat16 copy (2 bytes a weight, and a norm per column) at
-the bfloat16 peak; the few columns then computed exactly from the head (one line per row of D each) are
-not counted: how many depends on the logits.
+norm per column) at the float32 peak, its bfloat16 copy (2 bytes a weight, and a norm per column) at
+the bfloat16 peak, or its int8 copy in quads (1 byte a weight, and a scale, a norm and an error per
+column) at the int8 peak; the few columns then computed exactly from the head (one line per row of D
+each) are not counted: how many depends on the logits.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from llm_jax.kv_cache import cache_bytes_per_token
 
 
 def weight_bytes_per_step(config: ModelConfig, batch: int, *, screen: str | None = None) -> int:
-    """Bytes of parameters one decode step reads (with ``screen``, ``"int8"`` or ``"bfloat16"``, the LM
-    head's screen instead of the head)."""
+    """Bytes of parameters one decode step reads (with ``screen``, ``"int8"``, ``"bfloat16"`` or
+    ``"int8_quads"``, the LM head's screen instead of the head)."""
     itemsize = jnp.dtype(config.param_dtype).itemsize
     embedding = config.vocab_size * config.d_model
     read = config.num_params() - embedding + batch * config.d_model
@@ -41,7 +42,9 @@ def weight_bytes_per_step(config: ModelConfig, batch: int, *, screen: str | None
 
 
 # Bytes a screen reads per weight of the head and per column (scales, norms).
-SCREEN_BYTES = {"int8": (1, 8), "bfloat16": (2, 4)}
+SCREEN_BYTES = {"int8": (1, 8), "bfloat16": (2, 4), "int8_quads": (1, 12)}
+# Screens whose products run on dot products of their own (at head_peak's peak, not the weights' dtype's).
+DOT_SCREENS = ("bfloat16", "int8_quads")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,7 +85,7 @@ def product_weights(config: ModelConfig) -> int:
 class ComputeRoofline:
     product_flops: int  # per step: the matrix products
     attention_flops: int  # per step, averaged over the decode
-    screened_head_flops: int  # of product_flops, the LM head's through its bfloat16 screen (else 0)
+    screened_head_flops: int  # of product_flops, the LM head's through a screen of DOT_SCREENS (else 0)
     tokens_per_s: float  # batch ÷ the time both take at the peaks
 
     @property
@@ -96,12 +99,13 @@ def compute_roofline(config: ModelConfig, *, batch: int, prompt_len: int, new_to
     """The arithmetic bound on decoding ``new_tokens`` after a ``prompt_len`` prompt, for ``batch``
     sequences: the matrix products at ``product_gflops`` (the peak of the weights' dtype: bfloat16 dot
     products where the CPU has them) and attention, in float32, at ``attention_gflops``. Its context is
-    counted as :func:`decode_roofline` counts it. Through the ``"bfloat16"`` screen the LM head's products
-    run at ``head_gflops`` (the bfloat16 peak) instead; through ``"int8"``'s, widened, at the float32 one."""
+    counted as :func:`decode_roofline` counts it. Through the ``"bfloat16"`` or ``"int8_quads"`` screen the
+    LM head's products run at ``head_gflops`` (:func:`head_peak`) instead; through ``"int8"``'s, widened,
+    at the float32 one."""
     mean_context = prompt_len + new_tokens / 2
     products = 2 * batch * product_weights(config)
     attention = int(4 * batch * mean_context * config.n_layers * config.n_heads * config.head_dim)
-    head = 2 * batch * config.vocab_size * config.d_model if screen == "bfloat16" else 0
+    head = 2 * batch * config.vocab_size * config.d_model if screen in DOT_SCREENS else 0
     seconds = arithmetic_seconds(products, attention, product_gflops, attention_gflops, head_flops=head,
                                  head_gflops=head_gflops)
     return ComputeRoofline(product_flops=products, attention_flops=attention, screened_head_flops=head,
@@ -117,6 +121,12 @@ def arithmetic_seconds(product_flops: int, attention_flops: int, product_gflops:
             + attention_flops / (attention_gflops * 1e9))
 
 
-def product_peak(dtype: str, peaks: tuple[float, float]) -> float:
-    """The peak the products of ``dtype`` weights can reach, of (float32, bfloat16) peaks."""
+def product_peak(dtype: str, peaks: tuple[float, ...]) -> float:
+    """The peak the products of ``dtype`` weights can reach, of (float32, bfloat16, int8) peaks."""
     return peaks[1] if dtype == "bfloat16" else peaks[0]
+
+
+def head_peak(screen: str | None, peaks: tuple[float, ...]) -> float:
+    """The peak the LM head's product through ``screen`` can reach, of (float32, bfloat16, int8) peaks (the
+    float32 one where it counts as no screen of its own: none, or the int8 one widened)."""
+    return {"bfloat16": peaks[1], "int8_quads": peaks[2]}.get(screen, peaks[0])

@@ -26,7 +26,7 @@ from llm_jax.benchmark import machine as machine_lib
 from llm_jax.benchmark.hf_engine import HfEngine, save_random_hf_model
 from llm_jax.benchmark.llm_jax_engine import LlmJaxEngine, Workload
 from llm_jax.benchmark.results import Difference, Row, agreement, first_differences, summarise
-from llm_jax.benchmark.roofline import compute_roofline, decode_roofline, product_peak
+from llm_jax.benchmark.roofline import compute_roofline, decode_roofline, head_peak, product_peak
 from llm_jax.benchmark.shapes import SHAPES, shape_config
 from llm_jax.benchmark.step_profile import StepProfile, profile_decode
 from llm_jax.config import MatmulImpl, ModelConfig
@@ -51,7 +51,7 @@ class Options:
     matmuls: tuple[MatmulImpl, ...] = (MatmulImpl.AUTO,)  # llm_jax variants, each an engine
     threads: int = 0  # torch threads (0: every CPU)
     bandwidth_gbps: float = 0.0
-    peaks_gflops: tuple[float | None, float | None] = (None, None)  # float32, bfloat16 (Machine's)
+    peaks_gflops: tuple[float | None, ...] = (None, None, None)  # float32, bfloat16, int8 (Machine's)
     probe_each_run: bool = False  # measure the bandwidth around every timed run (roofline_at_run_fraction)
     profile: bool = False  # also trace one decode chunk of each llm_jax engine (step_profile)
 
@@ -152,11 +152,11 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, llm_
                                    new_tokens=1 + workload.decode_steps, bandwidth_gbps=options.bandwidth_gbps,
                                    screen=screen)
         measured = all(options.peaks_gflops)
-        arithmetic = options.peaks_gflops if measured else (1.0, 1.0)  # unmeasured: the flops alone are reported
+        arithmetic = options.peaks_gflops if measured else (1.0, 1.0, 1.0)  # unmeasured: the flops alone are reported
         compute = compute_roofline(config, batch=cell.batch, prompt_len=options.prompt_len,
                                    new_tokens=1 + workload.decode_steps,
                                    product_gflops=product_peak(cell.dtype, arithmetic), attention_gflops=arithmetic[0],
-                                   head_gflops=arithmetic[1], screen=screen)
+                                   head_gflops=head_peak(screen, arithmetic), screen=screen)
         rows = [summarise(engine=e.name, shape=source.label, dtype=cell.dtype, workload=workload,
                           compiled=compiled[c, e.name], runs=runs[c, e.name], roofline=roofline, compute=compute,
                           kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[c, e.name],

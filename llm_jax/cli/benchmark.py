@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=positive_int, help="threads for torch and the bandwidth probe (default: all)")
     p.add_argument("--bandwidth", type=float, help="memory bandwidth in GB/s to use instead of measuring it")
     p.add_argument("--peak-gflops", type=float, nargs="+", metavar="GFLOPS",
-                   help="arithmetic peak to use instead of measuring it: float32, then bfloat16 (default: the same)")
+                   help="arithmetic peaks to use instead of measuring them: float32, then bfloat16, then int8 (the "
+                        "LM head's screen in quads; each by default the one before)")
     p.add_argument("--compile-layers", nargs="+", type=positive_int,
                    help="also report compile time of the first model's shape at these depths")
     p.add_argument("--cli-ttft", action="store_true",
@@ -119,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         log_stderr(f"measuring memory bandwidth ({threads} threads)...")
         bandwidth = machine_lib.measure_bandwidth(threads=threads)
     if args.peak_gflops:
-        if len(args.peak_gflops) > 2 or min(args.peak_gflops) <= 0:
-            raise ValueError("--peak-gflops takes one or two positive numbers (float32, bfloat16)")
-        peaks = (args.peak_gflops[0], args.peak_gflops[-1])
+        if len(args.peak_gflops) > 3 or min(args.peak_gflops) <= 0:
+            raise ValueError("--peak-gflops takes one to three positive numbers (float32, bfloat16, int8)")
+        given = list(args.peak_gflops)
+        peaks = tuple(given[min(i, len(given) - 1)] for i in range(3))
     else:
         log_stderr(f"measuring the arithmetic peak ({threads} threads)...")
         peaks = machine_lib.measure_peaks(threads=threads)
@@ -223,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 def _gflops(peaks) -> str:
     if not all(peaks):
         return "not measured (no kernels)"
-    return f"{peaks[0]:.0f} GFLOP/s float32, {peaks[1]:.0f} bfloat16"
+    return f"{peaks[0]:.0f} GFLOP/s float32, {peaks[1]:.0f} bfloat16, {peaks[2]:.0f} int8"
 
 
 def _cli_ttft(model: str, args, log) -> dict:

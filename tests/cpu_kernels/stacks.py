@@ -12,5 +12,5 @@ def assert_one_call_on_whole_stacks(lowered, target: str, dtype, L: int, stacks:
         return
     hlo = lowered.compile().as_text()
     calls = [line for line in hlo.splitlines() if f'custom_call_target="{target}' in line]
-    stack = ("bf16" if dtype == jnp.bfloat16 else "f32") + f"[{L},"
+    stack = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.int8): "s8"}.get(jnp.dtype(dtype), "f32") + f"[{L},"
     assert len(calls) == 1 and calls[0].count(stack) == stacks and "dynamic-slice" not in hlo, hlo

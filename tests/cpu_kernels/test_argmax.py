@@ -67,9 +67,15 @@ def test_runs_the_kernel_on_cpu():
 
 def _screened_case(D, V, B, seed, screen="bfloat16", head_dtype=jnp.float32):
     """x [B, D] (rounded as W's product rounds it), W [D, V] as panels, the screen's logits, the arguments
-    that go with them, and the exact float64 argmax."""
+    that go with them, and the exact float64 argmax. The int8 screen in quads needs D a multiple of 4 (D
+    is rounded up to one) and AVX-512 VNNI (where the kernels quantize x as the bound assumes)."""
     from llm_jax.model import greedy_head
 
+    quads = screen == greedy_head.QUADS
+    if quads:
+        if not cpu_kernels.quads_available():
+            pytest.skip("the int8 screen in quads runs on AVX-512 VNNI, which this CPU lacks")
+        D += -D % 4
     rng = np.random.default_rng(seed)
     W = rng.normal(0, 0.02, (D, V)).astype(np.float32)
     x = rng.normal(0, 1, (B, D)).astype(np.float32)
@@ -80,21 +86,24 @@ def _screened_case(D, V, B, seed, screen="bfloat16", head_dtype=jnp.float32):
     W[:, 11] = W[:, 7] * np.float32(1 + (1e-5 if head_dtype == jnp.float32 else 1 / 64))
     x[0] = 40 * W[:, 7]
     panels = cpu_kernels.to_panels(jnp.asarray(W)).astype(head_dtype)
-    screens = greedy_head._screens(panels)
+    screens = greedy_head._screens(panels, quads)
     x = jnp.asarray(x).astype(head_dtype).astype(jnp.float32)
     if screen == "bfloat16" and greedy_head.PAIRED in screens:  # stored in pairs of rows (D even, AVX512_BF16)
         y = cpu_kernels.matmul(x, screens[greedy_head.PAIRED], panels=True, pairs=True)
     else:
-        y = cpu_kernels.matmul(x, screens[screen], panels=True)
-    scales = screens["scales_V"] if screen == "int8" else None
+        y = cpu_kernels.matmul(x, screens[screen], panels=True, quads=quads)
+    scales = screens["scales_V"] if screen in ("int8", greedy_head.QUADS) else None
+    errors = screens["errors_V"] if quads else None
     exact = np.argmax(np.asarray(x, np.float64) @ np.asarray(cpu_kernels.from_panels(panels), np.float64), axis=-1)
-    return (y, x, panels, scales, screens["norms_V"], *greedy_head.bounds(D, screen)), exact
+    return (y, x, panels, scales, screens["norms_V"], *greedy_head.bounds(D, screen), errors), exact
 
 
-SCREENS = [("bfloat16", jnp.float32), ("int8", jnp.float32), ("int8", jnp.bfloat16)]
+SCREENS = [("bfloat16", jnp.float32), ("int8", jnp.float32), ("int8", jnp.bfloat16), ("int8_quads", jnp.float32),
+           ("int8_quads", jnp.bfloat16)]
+IDS = ["bf16-of-f32", "int8-of-f32", "int8-of-bf16", "quads-of-f32", "quads-of-bf16"]
 
 
-@pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=["bf16-of-f32", "int8-of-f32", "int8-of-bf16"])
+@pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=IDS)
 @pytest.mark.parametrize("D,V,B", [(288, 32000, 32), (37, 160, 9), (64, 48, 3), (768, 4096, 5)])
 def test_screened_argmax_is_the_exact_argmax(D, V, B, screen, head_dtype):
     args, exact = _screened_case(D, V, B, D + V, screen, head_dtype)
@@ -106,35 +115,39 @@ def test_screened_argmax_is_the_exact_argmax(D, V, B, screen, head_dtype):
     np.testing.assert_array_equal(ours, kernel)  # and the head's own product's argmax
 
 
-@pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=["bf16-of-f32", "int8-of-f32", "int8-of-bf16"])
+@pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=IDS)
 def test_the_screen_alone_would_be_wrong_and_a_bound_of_zero_is_caught(screen, head_dtype):
     """The screened logits' own argmax misses the exact one in some rows (the test data can tell); with
     c1 = c2 = 0 the kernel computes only the screen's winners exactly and misses them too."""
     rows = 2048 if screen == "bfloat16" else 256  # bfloat16's screen misorders about one row in 150
     args, exact = _screened_case(288, 8000, rows, 3, screen, head_dtype)
-    y, x, panels, scales, norms, c1, c2 = args
+    y, x, panels, scales, norms, c1, c2, errors = args
     screened = np.asarray(y) * (1 if scales is None else np.asarray(scales))
     assert (np.argmax(screened, axis=-1) != exact).any()
-    unbounded = np.asarray(cpu_kernels.screened_argmax(y, x, panels, scales, norms, 0.0, 0.0))
+    unbounded = np.asarray(cpu_kernels.screened_argmax(y, x, panels, scales, norms, 0.0, 0.0, errors))
     assert (unbounded != exact).any()
     np.testing.assert_array_equal(np.asarray(cpu_kernels.screened_argmax(*args)), exact)
 
 
-@pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=["bf16-of-f32", "int8-of-f32", "int8-of-bf16"])
+@pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=IDS)
 def test_screened_argmax_of_rows_with_nans_and_infinities(screen, head_dtype):
     """Such rows are computed in full: jnp.argmax's answer for the exact logits (the first NaN)."""
     args, _ = _screened_case(37, 160, 4, 5, screen, head_dtype)
-    y, x, panels, scales, norms, c1, c2 = args
+    y, x, panels, scales, norms, c1, c2, errors = args
     x = x.at[1, 3].set(NAN).at[2, 0].set(INF)
     y = y.at[3, 17].set(NAN)  # a NaN in the screen only: the exact logits decide
-    ours = np.asarray(cpu_kernels.screened_argmax(y, x, panels, scales, norms, c1, c2))
+    ours = np.asarray(cpu_kernels.screened_argmax(y, x, panels, scales, norms, c1, c2, errors))
     logits = np.asarray(x, np.float64) @ np.asarray(cpu_kernels.from_panels(panels), np.float64)
     np.testing.assert_array_equal(ours, np.argmax(logits, axis=-1))
     assert ours[1] == 0  # every logit NaN: the first
 
 
 def test_screened_argmax_checks_its_operands():
-    (y, x, panels, scales, norms, c1, c2), _ = _screened_case(37, 160, 2, 0, "int8")
+    (y, x, panels, scales, norms, c1, c2, _), _ = _screened_case(37, 160, 2, 0, "int8")
+    with pytest.raises(ValueError, match="screened_argmax needs"):  # errors only with scales
+        cpu_kernels.screened_argmax(y, x, panels, None, norms, c1, c2, norms)
+    with pytest.raises(ValueError, match="screened_argmax needs"):
+        cpu_kernels.screened_argmax(y, x, panels, scales, norms, c1, c2, norms[:-1])
     with pytest.raises(ValueError, match="screened_argmax needs"):
         cpu_kernels.screened_argmax(y, x[:, :36], panels, scales, norms, c1, c2)
     with pytest.raises(ValueError, match="screened_argmax needs"):

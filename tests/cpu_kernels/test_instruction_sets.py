@@ -1,6 +1,6 @@
-"""The kernels are built for the CPU's widest vectors: 16 floats with AVX-512, else 8; and bfloat16
+"""The kernels are built for the CPU's widest vectors: 16 floats with AVX-512, else 8; bfloat16
 products of many rows run on the AMX tile unit where there is one, else on AVX-512's bfloat16 dot products
-where the CPU has them. Every path must pass the product and attention tests, whichever CPU the suite runs
+where the CPU has them; and the LM head's int8 screen in quads on AVX-512 VNNI where the CPU has it. Every path must pass the product and attention tests, whichever CPU the suite runs
 on: the 8-wide build is rebuilt here with ``LLM_JAX_KERNEL_FLAGS=-mno-avx512f``, and the 16-wide float32
 tiles run bfloat16 with ``LLM_JAX_AMX=off LLM_JAX_BF16_DOT=off``, each in a subprocess (on a CPU without
 AVX-512, AMX or AVX512_BF16 that is the default path, and the tests run a second time); AMX's CPUs also
@@ -46,6 +46,28 @@ def test_bf16_dot_products_where_the_cpu_has_them():
     expected = ("avx512_bf16" in features and os.environ.get("LLM_JAX_BF16_DOT") != "off"
                 and not {"-mno-avx512bf16", "-mno-avx512f"} & set(flags))
     assert build.bf16_dot() == expected
+
+
+def test_int8_dot_products_where_the_cpu_has_them():
+    """A CPU with AVX512_VNNI (and a build that has it) runs the LM head's int8 screen in quads on vpdpbusd,
+    unless it is turned off."""
+    features = build.cpu_features().split()
+    flags = os.environ.get(build.FLAGS_ENV, "").split()
+    expected = ("avx512_vnni" in features and "avx512bw" in features and os.environ.get("LLM_JAX_INT8_DOT") != "off"
+                and not {"-mno-avx512vnni", "-mno-avx512f", "-mno-avx512bw"} & set(flags))
+    assert build.int8_dot() == expected
+
+
+def test_without_int8_dot_products_the_quads_and_the_screens_pass_their_tests():
+    """Turned off (as on a CPU without VNNI): the products on quads are XLA's, greedy steps of many rows read
+    the bfloat16 screen (a float32 head) or every logit (a bfloat16 one), and their tests pass."""
+    env = {**os.environ, "LLM_JAX_INT8_DOT": "off", "PYTEST_ADDOPTS": ""}
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                            "tests/cpu_kernels/test_matmul_panels.py", "tests/llm_jax/model/test_greedy_head.py",
+                            "-k", "quads or screen or bounds"],
+                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert tests.returncode == 0, tests.stdout[-4000:]
+    assert " passed" in tests.stdout and " failed" not in tests.stdout
 
 
 @pytest.mark.parametrize("env", [{"LLM_JAX_AMX": "off"}, {"LLM_JAX_AMX": "off", "LLM_JAX_BF16_DOT": "off"}],

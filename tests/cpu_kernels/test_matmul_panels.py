@@ -198,3 +198,113 @@ def test_bf16_pairs_errors_and_fallback(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "pairs_available", lambda: False)
     np.testing.assert_allclose(np.asarray(cpu_kernels.matmul(x, p, panels=True, pairs=True)), reference(x, w),
                                rtol=RTOL, atol=ATOL)
+
+
+# int8 panels in quads of rows (the LM head's int8 screen at many rows, llm_jax/model/greedy_head.py): x
+# quantized per row (common.h's quantize_row), exact integer sums, then the row's step; AVX-512 VNNI's dot
+# products read the quads as they lie, where they run; elsewhere XLA's product.
+
+def quantized(x):
+    """x [R, K] as the kernel quantizes it, in NumPy (whose float32 division is correctly rounded, as the
+    kernel's is): n [R, K] (int64) and t [R] (float32)."""
+    x = np.asarray(x, np.float32)
+    m = np.abs(x).max(axis=1)
+    t = np.where(m <= np.finfo(np.float32).max, m / np.float32(127), np.float32(np.nan)).astype(np.float32)
+    ok = t > 0
+    with np.errstate(invalid="ignore"):
+        n = np.where(ok[:, None], np.clip(np.round(x / np.where(ok, t, 1)[:, None]), -127, 127), 0)
+    return n.astype(np.int64), t
+
+
+def quads_case(R, K, N, L=None, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(R, K)).astype(np.float32) * np.exp(rng.normal(size=(R, 1))).astype(np.float32)
+    x[0, K // 2] = 9 * np.abs(x[0]).max()  # an outlier: a large step for row 0
+    q = rng.integers(-127, 128, size=(K, N) if L is None else (L, K, N)).astype(np.int8)
+    return jnp.asarray(x), jnp.asarray(q)
+
+
+def quads_reference(x, q):
+    """What the kernel computes, bit for bit: float32(n · q) · t."""
+    n, t = quantized(x)
+    return (n @ np.asarray(q, np.int64)).astype(np.float32) * t[:, None]
+
+
+def test_to_quads_and_back():
+    p = cpu_kernels.to_panels(jnp.arange(2 * 8 * 32).reshape(2, 8, 32).astype(jnp.int8))  # [2, 2, 8, 16]
+    q = cpu_kernels.to_quads(p)
+    assert q.shape == p.shape and q.dtype == jnp.int8
+    # rows 4i … 4i + 3 of a panel interleaved: quad i, column j at [4 i · 16 + 4 j + e]
+    flat = np.asarray(q[1, 1]).reshape(-1)
+    np.testing.assert_array_equal(flat[64 + 4 * 5: 64 + 4 * 5 + 4], np.asarray(p[1, 1, 4:8, 5]))
+    np.testing.assert_array_equal(cpu_kernels.from_quads(q), p)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        cpu_kernels.to_quads(jnp.ones((2, 6, 16), jnp.int8))
+    with pytest.raises(ValueError, match="int8 panels"):
+        cpu_kernels.to_quads(jnp.ones((2, 8, 16), jnp.float32))
+
+
+@pytest.mark.parametrize("R,K,N", [(1, 4, 16), (5, 36, 48), (8, 288, 4112), (9, 516, 80), (13, 1028, 48),
+                                   (32, 288, 32000), (33, 64, 112), (70, 120, 32)])
+def test_int8_quads_are_exact(R, K, N):
+    """Where VNNI runs them: float32(n · q) · t bit for bit (K across blocks of 512 rows, tiles of up to 8
+    rows, pairs of panels and an odd one); and within the quantization's bound of x · q either way."""
+    x, q = quads_case(R, K, N, seed=R + K + N)
+    ours = np.asarray(jax.jit(functools.partial(cpu_kernels.matmul, panels=True, quads=True))(
+        x, cpu_kernels.to_quads(cpu_kernels.to_panels(q))))
+    assert ours.dtype == np.float32 and ours.shape == (R, N)
+    if cpu_kernels.quads_available():
+        np.testing.assert_array_equal(ours, quads_reference(x, q))
+    _, t = quantized(x)
+    exact = np.asarray(x, np.float64) @ np.asarray(q, np.float64)
+    bound = t[:, None] / 2 * np.abs(np.asarray(q, np.float64)).sum(0) * (1 + 2.0 ** -12) + 1e-6 * np.abs(exact)
+    assert np.all(np.abs(ours - exact) <= bound)
+
+
+def test_int8_quads_of_rows_of_zeros_nans_and_infinities():
+    x, q = quads_case(4, 40, 32, seed=4)
+    x = x.at[1].set(0.0).at[2, 7].set(jnp.nan).at[3, 0].set(-jnp.inf)
+    ours = np.asarray(cpu_kernels.matmul(x, cpu_kernels.to_quads(cpu_kernels.to_panels(q)), panels=True, quads=True))
+    np.testing.assert_array_equal(ours[1], np.zeros(32, np.float32))  # t = 0, n = 0
+    assert np.isnan(ours[2:]).all() and np.isfinite(ours[0]).all()  # t = NaN: the row's screen says so
+    n, t = (np.asarray(a) for a in cpu_kernels.quantize_rows(x))
+    assert t[1] == 0 and np.isnan(t[2:]).all() and not n[1:].any()
+
+
+@pytest.mark.parametrize("R", [3, 17])
+def test_int8_quads_of_a_stack_several_weights(R):
+    L, K = 3, 96
+    x, _ = quads_case(R, K, 16, seed=5)
+    qs = [quads_case(R, K, n, L=L, seed=n)[1] for n in (48, 1040)]
+    ps = [cpu_kernels.to_quads(cpu_kernels.to_panels(q)) for q in qs]
+    f = jax.jit(lambda x, ps, layer: cpu_kernels.matmuls(x, ps, panels=True, quads=True, layer=layer))
+    for layer in range(L):
+        for q, y in zip(qs, f(x, ps, layer)):
+            expected = quads_reference(x, q[layer])
+            if cpu_kernels.quads_available():
+                np.testing.assert_array_equal(np.asarray(y), expected)
+            else:
+                np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+    if cpu_kernels.quads_available():
+        assert_one_call_on_whole_stacks(f.lower(x, ps, 0), "llm_jax_matmul_quads", jnp.int8, L, stacks=2)
+
+
+def test_int8_quads_errors_and_fallback(monkeypatch):
+    x, q = quads_case(9, 40, 32)
+    p = cpu_kernels.to_quads(cpu_kernels.to_panels(q))
+    with pytest.raises(ValueError, match="panel layout"):
+        cpu_kernels.matmul(x, p, quads=True)
+    with pytest.raises(ValueError, match="pairs or in quads"):
+        cpu_kernels.matmul(x, p, panels=True, pairs=True, quads=True)
+    with pytest.raises(ValueError, match="int8 weights with K a multiple of 4"):
+        cpu_kernels.matmul(x, p.astype(jnp.float32), panels=True, quads=True)
+    with pytest.raises(ValueError, match="int8 weights with K a multiple of 4"):
+        cpu_kernels.matmul(x[:, :38], jnp.ones((2, 38, 16), jnp.int8), panels=True, quads=True)
+    lowered = jax.jit(functools.partial(cpu_kernels.matmul, panels=True, quads=True)).lower(x, p).as_text()
+    assert ("llm_jax_matmul_quads_i8" in lowered) == cpu_kernels.quads_available()
+    # XLA's product on the quads: its division is not correctly rounded on CPU, so t (and rarely an n)
+    # may differ in the last place from the kernel's
+    monkeypatch.setattr(cpu_kernels, "quads_available", lambda: False)
+    expected = quads_reference(x, q)
+    np.testing.assert_allclose(np.asarray(cpu_kernels.matmul(x, p, panels=True, quads=True)), expected,
+                               rtol=1e-5, atol=2e-3 * np.abs(expected).max())

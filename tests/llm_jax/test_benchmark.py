@@ -15,7 +15,8 @@ from llm_jax.benchmark.llm_jax_engine import Workload
 from llm_jax.benchmark import hf_engine, machine
 from llm_jax.benchmark.results import (Difference, agreement, describe_differences, first_differences,
                                        paired_ratio)
-from llm_jax.benchmark.roofline import compute_roofline, decode_roofline, product_weights, weight_bytes_per_step
+from llm_jax.benchmark.roofline import (compute_roofline, decode_roofline, head_peak, product_weights,
+                                      weight_bytes_per_step)
 from llm_jax.benchmark.shapes import SHAPES, shape_config
 from llm_jax.benchmark.step_profile import OpTime, exclusive_times, op_flops, op_labels
 from llm_jax.cli.benchmark import main as benchmark_main
@@ -53,10 +54,11 @@ def test_json_has_a_row_per_engine_with_every_field(report):
 
 def test_the_compute_roofline_is_the_steps_flops_at_the_given_peak(report):
     """260K float32 at batch 1: products and attention at the float32 peak (the second figure of
-    --peak-gflops is bfloat16's; where the kernels run, the LM head's int8 screen is widened to float32
-    too)."""
+    --peak-gflops is bfloat16's, and int8's by default; where the kernels run, the LM head's int8 screen is
+    widened to float32 too)."""
     config = shape_config("260K", dtype="float32")
-    assert (report["machine"]["peak_gflops"], report["machine"]["peak_gflops_bf16"]) == (100.0, 300.0)
+    assert (report["machine"]["peak_gflops"], report["machine"]["peak_gflops_bf16"],
+            report["machine"]["peak_gops_int8"]) == (100.0, 300.0, 300.0)
     for row in report["rows"]:
         assert row["product_flops_per_step"] == 2 * product_weights(config)
         assert row["attention_flops_per_step"] == int(4 * (16 + 9 / 2) * config.n_layers * config.n_heads *
@@ -80,6 +82,7 @@ def test_the_roofline_counts_the_screen_a_greedy_step_reads(report):
         assert row["bytes_per_step"] == weight_bytes_per_step(config, 1, screen=screen) + kv
     assert weight_bytes_per_step(config, 1, screen="int8") == weight_bytes_per_step(config, 1) - 3 * V * D + 8 * V
     assert weight_bytes_per_step(config, 1, screen="bfloat16") == weight_bytes_per_step(config, 1) - 2 * V * D + 4 * V
+    assert weight_bytes_per_step(config, 1, screen="int8_quads") == weight_bytes_per_step(config, 1) - 3 * V * D + 12 * V
 
 
 def test_the_roofline_at_a_steps_size_is_not_measured_with_a_given_bandwidth(report):
@@ -155,6 +158,13 @@ def test_compute_roofline_takes_products_and_attention_at_their_peaks():
     widened = compute_roofline(config, batch=32, prompt_len=16, new_tokens=129, product_gflops=400.0,
                                attention_gflops=200.0, head_gflops=800.0, screen="int8")  # at the product peak
     assert widened.screened_head_flops == 0 and widened.tokens_per_s == pytest.approx(roof.tokens_per_s)
+    quads = compute_roofline(config, batch=32, prompt_len=16, new_tokens=129, product_gflops=400.0,
+                             attention_gflops=200.0, head_gflops=1600.0, screen="int8_quads")
+    assert quads.screened_head_flops == head
+    assert quads.tokens_per_s == pytest.approx(32 / ((roof.product_flops - head) / 400e9 + head / 1600e9 +
+                                                     roof.attention_flops / 200e9))
+    peaks = (100.0, 300.0, 500.0)
+    assert [head_peak(s, peaks) for s in (None, "int8", "bfloat16", "int8_quads")] == [100.0, 100.0, 300.0, 500.0]
     # 15M's products at 32 rows: 0.97 GFLOP a step
     assert roof.product_flops == pytest.approx(0.972e9, rel=1e-3)
 
@@ -215,8 +225,10 @@ def test_machine_probes_give_positive_numbers():
     assert positive_finite(machine.measure_bandwidth(threads=2, nbytes=1 << 24, repeats=1))
     around = machine.measure_run_bandwidth(threads=2, seconds=0.05)
     assert positive_finite(around.sustained_gbps) and around.sustained_gbps <= around.burst_gbps
-    float32, bfloat16 = machine.measure_peaks(threads=2)
-    assert positive_finite(float32) and positive_finite(bfloat16)
+    float32, bfloat16, int8 = machine.measure_peaks(threads=2)
+    assert positive_finite(float32) and positive_finite(bfloat16) and positive_finite(int8)
+    if build.int8_dot():  # VNNI's int8 dot products: 64 multiply-adds an instruction, bfloat16's 32
+        assert int8 > 1.3 * bfloat16
     machine.reset_peak_rss()
     assert positive_finite(machine.peak_rss_mb())
 
@@ -230,9 +242,9 @@ def test_the_run_probe_sustains_the_best_readers_rate_and_bursts_at_its_fastest_
     assert around.better(later) == machine.RunBandwidth(sustained_gbps=60.0, burst_gbps=100.0)
 
 
-@pytest.mark.parametrize("peaks", [["100", "200", "300"], ["0"], ["-5", "10"]])
+@pytest.mark.parametrize("peaks", [["100", "200", "300", "400"], ["0"], ["-5", "10"]])
 def test_a_bad_peak_is_a_clear_error(peaks):
-    with pytest.raises(ValueError, match="--peak-gflops takes one or two positive numbers"):
+    with pytest.raises(ValueError, match="--peak-gflops takes one to three positive numbers"):
         benchmark_main(["--model", "260K", "--bandwidth", "10", "--peak-gflops", *peaks])
 
 
@@ -266,7 +278,7 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
     around = iter([machine.RunBandwidth(sustained_gbps=5.0, burst_gbps=6.0),  # before and after each run
                    machine.RunBandwidth(sustained_gbps=4.0, burst_gbps=7.5)] * 2)
     monkeypatch.setattr(machine, "measure_run_bandwidth", lambda *, threads: next(around))
-    peaks = iter([(100.0, 300.0), (150.0, 200.0)])  # before, after: the best of each is kept
+    peaks = iter([(100.0, 300.0, 500.0), (150.0, 200.0, 600.0)])  # before, after: the best of each is kept
     monkeypatch.setattr(machine, "measure_peaks", lambda *, threads: next(peaks))
     path = tmp_path / "bench.json"
     status = benchmark_main(["--model", "260K", "--compare", "hf", "--new-tokens", "5", "--chunk-steps", "4",
@@ -274,7 +286,8 @@ def test_roofline_uses_the_best_bandwidth_of_before_and_after_the_runs(tmp_path,
     assert status == 0
     report = json.loads(path.read_text())
     assert report["machine"]["bandwidth_gbps"] == 8.0
-    assert (report["machine"]["peak_gflops"], report["machine"]["peak_gflops_bf16"]) == (150.0, 300.0)
+    assert (report["machine"]["peak_gflops"], report["machine"]["peak_gflops_bf16"],
+            report["machine"]["peak_gops_int8"]) == (150.0, 300.0, 600.0)
     for row in report["rows"]:
         flops = row["product_flops_per_step"] + row["attention_flops_per_step"]
         assert row["compute_roofline_tokens_per_s"] == pytest.approx(150e9 / flops)  # float32: both at 150

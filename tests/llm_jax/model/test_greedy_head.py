@@ -43,33 +43,50 @@ def _screened(x, screens, screen):
     """The screened logits, as greedy_tokens computes them (the bfloat16 screen in pairs where stored so)."""
     if screen == "bfloat16" and greedy_head.PAIRED in screens:
         return cpu_kernels.matmul(x, screens[greedy_head.PAIRED], panels=True, pairs=True)
-    return cpu_kernels.matmul(x, screens[screen], panels=True)
+    return cpu_kernels.matmul(x, screens[screen], panels=True, quads=screen == greedy_head.QUADS)
+
+
+def with_screens(params, config, quads: bool):
+    """``params`` with the screens built with or without the quads (whichever this CPU would build)."""
+    head = greedy_head.head_panels(params, config)
+    return {**params, greedy_head.SCREEN: greedy_head._screens(head, quads)}
 
 
 @pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16])
 def test_the_bounds_hold_with_room_to_spare(head_dtype):
-    """|screened − head's logit| ≤ c₁ ‖x‖₁ s + c₂ ‖x‖₂ ‖w‖ for random columns and for x along a column
-    (where Cauchy–Schwarz is tight); the worst ratio is printed by -s."""
+    """|screened − head's logit| ≤ c₁ ‖x‖₁ s + c₂ ‖x‖₂ ‖w‖ (through the quads: c₁ (‖x‖₂ + ‖δ‖₂) E + (c₁ ‖δ‖₂
+    + c₂ ‖x‖₂) ‖w‖) for random columns, for x along a column (where Cauchy–Schwarz is tight) and for x
+    with an outlier (a large step t for the quads); the worst ratio is printed by -s."""
     rng = np.random.default_rng(0)
     for D in (48, 288, 768):
         W = rng.normal(0, 0.02, (D, 512)).astype(np.float32)
-        x = rng.normal(0, 1, (6, D)).astype(np.float32)
+        x = rng.normal(0, 1, (8, D)).astype(np.float32)
         x[:3] = 30 * W[:, :3].T  # along columns 0, 1, 2
+        x[3, 5] = 40.0
         panels = cpu_kernels.to_panels(jnp.asarray(W)).astype(head_dtype)
         x = jnp.asarray(x).astype(head_dtype).astype(jnp.float32)
-        screens = greedy_head._screens(panels)
+        screens = greedy_head._screens(panels, True)
         exact = np.asarray(cpu_kernels.matmul(x, panels, panels=True), np.float64)
         xs = np.asarray(x, np.float64)
         W = np.asarray(cpu_kernels.from_panels(panels), np.float64)
-        assert np.all(np.asarray(screens["norms_V"]) >= np.linalg.norm(W, axis=0))
-        for screen in ("int8", "bfloat16") if head_dtype == jnp.float32 else ("int8",):
+        norms, scales = np.asarray(screens["norms_V"], np.float64), np.asarray(screens["scales_V"], np.float64)
+        assert np.all(norms >= np.linalg.norm(W, axis=0))
+        errors = np.asarray(screens["errors_V"], np.float64)
+        q = np.asarray(cpu_kernels.from_panels(cpu_kernels.from_quads(screens[greedy_head.QUADS])), np.float64)
+        assert np.all(errors >= np.linalg.norm(W - scales * q, axis=0))
+        bf16 = greedy_head._screens(panels, False)
+        for screen in ("int8", greedy_head.QUADS) + (("bfloat16",) if head_dtype == jnp.float32 else ()):
             c1, c2 = greedy_head.bounds(D, screen)
-            screened = np.asarray(_screened(x, screens, screen), np.float64)
-            scales = np.asarray(screens["scales_V"], np.float64)
-            if screen == "int8":
+            screened = np.asarray(_screened(x, bf16 if screen == "bfloat16" else screens, screen), np.float64)
+            x1, x2 = np.abs(xs).sum(1)[:, None], np.linalg.norm(xs, axis=1)[:, None]
+            if screen == greedy_head.QUADS:
+                n, t = (np.asarray(a, np.float64) for a in cpu_kernels.quantize_rows(x))
+                d2 = np.linalg.norm(xs - t[:, None] * n, axis=1)[:, None]
+                bound = c1 * (x2 + d2) * errors + (c1 * d2 + c2 * x2) * norms
+            else:
+                bound = c1 * x1 * scales + c2 * x2 * norms
+            if screen != "bfloat16":
                 screened = screened * scales
-            bound = (c1 * np.abs(xs).sum(1)[:, None] * scales
-                     + c2 * np.linalg.norm(xs, axis=1)[:, None] * np.asarray(screens["norms_V"]))
             ratio = np.abs(screened - exact) / bound
             assert ratio.max() < 1, (D, screen, ratio.max())
             print(f"D={D} {screen} of {jnp.dtype(head_dtype).name}: worst |Δ| / bound {ratio.max():.3f}")
@@ -81,6 +98,8 @@ def test_bounds_are_the_documented_constants():
     assert greedy_head.bounds(288, "bfloat16") == pytest.approx((0.0, 1.01 * (2 * u + u * u + 2.1 * gamma)), rel=1e-12)
     assert greedy_head.bounds(288, "int8") == pytest.approx(
         (1.01 * 0.5 * (1 + 2.0 ** -12) * (1 + gamma + u32), 1.01 * 2.1 * (gamma + u32)), rel=1e-12)
+    assert greedy_head.bounds(288, greedy_head.QUADS) == pytest.approx(
+        (1.01 * (1 + 3.01 * u32), 1.01 * 2 * (gamma + 3.01 * u32)), rel=1e-12)
     with pytest.raises(ValueError, match="unknown screen"):
         greedy_head.bounds(288, "int4")
 
@@ -100,13 +119,20 @@ def test_the_screens_of_a_head_in_panels(model):
     assert np.all(np.abs(w - s * q) <= s / 2 * (1 + 2.0 ** -12)) and np.abs(q).max() <= 127
     assert np.abs(q - np.round(w / scales[:, None, :])).max() <= 1  # w / s at .5 may round either way
     assert screens["norms_V"].shape == (V,)
-    if config.param_dtype == "float32":  # a bfloat16 copy, in pairs of rows where the dot products read them
+    quads = greedy_head.quads_apply(D)
+    assert (greedy_head.QUADS in screens, "errors_V" in screens) == (quads, quads)
+    if quads:  # the int8 screen again, in quads of rows, and each column's ‖w − s q‖₂ (or more)
+        np.testing.assert_array_equal(np.asarray(cpu_kernels.from_quads(screens[greedy_head.QUADS])), q)
+        errors = np.linalg.norm(w - s * q, axis=1).reshape(-1)
+        assert np.all(np.asarray(screens["errors_V"]) >= errors)
+        assert np.all(np.asarray(screens["errors_V"]) <= errors * 1.01 + 1e-6 * np.asarray(screens["norms_V"]))
+    if config.param_dtype == "float32" and not quads:  # a bfloat16 copy, in pairs where the dot products read them
         paired = cpu_kernels.pairs_available() and D % 2 == 0
         assert (greedy_head.PAIRED in screens, "bfloat16" in screens) == (paired, not paired)
         screen = cpu_kernels.from_pairs(screens[greedy_head.PAIRED]) if paired else screens["bfloat16"]
         np.testing.assert_array_equal(np.asarray(screen), np.asarray(head.astype(jnp.bfloat16)))
-    else:
-        assert "bfloat16" not in screens and greedy_head.PAIRED not in screens  # the head itself is bfloat16
+    else:  # the head itself is bfloat16, or the quads serve many rows
+        assert "bfloat16" not in screens and greedy_head.PAIRED not in screens
     plain = unfuse_projections(params, config)  # checkpoints and sharding: no screen
     assert not greedy_head.has_screen(plain)
     assert not greedy_head.has_screen(fuse_projections(plain, config))  # fused, not in panels
@@ -122,8 +148,26 @@ def test_which_models_and_steps_get_a_screen(model):
         assert greedy_head.screen_for(params, config, 1) is None
         return
     assert greedy_head.screen_for(params, config, 1) == greedy_head.screen_for(params, config, 7) == "int8"
-    assert greedy_head.screen_for(params, config, 8) == ("bfloat16" if config.param_dtype == "float32" else None)
+    many = greedy_head.QUADS if greedy_head.quads_apply(config.d_model) else (
+        "bfloat16" if config.param_dtype == "float32" else None)
+    assert greedy_head.screen_for(params, config, 8) == greedy_head.screen_for(params, config, 32) == many
+    if cpu_kernels.quads_available():  # built either way, each is read where it is
+        assert greedy_head.screen_for(with_screens(params, config, True), config, 8) == greedy_head.QUADS
+        assert greedy_head.screen_for(with_screens(params, config, False), config, 8) == (
+            "bfloat16" if config.param_dtype == "float32" else None)
     assert greedy_head.screen_for(greedy_head.without_screen(params), config, 1) is None
+
+
+def test_the_quads_serve_narrow_rows_where_vnni_runs_and_amx_does_not(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "quads_available", lambda: True)
+    monkeypatch.setattr(cpu_kernels.build, "amx", lambda: False)
+    assert greedy_head.quads_apply(288) and greedy_head.quads_apply(greedy_head.QUADS_MAX_D)
+    assert not greedy_head.quads_apply(2048) and not greedy_head.quads_apply(290)
+    monkeypatch.setattr(cpu_kernels.build, "amx", lambda: True)  # AMX's bfloat16 tiles read the pairs instead
+    assert not greedy_head.quads_apply(288)
+    monkeypatch.setattr(cpu_kernels.build, "amx", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "quads_available", lambda: False)
+    assert not greedy_head.quads_apply(288)
 
 
 def _decode(params, config, controls, prompts=PROMPTS, steps=12):
@@ -140,9 +184,15 @@ def _controls(n=len(PROMPTS), sampling=GREEDY, **kwargs):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [3, 9])
-def test_greedy_decode_through_the_screen_gives_the_same_tokens(model, rows):
+@pytest.mark.parametrize("rows, quads", [(3, None), (9, True), (9, False)])
+def test_greedy_decode_through_the_screen_gives_the_same_tokens(model, rows, quads):
     config, params = model
+    if quads is not None:
+        if quads and not cpu_kernels.quads_available():
+            pytest.skip("the int8 screen in quads runs on AVX-512 VNNI, which this CPU lacks")
+        params = with_screens(params, config, quads)
+        assert greedy_head.screen_for(params, config, rows) == (greedy_head.QUADS if quads else (
+            "bfloat16" if config.param_dtype == "float32" else None))
     prompts = (PROMPTS * 3)[:rows]
     screened = _decode(params, config, _controls(rows), prompts)
     full = _decode(greedy_head.without_screen(params), config, _controls(rows), prompts)
