@@ -278,6 +278,12 @@ constexpr int64_t kBlockBytes = 192 * 1024;  // a unit's packed panels, in L2
 // ms; 32 rows 23.5 / 22.1 ms streaming, 16.2 / 15.4 tiled.)
 constexpr int64_t kTiledMinRows = 8;
 
+// Whether the environment leaves a path of the kernels on: `name` unset or anything but "off".
+inline bool turned_on(const char* name) {
+  const char* env = std::getenv(name);
+  return env == nullptr || std::string(env) != "off";
+}
+
 // fn(std::integral_constant<int, m>{}) for m = mr, a tile's rows known only at run time (1 to kMax): the
 // register tiles are templates on their rows, so that their sums stay in registers (and not inlined
 // here: GCC 12 spilled sums of bfloat16's dot products to the stack every step where it inlined them).
@@ -896,8 +902,7 @@ constexpr int64_t kAmxRows = 32;  // rows of y per block: two tiles
 // LLM_JAX_AMX=off says no (the AVX-512 products then run).
 bool amx_ready() {
   static const bool ready = [] {
-    const char* env = std::getenv("LLM_JAX_AMX");
-    if (env != nullptr && std::string(env) == "off") return false;
+    if (!turned_on("LLM_JAX_AMX")) return false;
     constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
   }();
@@ -1048,44 +1053,61 @@ void amx_matmul(ffi::ThreadPool&, const float*, const std::vector<const W*>&, co
 // rows, as pack_rows lays floats out); W's panels are rearranged into pairs a block of kKC rows at a time
 // per unit of work. LLM_JAX_BF16_DOT=off turns it off (the float32 tiles then run).
 
-#if defined(__AVX512BF16__)
-bool bf16_dot_ready() {
-  static const bool ready = [] {
-    const char* env = std::getenv("LLM_JAX_BF16_DOT");
-    return env == nullptr || std::string(env) != "off";
-  }();
-  return ready;
-}
-
-// y[0:MR, 0:16 NP] (+= when `add`) = x pairs [0:kp] · NP panels of pairs [kp, 16, 2] (ps values apart);
-// xq[p · MR + r] holds row r's pair p.
-template <int MR, int NP>
-__attribute__((noinline)) void dot_tile(const uint32_t* xq, int64_t kp, const uint16_t* p, int64_t ps, float* y, int64_t ldy, bool add,
-              Prefetcher& pf, int64_t lines) {
-  __m512 acc[MR][NP];
+#if defined(__AVX512F__)
+// One register tile of y on the CPU's dot products, which add S adjacent products of k (a "step") into
+// each 32-bit lane: y[0:MR, 0:16 NP] (+= when `add`) = x's steps [0:steps] · NP panels of steps
+// [steps, 16, S] (ps values apart); xq[q · MR + r] holds row r's step q (S values of x in 32 bits).
+// `Dot` names the instruction: bfloat16 pairs on vdpbf16ps (float32 sums), int8 quads on vpdpbusd
+// (int32 sums). Not inlined into its callers (with_rows).
+template <typename Dot, int MR, int NP>
+__attribute__((noinline)) void dot_tile(const uint32_t* xq, int64_t steps, const typename Dot::Weight* p, int64_t ps,
+                                        typename Dot::Sum* y, int64_t ldy, bool add, Prefetcher& pf, int64_t lines) {
+  typename Dot::Acc acc[MR][NP];
   for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < NP; ++j) acc[r][j] = add ? _mm512_loadu_ps(y + r * ldy + j * kPanel) : _mm512_setzero_ps();
+    for (int j = 0; j < NP; ++j) acc[r][j] = add ? Dot::load(y + r * ldy + j * kPanel) : Dot::zero();
   }
-  PrefetchOverK ahead(pf, lines, kp);
-  for (int64_t q = 0; q < kp; ++q) {
+  PrefetchOverK ahead(pf, lines, steps);
+  for (int64_t q = 0; q < steps; ++q) {
     ahead.at(q);
-    __m512bh w[NP];
-    for (int j = 0; j < NP; ++j) w[j] = (__m512bh)_mm512_loadu_si512(p + j * ps + q * 2 * kPanel);
+    typename Dot::W w[NP];
+    for (int j = 0; j < NP; ++j) w[j] = Dot::weights(p + j * ps + q * Dot::kStep * kPanel);
     for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xq[q * MR + r]));
-      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, w[j]);
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(xq[q * MR + r]));
+      for (int j = 0; j < NP; ++j) acc[r][j] = Dot::dot(acc[r][j], w[j], a);
     }
   }
   for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + r * ldy + j * kPanel, acc[r][j]);
+    for (int j = 0; j < NP; ++j) Dot::store(y + r * ldy + j * kPanel, acc[r][j]);
   }
 }
 
-template <int NP>
-void dot_tile_rows(int64_t mr, const uint32_t* xq, int64_t kp, const uint16_t* p, int64_t ps, float* y, int64_t ldy,
-                   bool add, Prefetcher& pf, int64_t lines) {
-  with_rows<kMR>(mr, [&](auto MR) { dot_tile<MR, NP>(xq, kp, p, ps, y, ldy, add, pf, lines); });
+template <typename Dot, int NP>
+void dot_tile_rows(int64_t mr, const uint32_t* xq, int64_t steps, const typename Dot::Weight* p, int64_t ps,
+                   typename Dot::Sum* y, int64_t ldy, bool add, Prefetcher& pf, int64_t lines) {
+  with_rows<Dot::kRows>(mr, [&](auto MR) { dot_tile<Dot, MR, NP>(xq, steps, p, ps, y, ldy, add, pf, lines); });
 }
+#endif
+
+#if defined(__AVX512BF16__)
+bool bf16_dot_ready() {
+  static const bool ready = turned_on("LLM_JAX_BF16_DOT");
+  return ready;
+}
+
+// Pairs of bfloat16 values: 16 lanes of two products each, float32 sums; tiles of up to kMR rows.
+struct Bf16Pairs {
+  using Weight = uint16_t;
+  using Sum = float;
+  using Acc = __m512;
+  using W = __m512bh;
+  static constexpr int64_t kStep = 2;
+  static constexpr int kRows = kMR;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc load(const float* y) { return _mm512_loadu_ps(y); }
+  static void store(float* y, Acc a) { _mm512_storeu_ps(y, a); }
+  static W weights(const uint16_t* p) { return (W)_mm512_loadu_si512(p); }
+  static Acc dot(Acc acc, W w, __m512i a) { return _mm512_dpbf16_ps(acc, (__m512bh)a, w); }
+};
 
 // Whether the dot products take this product: bfloat16 panels, kTiledMinRows rows or more.
 template <typename W>
@@ -1154,9 +1176,9 @@ void bf16_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<co
         float* out = y + r0 * N;
         int64_t q = 0;
         for (; q + 2 <= panels; q += 2) {
-          dot_tile_rows<2>(mr, xt, pairs, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
+          dot_tile_rows<Bf16Pairs, 2>(mr, xt, pairs, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
         }
-        if (q < panels) dot_tile_rows<1>(mr, xt, pairs, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
+        if (q < panels) dot_tile_rows<Bf16Pairs, 1>(mr, xt, pairs, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
       }
     }
   });
@@ -1194,43 +1216,25 @@ constexpr int kQuadMR = 8;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 bool int8_dot_ready() {
-  static const bool ready = [] {
-    const char* env = std::getenv("LLM_JAX_INT8_DOT");
-    return env == nullptr || std::string(env) != "off";
-  }();
+  static const bool ready = turned_on("LLM_JAX_INT8_DOT");
   return ready;
 }
 
-// y[0:MR, 0:16 NP] (+= when `add`) = Σ over kq quads of k of x's quads · NP panels of quads (ps bytes
-// apart), as int32; xq[q · MR + r] holds row r's quad q (four int8 as one 32-bit word).
-template <int MR, int NP>
-__attribute__((noinline)) void quad_tile(const uint32_t* xq, int64_t kq, const int8_t* p, int64_t ps, int32_t* y, int64_t ldy, bool add,
-               Prefetcher& pf, int64_t lines) {
-  __m512i acc[MR][NP];
-  for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < NP; ++j) acc[r][j] = add ? _mm512_loadu_si512(y + r * ldy + j * kPanel) : _mm512_setzero_si512();
-  }
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // q + 128 as unsigned bytes
-  PrefetchOverK ahead(pf, lines, kq);
-  for (int64_t q = 0; q < kq; ++q) {
-    ahead.at(q);
-    __m512i w[NP];
-    for (int j = 0; j < NP; ++j) w[j] = _mm512_xor_si512(_mm512_loadu_si512(p + j * ps + q * 4 * kPanel), flip);
-    for (int r = 0; r < MR; ++r) {
-      const __m512i a = _mm512_set1_epi32(static_cast<int>(xq[q * MR + r]));
-      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], w[j], a);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < NP; ++j) _mm512_storeu_si512(y + r * ldy + j * kPanel, acc[r][j]);
-  }
-}
-
-template <int NP>
-void quad_tile_rows(int64_t mr, const uint32_t* xq, int64_t kq, const int8_t* p, int64_t ps, int32_t* y, int64_t ldy,
-                    bool add, Prefetcher& pf, int64_t lines) {
-  with_rows<kQuadMR>(mr, [&](auto MR) { quad_tile<MR, NP>(xq, kq, p, ps, y, ldy, add, pf, lines); });
-}
+// Quads of int8 values: 16 lanes of four products each, int32 sums; W's bytes read as q + 128 (its top
+// bit flipped: vpdpbusd's unsigned operand), x's as they are.
+struct Int8Quads {
+  using Weight = int8_t;
+  using Sum = int32_t;
+  using Acc = __m512i;
+  using W = __m512i;
+  static constexpr int64_t kStep = 4;
+  static constexpr int kRows = kQuadMR;
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc load(const int32_t* y) { return _mm512_loadu_si512(y); }
+  static void store(int32_t* y, Acc a) { _mm512_storeu_si512(y, a); }
+  static W weights(const int8_t* p) { return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(-128)); }
+  static Acc dot(Acc acc, W w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
+};
 
 // y_i = t · (n · Q_i) (float32) for x [R, K] quantized per row (quantize_row) and int8 panels Q_i in
 // quads of rows (K a multiple of 4, below kQuadsMaxK). Each unit of panels runs its blocks of kKC rows
@@ -1285,9 +1289,9 @@ void int8_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<co
         int32_t* out = y + r0 * N;
         int64_t q = 0;
         for (; q + 2 <= panels; q += 2) {
-          quad_tile_rows<2>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
+          dot_tile_rows<Int8Quads, 2>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
         }
-        if (q < panels) quad_tile_rows<1>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
+        if (q < panels) dot_tile_rows<Int8Quads, 1>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
       }
     }
     for (int64_t r = 0; r < R; ++r) {  // the sums as floats, in place: (Σ (q + 128) n - 128 Σ n) t
