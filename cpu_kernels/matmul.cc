@@ -1238,9 +1238,9 @@ struct Int8Quads {
 
 // y_i = t · (n · Q_i) (float32) for x [R, K] quantized per row (quantize_row) and int8 panels Q_i in
 // quads of rows (K a multiple of 4, below kQuadsMaxK). Each unit of panels runs its blocks of kKC rows
-// of K over every tile of rows, summing in y's own memory as int32, and turns its columns into floats
-// at the end; it asks for the next block (or the next unit's first) a few lines per tile, as the
-// bfloat16 dot products do.
+// of K over every tile of rows, summing as int32, and writes its columns of y as floats at the end; it
+// asks for the next block (or the next unit's first) a few lines per tile, as the bfloat16 dot products
+// do.
 void int8_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const int8_t*>& ws,
                      const std::vector<float*>& ys, const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   const int64_t kc_max = std::min(K, kKC), tiles = (R + kQuadMR - 1) / kQuadMR, blocks = (K + kc_max - 1) / kc_max;
@@ -1274,8 +1274,13 @@ void int8_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<co
   }
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit nu) {
     const Prefetcher next = nu.j >= 0 ? panel_block(ws[nu.j], K, nu.v0, nu.v1, 0, kc_max) : Prefetcher{};
-    const int64_t N = ns[i], panels = q1 - q0, calls = tiles * ((panels + 1) / 2);
-    int32_t* const y = reinterpret_cast<int32_t*>(ys[i]) + q0 * kPanel;  // int32 sums until the end
+    const int64_t N = ns[i], panels = q1 - q0, calls = tiles * ((panels + 1) / 2), width = panels * kPanel;
+    // The unit's int32 sums [R, width], in this thread's buffer (in L1 or L2), until they are done. (Summed
+    // in y's own memory instead, or y written past the caches at the end: the same speed, and 0.97× the
+    // speed; 15M decode at 32 rows, paired, one process.)
+    thread_local std::vector<int32_t> sums_buffer;
+    sums_buffer.resize(static_cast<size_t>(R * width));
+    int32_t* const sums = sums_buffer.data();
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t k0 = b * kc_max, kc = std::min(kc_max, K - k0), kq = kc / 4;
       const int8_t* p = ws[i] + (q0 * K + k0) * kPanel;  // the unit's first panel, block b
@@ -1286,22 +1291,22 @@ void int8_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<co
         int64_t r0, mr;
         tile_span(R, tiles, tt, &r0, &mr);
         const uint32_t* xt = xq.data() + (k0 * R) / 4 + r0 * kq;
-        int32_t* out = y + r0 * N;
+        int32_t* out = sums + r0 * width;
         int64_t q = 0;
         for (; q + 2 <= panels; q += 2) {
-          dot_tile_rows<Int8Quads, 2>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
+          dot_tile_rows<Int8Quads, 2>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, width, b > 0, pf, lines);
         }
-        if (q < panels) dot_tile_rows<Int8Quads, 1>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, N, b > 0, pf, lines);
+        if (q < panels) dot_tile_rows<Int8Quads, 1>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, width, b > 0, pf, lines);
       }
     }
-    for (int64_t r = 0; r < R; ++r) {  // the sums as floats, in place: (Σ (q + 128) n - 128 Σ n) t
-      int32_t* row = y + r * N;
-      float* out = reinterpret_cast<float*>(row);
+    for (int64_t r = 0; r < R; ++r) {  // y = (Σ (q + 128) n - 128 Σ n) t
+      const int32_t* row = sums + r * width;
+      float* out = ys[i] + r * N + q0 * kPanel;
       const __m512i s = _mm512_set1_epi32(shift[r]);
       const __m512 tv = _mm512_set1_ps(t[r]);
-      for (int64_t c = 0; c < panels * kPanel; c += kPanel) {
-        const __m512i sum = _mm512_sub_epi32(_mm512_loadu_si512(row + c), s);
-        _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), tv));
+      for (int64_t c = 0; c < width; c += kPanel) {
+        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(row + c), s)), tv);
+        _mm512_storeu_ps(out + c, v);
       }
     }
   });
