@@ -227,8 +227,6 @@ def test_machine_probes_give_positive_numbers():
     assert positive_finite(around.sustained_gbps) and around.sustained_gbps <= around.burst_gbps
     float32, bfloat16, int8 = machine.measure_peaks(threads=2)
     assert positive_finite(float32) and positive_finite(bfloat16) and positive_finite(int8)
-    if build.int8_dot():  # VNNI's int8 dot products: 64 multiply-adds an instruction, bfloat16's 32
-        assert int8 > 1.3 * bfloat16
     machine.reset_peak_rss()
     assert positive_finite(machine.peak_rss_mb())
 
