@@ -225,10 +225,13 @@ def test_only_steps_that_need_just_the_argmax_use_the_screen(model):
 
 
 @needs_kernels
-def test_stories260k_greedy_is_the_same_through_the_screen(stories260k_dir):
+@pytest.mark.parametrize("rows", [5, 9])  # the int8 screen; at 9 rows the quads where VNNI runs, else bfloat16
+def test_stories260k_greedy_is_the_same_through_the_screen(stories260k_dir, rows):
     model = llm_jax.load(stories260k_dir / "stories260K.bin")
     assert greedy_head.has_screen(model.params)
-    prompts = [[1] + np.random.default_rng(i).integers(3, 512, 4 + 3 * i).tolist() for i in range(5)]
+    many = greedy_head.QUADS if greedy_head.quads_apply(model.config.d_model) else "bfloat16"
+    assert greedy_head.screen_for(model.params, model.config, rows) == ("int8" if rows < 8 else many)
+    prompts = [[1] + np.random.default_rng(i).integers(3, 512, 4 + 3 * i).tolist() for i in range(rows)]
     screened = llm_jax.generate(model, prompts, max_new_tokens=40, ignore_eos=True)
     unscreened = llm_jax.load(stories260k_dir / "stories260K.bin", greedy_screen=False)
     assert not greedy_head.has_screen(unscreened.params)
