@@ -75,6 +75,19 @@ def from_panels(p: jax.Array) -> jax.Array:
     return jnp.swapaxes(p, -3, -2).reshape(*lead, K, P * PANEL)
 
 
+def _interleaved(p: jax.Array, g: int) -> jax.Array:
+    """Panels [..., N / 16, K, 16] with each g rows interleaved, [..., N / 16, K / g, 16, g], held as
+    [..., N / 16, K, 16] (K a multiple of g)."""
+    *lead, P, K, _ = p.shape
+    return jnp.swapaxes(p.reshape(*lead, P, K // g, g, PANEL), -2, -1).reshape(p.shape)
+
+
+def _deinterleaved(p: jax.Array, g: int) -> jax.Array:
+    """The inverse of :func:`_interleaved`."""
+    *lead, P, K, _ = p.shape
+    return jnp.swapaxes(p.reshape(*lead, P, K // g, PANEL, g), -2, -1).reshape(p.shape)
+
+
 def to_pairs(p: jax.Array) -> jax.Array:
     """Panels [..., N / 16, K, 16] → the same panels in pairs of rows, the layout the CPU's bfloat16 dot
     products read (K even): rows 2i and 2i + 1 of a panel interleaved, [..., N / 16, K / 2, 16, 2], held
@@ -82,13 +95,12 @@ def to_pairs(p: jax.Array) -> jax.Array:
     *lead, P, K, width = p.shape
     if width != PANEL or K % 2:
         raise ValueError(f"pairs of rows need panels [..., N / {PANEL}, K, {PANEL}] with K even, got {p.shape}")
-    return jnp.swapaxes(p.reshape(*lead, P, K // 2, 2, PANEL), -2, -1).reshape(p.shape)
+    return _interleaved(p, 2)
 
 
 def from_pairs(p: jax.Array) -> jax.Array:
     """The inverse of :func:`to_pairs`: panels [..., N / 16, K, 16] in their plain row order."""
-    *lead, P, K, width = p.shape
-    return jnp.swapaxes(p.reshape(*lead, P, K // 2, PANEL, 2), -2, -1).reshape(p.shape)
+    return _deinterleaved(p, 2)
 
 
 def to_quads(p: jax.Array) -> jax.Array:
@@ -99,13 +111,12 @@ def to_quads(p: jax.Array) -> jax.Array:
     if width != PANEL or K % 4 or p.dtype != jnp.int8:
         raise ValueError(f"quads of rows need int8 panels [..., N / {PANEL}, K, {PANEL}] with K a multiple of 4, "
                          f"got {p.dtype} {p.shape}")
-    return jnp.swapaxes(p.reshape(*lead, P, K // 4, 4, PANEL), -2, -1).reshape(p.shape)
+    return _interleaved(p, 4)
 
 
 def from_quads(p: jax.Array) -> jax.Array:
     """The inverse of :func:`to_quads`: panels [..., N / 16, K, 16] in their plain row order."""
-    *lead, P, K, width = p.shape
-    return jnp.swapaxes(p.reshape(*lead, P, K // 4, PANEL, 4), -2, -1).reshape(p.shape)
+    return _deinterleaved(p, 4)
 
 
 def quads_available() -> bool:
