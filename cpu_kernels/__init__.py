@@ -298,6 +298,12 @@ def argmax(x_BV: jax.Array) -> jax.Array:
     return jax.lax.platform_dependent(x_BV, cpu=call, default=xla)
 
 
+def _full_argmax(x_BD: jax.Array, panels: jax.Array) -> jax.Array:
+    """The argmax [B] (int32) of every logit x [B, D] · W, W as panels [V / 16, D, 16], through XLA."""
+    logits_BV = jnp.einsum("BD,DV->BV", x_BD, from_panels(panels).astype(jnp.float32), precision="highest")
+    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+
 def screened_argmax(y_BV: jax.Array, x_BD: jax.Array, panels: jax.Array, scales_V: jax.Array | None,
                     norms_V: jax.Array, c1: float, c2: float, errors_V: jax.Array | None = None) -> jax.Array:
     """The greedy token per row [B] (int32) of the logits x [B, D] · W, W [D, V] (float32 or bfloat16) held
@@ -325,13 +331,41 @@ def screened_argmax(y_BV: jax.Array, x_BD: jax.Array, panels: jax.Array, scales_
                          f"{panels.dtype} {panels.shape}")
 
     def xla(y_BV, x_BD, panels, scales, errors, norms_V):
-        logits_BV = jnp.einsum("BD,DV->BV", x_BD, from_panels(panels).astype(jnp.float32), precision="highest")
-        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        return _full_argmax(x_BD, panels)
 
     if not available():
         return xla(y_BV, x_BD, panels, scales, errors, norms_V)
-    dtype = "bf16" if panels.dtype == jnp.bfloat16 else "f32"
-    call = jax.ffi.ffi_call(f"llm_jax_screened_argmax_{dtype}", jax.ShapeDtypeStruct((B,), jnp.int32),
-                            vmap_method="sequential")
+    return _head_call("llm_jax_screened_argmax", B, c1, c2, (y_BV, x_BD, panels, scales, errors, norms_V), xla)
+
+
+def _head_call(target: str, B: int, c1: float, c2: float, operands: tuple[jax.Array, ...], default) -> jax.Array:
+    """The greedy head's kernel ``target`` (suffixed by the head's dtype: ``operands[2]``, its panels) on
+    ``operands``, attributes c1 and c2 → tokens [B] int32, on CPU; ``default(*operands)`` elsewhere."""
+    dtype = "bf16" if operands[2].dtype == jnp.bfloat16 else "f32"
+    call = jax.ffi.ffi_call(f"{target}_{dtype}", jax.ShapeDtypeStruct((B,), jnp.int32), vmap_method="sequential")
     kernel = lambda *args: call(*args, c1=float(c1), c2=float(c2))
-    return jax.lax.platform_dependent(y_BV, x_BD, panels, scales, errors, norms_V, cpu=kernel, default=xla)
+    return jax.lax.platform_dependent(*operands, cpu=kernel, default=default)
+
+
+def quads_argmax(x_BD: jax.Array, quads: jax.Array, panels: jax.Array, scales_V: jax.Array, errors_V: jax.Array,
+                 norms_V: jax.Array, c1: float, c2: float) -> jax.Array:
+    """The greedy token per row [B] (int32) of the logits x [B, D] · W, W held as ``panels`` [V / 16, D, 16]
+    (float32 or bfloat16), through its int8 screen in quads of rows (``quads``, :func:`to_quads`; ``scales_V``,
+    ``errors_V``, ``norms_V`` and c1, c2 as :func:`screened_argmax` takes them) in one kernel call: the token
+    of ``screened_argmax(matmul(x_BD, quads, panels=True, quads=True), x_BD, panels, scales_V, norms_V, c1,
+    c2, errors_V)``, without the screened logits [B, V] going through memory (the kernel bounds each unit
+    of columns as the product finishes it). Where the quads do not run (:func:`quads_available`), XLA's
+    full product and argmax."""
+    B, D = x_BD.shape
+    V = panels.shape[0] * PANEL
+    if (quads.shape != panels.shape or quads.dtype != jnp.int8 or panels.shape[1:] != (D, PANEL) or D % 4
+            or any(a.shape != (V,) or a.dtype != jnp.float32 for a in (scales_V, errors_V, norms_V))
+            or x_BD.dtype != jnp.float32 or panels.dtype not in (jnp.float32, jnp.bfloat16)):
+        raise ValueError(f"quads_argmax needs float32 x [B, D] (D a multiple of 4), int8 quads and float32 or "
+                         f"bfloat16 panels [V / {PANEL}, D, {PANEL}], and float32 scales, errors and norms [V], got "
+                         f"x {x_BD.dtype} {x_BD.shape}, quads {quads.dtype} {quads.shape}, panels {panels.dtype} "
+                         f"{panels.shape}, {scales_V.shape}, {errors_V.shape}, {norms_V.shape}")
+    full = lambda x_BD, quads, panels, scales_V, errors_V, norms_V: _full_argmax(x_BD, panels)
+    if not quads_available():
+        return full(x_BD, quads, panels, scales_V, errors_V, norms_V)
+    return _head_call("llm_jax_quads_argmax", B, c1, c2, (x_BD, quads, panels, scales_V, errors_V, norms_V), full)

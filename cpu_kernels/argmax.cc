@@ -9,14 +9,19 @@
 // quantized too: half the arithmetic of bfloat16's), and W itself for the few columns that can still
 // win; see llm_jax/model/greedy_head.py for the bound that makes it exact.
 //
+// QuadsArgmax{F32,BF16}: the same through the int8 screen in quads, with the screen's product in the same
+// call (matmul.cc's quads_units): its logits are bounded a unit of columns at a time, never written.
+//
 // XLA:CPU computes an argmax as a reduction of (value, index) pairs, one element at a time: 1.3 ms for
 // [32, 32000] float32 logits, 8 % of a 15M decode step at batch 32. Here each row is read once, 32 lanes
 // at a time; rows are shared among the threads.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -99,22 +104,22 @@ double column_dot(const float* x, const H* panels, int64_t D, int64_t j) {
   return sum;
 }
 
-// The greedy token of row x [D] from its screened logits: a_j = y_j (or y_j · scale_j, `scales` given),
-// within r_j of the exact logit x · W[:, j]: r_j = c1 · ‖x‖₁ · scale_j + c2 · ‖x‖₂ · norm_j, or, with
-// `errors` (the int8 screen in quads, whose product quantized x too: δ = x - t n, quantize_row's n and
-// t), r_j = c1 · (‖x‖₂ + ‖δ‖₂) · error_j + (c1 · ‖δ‖₂ + c2 · ‖x‖₂) · norm_j. Every column whose interval
-// [a_j - r_j, a_j + r_j] reaches the largest lower end is computed exactly, and the largest exact logit
-// wins (the first on ties). Rows with a NaN or an infinity anywhere are computed in full, as jnp.argmax
-// would see them (the first NaN wins).
-template <typename H>
-int32_t screened_row(const float* y, const float* x, const H* panels, const float* scales, const float* errors,
-                     const float* norms, int64_t D, int64_t V, double c1, double c2) {
+// The radius of a row's screened logits, r_j = s1 · first_j + s2 · norm_j (first_j: errors_j through the
+// quads, else scales_j; none: 0), for x [D]: through the quads (`quads`: the int8 screen with x quantized
+// too, δ = x − t n, quantize_row's n and t) s1 = c1 · (‖x‖₂ + ‖δ‖₂), s2 = c1 · ‖δ‖₂ + c2 · ‖x‖₂; else s1 =
+// c1 · ‖x‖₁, s2 = c2 · ‖x‖₂. `finite`: false for a row with a NaN or an infinity (computed in full).
+struct RowBound {
+  float s1 = 0.f, s2 = 0.f;
+  bool finite = false;
+};
+
+RowBound row_bound(const float* x, int64_t D, bool quads, double c1, double c2) {
   double l1 = 0.0, l2 = 0.0, d2 = 0.0;
   for (int64_t d = 0; d < D; ++d) {
     l1 += std::fabs(static_cast<double>(x[d]));
     l2 += static_cast<double>(x[d]) * static_cast<double>(x[d]);
   }
-  if (errors) {  // what quantizing x changed, exactly (t n is exact in double, and so is x - t n)
+  if (quads) {  // what quantizing x changed, exactly (t n is exact in double, and so is x - t n)
     thread_local std::vector<int8_t> n;
     n.resize(static_cast<size_t>(D));
     const double t = quantize_row(x, D, n.data());
@@ -124,68 +129,132 @@ int32_t screened_row(const float* y, const float* x, const H* panels, const floa
     }
   }
   const double x2 = std::sqrt(l2), delta2 = std::sqrt(d2);
+  RowBound b;
   // Rounded up, and far beyond float's rounding of a_j ± r_j below (r_j is at least 0.4 % of |a_j|).
-  const float s1 = static_cast<float>((errors ? c1 * (x2 + delta2) : c1 * l1) * (1.0 + 1e-3));
-  const float s2 = static_cast<float>((errors ? c1 * delta2 + c2 * x2 : c2 * x2) * (1.0 + 1e-3));
-  const float* first = errors ? errors : scales;  // the columns r_j's first term is proportional to
-  bool finite = std::isfinite(s1) && std::isfinite(s2);
+  b.s1 = static_cast<float>((quads ? c1 * (x2 + delta2) : c1 * l1) * (1.0 + 1e-3));
+  b.s2 = static_cast<float>((quads ? c1 * delta2 + c2 * x2 : c2 * x2) * (1.0 + 1e-3));
+  b.finite = std::isfinite(b.s1) && std::isfinite(b.s2);
+  return b;
+}
+
+typedef int32_t ivec __attribute__((vector_size(sizeof(fvec))));
+
+// The lanes of a comparison's result that hold true, as bits.
+inline uint32_t lanes(ivec m) {
+#if defined(__AVX512F__)
+  return _mm512_movepi32_mask(reinterpret_cast<__m512i>(m));
+#elif defined(__AVX__)
+  return static_cast<uint32_t>(_mm256_movemask_ps(reinterpret_cast<__m256>(m)));
+#else
+  uint32_t bits = 0;
+  for (int i = 0; i < kLanes; ++i) bits |= (m[i] != 0) << i;
+  return bits;
+#endif
+}
+
+inline bool any(ivec m) { return lanes(m) != 0; }
+
+// The screened logits a_j = y_j · scales_j (y_j itself without scales) and their radii r_j of one row,
+// kLanes columns at a time.
+struct Screened {
+  const float* scales;  // [V] or null
+  const float* first;   // [V] (errors, else scales) or null
+  const float* norms;   // [V]
+  fvec s1, s2;
+
+  Screened(const float* scales, const float* errors, const float* norms, const RowBound& b)
+      : scales(scales), first(errors ? errors : scales), norms(norms), s1(fvec{} + b.s1), s2(fvec{} + b.s2) {}
+  // Columns v … v + kLanes − 1, their unscaled logits y.
+  void at(fvec y, int64_t v, fvec* a, fvec* r) const {
+    const fvec nv = loadv(norms + v);
+    *a = scales ? y * loadv(scales + v) : y;
+    *r = first ? s1 * loadv(first + v) + s2 * nv : s2 * nv;
+  }
+  // Column v alone.
+  void at(float y, int64_t v, float* a, float* r) const {
+    *a = scales ? y * scales[v] : y;
+    *r = (first ? s1[0] * first[v] : 0.f) + s2[0] * norms[v];
+  }
+};
+
+// Where a NaN or an infinity lies in a.
+inline ivec not_finite(fvec a) {
+  const fvec inf = fvec{} + std::numeric_limits<float>::infinity();
+  return (a != a) | (a == inf) | (a == -inf);
+}
+
+// The greedy token of x [D] from every exact logit (a row with a NaN or an infinity, as jnp.argmax would
+// see it: the first NaN wins).
+template <typename H>
+int32_t full_argmax(const float* x, const H* panels, int64_t D, int64_t V) {
+  double best = -std::numeric_limits<double>::infinity();
+  int32_t index = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    const double e = column_dot(x, panels, D, v);
+    if (std::isnan(e)) return static_cast<int32_t>(v);
+    if (e > best || v == 0) best = e, index = static_cast<int32_t>(v);
+  }
+  return index;
+}
+
+// The largest exact logit of the candidate columns (ascending: the first of equal logits stays). Every
+// line of every candidate is asked for before the first is read (a column is D lines apart, from memory;
+// read one after another they wait on each).
+template <typename H>
+int32_t exact_argmax(const float* x, const H* panels, int64_t D, const std::vector<int64_t>& candidates) {
+  const int64_t rows_per_line = std::max<int64_t>(1, 64 / (16 * static_cast<int64_t>(sizeof(H))));
+  for (const int64_t v : candidates) {
+    const H* w = panels + (v / 16) * D * 16 + v % 16;
+    for (int64_t d = 0; d < D; d += rows_per_line) __builtin_prefetch(w + d * 16);
+  }
+  double best = -std::numeric_limits<double>::infinity();
+  int32_t index = 0;
+  for (const int64_t v : candidates) {
+    const double e = column_dot(x, panels, D, v);
+    if (e > best) best = e, index = static_cast<int32_t>(v);
+  }
+  return index;
+}
+
+// The greedy token of row x [D] from its screened logits y [V] (a_j = y_j, or y_j · scale_j with `scales`),
+// within r_j of the exact logit x · W[:, j] (row_bound; `errors`: through the quads). Every column whose
+// interval [a_j - r_j, a_j + r_j] reaches the largest lower end is computed exactly, and the largest exact
+// logit wins (the first on ties). Rows with a NaN or an infinity anywhere are computed in full, as
+// jnp.argmax would see them (the first NaN wins).
+template <typename H>
+int32_t screened_row(const float* y, const float* x, const H* panels, const float* scales, const float* errors,
+                     const float* norms, int64_t D, int64_t V, double c1, double c2) {
+  const RowBound bound = row_bound(x, D, errors != nullptr, c1, c2);
+  const Screened screened(scales, errors, norms, bound);
   // kLanes columns at a time, four vectors a step (16 with AVX-512: 0.73–0.81 of the time of 8 at 32 rows
   // of 32,000 columns, Zen 5, processes taking turns).
-  typedef int32_t ivec __attribute__((vector_size(sizeof(fvec))));
   constexpr int64_t kStep = 4 * kLanes;
   const int64_t v_vec = V / kStep * kStep;
-  const fvec s1v = fvec{} + s1, s2v = fvec{} + s2, infv = fvec{} + std::numeric_limits<float>::infinity();
-  // a_j and r_j of the kLanes columns from v.
-  auto bounds = [&](int64_t v, fvec* a, fvec* r) {
-    const fvec yv = loadv(y + v), nv = loadv(norms + v);
-    *a = scales ? yv * loadv(scales + v) : yv;
-    *r = first ? s1v * loadv(first + v) + s2v * nv : s2v * nv;
-  };
-  auto any = [](ivec m) {
-    for (int i = 0; i < kLanes; ++i) {
-      if (m[i]) return true;
-    }
-    return false;
-  };
+  const fvec inf = fvec{} + std::numeric_limits<float>::infinity();
   // The largest lower end: four independent maxima (one alone would wait on itself every step).
-  fvec lo_max[4] = {-infv, -infv, -infv, -infv};
+  fvec lo_max[4] = {-inf, -inf, -inf, -inf};
   ivec bad = {};
   for (int64_t v = 0; v < v_vec; v += kStep) {
     for (int u = 0; u < 4; ++u) {
       fvec a, r;
-      bounds(v + kLanes * u, &a, &r);
-      bad |= (a != a) | (a == infv) | (a == -infv);  // NaN or ±inf
+      screened.at(loadv(y + v + kLanes * u), v + kLanes * u, &a, &r);
+      bad |= not_finite(a);
       const fvec lo = a - r;
       lo_max[u] = lo > lo_max[u] ? lo : lo_max[u];
     }
   }
   float threshold = -std::numeric_limits<float>::infinity();
-  finite &= !any(bad);
+  bool finite = bound.finite && !any(bad);
   for (int i = 0; i < kLanes; ++i) {
     for (int u = 0; u < 4; ++u) threshold = std::max(threshold, lo_max[u][i]);
   }
-  auto scalar = [&](int64_t v, float* a, float* r) {
-    *a = scales ? y[v] * scales[v] : y[v];
-    *r = (first ? s1 * first[v] : 0.f) + s2 * norms[v];
-  };
   for (int64_t v = v_vec; v < V; ++v) {
     float a, r;
-    scalar(v, &a, &r);
+    screened.at(y[v], v, &a, &r);
     finite &= std::isfinite(a);
     threshold = std::max(threshold, a - r);
   }
-  double best = -std::numeric_limits<double>::infinity();
-  int32_t index = 0;
-  if (!finite) {  // in full: the exact logits, jnp.argmax's rules
-    for (int64_t v = 0; v < V; ++v) {
-      const double e = column_dot(x, panels, D, v);
-      if (std::isnan(e)) return static_cast<int32_t>(v);
-      if (e > best || v == 0) best = e, index = static_cast<int32_t>(v);
-    }
-    return index;
-  }
-  // The candidates first, then their columns: every line of every candidate asked for before the first
-  // is read (a column is D lines apart, from memory; read one after another they wait on each).
+  if (!finite) return full_argmax(x, panels, D, V);
   const fvec tv = fvec{} + threshold;
   thread_local std::vector<int64_t> candidates;
   candidates.clear();
@@ -193,7 +262,7 @@ int32_t screened_row(const float* y, const float* x, const H* panels, const floa
     ivec hit[4], some = {};
     for (int u = 0; u < 4; ++u) {
       fvec a, r;
-      bounds(v + kLanes * u, &a, &r);
+      screened.at(loadv(y + v + kLanes * u), v + kLanes * u, &a, &r);
       some |= hit[u] = a + r >= tv;
     }
     if (any(some)) {
@@ -204,19 +273,10 @@ int32_t screened_row(const float* y, const float* x, const H* panels, const floa
   }
   for (int64_t v = v_vec; v < V; ++v) {
     float a, r;
-    scalar(v, &a, &r);
+    screened.at(y[v], v, &a, &r);
     if (a + r >= threshold) candidates.push_back(v);
   }
-  const int64_t rows_per_line = std::max<int64_t>(1, 64 / (16 * static_cast<int64_t>(sizeof(H))));
-  for (const int64_t v : candidates) {
-    const H* w = panels + (v / 16) * D * 16 + v % 16;
-    for (int64_t d = 0; d < D; d += rows_per_line) __builtin_prefetch(w + d * 16);
-  }
-  for (const int64_t v : candidates) {  // ascending: the first of equal logits stays
-    const double e = column_dot(x, panels, D, v);
-    if (e > best) best = e, index = static_cast<int32_t>(v);
-  }
-  return index;
+  return exact_argmax(x, panels, D, candidates);
 }
 
 // y [B, V] the screen's logits, x [B, D], the head's panels [V / 16, D, 16], scales [V] (or [0]: none),
@@ -243,12 +303,14 @@ ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> y, ffi:
   return ffi::Error::Success();
 }
 
-template <ffi::DataType T>
-auto ScreenedBinding() {
+// The greedy heads' operands: y [B, V] (ScreenedArgmax) or x [B, D] (QuadsArgmax), then x [B, D] or the
+// quads [V / 16, D, 16] (`Second`), the head's panels (of T), scales, errors and norms; attributes c1, c2.
+template <typename Second, ffi::DataType T>
+auto HeadBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32, 2>>()
-      .Arg<ffi::Buffer<ffi::F32, 2>>()
+      .template Arg<Second>()
       .template Arg<ffi::Buffer<T, 3>>()
       .template Arg<ffi::Buffer<ffi::F32, 1>>()
       .template Arg<ffi::Buffer<ffi::F32, 1>>()
@@ -258,8 +320,135 @@ auto ScreenedBinding() {
       .template Ret<ffi::Buffer<ffi::S32, 1>>();
 }
 
+#if defined(__AVX512F__)
+// The greedy head through the int8 screen in quads, in one call: the greedy token of each row of x [B, D]
+// from the screen q (int8 panels in quads [V / 16, D, 16], scales [V], errors [V], norms [V]) and the head
+// W (panels [V / 16, D, 16], float32 or bfloat16). The screen's product (matmul.cc, quads_units) hands
+// over its sums a unit of columns at a time, and they go straight into the two passes screened_row makes
+// over a row's logits: the unit's largest lower end raises the row's threshold (shared by the threads),
+// then the unit's columns whose upper end reaches the threshold as it now stands are kept. So the
+// screened logits [B, V] are never written to memory and read back (15M at 32 rows: 4 MB a step, which
+// took the product from 0.90 to 1.37 ms, and then the argmax's 0.43–0.49 ms). The threshold only grows,
+// to the one screened_row finds; the columns kept include every column whose upper end reaches that, and
+// those are computed exactly, in ascending order: the same token as the product and ScreenedArgmax.
+// A row keeps at most kKeptPerRow columns; one that would keep more (x of zeros: every column ties) is
+// computed in full, as are rows with a NaN or an infinity.
+constexpr int64_t kKeptPerRow = 4096;
+
+struct Kept {
+  int32_t column;
+  float upper;  // a + r
+};
+
+template <ffi::DataType T, typename H>
+ffi::Error QuadsArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S8, 3> quads,
+                       ffi::Buffer<T, 3> panels, ffi::Buffer<ffi::F32, 1> scales, ffi::Buffer<ffi::F32, 1> errors,
+                       ffi::Buffer<ffi::F32, 1> norms, double c1, double c2, ffi::ResultBuffer<ffi::S32, 1> out) {
+  const int64_t B = x.dimensions()[0], D = x.dimensions()[1];
+  const auto p = panels.dimensions(), q = quads.dimensions();
+  const int64_t V = p[0] * 16;
+  if (p[1] != D || p[2] != 16 || !std::equal(p.begin(), p.end(), q.begin()) || scales.dimensions()[0] != V ||
+      errors.dimensions()[0] != V || norms.dimensions()[0] != V || D % 4 != 0) {
+    return ffi::Error::InvalidArgument("quads argmax: x [B, D] (D a multiple of 4), quads and panels [V / 16, D, 16], "
+                                       "scales, errors and norms [V]");
+  }
+  if (!quads_ready()) {
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "quads argmax: needs AVX-512 VNNI (absent, or LLM_JAX_INT8_DOT=off)");
+  }
+  const float* xs = x.typed_data();
+  const H* head = reinterpret_cast<const H*>(panels.untyped_data());
+  const float *scale = scales.typed_data(), *error = errors.typed_data(), *norm = norms.typed_data();
+  struct alignas(64) Row {  // a cache line each: the threads raise thresholds and count columns at once
+    RowBound bound;
+    std::atomic<float> threshold{-std::numeric_limits<float>::infinity()};
+    std::atomic<int64_t> kept{0};
+    std::atomic<bool> bad{false};  // a screened logit not finite
+  };
+  const std::unique_ptr<Row[]> rows(new Row[B]);
+  for (int64_t b = 0; b < B; ++b) rows[b].bound = row_bound(xs + b * D, D, true, c1, c2);
+  const int64_t capacity = std::min(V, kKeptPerRow);
+  thread_local std::vector<Kept> kept_buffer;  // the caller's; the units reach it through `kept`
+  kept_buffer.resize(static_cast<size_t>(B * capacity));
+  Kept* const kept = kept_buffer.data();
+  const fvec inf = fvec{} + std::numeric_limits<float>::infinity();
+  quads_units(pool, xs, reinterpret_cast<const int8_t*>(quads.untyped_data()), V, B, D,
+              [&](int64_t c0, int64_t width, const int32_t* sums, const int32_t* shift, const float* t) {
+                thread_local std::vector<float> upper_buffer;  // the unit's a + r, one row at a time
+                upper_buffer.resize(static_cast<size_t>(width));
+                float* const upper = upper_buffer.data();
+                for (int64_t b = 0; b < B; ++b) {
+                  Row& row = rows[b];
+                  if (!row.bound.finite) continue;
+                  const Screened screened(scale, error, norm, row.bound);
+                  const int32_t* s = sums + b * width;
+                  fvec lo_max = -inf;
+                  ivec bad = {};
+                  for (int64_t c = 0; c < width; c += kLanes) {
+                    fvec a, r;
+                    screened.at(quads_floats(s + c, shift[b], t[b]), c0 + c, &a, &r);
+                    bad |= not_finite(a);
+                    const fvec lo = a - r;
+                    lo_max = lo > lo_max ? lo : lo_max;
+                    storev(upper + c, a + r);
+                  }
+                  if (any(bad)) {
+                    row.bad.store(true, std::memory_order_relaxed);
+                    continue;
+                  }
+                  // The row's threshold, raised where this unit's largest lower end passes it (rarely, once
+                  // a few units are done: the line then stays in both cores' caches).
+                  float threshold = row.threshold.load(std::memory_order_relaxed);
+                  if (any(lo_max > fvec{} + threshold)) {
+                    const float top = _mm512_reduce_max_ps(reinterpret_cast<__m512>(lo_max));
+                    while (top > threshold && !row.threshold.compare_exchange_weak(threshold, top)) {
+                    }
+                    threshold = std::max(top, threshold);
+                  }
+                  const fvec tv = fvec{} + threshold;
+                  for (int64_t c = 0; c < width; c += kLanes) {
+                    for (uint32_t hits = lanes(loadv(upper + c) >= tv); hits != 0; hits &= hits - 1) {
+                      const int i = __builtin_ctz(hits);
+                      const int64_t at = row.kept.fetch_add(1, std::memory_order_relaxed);
+                      if (at < capacity) kept[b * capacity + at] = Kept{static_cast<int32_t>(c0 + c + i), upper[c + i]};
+                    }
+                  }
+                }
+              });
+  for_each_row(pool, B, V, [&](int64_t b) {
+    const Row& row = rows[b];
+    const float* xb = xs + b * D;
+    const int64_t n = row.kept.load();
+    if (!row.bound.finite || row.bad.load() || n > capacity) {
+      out->typed_data()[b] = full_argmax(xb, head, D, V);
+      return;
+    }
+    const float threshold = row.threshold.load();
+    thread_local std::vector<int64_t> candidates;
+    candidates.clear();
+    for (int64_t i = 0; i < n; ++i) {
+      const Kept& k = kept[b * capacity + i];
+      if (k.upper >= threshold) candidates.push_back(k.column);
+    }
+    std::sort(candidates.begin(), candidates.end());
+    out->typed_data()[b] = exact_argmax(xb, head, D, candidates);
+  });
+  return ffi::Error::Success();
+}
+#else
+template <ffi::DataType T, typename H>
+ffi::Error QuadsArgmax(ffi::ThreadPool, ffi::Buffer<ffi::F32, 2>, ffi::Buffer<ffi::S8, 3>, ffi::Buffer<T, 3>,
+                       ffi::Buffer<ffi::F32, 1>, ffi::Buffer<ffi::F32, 1>, ffi::Buffer<ffi::F32, 1>, double, double,
+                       ffi::ResultBuffer<ffi::S32, 1>) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented, "quads argmax: needs AVX-512 VNNI");
+}
+#endif
+
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ArgmaxF32, Argmax, Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxF32, (ScreenedArgmax<ffi::F32, float>), ScreenedBinding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxBF16, (ScreenedArgmax<ffi::BF16, uint16_t>), ScreenedBinding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxF32, (ScreenedArgmax<ffi::F32, float>), (HeadBinding<ffi::Buffer<ffi::F32, 2>, ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxBF16, (ScreenedArgmax<ffi::BF16, uint16_t>), (HeadBinding<ffi::Buffer<ffi::F32, 2>, ffi::BF16>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuadsArgmaxF32, (QuadsArgmax<ffi::F32, float>), (HeadBinding<ffi::Buffer<ffi::S8, 3>, ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuadsArgmaxBF16, (QuadsArgmax<ffi::BF16, uint16_t>), (HeadBinding<ffi::Buffer<ffi::S8, 3>, ffi::BF16>()));

@@ -55,6 +55,8 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_argmax_f32": "ArgmaxF32",
     "llm_jax_screened_argmax_f32": "ScreenedArgmaxF32",
     "llm_jax_screened_argmax_bf16": "ScreenedArgmaxBF16",
+    "llm_jax_quads_argmax_f32": "QuadsArgmaxF32",
+    "llm_jax_quads_argmax_bf16": "QuadsArgmaxBF16",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <thread>
@@ -283,6 +284,26 @@ inline float quantize_row(const float* x, int64_t K, int8_t* n) {
   for (int64_t k = 0; k < K; ++k) n[k] = static_cast<int8_t>(std::clamp(std::nearbyint(x[k] / t), -127.f, 127.f));
   return t;
 }
+
+#if defined(__AVX512F__)
+// 16 columns of one row of the quads product's sums as floats: float(sums − shift) · t (matmul.cc's y, and
+// the screened logits argmax.cc's fused greedy head takes from the same sums, before their scales).
+inline __m512 quads_floats(const int32_t* sums, int32_t shift, float t) {
+  const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sums), _mm512_set1_epi32(shift));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(t));
+}
+#endif
+
+// matmul.cc's int8 product in quads of rows (x [R, K] quantized per row by quantize_row; Q [N / 16, K, 16]
+// in quads, to_quads's layout), its int32 sums handed over a unit of columns at a time instead of written
+// as y: done(c0, width, sums [R, width], shift [R], t [R]) for columns [c0, c0 + width), y[r, c0 + c] =
+// float(sums[r, c] − shift[r]) · t[r] (quads_floats). Units run on the pool's threads, several at once.
+// quads_ready(): whether it runs here (AVX-512 VNNI built, LLM_JAX_INT8_DOT not off).
+using QuadsUnitFn =
+    std::function<void(int64_t c0, int64_t width, const int32_t* sums, const int32_t* shift, const float* t)>;
+bool quads_ready();
+void quads_units(ffi::ThreadPool& pool, const float* x, const int8_t* q, int64_t N, int64_t R, int64_t K,
+                 const QuadsUnitFn& done);
 
 // Cache lines of a block of memory — `left` lines of runs `run` bytes long, `stride` apart — asked for
 // one at a time, while other work runs (a block of W for the next tile; the next row's keys and values):

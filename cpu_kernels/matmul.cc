@@ -1236,13 +1236,16 @@ struct Int8Quads {
   static Acc dot(Acc acc, W w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
 };
 
-// y_i = t · (n · Q_i) (float32) for x [R, K] quantized per row (quantize_row) and int8 panels Q_i in
-// quads of rows (K a multiple of 4, below kQuadsMaxK). Each unit of panels runs its blocks of kKC rows
-// of K over every tile of rows, summing as int32, and writes its columns of y as floats at the end; it
-// asks for the next block (or the next unit's first) a few lines per tile, as the bfloat16 dot products
-// do.
-void int8_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const int8_t*>& ws,
-                     const std::vector<float*>& ys, const std::vector<int64_t>& ns, int64_t R, int64_t K) {
+// The sums Σ_k n_k (Q_i[k, j] + 128) (int32) for x [R, K] quantized per row (quantize_row: n, t) and int8
+// panels Q_i in quads of rows (K a multiple of 4, below kQuadsMaxK), handed over a unit of columns at a
+// time: done(i, c0, width, sums, shift, t), sums [R, width] of columns [c0, c0 + width) of y_i, shift[r]
+// = 128 Σ_k n_rk and t[r] the row's step, so that y_i[r, c0 + c] = float(sums[r, c] − shift[r]) · t[r].
+// Each unit of panels runs its blocks of kKC rows of K over every tile of rows, summing in a buffer of
+// its own; it asks for the next block (or the next unit's first) a few lines per tile, as the bfloat16
+// dot products do.
+template <typename Done>
+void int8_dot_units(ffi::ThreadPool& pool, const float* x, const std::vector<const int8_t*>& ws,
+                    const std::vector<int64_t>& ns, int64_t R, int64_t K, const Done& done) {
   const int64_t kc_max = std::min(K, kKC), tiles = (R + kQuadMR - 1) / kQuadMR, blocks = (K + kc_max - 1) / kc_max;
   // Per row: the step t and 128 Σ_k n_k; x's quads, block by block and tile by tile (as bfloat16's pairs).
   thread_local std::vector<int8_t> n_buffer;
@@ -1274,7 +1277,7 @@ void int8_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<co
   }
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit nu) {
     const Prefetcher next = nu.j >= 0 ? panel_block(ws[nu.j], K, nu.v0, nu.v1, 0, kc_max) : Prefetcher{};
-    const int64_t N = ns[i], panels = q1 - q0, calls = tiles * ((panels + 1) / 2), width = panels * kPanel;
+    const int64_t panels = q1 - q0, calls = tiles * ((panels + 1) / 2), width = panels * kPanel;
     // The unit's int32 sums [R, width], in this thread's buffer (in L1 or L2), until they are done. (Summed
     // in y's own memory instead, or y written past the caches at the end: the same speed, and 0.97× the
     // speed; 15M decode at 32 rows, paired, one process.)
@@ -1299,20 +1302,29 @@ void int8_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<co
         if (q < panels) dot_tile_rows<Int8Quads, 1>(mr, xt, kq, p + q * ps, ps, out + q * kPanel, width, b > 0, pf, lines);
       }
     }
-    for (int64_t r = 0; r < R; ++r) {  // y = (Σ (q + 128) n - 128 Σ n) t
-      const int32_t* row = sums + r * width;
-      float* out = ys[i] + r * N + q0 * kPanel;
-      const __m512i s = _mm512_set1_epi32(shift[r]);
-      const __m512 tv = _mm512_set1_ps(t[r]);
-      for (int64_t c = 0; c < width; c += kPanel) {
-        const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(row + c), s)), tv);
-        _mm512_storeu_ps(out + c, v);
-      }
-    }
+    done(i, q0 * kPanel, width, sums, shift.data(), t.data());
   });
+}
+
+// y_i = t · (n · Q_i) (float32), the sums above as floats: float(Σ (q + 128) n − 128 Σ n) · t.
+void int8_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const int8_t*>& ws,
+                     const std::vector<float*>& ys, const std::vector<int64_t>& ns, int64_t R, int64_t K) {
+  int8_dot_units(pool, x, ws, ns, R, K,
+                 [&](size_t i, int64_t c0, int64_t width, const int32_t* sums, const int32_t* shift, const float* t) {
+                   for (int64_t r = 0; r < R; ++r) {
+                     float* out = ys[i] + r * ns[i] + c0;
+                     for (int64_t c = 0; c < width; c += kPanel) {
+                       _mm512_storeu_ps(out + c, quads_floats(sums + r * width + c, shift[r], t[r]));
+                     }
+                   }
+                 });
 }
 #else
 bool int8_dot_ready() { return false; }
+
+template <typename Done>
+void int8_dot_units(ffi::ThreadPool&, const float*, const std::vector<const int8_t*>&, const std::vector<int64_t>&,
+                    int64_t, int64_t, const Done&) {}
 
 void int8_dot_matmul(ffi::ThreadPool&, const float*, const std::vector<const int8_t*>&, const std::vector<float*>&,
                      const std::vector<int64_t>&, int64_t, int64_t) {}
@@ -1485,6 +1497,20 @@ auto Binding() {
 }
 
 }  // namespace
+
+namespace llm_jax_kernels {
+
+bool quads_ready() { return int8_dot_ready(); }
+
+void quads_units(ffi::ThreadPool& pool, const float* x, const int8_t* w, int64_t N, int64_t R, int64_t K,
+                 const QuadsUnitFn& done) {
+  int8_dot_units(pool, x, {w}, {N}, R, K,
+                 [&](size_t, int64_t c0, int64_t width, const int32_t* sums, const int32_t* shift, const float* t) {
+                   done(c0, width, sums, shift, t);
+                 });
+}
+
+}  // namespace llm_jax_kernels
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnF32, (Matmul<false, ffi::F32, float>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnBF16, (Matmul<false, ffi::BF16, uint16_t>), Binding());

@@ -46,6 +46,10 @@ least t = max (ã − r), and a column whose ã + r < t cannot be the largest: t
 ã + r ≥ t (typically one to six of 32,000 through bfloat16, a few more through int8, 5–30 through the
 quads at D = 288–768) and returns the
 largest, the first on ties, as ``jnp.argmax`` does. A row with a NaN or an infinity is computed in full.
+Through the quads the product and the argmax are one call (``cpu_kernels.quads_argmax``): each unit of
+columns is bounded as the product finishes it, and the screened logits [B, V] never go through memory
+(15M float32 decode at 32 rows, the two forms' programs taking turns in one process: 1.12× the speed,
+tokens identical).
 
 Where it applies: float32 or bfloat16 weights in the panel layout (where the CPU kernels run), the
 kernels' own products (``MatmulImpl.AUTO``), no final-logit soft-capping (Gemma 2's tanh makes distinct
@@ -203,9 +207,10 @@ def greedy_tokens(params: Params, config: ModelConfig, x_BD: jax.Array) -> jax.A
     x_BD = x_BD.astype(head.dtype).astype(jnp.float32)  # as the head's product rounds it
     c1, c2 = bounds(config.d_model, screen)
     with jax.named_scope("greedy_head"):
+        if screen == QUADS:  # the product and the argmax in one call
+            return cpu_kernels.quads_argmax(x_BD, screens[QUADS], head, screens["scales_V"], screens["errors_V"],
+                                            screens["norms_V"], c1, c2)
         paired = screen == "bfloat16" and PAIRED in screens
-        screened_BV = cpu_kernels.matmul(x_BD, screens[PAIRED if paired else screen], panels=True, pairs=paired,
-                                         quads=screen == QUADS)
-        scales_V = screens["scales_V"] if screen in ("int8", QUADS) else None
-        errors_V = screens["errors_V"] if screen == QUADS else None
-        return cpu_kernels.screened_argmax(screened_BV, x_BD, head, scales_V, screens["norms_V"], c1, c2, errors_V)
+        screened_BV = cpu_kernels.matmul(x_BD, screens[PAIRED if paired else screen], panels=True, pairs=paired)
+        scales_V = screens["scales_V"] if screen == "int8" else None
+        return cpu_kernels.screened_argmax(screened_BV, x_BD, head, scales_V, screens["norms_V"], c1, c2)

@@ -164,3 +164,95 @@ def test_screened_argmax_runs_the_kernel_on_cpu(head_dtype):
     lowered = jax.jit(cpu_kernels.screened_argmax, static_argnums=(5, 6)).lower(*args).as_text()
     name = "llm_jax_screened_argmax_" + ("f32" if head_dtype == jnp.float32 else "bf16")
     assert (name in lowered) == cpu_kernels.available()
+
+
+# cpu_kernels.quads_argmax: the int8 screen's product in quads and the screened argmax in one call.
+
+def _quads_case(D, V, B, seed, head_dtype):
+    """_screened_case's data through the quads, as quads_argmax takes it (x, quads, panels, scales, errors,
+    norms, c1, c2), the screened logits and the exact float64 argmax."""
+    from llm_jax.model import greedy_head
+
+    (y, x, panels, scales, norms, c1, c2, errors), exact = _screened_case(D, V, B, seed, greedy_head.QUADS,
+                                                                          head_dtype)
+    quads = greedy_head._screens(panels, True)[greedy_head.QUADS]
+    return (x, quads, panels, scales, errors, norms, c1, c2), y, exact
+
+
+QUADS_ARGMAX = jax.jit(cpu_kernels.quads_argmax, static_argnums=(6, 7))
+
+
+@pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("D,V,B", [(288, 32000, 32), (37, 160, 9), (64, 48, 3), (768, 4096, 5), (96, 5008, 33)])
+def test_quads_argmax_is_the_two_calls_and_the_exact_argmax(D, V, B, head_dtype):
+    args, y, exact = _quads_case(D, V, B, D + V, head_dtype)
+    ours = np.asarray(QUADS_ARGMAX(*args))
+    assert ours.dtype == np.int32 and ours.shape == (B,)
+    np.testing.assert_array_equal(ours, exact)
+    assert ours[0] == 11  # the raised copy, not the first of the two equal columns before it
+    x, quads, panels, scales, errors, norms, c1, c2 = args
+    two_calls = cpu_kernels.screened_argmax(y, x, panels, scales, norms, c1, c2, errors)
+    np.testing.assert_array_equal(ours, np.asarray(two_calls))
+
+
+@pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_quads_argmax_with_a_bound_of_zero_is_wrong(head_dtype):
+    """With c1 = c2 = 0 only the screen's own winners are computed exactly, and some rows miss: the bound
+    is what makes the token exact."""
+    args, _, exact = _quads_case(288, 8000, 256, 3, head_dtype)
+    unbounded = np.asarray(cpu_kernels.quads_argmax(*args[:6], 0.0, 0.0))
+    assert (unbounded != exact).any()
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.quads_argmax(*args)), exact)
+
+
+@pytest.mark.parametrize("V", [160, 4112])  # at most kKeptPerRow columns, and more (a row of zeros keeps all)
+def test_quads_argmax_of_rows_with_nans_infinities_and_zeros(V):
+    """Rows with a NaN or an infinity, and rows where every column ties (x = 0: each column kept), are
+    computed in full: jnp.argmax's answer for the exact logits (the first NaN; the first of equal ones)."""
+    args, _, _ = _quads_case(37, V, 5, 5, jnp.float32)
+    x = args[0].at[1, 3].set(NAN).at[2, 0].set(INF).at[3].set(0.0).at[4, 7].set(-INF)
+    ours = np.asarray(cpu_kernels.quads_argmax(x, *args[1:]))
+    logits = np.asarray(x, np.float64) @ np.asarray(cpu_kernels.from_panels(args[2]), np.float64)
+    np.testing.assert_array_equal(ours, np.argmax(logits, axis=-1))
+    assert ours[1] == 0 and ours[3] == 0  # every logit NaN, every logit 0: the first
+
+
+def test_quads_argmax_without_the_quads_is_xlas_full_argmax(monkeypatch):
+    """Where the quads do not run (no VNNI, LLM_JAX_INT8_DOT=off), every logit through XLA: the exact token."""
+    from llm_jax.model import greedy_head
+
+    monkeypatch.setattr(cpu_kernels, "quads_available", lambda: False)
+    rng = np.random.default_rng(7)
+    W = rng.normal(0, 0.02, (40, 160)).astype(np.float32)
+    x = jnp.asarray(rng.normal(0, 1, (9, 40)).astype(np.float32))
+    panels = cpu_kernels.to_panels(jnp.asarray(W))
+    screens = greedy_head._screens(panels, True)
+    args = (x, screens[greedy_head.QUADS], panels, screens["scales_V"], screens["errors_V"], screens["norms_V"],
+            *greedy_head.bounds(40, greedy_head.QUADS))
+    lowered = jax.jit(lambda *a: cpu_kernels.quads_argmax(*a, *args[6:])).lower(*args[:6]).as_text()  # traced anew
+    assert "llm_jax_quads_argmax" not in lowered
+    exact = np.argmax(np.asarray(x, np.float64) @ W.astype(np.float64), axis=-1)
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.quads_argmax(*args)), exact)
+
+
+def test_quads_argmax_checks_its_operands():
+    args, _, _ = _quads_case(36, 160, 2, 0, jnp.float32)
+    x, quads, panels, scales, errors, norms, c1, c2 = args
+    bad = [(x[:, :32], quads, panels, scales, errors, norms),  # D differs
+           (x, quads[:-1], panels, scales, errors, norms),  # screen and head differ
+           (x, quads.astype(jnp.float32), panels, scales, errors, norms),
+           (x, quads, panels.astype(jnp.int8), scales, errors, norms),
+           (x, quads, panels, scales[:-1], errors, norms),
+           (x, quads, panels, scales, errors[:-16], norms),
+           (x, quads, panels, scales, errors, norms.astype(jnp.bfloat16)),
+           (x.astype(jnp.bfloat16), quads, panels, scales, errors, norms)]
+    for operands in bad:
+        with pytest.raises(ValueError, match="quads_argmax needs"):
+            cpu_kernels.quads_argmax(*operands, c1, c2)
+
+
+@pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_quads_argmax_runs_the_kernel_on_cpu(head_dtype):
+    args, _, _ = _quads_case(36, 160, 9, 0, head_dtype)
+    lowered = QUADS_ARGMAX.lower(*args).as_text()
+    assert "llm_jax_quads_argmax_" + ("f32" if head_dtype == jnp.float32 else "bf16") in lowered
