@@ -56,6 +56,7 @@ def available() -> bool:
 
 
 PANEL = 16  # columns per panel of the panel layout
+QUADS_MAX_K = 1 << 16  # rows of K the products on quads take, at most this less one (common.h kQuadsMaxK)
 
 
 def to_panels(w: jax.Array) -> jax.Array:
@@ -359,12 +360,12 @@ def quads_argmax(x_BD: jax.Array, quads: jax.Array, panels: jax.Array, scales_V:
     B, D = x_BD.shape
     V = panels.shape[0] * PANEL
     if (quads.shape != panels.shape or quads.dtype != jnp.int8 or panels.shape[1:] != (D, PANEL) or D % 4
-            or any(a.shape != (V,) or a.dtype != jnp.float32 for a in (scales_V, errors_V, norms_V))
-            or x_BD.dtype != jnp.float32 or panels.dtype not in (jnp.float32, jnp.bfloat16)):
-        raise ValueError(f"quads_argmax needs float32 x [B, D] (D a multiple of 4), int8 quads and float32 or "
-                         f"bfloat16 panels [V / {PANEL}, D, {PANEL}], and float32 scales, errors and norms [V], got "
-                         f"x {x_BD.dtype} {x_BD.shape}, quads {quads.dtype} {quads.shape}, panels {panels.dtype} "
-                         f"{panels.shape}, {scales_V.shape}, {errors_V.shape}, {norms_V.shape}")
+            or D >= QUADS_MAX_K or x_BD.dtype != jnp.float32 or panels.dtype not in (jnp.float32, jnp.bfloat16)
+            or any(a.shape != (V,) or a.dtype != jnp.float32 for a in (scales_V, errors_V, norms_V))):
+        raise ValueError(f"quads_argmax needs float32 x [B, D] (D a multiple of 4 below {QUADS_MAX_K}), int8 quads "
+                         f"and float32 or bfloat16 panels [V / {PANEL}, D, {PANEL}], and float32 scales, errors and "
+                         f"norms [V], got x {x_BD.dtype} {x_BD.shape}, quads {quads.dtype} {quads.shape}, panels "
+                         f"{panels.dtype} {panels.shape}, {scales_V.shape}, {errors_V.shape}, {norms_V.shape}")
     full = lambda x_BD, quads, panels, scales_V, errors_V, norms_V: _full_argmax(x_BD, panels)
     if not quads_available():
         return full(x_BD, quads, panels, scales_V, errors_V, norms_V)

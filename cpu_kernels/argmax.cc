@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "common.h"
@@ -348,13 +349,17 @@ ffi::Error QuadsArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Bu
   const auto p = panels.dimensions(), q = quads.dimensions();
   const int64_t V = p[0] * 16;
   if (p[1] != D || p[2] != 16 || !std::equal(p.begin(), p.end(), q.begin()) || scales.dimensions()[0] != V ||
-      errors.dimensions()[0] != V || norms.dimensions()[0] != V || D % 4 != 0) {
-    return ffi::Error::InvalidArgument("quads argmax: x [B, D] (D a multiple of 4), quads and panels [V / 16, D, 16], "
-                                       "scales, errors and norms [V]");
+      errors.dimensions()[0] != V || norms.dimensions()[0] != V || D % 4 != 0 || D >= kQuadsMaxK) {
+    return ffi::Error::InvalidArgument("quads argmax: x [B, D] (D a multiple of 4 below " + std::to_string(kQuadsMaxK) +
+                                       "), quads and panels [V / 16, D, 16], scales, errors and norms [V]");
   }
   if (!quads_ready()) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "quads argmax: needs AVX-512 VNNI (absent, or LLM_JAX_INT8_DOT=off)");
+  }
+  if (D == 0 || V == 0) {  // logits all zero, or none: jnp.argmax's 0
+    std::fill(out->typed_data(), out->typed_data() + B, 0);
+    return ffi::Error::Success();
   }
   const float* xs = x.typed_data();
   const H* head = reinterpret_cast<const H*>(panels.untyped_data());

@@ -297,8 +297,12 @@ inline __m512 quads_floats(const int32_t* sums, int32_t shift, float t) {
 // matmul.cc's int8 product in quads of rows (x [R, K] quantized per row by quantize_row; Q [N / 16, K, 16]
 // in quads, to_quads's layout), its int32 sums handed over a unit of columns at a time instead of written
 // as y: done(c0, width, sums [R, width], shift [R], t [R]) for columns [c0, c0 + width), y[r, c0 + c] =
-// float(sums[r, c] − shift[r]) · t[r] (quads_floats). Units run on the pool's threads, several at once.
+// float(sums[r, c] − shift[r]) · t[r] (quads_floats); K a multiple of 4 from 4 up to kQuadsMaxK (excluded).
+// Units run on the pool's threads, several at once.
 // quads_ready(): whether it runs here (AVX-512 VNNI built, LLM_JAX_INT8_DOT not off).
+// The longest rows (K) of the quads' products: their int32 sums of K products of at most 127 · 255 cannot
+// overflow.
+constexpr int64_t kQuadsMaxK = 1 << 16;
 using QuadsUnitFn =
     std::function<void(int64_t c0, int64_t width, const int32_t* sums, const int32_t* shift, const float* t)>;
 bool quads_ready();

@@ -1208,7 +1208,6 @@ void bf16_dot_matmul(ffi::ThreadPool&, const float*, const std::vector<const W*>
 // unsigned) and 128 Σ n taken off at the end. y = float(Σ_k n_k q_kj) · t: the caller applies the
 // columns' scales, and argmax.cc bounds what quantizing x changed (from the same n and t).
 
-constexpr int64_t kQuadsMaxK = 1 << 16;
 // Rows per tile: 8 × 2 panels, 16 registers of sums. GCC 12 (-O3) keeps at most 18 of vpdpbusd's sums in
 // registers and spills the rest to the stack every step (12 rows: 21 spills a step), where it keeps
 // vdpbf16ps's 24.

@@ -246,6 +246,8 @@ def test_quads_argmax_checks_its_operands():
            (x, quads, panels, scales, errors[:-16], norms),
            (x, quads, panels, scales, errors, norms.astype(jnp.bfloat16)),
            (x.astype(jnp.bfloat16), quads, panels, scales, errors, norms)]
+    D = cpu_kernels.QUADS_MAX_K  # rows too long for the int32 sums
+    bad.append((jnp.zeros((1, D)), jnp.zeros((1, D, 16), jnp.int8), jnp.zeros((1, D, 16)), *(jnp.ones(16),) * 3))
     for operands in bad:
         with pytest.raises(ValueError, match="quads_argmax needs"):
             cpu_kernels.quads_argmax(*operands, c1, c2)
