@@ -329,7 +329,7 @@ auto HeadBinding() {
 // over a row's logits: the unit's largest lower end raises the row's threshold (shared by the threads),
 // then the unit's columns whose upper end reaches the threshold as it now stands are kept. So the
 // screened logits [B, V] are never written to memory and read back (15M at 32 rows: 4 MB a step, which
-// took the product from 0.90 to 1.37 ms, and then the argmax's 0.43–0.49 ms). The threshold only grows,
+// took the product from 0.90 to 1.37 ms, and then the argmax's 0.33–0.49 ms). The threshold only grows,
 // to the one screened_row finds; the columns kept include every column whose upper end reaches that, and
 // those are computed exactly, in ascending order: the same token as the product and ScreenedArgmax.
 // A row keeps at most kKeptPerRow columns; one that would keep more (x of zeros: every column ties) is
