@@ -1,5 +1,5 @@
 """Matrix products, attention and greedy argmax for LLM inference on CPU: XLA FFI custom calls written
-in C++ (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``); and
+in C++ (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``, ``glu.cc``); and
 ``stream_read.cc`` and ``peak_flops.cc``, the benchmark's probes of memory bandwidth and arithmetic peak
 (``build.stream_read()``, ``build.arithmetic_probe()``).
 
@@ -32,6 +32,7 @@ compiler), it is XLA's product. Gradients are XLA's.
     argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU
     screened_argmax(y_BV, x_BD, panels, scales_V, norms_V, c1, c2, errors_V=None) -> i_B  # argmax of x · W
         from a screen
+    glu(y_RE, activation) -> act(gate) · up [R, E / 2]  # the gated MLP's activation on y = [gate | up]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from cpu_kernels import build
 from cpu_kernels.decode_attention import decode_attention, decode_attention_append
 from cpu_kernels.prefill_attention import prefill_attention
 
-__all__ = ["PANEL", "argmax", "screened_argmax", "available", "decode_attention", "decode_attention_append", "from_pairs",
+__all__ = ["PANEL", "argmax", "screened_argmax", "available", "glu", "GLU_ACTIVATIONS", "decode_attention", "decode_attention_append", "from_pairs",
            "from_panels", "from_quads", "matmul", "matmuls", "pairs_available", "prefill_attention", "quads_available",
            "quantize_rows", "to_pairs", "to_panels", "to_quads"]
 
@@ -370,3 +371,46 @@ def quads_argmax(x_BD: jax.Array, quads: jax.Array, panels: jax.Array, scales_V:
     if not quads_available():
         return full(x_BD, quads, panels, scales_V, errors_V, norms_V)
     return _head_call("llm_jax_quads_argmax", B, c1, c2, (x_BD, quads, panels, scales_V, errors_V, norms_V), full)
+
+
+GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # what glu computes: SwiGLU's act, GeGLU's (tanh-approximated GELU)
+
+
+def _glu_xla(y_RE: jax.Array, activation: str) -> jax.Array:
+    gate, up = jnp.split(y_RE, 2, axis=-1)
+    act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    return act * up
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _glu(y_RE: jax.Array, activation: str) -> jax.Array:
+    call = jax.ffi.ffi_call(f"llm_jax_glu_{activation}_f32",
+                            jax.ShapeDtypeStruct((y_RE.shape[0], y_RE.shape[1] // 2), jnp.float32),
+                            vmap_method="sequential")
+    return jax.lax.platform_dependent(y_RE, cpu=call, default=functools.partial(_glu_xla, activation=activation))
+
+
+def _glu_fwd(y_RE, activation):
+    return _glu(y_RE, activation), y_RE
+
+
+def _glu_bwd(activation, y_RE, d_RF):
+    return jax.vjp(functools.partial(_glu_xla, activation=activation), y_RE)[1](d_RF)
+
+
+_glu.defvjp(_glu_fwd, _glu_bwd)
+
+
+def glu(y_RE: jax.Array, activation: str) -> jax.Array:
+    """``act(gate) · up`` [R, E / 2] float32 for y = [gate | up] [R, E] float32 (the fused gate/up
+    projection's output), act ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, tanh-approximated GELU): on
+    CPU a kernel, a vector at a time (XLA:CPU computes it one element at a time on one thread), within a
+    few float32 units of XLA's; XLA's elsewhere and when the kernels are not available. Gradients are
+    XLA's."""
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"glu: activation must be one of {GLU_ACTIVATIONS}, got {activation!r}")
+    if y_RE.ndim != 2 or y_RE.dtype != jnp.float32 or y_RE.shape[1] % 2:
+        raise ValueError(f"glu needs float32 y [R, E] with E even (gate, then up), got {y_RE.dtype} {y_RE.shape}")
+    if not available():
+        return _glu_xla(y_RE, activation)
+    return _glu(y_RE, activation)

@@ -1,6 +1,7 @@
-"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``) once
-per machine and registering their handlers with XLA; ``stream_read.cc`` and ``peak_flops.cc`` (the
-benchmark's bandwidth and arithmetic probes) are built into the same library and called through ctypes.
+"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``,
+``glu.cc``) once per machine and registering their handlers with XLA; ``stream_read.cc`` and
+``peak_flops.cc`` (the benchmark's bandwidth and arithmetic probes) are built into the same library and
+called through ctypes.
 
 The library is built on first use with the system C++ compiler (``$CXX``, else ``c++``) against the
 XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``: 16-wide vectors where it has
@@ -28,7 +29,7 @@ import jax
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc", HERE / "argmax.cc",
-           HERE / "stream_read.cc", HERE / "peak_flops.cc")
+           HERE / "glu.cc", HERE / "stream_read.cc", HERE / "peak_flops.cc")
 HEADERS = (HERE / "common.h",)
 ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
 CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
@@ -57,6 +58,8 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_screened_argmax_bf16": "ScreenedArgmaxBF16",
     "llm_jax_quads_argmax_f32": "QuadsArgmaxF32",
     "llm_jax_quads_argmax_bf16": "QuadsArgmaxBF16",
+    "llm_jax_glu_silu_f32": "GluSiluF32",
+    "llm_jax_glu_gelu_tanh_f32": "GluGeluTanhF32",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 

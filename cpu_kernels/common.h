@@ -164,26 +164,31 @@ inline f32x8 round_to_bf16(f32x8 v) {
   return as_f32((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
-// e^x for 8 floats (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 polynomial for e^r; within
-// 2 ulp of the true value). Flushes to 0 below -87.3 and saturates at e^88.
-inline f32x8 exp8(f32x8 x) {
-  x = x < splat(-87.33654f) ? splat(-87.33654f) : x;
-  x = x > splat(88.0f) ? splat(88.0f) : x;
-  const f32x8 magic = splat(12582912.f);  // 1.5 · 2^23: adding and subtracting it rounds to an integer
-  const f32x8 n = (x * splat(1.44269504088896341f) + magic) - magic;
-  const f32x8 r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
-  f32x8 y = splat(1.9875691500e-4f);
-  y = y * r + splat(1.3981999507e-3f);
-  y = y * r + splat(8.3334519073e-3f);
-  y = y * r + splat(4.1665795894e-2f);
-  y = y * r + splat(1.6666665459e-1f);
-  y = y * r + splat(5.0000001201e-1f);
-  y = y * r * r + r + splat(1.f);
-  const i32x8 two_n = (__builtin_convertvector(n, i32x8) + 127) << 23;
-  f32x8 scale;
+// e^x for a vector of floats F (I: its int32 lanes; Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, a
+// degree-6 polynomial for e^r; within 2 ulp of the true value). Flushes to 0 below -87.3 and saturates
+// at e^88; NaN stays NaN.
+template <typename F, typename I>
+inline F exp_lanes(F x) {
+  const F lo = F{} - 87.33654f, hi = F{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const F magic = F{} + 12582912.f;  // 1.5 · 2^23: adding and subtracting it rounds to an integer
+  const F n = (x * 1.44269504088896341f + magic) - magic;
+  const F r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  F y = F{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const I two_n = (__builtin_convertvector(n, I) + 127) << 23;
+  F scale;
   std::memcpy(&scale, &two_n, sizeof scale);
   return y * scale;
 }
+
+inline f32x8 exp8(f32x8 x) { return exp_lanes<f32x8, i32x8>(x); }
 
 inline float hsum(f32x8 v) {
   float s = 0.f;

@@ -14,9 +14,10 @@ import cpu_kernels
 import llm_jax
 from llm_jax.benchmark.shapes import shape_config
 from llm_jax.config import Activation, ModelConfig
-from llm_jax.model import (for_inference, fuse_projections, init_params, is_fused, param_shapes,
+from llm_jax.model import (for_inference, forward, fuse_projections, init_params, is_fused, param_shapes,
                            unfuse_projections)
 from llm_jax.model.fused import FUSED_ROW_BYTES, fusion_plan, kernels_prefer_fused
+from llm_jax.model.layers import GLU_KERNEL_MIN_ROWS
 from llm_jax.sharding import make_mesh
 from llm_jax.weights.checkpoint import load_checkpoint, save_checkpoint
 from llm_jax.weights.placement import leaves_by_path
@@ -72,6 +73,17 @@ def test_consume_deletes_only_the_replaced_arrays():
 
 def test_fused_layout_computes_the_same_model(params):
     assert_same_model(fuse_projections(params, CONFIG), params, CONFIG)
+
+
+def test_the_gated_activation_runs_the_kernel_from_8_rows(params):
+    """In the fused layout act(gate) · up is cpu_kernels.glu from GLU_KERNEL_MIN_ROWS rows on (the
+    test above compares its logits with the separate layout's, XLA's activation, at 26 rows), XLA's below."""
+    fused = fuse_projections(params, CONFIG)
+    for rows in (GLU_KERNEL_MIN_ROWS - 1, GLU_KERNEL_MIN_ROWS):
+        tokens_BT = jnp.zeros((1, rows), jnp.int32)
+        hlo = jax.jit(forward, static_argnums=1).lower(fused, CONFIG, tokens_BT).as_text()
+        assert ("llm_jax_glu_gelu_tanh_f32" in hlo) == (rows >= GLU_KERNEL_MIN_ROWS and cpu_kernels.available())
+        assert "llm_jax_glu" not in jax.jit(forward, static_argnums=1).lower(params, CONFIG, tokens_BT).as_text()
 
 
 def test_fusion_plan_follows_the_kernels_whole_row_limit():
