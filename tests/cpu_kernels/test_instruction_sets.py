@@ -1,6 +1,6 @@
 """The kernels are built for the CPU's widest vectors: 16 floats with AVX-512, else 8; bfloat16
 products of many rows run on the AMX tile unit where there is one, else on AVX-512's bfloat16 dot products
-where the CPU has them; and the LM head's int8 screen in quads on AVX-512 VNNI where the CPU has it. Every path must pass the product and attention tests, whichever CPU the suite runs
+where the CPU has them; and the LM head's int8 screen in quads on AVX-512 VNNI where the CPU has it. Every path must pass the product, attention and activation tests, whichever CPU the suite runs
 on: the 8-wide build is rebuilt here with ``LLM_JAX_KERNEL_FLAGS=-mno-avx512f``, and the 16-wide float32
 tiles run bfloat16 with ``LLM_JAX_AMX=off LLM_JAX_BF16_DOT=off``, each in a subprocess (on a CPU without
 AVX-512, AMX or AVX512_BF16 that is the default path, and the tests run a second time); AMX's CPUs also
@@ -92,6 +92,7 @@ def test_8_wide_build_passes_the_product_and_attention_tests():
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             "tests/cpu_kernels/test_matmul_panels.py", "tests/cpu_kernels/test_matmul.py",
                             "tests/cpu_kernels/test_prefill_attention.py", "tests/cpu_kernels/test_decode_attention.py",
+                            "tests/cpu_kernels/test_glu.py",
                             "-k", "numpy or several or stacked or panels or rows or tile or matches or large"],
                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert tests.returncode == 0, tests.stdout[-4000:]
