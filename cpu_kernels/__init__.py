@@ -46,9 +46,10 @@ from cpu_kernels import build
 from cpu_kernels.decode_attention import decode_attention, decode_attention_append
 from cpu_kernels.prefill_attention import prefill_attention
 
-__all__ = ["PANEL", "argmax", "screened_argmax", "available", "glu", "GLU_ACTIVATIONS", "decode_attention", "decode_attention_append", "from_pairs",
-           "from_panels", "from_quads", "matmul", "matmuls", "pairs_available", "prefill_attention", "quads_available",
-           "quantize_rows", "to_pairs", "to_panels", "to_quads"]
+__all__ = ["GLU_ACTIVATIONS", "PANEL", "argmax", "available", "decode_attention", "decode_attention_append",
+           "from_pairs", "from_panels", "from_quads", "glu", "matmul", "matmuls", "pairs_available",
+           "prefill_attention", "quads_argmax", "quads_available", "quantize_rows", "screened_argmax", "to_pairs",
+           "to_panels", "to_quads"]
 
 
 def available() -> bool:

@@ -211,24 +211,27 @@ class GatedMLP(nn.Module):
     @nn.compact
     def __call__(self, x_BTD: jnp.ndarray, layer: jnp.ndarray | None = None) -> jnp.ndarray:
         D, F = x_BTD.shape[-1], self.d_ff
-        down_FD = projection_param(self, "down_proj", (F,), (D,), self.stack)
         if has_projection(self, "gate_up_proj"):  # the fused layout: llm_jax.model.fused
             gate_up_DE = projection_param(self, "gate_up_proj", (D,), (2 * F,), self.stack)
             gate_up_BTE = dense("BTD,DE->BTE", x_BTD, gate_up_DE, jnp.float32, self.matmul, layer)
             rows = math.prod(gate_up_BTE.shape[:-1])
             if self.matmul is MatmulImpl.AUTO and rows >= GLU_KERNEL_MIN_ROWS and _use_kernel(gate_up_DE.dtype):
-                act_BTF = cpu_kernels.glu(gate_up_BTE.reshape(rows, 2 * F), self.activation.value)
-                act_BTF = act_BTF.reshape(*gate_up_BTE.shape[:-1], F)
-                return dense("BTF,FD->BTD", act_BTF.astype(x_BTD.dtype), down_FD, x_BTD.dtype, self.matmul, layer)
-            gate_BTF, up_BTF = gate_up_BTE[..., :F], gate_up_BTE[..., F:]
+                gated_RF = cpu_kernels.glu(gate_up_BTE.reshape(rows, 2 * F), self.activation.value)
+                gated_BTF = gated_RF.reshape(*gate_up_BTE.shape[:-1], F)
+            else:
+                gated_BTF = self._gated(gate_up_BTE[..., :F], gate_up_BTE[..., F:])
         else:
             gate_DF = projection_param(self, "gate_proj", (D,), (F,), self.stack)
             up_DF = projection_param(self, "up_proj", (D,), (F,), self.stack)
-            gate_BTF, up_BTF = dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, self.matmul,
-                                          layer)
+            gated_BTF = self._gated(*dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, self.matmul,
+                                                layer))
+        down_FD = projection_param(self, "down_proj", (F,), (D,), self.stack)
+        return dense("BTF,FD->BTD", gated_BTF.astype(x_BTD.dtype), down_FD, x_BTD.dtype, self.matmul, layer)
+
+    def _gated(self, gate_BTF: jnp.ndarray, up_BTF: jnp.ndarray) -> jnp.ndarray:
+        """act(gate) · up in float32, through XLA."""
         match self.activation:
             case Activation.SILU:
-                act_BTF = jax.nn.silu(gate_BTF)
+                return jax.nn.silu(gate_BTF) * up_BTF
             case Activation.GELU_TANH:
-                act_BTF = jax.nn.gelu(gate_BTF, approximate=True)
-        return dense("BTF,FD->BTD", (act_BTF * up_BTF).astype(x_BTD.dtype), down_FD, x_BTD.dtype, self.matmul, layer)
+                return jax.nn.gelu(gate_BTF, approximate=True) * up_BTF
