@@ -33,6 +33,7 @@ compiler), it is XLA's product. Gradients are XLA's.
     screened_argmax(y_BV, x_BD, panels, scales_V, norms_V, c1, c2, errors_V=None) -> i_B  # argmax of x · W
         from a screen
     glu(y_RE, activation) -> act(gate) · up [R, E / 2]  # the gated MLP's activation on y = [gate | up]
+    gated(gate, up, activation) -> act(gate) · up  # the same through XLA, gate and up apart
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from cpu_kernels.decode_attention import decode_attention, decode_attention_appe
 from cpu_kernels.prefill_attention import prefill_attention
 
 __all__ = ["GLU_ACTIVATIONS", "PANEL", "argmax", "available", "decode_attention", "decode_attention_append",
-           "from_pairs", "from_panels", "from_quads", "glu", "matmul", "matmuls", "pairs_available",
+           "from_pairs", "from_panels", "from_quads", "gated", "glu", "matmul", "matmuls", "pairs_available",
            "prefill_attention", "quads_argmax", "quads_available", "quantize_rows", "screened_argmax", "to_pairs",
            "to_panels", "to_quads"]
 
@@ -377,10 +378,17 @@ def quads_argmax(x_BD: jax.Array, quads: jax.Array, panels: jax.Array, scales_V:
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # what glu computes: SwiGLU's act, GeGLU's (tanh-approximated GELU)
 
 
-def _glu_xla(y_RE: jax.Array, activation: str) -> jax.Array:
-    gate, up = jnp.split(y_RE, 2, axis=-1)
+def gated(gate: jax.Array, up: jax.Array, activation: str) -> jax.Array:
+    """``act(gate) · up`` through XLA, act ``"silu"`` or ``"gelu_tanh"``: what :func:`glu` computes, from
+    gate and up apart (the model's separate layout, few rows, other platforms)."""
+    if activation not in GLU_ACTIVATIONS:
+        raise ValueError(f"glu: activation must be one of {GLU_ACTIVATIONS}, got {activation!r}")
     act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
     return act * up
+
+
+def _glu_xla(y_RE: jax.Array, activation: str) -> jax.Array:
+    return gated(*jnp.split(y_RE, 2, axis=-1), activation)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -219,19 +219,13 @@ class GatedMLP(nn.Module):
                 gated_RF = cpu_kernels.glu(gate_up_BTE.reshape(rows, 2 * F), self.activation.value)
                 gated_BTF = gated_RF.reshape(*gate_up_BTE.shape[:-1], F)
             else:
-                gated_BTF = self._gated(gate_up_BTE[..., :F], gate_up_BTE[..., F:])
+                gated_BTF = cpu_kernels.gated(gate_up_BTE[..., :F], gate_up_BTE[..., F:], self.activation.value)
         else:
             gate_DF = projection_param(self, "gate_proj", (D,), (F,), self.stack)
             up_DF = projection_param(self, "up_proj", (D,), (F,), self.stack)
-            gated_BTF = self._gated(*dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, self.matmul,
-                                                layer))
+            gate_BTF, up_BTF = dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, self.matmul,
+                                          layer)
+            gated_BTF = cpu_kernels.gated(gate_BTF, up_BTF, self.activation.value)
         down_FD = projection_param(self, "down_proj", (F,), (D,), self.stack)
         return dense("BTF,FD->BTD", gated_BTF.astype(x_BTD.dtype), down_FD, x_BTD.dtype, self.matmul, layer)
 
-    def _gated(self, gate_BTF: jnp.ndarray, up_BTF: jnp.ndarray) -> jnp.ndarray:
-        """act(gate) · up in float32, through XLA."""
-        match self.activation:
-            case Activation.SILU:
-                return jax.nn.silu(gate_BTF) * up_BTF
-            case Activation.GELU_TANH:
-                return jax.nn.gelu(gate_BTF, approximate=True) * up_BTF

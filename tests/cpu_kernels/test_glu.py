@@ -85,6 +85,8 @@ def test_the_kernel_runs_on_cpu():
 def test_bad_operands():
     with pytest.raises(ValueError, match="activation must be one of"):
         cpu_kernels.glu(jnp.ones((2, 4)), "relu")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        cpu_kernels.gated(jnp.ones((2, 2)), jnp.ones((2, 2)), "relu")
     with pytest.raises(ValueError, match="E even"):
         cpu_kernels.glu(jnp.ones((2, 5)), "silu")
     with pytest.raises(ValueError, match="float32 y"):
