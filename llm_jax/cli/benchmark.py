@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
+from typing import TYPE_CHECKING
 
 from llm_jax.cli.common import positive_int, run_main
+
+if TYPE_CHECKING:
+    from llm_jax.benchmark.results import Spread
 
 EPILOG = """\
 examples:
@@ -35,7 +39,9 @@ it has them) allows for a step's matrix products and attention; "% flop" the sha
 binds where it is below the memory roofline: batched decode. "× hf" is llm_jax's decode rate over
 transformers' in the same process, runs alternating. The dtypes and batch sizes of a model take turns as
 well (each repeat runs every one once), and the lines under the table give their ratios repeat by repeat
-(median, min–max): bfloat16 ÷ float32 and batch B ÷ batch 1 decode throughput.
+(median, min–max): bfloat16 ÷ float32 and batch B ÷ batch 1 decode throughput, the latter with the
+most it can be here while batch 1 runs as it did ("at its roofline": batch B's roofline, the lower of
+memory's and the arithmetic's, over batch 1's median rate).
 Peak memory is the process's: with --compare hf both engines' weights are resident, and with several
 dtypes every dtype's copy.
 """
@@ -84,12 +90,22 @@ def _paired_against(rows, field: str, base_value):
             yield r, paired_ratio(r, base)
 
 
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    times_batch_1: Spread  # decode throughput over batch 1's, repeat by repeat
+    ceiling: float  # the batch's roofline over batch 1's measured (median) rate
+
+
 def batch_scaling(rows) -> dict:
     """Decode throughput (tokens/s of all rows) of each batch size over batch 1's, repeat by repeat, per
-    shape, dtype and engine that ran batch 1 and another batch size."""
+    shape, dtype and engine that ran batch 1 and another batch size; with the most that ratio can be on
+    this machine while batch 1 runs as it did: the batch's roofline (the lower of memory's and, where the
+    peaks were measured, the arithmetic's) over batch 1's median rate."""
     out: dict = {}
     for r, ratio in _paired_against(rows, "batch", 1):
-        out.setdefault((r.shape, r.dtype, r.engine), {})[r.batch] = ratio
+        base = next(b for b in rows if b.batch == 1 and (b.shape, b.dtype, b.engine) == (r.shape, r.dtype, r.engine))
+        roof = min(r.roofline_tokens_per_s, r.compute_roofline_tokens_per_s or float("inf"))
+        out.setdefault((r.shape, r.dtype, r.engine), {})[r.batch] = Scaling(ratio, roof / base.decode_tokens_per_s)
     return out
 
 
@@ -185,10 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     scaling = batch_scaling(rows)
     for (shape, dtype, engine), by_batch in scaling.items():
         print(f"decode throughput {shape} {dtype} {engine}: "
-              + ", ".join(f"batch {b} {x.median:.1f}× batch 1 ({x.min:.1f}–{x.max:.1f})" for b, x in by_batch.items()))
+              + ", ".join(f"batch {b} {x.times_batch_1.median:.1f}× batch 1 ({x.times_batch_1.min:.1f}–"
+                          f"{x.times_batch_1.max:.1f}; at its roofline {x.ceiling:.1f}×)" for b, x in by_batch.items()))
     if scaling:
         extra["batch_scaling"] = [{"shape": shape, "dtype": dtype, "engine": engine, "batch": b,
-                                   "times_batch_1": x.median, "min": x.min, "max": x.max}
+                                   "times_batch_1": x.times_batch_1.median, "min": x.times_batch_1.min,
+                                   "max": x.times_batch_1.max, "roofline_times_batch_1": x.ceiling}
                                   for (shape, dtype, engine), by_batch in scaling.items() for b, x in by_batch.items()]
     by_dtype = dtype_ratios(rows)
     for (shape, engine, batch), x in by_dtype.items():

@@ -334,23 +334,33 @@ def test_the_roofline_at_a_steps_size_is_never_below_memorys(tmp_path, monkeypat
     assert row["bandwidth_at_size_gbps"] == 8.0
 
 
-def test_batch_sizes_take_turns_and_their_throughput_ratio_is_reported(tmp_path, capsys):
+@pytest.mark.parametrize("peak_gflops", ["1000", "0.5"])  # the memory roofline binds at batch 3 / the arithmetic
+def test_batch_sizes_take_turns_and_their_throughput_ratio_is_reported(tmp_path, capsys, peak_gflops):
     """Each repeat runs every batch size once (so ratios between batch sizes compare the same moments), and
-    the report gives each batch size's decode throughput over batch 1's."""
+    the report gives each batch size's decode throughput over batch 1's, and the most it could be: the
+    batch's roofline (the lower of memory's and the arithmetic's) over batch 1's median rate."""
     path = tmp_path / "bench.json"
     status = benchmark_main(["--model", "260K", "--batch", "1", "3", "--new-tokens", "5", "--chunk-steps", "4",
-                             "--repeats", "2", "--bandwidth", "10", "--json", str(path)])
+                             "--repeats", "2", "--bandwidth", "10", "--peak-gflops", peak_gflops,
+                             "--json", str(path)])
     assert status == 0
-    progress = [line.split(",")[0].strip() for line in capsys.readouterr().err.splitlines() if " run " in line]
+    captured = capsys.readouterr()
+    progress = [line.split(",")[0].strip() for line in captured.err.splitlines() if " run " in line]
     assert progress == ["float32 batch 1", "float32 batch 3"] * 2
     report = json.loads(path.read_text())
-    runs = {row["batch"]: row["decode_tokens_per_s_runs"] for row in report["rows"]}
+    rows = {row["batch"]: row for row in report["rows"]}
+    runs = {batch: row["decode_tokens_per_s_runs"] for batch, row in rows.items()}
     assert all(len(r) == 2 for r in runs.values())
     [scaling] = report["batch_scaling"]
     assert (scaling["shape"], scaling["engine"], scaling["batch"]) == ("260K", "llm_jax", 3)
     paired = sorted(b / a for a, b in zip(runs[1], runs[3]))  # repeat by repeat
     assert (scaling["min"], scaling["max"]) == pytest.approx(tuple(paired))
     assert scaling["times_batch_1"] == pytest.approx(sum(paired) / 2)
+    memory, arithmetic = rows[3]["roofline_tokens_per_s"], rows[3]["compute_roofline_tokens_per_s"]
+    assert (arithmetic < memory) == (peak_gflops == "0.5")
+    assert scaling["roofline_times_batch_1"] == pytest.approx(min(memory, arithmetic) /
+                                                              rows[1]["decode_tokens_per_s"])
+    assert f"at its roofline {scaling['roofline_times_batch_1']:.1f}×" in captured.out
 
 
 def test_dtypes_take_turns_and_their_ratio_is_reported_repeat_by_repeat(tmp_path, capsys):
