@@ -78,16 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _paired_against(rows, field: str, base_value):
-    """(row, its ratio to the base) for each row whose ``field`` is not ``base_value`` and that has a base: the
-    row equal to it but for ``field`` (shape, dtype, engine, batch). Ratios of decode rates repeat by repeat
-    (``results.paired_ratio``)."""
+    """(row, its base, its ratio to the base) for each row whose ``field`` is not ``base_value`` and that has a
+    base: the row equal to it but for ``field`` (shape, dtype, engine, batch). Ratios of decode rates repeat
+    by repeat (``results.paired_ratio``)."""
     from llm_jax.benchmark.results import paired_ratio
 
     key = lambda r: {f: getattr(r, f) for f in ("shape", "dtype", "engine", "batch") if f != field}
     for r in rows:
         base = next((b for b in rows if getattr(b, field) == base_value and key(b) == key(r)), None)
         if base is not None and getattr(r, field) != base_value:
-            yield r, paired_ratio(r, base)
+            yield r, base, paired_ratio(r, base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +102,7 @@ def batch_scaling(rows) -> dict:
     this machine while batch 1 runs as it did: the batch's roofline (the lower of memory's and, where the
     peaks were measured, the arithmetic's) over batch 1's median rate."""
     out: dict = {}
-    for r, ratio in _paired_against(rows, "batch", 1):
-        base = next(b for b in rows if b.batch == 1 and (b.shape, b.dtype, b.engine) == (r.shape, r.dtype, r.engine))
+    for r, base, ratio in _paired_against(rows, "batch", 1):
         roof = min(r.roofline_tokens_per_s, r.compute_roofline_tokens_per_s or float("inf"))
         out.setdefault((r.shape, r.dtype, r.engine), {})[r.batch] = Scaling(ratio, roof / base.decode_tokens_per_s)
     return out
@@ -112,7 +111,7 @@ def batch_scaling(rows) -> dict:
 def dtype_ratios(rows) -> dict:
     """bfloat16's decode rate over float32's, repeat by repeat, per shape, engine and batch size that ran
     both."""
-    return {(r.shape, r.engine, r.batch): ratio for r, ratio in _paired_against(rows, "dtype", "float32")
+    return {(r.shape, r.engine, r.batch): ratio for r, _, ratio in _paired_against(rows, "dtype", "float32")
             if r.dtype == "bfloat16"}
 
 

@@ -228,4 +228,3 @@ class GatedMLP(nn.Module):
             gated_BTF = cpu_kernels.gated(gate_BTF, up_BTF, self.activation.value)
         down_FD = projection_param(self, "down_proj", (F,), (D,), self.stack)
         return dense("BTF,FD->BTD", gated_BTF.astype(x_BTD.dtype), down_FD, x_BTD.dtype, self.matmul, layer)
-
