@@ -115,8 +115,21 @@ struct RowBound {
 };
 
 RowBound row_bound(const float* x, int64_t D, bool quads, double c1, double c2) {
+  // The sums in double, eight lanes at a time where AVX-512 has them (another order of the same sums:
+  // their rounding is far below the margin added at the end). One row of 288 took 0.45 µs through the
+  // scalar loops' chains of dependent adds; the fused greedy head bounds all its rows before its product.
   double l1 = 0.0, l2 = 0.0, d2 = 0.0;
-  for (int64_t d = 0; d < D; ++d) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  __m512d a1 = _mm512_setzero_pd(), a2 = _mm512_setzero_pd();
+  for (; d + 8 <= D; d += 8) {
+    const __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(x + d));
+    a1 = _mm512_add_pd(a1, _mm512_abs_pd(v));
+    a2 = _mm512_fmadd_pd(v, v, a2);
+  }
+  l1 = _mm512_reduce_add_pd(a1), l2 = _mm512_reduce_add_pd(a2);
+#endif
+  for (; d < D; ++d) {
     l1 += std::fabs(static_cast<double>(x[d]));
     l2 += static_cast<double>(x[d]) * static_cast<double>(x[d]);
   }
@@ -124,7 +137,20 @@ RowBound row_bound(const float* x, int64_t D, bool quads, double c1, double c2) 
     thread_local std::vector<int8_t> n;
     n.resize(static_cast<size_t>(D));
     const double t = quantize_row(x, D, n.data());
-    for (int64_t d = 0; d < D; ++d) {
+    d = 0;
+#if defined(__AVX512F__)
+    const __m512d tv = _mm512_set1_pd(t);
+    __m512d a3 = _mm512_setzero_pd();
+    for (; d + 8 <= D; d += 8) {
+      int64_t bytes;
+      std::memcpy(&bytes, n.data() + d, sizeof bytes);
+      const __m512d nv = _mm512_cvtepi32_pd(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(bytes)));
+      const __m512d delta = _mm512_fnmadd_pd(tv, nv, _mm512_cvtps_pd(_mm256_loadu_ps(x + d)));
+      a3 = _mm512_fmadd_pd(delta, delta, a3);
+    }
+    d2 = _mm512_reduce_add_pd(a3);
+#endif
+    for (; d < D; ++d) {
       const double delta = static_cast<double>(x[d]) - t * n[d];
       d2 += delta * delta;
     }

@@ -385,11 +385,41 @@ void tile_panels(int64_t mr, const float* xp, int64_t kc, const P* p, int64_t ps
   for (; q < n; ++q) tile_rows<1>(mr, xp, kc, p + q * ps, ps, y + q * kPanel, ldy, add, pf, lines, stream);
 }
 
+// dst[k, 0:8] (rows ldd apart) = W[0:8, k] for k < 8: an 8 × 8 block of W [N, K] (rows K apart)
+// transposed.
+template <typename W>
+void transpose8(const W* w, int64_t K, float* dst, int64_t ldd = kPanel) {
+  f32x8 r[8], t[8], s[8];
+  for (int i = 0; i < 8; ++i) r[i] = load8(w + i * K);
+  for (int i = 0; i < 4; ++i) {  // pairs of rows interleaved
+    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 2; ++i) {  // quadruples of rows; columns j and j + 4 in the two halves
+    const f32x8 *a = t + 4 * i, *b = t + 4 * i + 2;
+    s[4 * i] = __builtin_shufflevector(a[0], b[0], 0, 1, 8, 9, 4, 5, 12, 13);
+    s[4 * i + 1] = __builtin_shufflevector(a[0], b[0], 2, 3, 10, 11, 6, 7, 14, 15);
+    s[4 * i + 2] = __builtin_shufflevector(a[1], b[1], 0, 1, 8, 9, 4, 5, 12, 13);
+    s[4 * i + 3] = __builtin_shufflevector(a[1], b[1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {
+    store8(dst + i * ldd, __builtin_shufflevector(s[i], s[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+    store8(dst + (i + 4) * ldd, __builtin_shufflevector(s[i], s[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+  }
+}
+
 // xp[k · MR + r] = x[r · ldx + k] for r < MR, k < kc: a tile's rows of x as `tile` reads them, written
-// in order (MR a constant: 8 → 11 GB/s against rows written one after another, 15M at 32 rows).
+// in order (MR a constant: 8 → 11 GB/s against rows written one after another, 15M at 32 rows); tiles of
+// 8 rows (all of them at 32 rows on stored panels) by 8 × 8 transposes (15M at 32 rows: 6.7 → 4.8 µs a
+// product with K = 288, most of what is left the wait for x's lines, which the op before wrote on the
+// other core).
 template <int MR>
 void pack_rows(const float* x, int64_t ldx, int64_t kc, float* xp) {
-  for (int64_t k = 0; k < kc; ++k) {
+  int64_t k = 0;
+  if constexpr (MR == 8) {
+    for (; k + 8 <= kc; k += 8) transpose8(x + k, ldx, xp + k * MR, MR);
+  }
+  for (; k < kc; ++k) {
     for (int r = 0; r < MR; ++r) xp[k * MR + r] = x[r * ldx + k];
   }
 }
@@ -425,29 +455,6 @@ inline void pack_tiles(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t
     parallel_for(pool, blocks * tiles, pack);
   } else {
     for (int64_t unit = 0; unit < blocks * tiles; ++unit) pack(unit);
-  }
-}
-
-// dst[k, 0:8] (rows kPanel apart) = W[0:8, k] for k < 8: an 8 × 8 block of W [N, K] (rows K apart)
-// transposed.
-template <typename W>
-void transpose8(const W* w, int64_t K, float* dst) {
-  f32x8 r[8], t[8], s[8];
-  for (int i = 0; i < 8; ++i) r[i] = load8(w + i * K);
-  for (int i = 0; i < 4; ++i) {  // pairs of rows interleaved
-    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-  }
-  for (int i = 0; i < 2; ++i) {  // quadruples of rows; columns j and j + 4 in the two halves
-    const f32x8 *a = t + 4 * i, *b = t + 4 * i + 2;
-    s[4 * i] = __builtin_shufflevector(a[0], b[0], 0, 1, 8, 9, 4, 5, 12, 13);
-    s[4 * i + 1] = __builtin_shufflevector(a[0], b[0], 2, 3, 10, 11, 6, 7, 14, 15);
-    s[4 * i + 2] = __builtin_shufflevector(a[1], b[1], 0, 1, 8, 9, 4, 5, 12, 13);
-    s[4 * i + 3] = __builtin_shufflevector(a[1], b[1], 2, 3, 10, 11, 6, 7, 14, 15);
-  }
-  for (int i = 0; i < 4; ++i) {
-    store8(dst + i * kPanel, __builtin_shufflevector(s[i], s[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
-    store8(dst + (i + 4) * kPanel, __builtin_shufflevector(s[i], s[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
   }
 }
 
@@ -830,7 +837,13 @@ template <typename W>
 void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
                  const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   const int64_t kc_max = std::min(K, kKC), tiles = (R + kPanelMR - 1) / kPanelMR;
-  std::vector<float> xp;
+  // x packed: for decode's few rows the caller's buffer, kept between calls (no allocation and zeroing
+  // per product, ≈ 1 µs of 6 at 32 rows), for prefill's many a buffer of this call's own (one kept per
+  // thread would hold the largest prompt's forever). The tasks reach it through `xp`.
+  constexpr int64_t kKeptPackValues = 1 << 18;
+  thread_local std::vector<float> kept;
+  std::vector<float> own;
+  std::vector<float>& xp = R * K <= kKeptPackValues ? kept : own;
   pack_tiles(pool, x, R, K, kc_max, tiles, xp);
   const std::vector<char> stream = streamed(ys, ns, R);
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit n) {
