@@ -154,19 +154,19 @@ constexpr int64_t kChunkedMinSlots = 256;  // from this many slots on, few rows 
 // L2): nothing from 15M's 85th slot on. Decode steps through JAX, the two taking turns (paired medians
 // of 6–10 runs): 15M float32 at batch 32, prompts of 16 (slots 16–144) 0.934–0.979 of the time, of 112
 // (slots 112–240) 0.85–0.90; bfloat16 0.975 and 0.82; 110M float32 batch 32 0.957, batch 8 0.961 (at
-// 16 slots) and 1.017 (at 200: the noise). Distances of 4–128 KiB tried: 8–12 KiB were the best.
+// 16 slots) and 1.017 (at 200: the noise). Distances of 4–128 KiB tried (into L1): 8–12 KiB were the best.
 // Few rows with long contexts (attend_chunked) ask for each unit's keys, then its values, the same way:
 // 110M at batch 1, slots 900–964, 0.951 of the step's time in float32 and in bfloat16 (before: none).
-// Where the CPU has AVX-512 (AMD from Zen 4, Intel from Skylake-SP) prefetcht1 fills L2 and not L1, and
-// L2's queue of misses is longer than L1's: there the stream is asked for into L2, 24 KiB ahead. The
-// attention calls' own time (time-stamp counter around each call, both ways in one process, decode steps
-// taking turns, medians over 3,000 calls; Zen 4, 2 threads): 15M float32 at batch 32 and 16 slots on
-// 0.78× (prefetcht0 at 8 KiB: 376 → 291 k cycles a call), bfloat16 0.85×, at 112 slots on 0.98×; 110M
-// float32 at batch 8 0.71×, at batch 1 and slots 900–964 (attend_chunked) 0.74×. Whole steps, paired
-// medians of 6–8 rounds: 1.037–1.065×, 1.027×, 1.025×, 1.037× and 1.080×. Distances of 12–48 KiB did
-// as well (0.77–0.82×), 8 KiB not at all (1.00×), 64 KiB less (0.85×); prefetcht0 at 8 KiB on top of
-// it, 0.90×. Elsewhere (AMD Zen 3 and older fill L1 whatever the hint) 8 KiB into every level, as
-// before.
+// Where the CPU has AVX-512 (AMD from Zen 4, Intel from Skylake-SP) prefetcht1 fills L2 and not L1:
+// there the stream is asked for into L2, 24 KiB ahead (L2 likely keeps more misses in flight than L1
+// does). The attention calls' own time (time-stamp counter around each call, both ways in one process,
+// decode steps taking turns, medians over 3,000 calls; Zen 4, 2 threads), against prefetcht0 at 8 KiB:
+// 15M float32 at batch 32 and 16 slots on 0.78× (376 → 291 k cycles a call), bfloat16 0.85×, at 112
+// slots on 0.98×; 110M float32 at batch 8 0.71×, at batch 1 and slots 900–964 (attend_chunked) 0.74×.
+// Whole steps, paired medians of 5–8 rounds: 1.037×, 1.027×, 1.025×, 1.037× and 1.080× the speed.
+// Distances of 12–48 KiB did as well (calls 0.77–0.82×, steps 1.043–1.082×), 8 KiB not at all (1.00×),
+// 64 KiB less (0.85×); prefetcht0 at 8 KiB as well, calls 0.90× but steps 0.958×. Elsewhere (AMD Zen 3
+// and older fill L1 whatever the hint) 8 KiB into every level, as before.
 #if defined(__AVX512F__)
 constexpr int64_t kAheadBytes = 24 * 1024;
 constexpr int kAheadLocality = 2;  // prefetcht1
