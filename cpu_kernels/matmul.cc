@@ -702,12 +702,15 @@ template <int G, typename W>
 void panel_gemv(const float* x, const W* p, int64_t ps, int64_t kc, float* y, int64_t ys) {
   constexpr int V = kPanel / kLanes;
   constexpr int64_t kPerLine = std::max<int64_t>(1, 64 / (kPanel * sizeof(W)));  // rows of k a line holds
-  constexpr int64_t kAhead = kGemvAheadBytes / sizeof(W);
   fvec acc[G][V] = {};
   for (int64_t k = 0; k < kc; ++k) {
     const float xk = x[k];
-    if (kAhead > 0 && k % kPerLine == 0) {
-      for (int g = 0; g < G; ++g) __builtin_prefetch(p + g * ps + k * kPanel + kAhead, 0, 2);
+    if (kGemvAheadBytes > 0 && k % kPerLine == 0) {  // the address as an integer: it may lie past W
+      for (int g = 0; g < G; ++g) {
+        __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p + g * ps + k * kPanel) +
+                                                         kGemvAheadBytes),
+                           0, 2);
+      }
     }
     for (int g = 0; g < G; ++g) {
       const W* row = p + g * ps + k * kPanel;
