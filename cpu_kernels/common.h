@@ -341,6 +341,16 @@ bool quads_ready();
 void quads_units(ffi::ThreadPool& pool, const float* x, const int8_t* q, int64_t N, int64_t R, int64_t K,
                  const QuadsUnitFn& done);
 
+// Whether a prefetch of locality 2 (prefetcht1) fills L2 and not L1 on the CPUs this build targets: so
+// on those with AVX-512 (AMD from Zen 4, Intel from Skylake-SP), where a stream asked for into L2 can run
+// further ahead than L1's few misses in flight allow (decode_attention.cc's rows, matmul.cc's batch-1
+// panels); AMD Zen 3 and older fill L1 whatever the hint.
+#if defined(__AVX512F__)
+constexpr bool kPrefetchT1FillsL2 = true;
+#else
+constexpr bool kPrefetchT1FillsL2 = false;
+#endif
+
 // Cache lines of a block of memory — `left` lines of runs `run` bytes long, `stride` apart — asked for
 // one at a time, while other work runs (a block of W for the next tile; the next row's keys and values):
 // into every level of cache (kLocality 3), or into L2 and below (2) for lines that will be read once.

@@ -157,9 +157,8 @@ constexpr int64_t kChunkedMinSlots = 256;  // from this many slots on, few rows 
 // 16 slots) and 1.017 (at 200: the noise). Distances of 4–128 KiB tried (into L1): 8–12 KiB were the best.
 // Few rows with long contexts (attend_chunked) ask for each unit's keys, then its values, the same way:
 // 110M at batch 1, slots 900–964, 0.951 of the step's time in float32 and in bfloat16 (before: none).
-// Where the CPU has AVX-512 (AMD from Zen 4, Intel from Skylake-SP) prefetcht1 fills L2 and not L1:
-// there the stream is asked for into L2, 24 KiB ahead (L2 likely keeps more misses in flight than L1
-// does). The attention calls' own time (time-stamp counter around each call, both ways in one process,
+// Where prefetcht1 fills L2 and not L1 (kPrefetchT1FillsL2: CPUs with AVX-512) the stream is asked for
+// into L2, 24 KiB ahead (L2 likely keeps more misses in flight than L1 does). The attention calls' own time (time-stamp counter around each call, both ways in one process,
 // decode steps taking turns, medians over 3,000 calls; Zen 4, 2 threads), against prefetcht0 at 8 KiB:
 // 15M float32 at batch 32 and 16 slots on 0.78× (376 → 291 k cycles a call), bfloat16 0.85×, at 112
 // slots on 0.98×; 110M float32 at batch 8 0.71×, at batch 1 and slots 900–964 (attend_chunked) 0.74×.
@@ -167,13 +166,8 @@ constexpr int64_t kChunkedMinSlots = 256;  // from this many slots on, few rows 
 // Distances of 12–48 KiB did as well (calls 0.77–0.82×, steps 1.043–1.082×), 8 KiB not at all (1.00×),
 // 64 KiB less (0.85×); prefetcht0 at 8 KiB as well, calls 0.90× but steps 0.958×. Elsewhere (AMD Zen 3
 // and older fill L1 whatever the hint) 8 KiB into every level, as before.
-#if defined(__AVX512F__)
-constexpr int64_t kAheadBytes = 24 * 1024;
-constexpr int kAheadLocality = 2;  // prefetcht1
-#else
-constexpr int64_t kAheadBytes = 8 * 1024;
-constexpr int kAheadLocality = 3;  // prefetcht0
-#endif
+constexpr int64_t kAheadBytes = kPrefetchT1FillsL2 ? 24 * 1024 : 8 * 1024;
+constexpr int kAheadLocality = kPrefetchT1FillsL2 ? 2 : 3;  // prefetcht1, else prefetcht0
 
 struct RowPrefetch {
   struct Segment {

@@ -682,8 +682,8 @@ void broadcast_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<c
 // y[0, 0:16] of each of G panels = x[0, 0:kc] · the panel's first kc rows; panels `ps` values apart, their
 // outputs `ys` values apart.
 //
-// Where the CPU has AVX-512 (prefetcht1 fills L2, not L1: see decode_attention.cc) each panel's stream is
-// also asked for kGemvAheadBytes ahead, into L2: the hardware's prefetchers stop at each 4 KiB page.
+// Where prefetcht1 fills L2 and not L1 (kPrefetchT1FillsL2) each panel's stream is also asked for
+// kGemvAheadBytes ahead, into L2: the hardware's prefetchers stop at each 4 KiB page.
 // Measured on Zen 4 (2 threads; the kernels' own time, time-stamp counter around each call, calls taking
 // turns with and without in one decode loop, 20 s): 110M float32 at batch 1, its streamed layer products
 // 0.956 of the time, its LM head's int8 screen 0.968; 110M bfloat16, 0.983 and 0.980. 2 KiB ahead did
@@ -692,11 +692,7 @@ void broadcast_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<c
 // (paired medians of 16–20 rounds): 110M float32 1.053× the speed, 15M float32 1.054×, 110M bfloat16
 // 0.987× (the noise), 1B bfloat16 1.044× (6 rounds). Past a matrix's end the stream asks for up to
 // kGemvAheadBytes it never reads: a prefetch cannot fault.
-#if defined(__AVX512F__)
-constexpr int64_t kGemvAheadBytes = 1024;
-#else
-constexpr int64_t kGemvAheadBytes = 0;
-#endif
+constexpr int64_t kGemvAheadBytes = kPrefetchT1FillsL2 ? 1024 : 0;
 
 template <int G, typename W>
 void panel_gemv(const float* x, const W* p, int64_t ps, int64_t kc, float* y, int64_t ys) {
