@@ -226,9 +226,14 @@ int32_t full_argmax(const float* x, const H* panels, int64_t D, int64_t V) {
 
 // The largest exact logit of the candidate columns (ascending: the first of equal logits stays). Every
 // line of every candidate is asked for before the first is read (a column is D lines apart, from memory;
-// read one after another they wait on each).
+// read one after another they wait on each). A lone candidate is the token without its logit: the column
+// whose lower end is the threshold t is always a candidate (its upper end is no lower), and every other
+// column's exact logit is at most its upper end, below t, so below the candidate's, which is at least t.
+// (15M's greedy head at 32 rows, calls taking turns in a decode loop: 0.988× the time, 2,555 against
+// 2,586 k cycles; ≈ 1.6 candidates a row there, each D lines of the head read from memory.)
 template <typename H>
 int32_t exact_argmax(const float* x, const H* panels, int64_t D, const std::vector<int64_t>& candidates) {
+  if (candidates.size() == 1) return static_cast<int32_t>(candidates[0]);
   const int64_t rows_per_line = std::max<int64_t>(1, 64 / (16 * static_cast<int64_t>(sizeof(H))));
   for (const int64_t v : candidates) {
     const H* w = panels + (v / 16) * D * 16 + v % 16;
