@@ -158,8 +158,9 @@ constexpr int64_t kChunkedMinSlots = 256;  // from this many slots on, few rows 
 // Few rows with long contexts (attend_chunked) ask for each unit's keys, then its values, the same way:
 // 110M at batch 1, slots 900–964, 0.951 of the step's time in float32 and in bfloat16 (before: none).
 // Where prefetcht1 fills L2 and not L1 (kPrefetchT1FillsL2: CPUs with AVX-512) the stream is asked for
-// into L2, 24 KiB ahead (L2 likely keeps more misses in flight than L1 does). The attention calls' own time (time-stamp counter around each call, both ways in one process,
-// decode steps taking turns, medians over 3,000 calls; Zen 4, 2 threads), against prefetcht0 at 8 KiB:
+// into L2, 24 KiB ahead: a stream into L2 can run further ahead than L1's few misses in flight allow.
+// The attention calls' own time (time-stamp counter around each call, both ways in one process, decode
+// steps taking turns, medians over 3,000 calls; Zen 4, 2 threads), against prefetcht0 at 8 KiB:
 // 15M float32 at batch 32 and 16 slots on 0.78× (376 → 291 k cycles a call), bfloat16 0.85×, at 112
 // slots on 0.98×; 110M float32 at batch 8 0.71×, at batch 1 and slots 900–964 (attend_chunked) 0.74×.
 // Whole steps, paired medians of 5–8 rounds: 1.037×, 1.027×, 1.025×, 1.037× and 1.080× the speed.
