@@ -23,6 +23,7 @@ examples:
   benchmark.py --model 1B --dtype bfloat16 --new-tokens 33
   benchmark.py --model 110M --compile-layers 6 12 24 --cli-ttft
   benchmark.py --model 15M --batch 32 --profile
+  benchmark.py --model 15M --batch 1 32 --products
 
 models: a named shape with random weights (260K, 15M, 110M: llama2.c stories; 1B: TinyLlama 1.1B) or a
 checkpoint path (llama2.c .bin or Hugging Face folder). The roofline is the measured memory bandwidth
@@ -42,6 +43,10 @@ well (each repeat runs every one once), and the lines under the table give their
 (median, min–max): bfloat16 ÷ float32 and batch B ÷ batch 1 decode throughput, the latter with the
 most it can be here while batch 1 runs as it did ("at its roofline": batch B's roofline, the lower of
 memory's and the arithmetic's, over batch 1's median rate).
+--products times a layer's four products alone (q/k/v and gate/up fused, as decode runs them), each over
+many copies of its weights so that they come from memory as in a step, through llm_jax's kernels and
+torch's F.linear taking turns, with the share of the arithmetic peak each reaches: batched decode is
+bound by arithmetic, so these say how far batch B ÷ batch 1 can go here.
 Peak memory is the process's: with --compare hf both engines' weights are resident, and with several
 dtypes every dtype's copy.
 """
@@ -73,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time the first token of two generate CLI runs sharing a fresh compilation cache")
     p.add_argument("--profile", action="store_true",
                    help="also trace one decode chunk of each llm_jax cell and print where a step's time goes, op by op")
+    p.add_argument("--products", action="store_true",
+                   help="also time each of a layer's matrix products alone at each batch size, weights read from "
+                        "memory as in a step: llm_jax's kernels against torch's (what transformers runs)")
     p.add_argument("--json", type=pathlib.Path, help="write all numbers to this file")
     return p
 
@@ -128,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     from llm_jax.benchmark.suite import Options, log_stderr, run_matrix
     from llm_jax.config import MatmulImpl
 
+    if args.products and any(m not in SHAPES for m in models):
+        raise ValueError(f"--products takes named shapes ({', '.join(SHAPES)}), got "
+                         f"{', '.join(m for m in models if m not in SHAPES)}")
     threads = args.threads or machine_lib.cpu_threads()
     if args.bandwidth:
         bandwidth = args.bandwidth
@@ -219,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     if traced:
         extra["step_profiles"] = [{"shape": row.shape, "dtype": row.dtype, "batch": row.batch, "engine": engine,
                                    **profile.to_dict()} for row, engine, profile in traced]
+    if args.products:
+        extra["products"] = _products(models, args, threads, peaks, log_stderr)
     if args.compile_layers:
         shape = next((m for m in models if m in SHAPES), None)
         if shape is None:
@@ -243,6 +256,26 @@ def _gflops(peaks) -> str:
     if not all(peaks):
         return "not measured (no kernels)"
     return f"{peaks[0]:.0f} GFLOP/s float32, {peaks[1]:.0f} bfloat16, {peaks[2]:.0f} int8"
+
+
+def _products(models, args, threads: int, peaks, log) -> list[dict]:
+    from llm_jax.benchmark.product_study import table as product_table, time_products
+    from llm_jax.benchmark.roofline import product_peak
+    from llm_jax.benchmark.shapes import shape_config
+
+    out = []
+    for model in models:
+        for dtype in args.dtype:
+            config = shape_config(model, dtype=dtype)
+            peak = product_peak(dtype, peaks) if all(peaks) else None
+            for batch in args.batch:
+                log(f"{model} {dtype}: each product alone at {batch} rows...")
+                times = time_products(config, rows=batch, dtype=dtype, threads=threads, log=log)
+                print(f"\nmatrix products alone, {model} {dtype}, {batch} rows (median of "
+                      f"5 timings of 480 products each):")
+                print(product_table(times, peak, config.n_layers))
+                out.extend({"shape": model, **t.to_dict()} for t in times)
+    return out
 
 
 def _cli_ttft(model: str, args, log) -> dict:

@@ -103,7 +103,7 @@ def to_panel_layout(params: Params, config: ModelConfig, *, consume: bool = Fals
         w = _get(params, path)
         if w is None:
             continue
-        ins, outs = _dims(path[-1], config)
+        ins, outs = projection_dims(path[-1], config)
         lead = w.ndim - len(ins) - len(outs)
         if lead < 0 or w.shape[lead:] != (*ins, *outs):
             raise ValueError(f"{'/'.join(path)} is {w.shape}, the config says [..., {', '.join(map(str, ins + outs))}]")
@@ -134,12 +134,12 @@ def from_panel_layout(params: Params, config: ModelConfig) -> Params:
         name = path[-1] + SUFFIX
         p = _get(params, (*path[:-1], name))
         if p is not None:
-            ins, outs = _dims(path[-1], config)
+            ins, outs = projection_dims(path[-1], config)
             params = _replace(params, path, name, path[-1], _unpacked(p, (*p.shape[:-3], *ins, *outs)))
     return params
 
 
-def _dims(name: str, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def projection_dims(name: str, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(input axes, output axes) of a layer's projection ``name``, W [*in, *out] (or of the LM head)."""
     D, N, K, H, F = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
     return {"qkv_proj": ((D,), ((N + 2 * K) * H,)), "q_proj": ((D,), (N, H)), "k_proj": ((D,), (K, H)),

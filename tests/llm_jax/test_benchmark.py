@@ -12,6 +12,7 @@ import pytest
 from cpu_kernels import build
 from llm_jax.benchmark.compile_study import cli_ttft, compile_vs_depth
 from llm_jax.benchmark.llm_jax_engine import Workload
+from llm_jax.benchmark.product_study import product_shapes, table as product_table, time_products
 from llm_jax.benchmark import hf_engine, machine
 from llm_jax.benchmark.results import (Difference, agreement, describe_differences, first_differences,
                                        paired_ratio)
@@ -21,7 +22,7 @@ from llm_jax.benchmark.shapes import SHAPES, shape_config
 from llm_jax.benchmark.step_profile import OpTime, exclusive_times, op_flops, op_labels
 from llm_jax.cli.benchmark import main as benchmark_main
 from llm_jax.kv_cache import cache_bytes_per_token
-from llm_jax.model import param_shapes
+from llm_jax.model import for_inference, init_params, param_shapes
 
 ROW_FIELDS = {"engine": str, "shape": str, "dtype": str, "batch": int, "prompt_len": int, "new_tokens": int,
               "compile_s": float, "ttft_s": float, "decode_tokens_per_s": float, "prefill_tokens_per_s": float,
@@ -456,3 +457,54 @@ def test_a_products_flops_count_every_result():
     op = OpTime(label="q/k/v", calls_per_step=2.0, us_per_step=4.0, flops_per_call=1000)
     assert op.gflops == pytest.approx(2 * 1000 / 4e-6 / 1e9)
     assert OpTime(label="XLA add", calls_per_step=1.0, us_per_step=1.0).gflops is None
+
+
+@pytest.mark.parametrize("shape", ["260K", "15M"])
+def test_the_products_timed_alone_are_a_layers_in_decodes_layout(shape):
+    """Each of the four is a leaf of the inference params (fused q/k/v and gate/up), a layer's slice of it
+    K × N values, in panels exactly where the output width is a multiple of 16 (260K's gate/up is not)."""
+    config = shape_config(shape, dtype="float32")
+    layers = for_inference(init_params(config), config)["layers"]
+    leaves = {**layers["attn"], **layers["mlp"]}
+    for product in product_shapes(config):
+        name = product.name + "_proj"
+        leaf = leaves.get(name + "_panels", leaves.get(name))
+        assert leaf is not None, (name, sorted(leaves))
+        assert (name + "_panels" in leaves) == product.panels == (product.N % 16 == 0)
+        assert int(np.prod(leaf.shape[1:])) == product.K * product.N
+        assert leaf.shape[0] == config.n_layers
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_product_is_timed_alone_beside_torch(dtype):
+    config = shape_config("260K", dtype=dtype)
+    times = time_products(config, rows=3, dtype=dtype, threads=2, calls=4, repeats=2, weight_bytes=1 << 16)
+    assert [t.name for t in times] == ["qkv", "o", "gate_up", "down"]
+    for t, shape in zip(times, product_shapes(config)):
+        assert (t.K, t.N, t.rows, t.dtype) == (shape.K, shape.N, 3, dtype)
+        assert t.copies >= 2 and t.copies * t.K * t.N * (4 if dtype == "float32" else 2) >= 1 << 16
+        assert t.flops == 2 * 3 * t.K * t.N
+        for seconds in (t.llm_jax_s, t.llm_jax_cached_s, t.torch_s, t.torch_cached_s):  # torch: the test extra
+            assert positive_finite(seconds), t
+        assert t.to_dict()["llm_jax_gflops"] == pytest.approx(t.flops / t.llm_jax_s / 1e9)
+    text = product_table(times, 100.0, config.n_layers)
+    assert all(name in text for name in ("qkv", "o", "gate_up", "down"))
+    step_ms = config.n_layers * sum(t.llm_jax_s for t in times) * 1e3
+    assert f"a step's products ({config.n_layers} layers): llm_jax {step_ms:.2f} /" in text
+
+
+def test_the_cli_times_the_products_at_every_batch_size(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert benchmark_main(["--model", "260K", "--batch", "1", "2", "--new-tokens", "5", "--chunk-steps", "4",
+                           "--repeats", "1", "--bandwidth", "10", "--peak-gflops", "100", "--products",
+                           "--json", str(path)]) == 0
+    products = json.loads(path.read_text())["products"]
+    assert [(p["rows"], p["name"]) for p in products] == [(r, n) for r in (1, 2) for n in ("qkv", "o", "gate_up", "down")]
+    assert all(positive_finite(p["llm_jax_gflops"]) and positive_finite(p["torch_cached_gflops"]) for p in products)
+    assert "matrix products alone, 260K float32, 2 rows" in capsys.readouterr().out
+
+
+def test_products_take_named_shapes_only(tmp_path):
+    with pytest.raises(ValueError, match="--products takes named shapes"):
+        benchmark_main(["--model", str(tmp_path), "--bandwidth", "10", "--peak-gflops", "100", "--products",
+                        "--new-tokens", "2", "--repeats", "1"])
