@@ -5,9 +5,10 @@ q/k/v, o, the fused gate/up and down. Each runs here alone, x [rows, K] times ev
 turn, as a decode step runs it — llm_jax through :func:`cpu_kernels.matmul` on the weights in the layout
 ``for_inference`` gives them (panels where the output width is a multiple of 16, else [K, N]), torch
 through ``torch.nn.functional.linear`` on W [N, K] (the call ``transformers`` makes; x in the weights'
-dtype, as ``transformers`` runs a bfloat16 model). The weights are many copies of a layer's, more bytes
-than any cache holds, so that each call reads its weights from memory as in a step, where the other
-layers, the LM head and the KV cache pass through the caches between two reads of one layer's.
+dtype, as ``transformers`` runs a bfloat16 model). Each is timed twice: over many copies of the weights,
+more bytes than any cache holds, so that each call reads its weights from memory as in a step (where the
+other layers, the LM head and the KV cache pass through the caches between two reads of one layer's),
+and over two copies, which stay in the caches: the products' arithmetic with no wait on memory.
 
 The share of the arithmetic peak each reaches says how far batch B ÷ batch 1 can go on this machine:
 a step's products take at least their flops at the measured speed.
@@ -27,13 +28,15 @@ import numpy as np
 
 import cpu_kernels
 from llm_jax.config import ModelConfig
-from llm_jax.model.panels import projection_dims
+from llm_jax.model.panels import projection_dims, takes_panels
 
 # A layer's products as decode runs them (q/k/v and gate/up fused: for_inference fuses them where the
 # kernels run).
 PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 WEIGHT_BYTES = 96 << 20  # the copies' bytes: three times a large L3 (32 MiB)
 MAX_COPIES = 512
+CALLS = 480  # products per timing
+REPEATS = 5  # timings, of which the median
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,7 +48,7 @@ class ProductShape:
     @property
     def panels(self) -> bool:
         """Whether ``for_inference`` holds this weight in the panel layout."""
-        return self.N % cpu_kernels.PANEL == 0
+        return takes_panels(self.N)
 
 
 def product_shapes(config: ModelConfig) -> list[ProductShape]:
@@ -94,7 +97,7 @@ def copies_for(shape: ProductShape, dtype: str, weight_bytes: int = WEIGHT_BYTES
     return min(MAX_COPIES, max(2, math.ceil(weight_bytes / one)))
 
 
-def time_products(config: ModelConfig, *, rows: int, dtype: str, threads: int, calls: int = 480, repeats: int = 5,
+def time_products(config: ModelConfig, *, rows: int, dtype: str, threads: int, calls: int = CALLS, repeats: int = REPEATS,
                   weight_bytes: int = WEIGHT_BYTES, log: Callable[[str], None] | None = None) -> list[ProductTime]:
     """Each of :func:`product_shapes` timed alone, ``calls`` products per timing, ``repeats`` timings
     (median), weights from memory and from the caches, llm_jax's and torch's taking turns. Random

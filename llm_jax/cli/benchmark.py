@@ -44,8 +44,8 @@ well (each repeat runs every one once), and the lines under the table give their
 most it can be here while batch 1 runs as it did ("at its roofline": batch B's roofline, the lower of
 memory's and the arithmetic's, over batch 1's median rate).
 --products times a layer's four products alone (q/k/v and gate/up fused, as decode runs them), each over
-many copies of its weights so that they come from memory as in a step, through llm_jax's kernels and
-torch's F.linear taking turns, with the share of the arithmetic peak each reaches: batched decode is
+many copies of its weights so that they come from memory as in a step, and over two copies that stay in
+the caches, through llm_jax's kernels and torch's F.linear taking turns, with the share of the arithmetic peak each reaches: batched decode is
 bound by arithmetic, so these say how far batch B ÷ batch 1 can go here.
 Peak memory is the process's: with --compare hf both engines' weights are resident, and with several
 dtypes every dtype's copy.
@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also trace one decode chunk of each llm_jax cell and print where a step's time goes, op by op")
     p.add_argument("--products", action="store_true",
                    help="also time each of a layer's matrix products alone at each batch size, weights read from "
-                        "memory as in a step: llm_jax's kernels against torch's (what transformers runs)")
+                        "memory as in a step and from the caches: llm_jax's kernels against torch's (what "
+                        "transformers runs)")
     p.add_argument("--json", type=pathlib.Path, help="write all numbers to this file")
     return p
 
@@ -259,7 +260,7 @@ def _gflops(peaks) -> str:
 
 
 def _products(models, args, threads: int, peaks, log) -> list[dict]:
-    from llm_jax.benchmark.product_study import table as product_table, time_products
+    from llm_jax.benchmark.product_study import CALLS, REPEATS, table as product_table, time_products
     from llm_jax.benchmark.roofline import product_peak
     from llm_jax.benchmark.shapes import shape_config
 
@@ -271,8 +272,8 @@ def _products(models, args, threads: int, peaks, log) -> list[dict]:
             for batch in args.batch:
                 log(f"{model} {dtype}: each product alone at {batch} rows...")
                 times = time_products(config, rows=batch, dtype=dtype, threads=threads, log=log)
-                print(f"\nmatrix products alone, {model} {dtype}, {batch} rows (median of "
-                      f"5 timings of 480 products each):")
+                print(f"\nmatrix products alone, {model} {dtype}, {batch} rows (median of {REPEATS} timings of "
+                      f"{CALLS} products each):")
                 print(product_table(times, peak, config.n_layers))
                 out.extend({"shape": model, **t.to_dict()} for t in times)
     return out

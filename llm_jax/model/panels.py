@@ -108,7 +108,7 @@ def to_panel_layout(params: Params, config: ModelConfig, *, consume: bool = Fals
         if lead < 0 or w.shape[lead:] != (*ins, *outs):
             raise ValueError(f"{'/'.join(path)} is {w.shape}, the config says [..., {', '.join(map(str, ins + outs))}]")
         K, N = math.prod(ins), math.prod(outs)
-        if N % cpu_kernels.PANEL:
+        if not takes_panels(N):
             continue
         panels = _panels(w, lead, K, N)
         params = _replace(params, path, path[-1], path[-1] + SUFFIX, panels)
@@ -137,6 +137,11 @@ def from_panel_layout(params: Params, config: ModelConfig) -> Params:
             ins, outs = projection_dims(path[-1], config)
             params = _replace(params, path, name, path[-1], _unpacked(p, (*p.shape[:-3], *ins, *outs)))
     return params
+
+
+def takes_panels(n_out: int) -> bool:
+    """Whether a projection with ``n_out`` output columns is held in the panel layout (whole panels only)."""
+    return n_out % cpu_kernels.PANEL == 0
 
 
 def projection_dims(name: str, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
