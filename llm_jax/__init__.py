@@ -9,9 +9,9 @@ Dimension key, used in array names (``x_BTD``, ``k_cache_LBSKH``) and einsums th
     G  query heads per kv head (N/K) H  head dim
     L  layers
 
-The run path, in pipeline order: ``tokenizer`` → ``prefill`` → ``decode`` (``sampling`` and stop
-conditions inside) → ``detokenize``, orchestrated by ``generate``; the model is in ``model/`` and its
-cache in ``kv_cache``. The weight path: ``weights/from_hf``, ``weights/from_llama2c`` → ``weights/checkpoint``
+The run path, in pipeline order: ``tokenizer`` → ``prefilling`` → ``decoding`` (``sampling`` and stop
+conditions inside) → ``detokenize``, orchestrated by ``generation``; the model is in ``model/``, its cache
+in ``kv_cache``, and ``backends/`` decides how its operations run (XLA, the CPU kernels, Pallas). The weight path: ``weights/from_hf``, ``weights/from_llama2c`` → ``weights/checkpoint``
 (orbax; ``weights/convert`` writes one) → ``loading``.
 
 The public names below are imported on first use (PEP 562), so that ``import llm_jax.cli...`` and the
@@ -19,14 +19,13 @@ scripts' ``--help`` answer without starting JAX.
 """
 
 import importlib
-import sys
-import types
 
 # The public surface, grouped: submodule → the names it contributes.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # Configuration.
-    "config": ("Activation", "AttentionImpl", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope",
-               "MatmulImpl", "ModelConfig"),
+    "config": ("Activation", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig"),
+    # How the model runs: the backend seam.
+    "backends": ("Backend", "BackendError", "CpuKernels", "Pallas", "Xla"),
     # Loading models.
     "loading": ("Model", "load"),
     "weights.checkpoint": ("CheckpointError", "is_checkpoint", "load_checkpoint", "save_checkpoint"),
@@ -41,13 +40,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "model": ("LayerHooks", "forward", "init_params"),
     "kv_cache": ("KVCache", "init_cache"),
     # Jitted stages for research code.
-    "prefill": ("prefill", "prefill_with_extras"),
-    "decode": ("PAD_ID", "DecodeControls", "DecodeState", "Emitted", "FinishReason", "Logprobs", "decode", "start"),
+    "prefilling": ("prefill", "prefill_with_extras"),
+    "decoding": ("PAD_ID", "DecodeControls", "DecodeState", "Emitted", "FinishReason", "Logprobs", "decode", "start"),
     "sampling": ("GREEDY", "Sampling", "SamplingParams"),
-    "beam_search": ("BeamSearch", "EarlyStopping", "beam_search"),
-    "score": ("Score", "continuation_logprobs", "score"),
+    "beams": ("BeamSearch", "EarlyStopping", "beam_search"),
+    "scoring": ("Score", "continuation_logprobs", "score"),
     # Orchestration.
-    "generate": ("GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError",
+    "generation": ("GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError",
                  "StreamEvent", "generate", "generate_stream"),
     # Running on many devices (more in ``llm_jax.sharding`` and ``llm_jax.distributed``).
     "sharding": ("make_mesh",),
@@ -68,15 +67,3 @@ def __getattr__(name: str):
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        # Importing a submodule binds it on the package; ``decode``, ``prefill``, ``generate``,
-        # ``beam_search`` and ``score`` are also public functions, and must stay the functions (as
-        # ``from llm_jax import generate`` says).
-        if name in _HOME and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

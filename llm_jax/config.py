@@ -17,41 +17,6 @@ class ConfigError(ValueError):
     """An invalid or self-contradictory model configuration."""
 
 
-def _parse_choice(cls: type[enum.Enum], value: Any, what: str) -> Any:
-    """The member of ``cls`` named by ``value`` (a member, or its value in any case)."""
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(str(value).lower())
-    except ValueError:
-        choices = ", ".join(repr(m.value) for m in cls)
-        raise ConfigError(f"unknown {what} {value!r}; choose one of {choices}") from None
-
-
-class AttentionImpl(enum.Enum):
-    """How attention is computed; chosen in exactly one place (``llm_jax.model.attention``)."""
-
-    XLA = "xla"  # plain jnp einsums, fused by XLA
-    PALLAS = "pallas"  # fused Pallas kernels (Triton on GPU, Mosaic on TPU, interpret mode on CPU)
-
-    @classmethod
-    def parse(cls, value: "AttentionImpl | str") -> "AttentionImpl":
-        return _parse_choice(cls, value, "attention implementation")
-
-
-class MatmulImpl(enum.Enum):
-    """How the model's matrix products run; chosen in exactly one place (``llm_jax.model.layers.dense``)."""
-
-    # On one CPU device, the cpu_kernels for float32 and bfloat16 products and, with AttentionImpl.XLA, for
-    # attention (decode and prefill); XLA otherwise.
-    AUTO = "auto"
-    XLA = "xla"  # XLA's own products everywhere
-
-    @classmethod
-    def parse(cls, value: "MatmulImpl | str") -> "MatmulImpl":
-        return _parse_choice(cls, value, "matmul implementation")
-
-
 class Activation(enum.Enum):
     """The gate nonlinearity of the gated MLP: SwiGLU (Llama) or GeGLU with tanh-GELU (Gemma)."""
 
@@ -83,6 +48,10 @@ class Llama3Rope:
 
 RopeScaling = DefaultRope | LinearRope | Llama3Rope
 
+# Runtime choices that configs saved by earlier versions hold; how a model runs is its backend's
+# (``llm_jax.backends``), not the model's, and reading such a config ignores them.
+_RUNTIME_FIELDS = ("attention_impl", "matmul_impl")
+
 
 def _dtype_name(dtype: Any) -> str:
     return jnp.dtype(dtype).name
@@ -110,8 +79,6 @@ class ModelConfig:
     tie_embeddings: bool = False
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    attention_impl: AttentionImpl = AttentionImpl.XLA
-    matmul_impl: MatmulImpl = MatmulImpl.AUTO
 
     # Family switches (Llama defaults).
     activation: Activation = Activation.SILU
@@ -131,8 +98,6 @@ class ModelConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
         object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
-        object.__setattr__(self, "attention_impl", AttentionImpl.parse(self.attention_impl))
-        object.__setattr__(self, "matmul_impl", MatmulImpl.parse(self.matmul_impl))
         object.__setattr__(self, "activation", Activation(self.activation))
         if self.sliding_layers is not None:
             object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))
@@ -237,7 +202,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        data = dict(data)
+        data = {k: v for k, v in data.items() if k not in _RUNTIME_FIELDS}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

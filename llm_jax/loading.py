@@ -9,15 +9,17 @@ cast, and put on its devices before the next is read, so host memory never holds
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from llm_jax.config import AttentionImpl, ModelConfig
-from llm_jax.model import Params, fuse_projections, param_shapes, unfuse_projections
-from llm_jax.model.fused import kernels_prefer_fused
+from llm_jax import backends
+from llm_jax.backends import Backend, Pallas
+from llm_jax.config import ModelConfig
+from llm_jax.model import Params, param_shapes
 from llm_jax.sharding import make_mesh, param_shardings, shard_params
 from llm_jax.tokenizer import Tokenizer, load_tokenizer
 from llm_jax.weights import sources
@@ -28,12 +30,13 @@ from llm_jax.weights.sources import WeightFormat
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Model:
-    """A loaded model: its config, params pytree, tokenizer (None if it has none) and stop ids.
+    """A loaded model: its config, canonical params pytree, tokenizer (None if it has none), stop ids,
+    and the backend it runs on.
 
-    On one CPU device the params are in the layout the CPU kernels read fastest: q/k/v and gate/up fused
-    into one matrix each (:mod:`llm_jax.model.fused`), and the projections and a tied embedding table held
-    as panels of 16 columns (:mod:`llm_jax.model.panels`); ``llm_jax.model.unfuse_projections`` gives the
-    separate layout of checkpoints and Hugging Face.
+    ``params`` has the checkpoint's layout on every platform (``llm_jax.model.param_shapes``): research
+    code reads, edits and differentiates it. ``weights`` is what the backend's kernels read, derived from
+    ``params`` on first use (:meth:`llm_jax.backends.Backend.prepare`; ``params`` itself except on the
+    CPU kernels) and kept: build a new ``Model`` (``dataclasses.replace``) after editing ``params``.
     """
 
     config: ModelConfig
@@ -43,42 +46,46 @@ class Model:
     stop_ids: tuple[int, ...] = ()  # format-specific extra stops (finish_reason "stop")
     path: str = ""
     mesh: Mesh | None = None  # the mesh the params are laid out on (``llm_jax.sharding``); None: one device
+    backend: Backend | str = "auto"  # a Backend, or a name for ``llm_jax.backends.choose``
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", backends.choose(self.backend, mesh=self.mesh))
+
+    @functools.cached_property
+    def weights(self) -> Params:
+        """The params in the form the backend's kernels read (computed once)."""
+        return self.backend.prepare(self.params, self.config)
 
     def shard(self, mesh: Mesh) -> "Model":
         """This model laid out on ``mesh``; its config repeats K/V heads where the mesh needs it."""
-        config, params = shard_params(self.config, unfuse_projections(self.params, self.config), mesh)
-        return dataclasses.replace(self, config=config, params=params, mesh=mesh)
+        config, params = shard_params(self.config, self.params, mesh)
+        backend = self.backend if isinstance(self.backend, Pallas) else "auto"
+        return dataclasses.replace(self, config=config, params=params, mesh=mesh, backend=backend)
 
-    def with_attention(self, attention: AttentionImpl | str) -> "Model":
-        return dataclasses.replace(self, config=self.config.replace(attention_impl=AttentionImpl.parse(attention)))
+    def with_backend(self, backend: Backend | str) -> "Model":
+        """This model run by ``backend`` (a :class:`Backend` or a name)."""
+        return dataclasses.replace(self, backend=backend)
 
 
-def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None, mesh: Mesh | str | None = None,
-         attention: AttentionImpl | str = AttentionImpl.XLA, tokenizer: str | os.PathLike | None = None,
-         verify: bool = True, fuse: bool | None = None, greedy_screen: bool = True) -> Model:
+def load(path: str | os.PathLike, *, dtype=None, backend: Backend | str = "auto", sharding: ShardingArg = None,
+         mesh: Mesh | str | None = None, tokenizer: str | os.PathLike | None = None, verify: bool = True) -> Model:
     """Load an llm_jax checkpoint, a Hugging Face folder or a llama2.c ``.bin``.
 
     ``dtype`` sets both parameter and compute dtype (default: the checkpoint's own; float32 for
-    llama2.c). ``sharding`` places each tensor (a ``Sharding``, a pytree of them, or a callable
-    ``config -> either``; see ``weights/placement.py``); default: the first device. ``mesh`` (a ``Mesh``
-    or a spec like ``"data=2,model=4"``) instead lays the params out by the table of ``llm_jax.sharding``,
-    each device receiving only its shard, and runs the model on it. ``tokenizer`` overrides the tokenizer
-    found with the weights. ``verify`` checks an llm_jax checkpoint's checksums. ``fuse``: params in the fused
-    layout of :mod:`llm_jax.model.fused`, and in panels where the CPU kernels run (default: where they run
-    the products, that is without ``mesh`` or ``sharding`` on one CPU device). ``greedy_screen``: in panels,
-    the LM head's screens too, which greedy decoding reads instead of the head
-    (:mod:`llm_jax.model.greedy_head`); False saves their memory (0.5 or 0.75 of a float32 head, 0.5 or 1
-    of a bfloat16 one, as the CPU's dot products have them read) and computes every logit of every step.
+    llama2.c). ``backend``: how the model runs (``"auto"``, ``"xla"``, ``"cpu"``, ``"pallas"`` or a
+    :class:`llm_jax.Backend`; see :func:`llm_jax.backends.choose`). ``sharding`` places each tensor (a
+    ``Sharding``, a pytree of them, or a callable ``config -> either``; see ``weights/placement.py``);
+    default: the first device. ``mesh`` (a ``Mesh`` or a spec like ``"data=2,model=4"``) instead lays the
+    params out by the table of ``llm_jax.sharding``, each device receiving only its shard, and runs the
+    model on it. ``tokenizer`` overrides the tokenizer found with the weights. ``verify`` checks an
+    llm_jax checkpoint's checksums.
     """
-    attention = AttentionImpl.parse(attention)  # before any slow work
-    if fuse and mesh is not None:
-        raise ValueError("the fused layout is for one device (the mesh's sharding table names q/k/v and gate/up "
-                         "separately): give load() fuse=True or a mesh, not both")
     if mesh is not None:
         if sharding is not None:
             raise ValueError("give load() a mesh or a sharding, not both")
         mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
         sharding = _table_layout(mesh)
+    chosen = backends.choose(backend, mesh=mesh)  # before any slow work
     path = pathlib.Path(path)
     fmt = sources.detect_format(path)
     if fmt is WeightFormat.LLM_JAX:
@@ -96,13 +103,8 @@ def load(path: str | os.PathLike, *, dtype=None, sharding: ShardingArg = None, m
         eos_ids, stop_ids = sources.generation_ids(fmt, tok)
     if mesh is not None:  # K/V heads repeated where the mesh needs it (nothing moves otherwise)
         config, params = shard_params(config, params, mesh)
-    if fuse is None:
-        fuse = mesh is None and sharding is None and kernels_prefer_fused()
-    if fuse:
-        params = fuse_projections(params, config, consume=True, panels=kernels_prefer_fused(), screen=greedy_screen)
-    config = config.replace(attention_impl=attention)
     return Model(config=config, params=params, tokenizer=tok, eos_ids=eos_ids, stop_ids=stop_ids, path=str(path),
-                 mesh=mesh)
+                 mesh=mesh, backend=chosen)
 
 
 def _table_layout(mesh: Mesh):

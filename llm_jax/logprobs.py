@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from llm_jax.config import ModelConfig
+from llm_jax.backends import Backend
 from llm_jax.model import Params, unembed
 
 CHUNK = 128  # positions unembedded at once
@@ -28,7 +29,7 @@ class TokenLogprobs:
 
 
 def token_logprobs(params: Params, config: ModelConfig, x_BTD: jax.Array, targets_BT: jax.Array, *,
-                   top_n: int = 0) -> TokenLogprobs:
+                   top_n: int = 0, backend: Backend | None = None) -> TokenLogprobs:
     """Log-probabilities of ``targets_BT`` under the logits of the final residual stream ``x_BTD``.
 
     Targets outside the vocabulary (padding) read token 0's value; mask them afterwards.
@@ -44,7 +45,7 @@ def token_logprobs(params: Params, config: ModelConfig, x_BTD: jax.Array, target
     @jax.checkpoint
     def one_chunk(inputs):
         x_BcD, targets_Bc = inputs
-        logp_BcV = jax.nn.log_softmax(unembed(params, config, x_BcD), axis=-1)
+        logp_BcV = jax.nn.log_softmax(unembed(params, config, x_BcD, backend), axis=-1)
         chosen_Bc = jnp.take_along_axis(logp_BcV, targets_Bc[..., None], axis=-1)[..., 0]
         if not top_n:
             return chosen_Bc, None, None

@@ -265,6 +265,23 @@ def attention_on_shards(kernel: Callable, mesh: Mesh | None, q_BxNH: jax.Array, 
     return on_shards(q_BxNH, k_BSKH, v_BSKH, lengths_B)
 
 
+
+def stacked_attention_on_shards(kernel: Callable, mesh: Mesh | None, q_BNH: jax.Array, k_LBSKH: jax.Array,
+                                v_LBSKH: jax.Array, layer: jax.Array, lengths_B: jax.Array) -> jax.Array:
+    """``kernel(q, k, v, lengths, layer=layer)`` — a decode attention kernel reading layer ``layer`` of the
+    stacked caches [L, B, S, K, H] in place — on every device's shard, split as :func:`attention_on_shards`."""
+    if mesh is None:
+        return kernel(q_BNH, k_LBSKH, v_LBSKH, lengths_B, layer=layer)
+    heads_split = (MODEL in spec("BNH", q_BNH.shape, mesh)) and (MODEL in spec("LBSKH", k_LBSKH.shape, mesh))
+    heads = MODEL if heads_split else None
+    (rows,) = spec("B", lengths_B.shape, mesh)
+    q_spec = PartitionSpec(rows, heads, None)
+    kv_spec = PartitionSpec(None, rows, None, heads, None)
+    on_shards = jax.shard_map(lambda q, k, v, n, l: kernel(q, k, v, n, layer=l), mesh=mesh,
+                              in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(rows), PartitionSpec()),
+                              out_specs=q_spec, check_vma=False)
+    return on_shards(q_BNH, k_LBSKH, v_LBSKH, lengths_B, layer)
+
 # Placing params.
 _KV_HEAD_PARAMS = ("layers/attn/k_proj", "layers/attn/v_proj", "layers/attn/k_bias", "layers/attn/v_bias")
 

@@ -72,7 +72,7 @@ class _Session:
         """Stream the reply to user message ``text``; return the conversation with both, or unchanged when
         there is no reply (no room left in the context, or the reply was interrupted)."""
         from llm_jax.chat_template import encode_chat
-        from llm_jax.generate import PromptTooLongError, generate_stream
+        from llm_jax.generation import PromptTooLongError, generate_stream
 
         turn = (*messages, {"role": "user", "content": text})
         prompt_ids = encode_chat(self.model.tokenizer, self.template.render(turn, add_generation_prompt=True))

@@ -84,8 +84,9 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
                             "(default: the story model shipped in checkpoints/)")
     group.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                        help="parameter and compute dtype (default: the checkpoint's)")
-    group.add_argument("--attention", choices=["xla", "pallas"], default="xla",
-                       help="attention implementation (default: %(default)s)")
+    group.add_argument("--backend", choices=["auto", "xla", "cpu", "pallas"], default="auto",
+                       help="how the model runs: the CPU kernels on one CPU device, Pallas attention kernels on "
+                            "GPU/TPU, or XLA's own operations (default: %(default)s, which picks by platform)")
 
 
 def _add_prompt_flags(group: argparse._ArgumentGroup) -> None:
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every process runs the same program; several processes always shard over all their devices.
     mesh = args.mesh if args.mesh is not None or jax.process_count() == 1 else make_mesh()
     try:
-        model = load(args.model, dtype=args.dtype, attention=args.attention, mesh=mesh)
+        model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=mesh)
         if args.chat:
             return run_chat(model, template, system=args.system, first_messages=prompts,
                             generation=generation_options(args), quiet=args.quiet)
@@ -301,7 +302,7 @@ def _chat_template(model_path: str):
 def _generate(args: argparse.Namespace, model: Model, prompts: list[str | list[int]]) -> int:
     import jax
 
-    from llm_jax.generate import generate_stream
+    from llm_jax.generation import generate_stream
 
     stream = generate_stream(model, prompts, **generation_options(args))
     if jax.process_index() != 0:  # runs its part of every step; process 0 reports

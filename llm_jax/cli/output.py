@@ -9,7 +9,7 @@ import os
 from typing import TYPE_CHECKING, Iterable, Sequence, TextIO
 
 if TYPE_CHECKING:
-    from llm_jax.generate import GenerationMetrics, GenerationStream, StreamEvent
+    from llm_jax.generation import GenerationMetrics, GenerationStream, StreamEvent
     from llm_jax.loading import Model
 
 

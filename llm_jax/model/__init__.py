@@ -1,9 +1,9 @@
-"""The decoder: layers, attention and the transformer stack; the fused layout of its projections."""
+"""The decoder as pure functions of an explicit params pytree: layers, attention's projections, the stack."""
 
+from llm_jax.model.layers import final_norm
 from llm_jax.model.transformer import (LayerHooks, Params, embed, forward, forward_extend, forward_hidden,
-                                       forward_prefill, init_params, param_shapes, unembed)
-from llm_jax.model.fused import for_inference, fuse_projections, is_fused, unfuse_projections
+                                       forward_prefill, greedy_tokens, init_params, param_shapes, resolve_backend,
+                                       unembed)
 
-__all__ = ["LayerHooks", "Params", "embed", "for_inference", "forward", "forward_extend", "forward_hidden",
-           "forward_prefill", "fuse_projections", "init_params", "is_fused", "param_shapes", "unembed",
-           "unfuse_projections"]
+__all__ = ["LayerHooks", "Params", "embed", "final_norm", "forward", "forward_extend", "forward_hidden",
+           "forward_prefill", "greedy_tokens", "init_params", "param_shapes", "resolve_backend", "unembed"]

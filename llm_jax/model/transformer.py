@@ -2,9 +2,13 @@
 
 Layers are stacked (every layer parameter has a leading L axis) and run by ``lax.scan`` over the layer
 index, so compile time does not grow with depth. The scan does not slice the params: each layer hands
-the whole stacks and its index to the matrix products (see :mod:`llm_jax.model.layers`), which on CPU
-read the layer's weights in place. Layers whose attention differs (Gemma 2 alternates sliding-window and
+the whole stacks and its index to the backend (see :mod:`llm_jax.model.layers`), whose kernels may read
+the layer's weights in place. Layers whose attention differs (Gemma 2 alternates sliding-window and
 global layers) are scanned in groups of one period, keeping each layer's window a static value.
+
+Every function takes the params (canonical, or a backend's prepared weights) and a ``backend``: a
+:class:`llm_jax.backends.Backend`, a name (``"auto"``, ``"xla"``, ``"cpu"``, ``"pallas"``) or None for
+``llm_jax.backends.default()``.
 """
 
 from __future__ import annotations
@@ -19,15 +23,26 @@ import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh
 
+from llm_jax import backends
 from llm_jax import kv_cache as kvc
+from llm_jax.backends import Backend
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
-from llm_jax.model.attention import Attention, append_and_attend, attention
-from llm_jax.model.layers import PANELS_SUFFIX, Embedder, GatedMLP, Panels, RMSNorm, dense, final_norm
+from llm_jax.model.attention import Attention
+from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, final_norm
 
 Params = dict[str, Any]
 # attend(layer, q_BTNH, k_BTKH, v_BTKH, window, cache) -> (o_BTNH, cache)
 AttendFn = Callable[..., tuple[jax.Array, KVCache | None]]
+BackendArg = Backend | str | None
+
+
+def resolve_backend(backend: BackendArg) -> Backend:
+    """The :class:`Backend` a model function runs on: ``backend`` itself, the one it names, or (None)
+    :func:`llm_jax.backends.default`."""
+    if backend is None:
+        return backends.default()
+    return backends.choose(backend)
 
 
 class DecoderLayer(nn.Module):
@@ -37,6 +52,7 @@ class DecoderLayer(nn.Module):
     """
 
     config: ModelConfig
+    backend: Backend = backends.Xla()
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, attend: Callable, layer: jax.Array):
@@ -45,14 +61,14 @@ class DecoderLayer(nn.Module):
         def norm(name: str, x_BTD: jax.Array) -> jax.Array:
             return RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L, name=name)(x_BTD, layer)
 
-        attn = Attention(c, stack=L, name="attn")
+        attn = Attention(c, self.backend, stack=L, name="attn")
         q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm", x_BTD), positions_BT, layer)
         o_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)
         y_BTD = attn.output(o_BTNH, layer)
         if c.sandwich_norm:
             y_BTD = norm("post_attn_norm", y_BTD)
         x_BTD = x_BTD + y_BTD
-        mlp = GatedMLP(d_ff=c.d_ff, activation=c.activation, matmul=c.matmul_impl, stack=L, name="mlp")
+        mlp = GatedMLP(d_ff=c.d_ff, activation=c.activation, backend=self.backend, stack=L, name="mlp")
         y_BTD = mlp(norm("mlp_norm", x_BTD), layer)
         if c.sandwich_norm:
             y_BTD = norm("post_mlp_norm", y_BTD)
@@ -101,8 +117,9 @@ def init_params(config: ModelConfig, seed: int = 0) -> Params:
     return jax.tree_util.tree_map_with_path(draw, param_shapes(config))
 
 
-def embed(params: Params, config: ModelConfig, tokens_BT: jax.Array) -> jax.Array:
-    x_BTD = Embedder(config.vocab_size, config.d_model).apply(
+def embed(params: Params, config: ModelConfig, tokens_BT: jax.Array, backend: BackendArg = None) -> jax.Array:
+    """The token embeddings [B, T, D] in the compute dtype (Gemma's scaled by √D)."""
+    x_BTD = Embedder(config.vocab_size, config.d_model, resolve_backend(backend)).apply(
         {"params": params["embedder"]}, tokens_BT, config.compute_jnp_dtype, method=Embedder.encode)
     if config.embed_scale:
         # Gemma multiplies by sqrt(D) rounded to the activation dtype.
@@ -110,21 +127,26 @@ def embed(params: Params, config: ModelConfig, tokens_BT: jax.Array) -> jax.Arra
     return x_BTD
 
 
-def unembed(params: Params, config: ModelConfig, x_BTD: jax.Array) -> jax.Array:
+def unembed(params: Params, config: ModelConfig, x_BTD: jax.Array, backend: BackendArg = None) -> jax.Array:
     """Final norm and LM head: float32 logits [B, T, V]."""
+    backend = resolve_backend(backend)
     x_BTD = final_norm(params, config, x_BTD)
     if config.tie_embeddings:
-        logits_BTV = Embedder(config.vocab_size, config.d_model, config.matmul_impl).apply(
+        logits_BTV = Embedder(config.vocab_size, config.d_model, backend).apply(
             {"params": params["embedder"]}, x_BTD, method=Embedder.decode)
     else:
-        head_DV = params.get("lm_head")
-        if head_DV is None:  # the panel layout (llm_jax.model.panels)
-            head_DV = Panels(params["lm_head" + PANELS_SUFFIX], (config.vocab_size,))
-        logits_BTV = dense("BTD,DV->BTV", x_BTD, head_DV, jnp.float32, config.matmul_impl)
+        logits_BTV = backend.dense("BTD,DV->BTV", x_BTD, params["lm_head"], jnp.float32)
     if config.final_logit_softcap is not None:
         cap = config.final_logit_softcap
         logits_BTV = cap * jnp.tanh(logits_BTV / cap)
     return logits_BTV
+
+
+def greedy_tokens(params: Params, config: ModelConfig, x_BD: jax.Array, backend: BackendArg = None) -> jax.Array | None:
+    """The greedy token [B] of last hidden states ``x_BD`` (before the final norm) — the argmax of
+    :func:`unembed`'s logits — where the backend has a way that does not compute every logit (the CPU
+    kernels' screen of the LM head); None where it has none."""
+    return resolve_backend(backend).greedy_tokens(params, config, final_norm(params, config, x_BD))
 
 
 def _layer_period(windows: tuple[int | None, ...]) -> int:
@@ -161,14 +183,14 @@ class LayerHooks:
 
 
 def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positions_BT: jax.Array,
-                  attend: AttendFn, cache: KVCache | None, hooks: LayerHooks | None = None):
+                  attend: AttendFn, cache: KVCache | None, hooks: LayerHooks | None, backend: Backend):
     """Run every layer over ``x_BTD``; ``attend`` decides what attention sees and how the cache changes.
 
     Returns the final residual stream and the cache, plus the recorded layers [B, T, R, D] (or None)
     when ``hooks`` is given.
     """
     windows = config.layer_windows()
-    layer = DecoderLayer(config)
+    layer = DecoderLayer(config, backend)
     period = _layer_period(windows)
     groups = config.n_layers // period
     steering = recorded = slot_L = None
@@ -204,14 +226,12 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     return x_BTD, cache, None if recorded is None else recorded.transpose(1, 2, 0, 3)
 
 
-def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool, mesh: Mesh | None = None):
+def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool, backend: Backend,
+                  mesh: Mesh | None = None):
     """Attention over this call's own keys (queries at positions 0..T-1); optionally store them."""
 
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
-        B, T = q_BTNH.shape[:2]
-        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        o_BTNH = attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, lengths_B, config=config, window=window,
-                           queries_from_zero=True, mesh=mesh)
+        o_BTNH = backend.attention(q_BTNH, k_BTKH, v_BTKH, lengths_B, config=config, window=window, mesh=mesh)
         if write_cache:
             cache = KVCache(k_LBSKH=kvc.write_block(cache.k_LBSKH, layer, k_BTKH),
                             v_LBSKH=kvc.write_block(cache.v_LBSKH, layer, v_BTKH), lengths_B=cache.lengths_B)
@@ -221,57 +241,63 @@ def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool, 
 
 
 def forward_hidden(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array | None = None,
-                   *, hooks: LayerHooks | None = None):
+                   *, hooks: LayerHooks | None = None, backend: BackendArg = None):
     """Full-sequence causal pass without a cache: the final residual stream [B, T, D] (before the final
     norm), plus the recorded layers when ``hooks`` is given. ``lengths_B`` marks right padding."""
+    backend = resolve_backend(backend)
     B, T = tokens_BT.shape
     lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    out = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
-                        _attend_fresh(config, lengths_B, write_cache=False), None, hooks)
+    out = decoder_stack(params, config, embed(params, config, tokens_BT, backend), positions_BT,
+                        _attend_fresh(config, lengths_B, False, backend), None, hooks, backend)
     return out[0] if hooks is None else (out[0], out[2])
 
 
 def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array | None = None,
-            *, hooks: LayerHooks | None = None):
+            *, hooks: LayerHooks | None = None, backend: BackendArg = None):
     """Full-sequence causal forward pass without a cache: logits [B, T, V] (float32), plus the recorded
-    layers when ``hooks`` is given.
+    layers when ``hooks`` is given. Differentiable in ``params`` (canonical) on every backend.
 
     ``lengths_B`` marks right padding (default: every token is real); logits at padded positions are
     meaningless.
     """
+    backend = resolve_backend(backend)
     if hooks is None:
-        return unembed(params, config, forward_hidden(params, config, tokens_BT, lengths_B))
-    x_BTD, recorded = forward_hidden(params, config, tokens_BT, lengths_B, hooks=hooks)
-    return unembed(params, config, x_BTD), recorded
+        return unembed(params, config, forward_hidden(params, config, tokens_BT, lengths_B, backend=backend), backend)
+    x_BTD, recorded = forward_hidden(params, config, tokens_BT, lengths_B, hooks=hooks, backend=backend)
+    return unembed(params, config, x_BTD, backend), recorded
 
 
 def forward_prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
-                    cache: KVCache, mesh: Mesh | None = None, *, hooks: LayerHooks | None = None):
+                    cache: KVCache, mesh: Mesh | None = None, *, hooks: LayerHooks | None = None,
+                    backend: BackendArg = None):
     """Run right-padded prompts from an empty cache: final hidden states [B, T, D] and the filled cache
     (plus the recorded layers when ``hooks`` is given).
 
     ``mesh``: the mesh params and cache are laid out on (``llm_jax.sharding``), for attention kernels.
     """
+    backend = resolve_backend(backend)
     B, T = tokens_BT.shape
     if T > cache.max_len:
         raise ValueError(f"prompt block of {T} tokens does not fit a cache of {cache.max_len} slots")
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     dtype = cache.k_LBSKH.dtype
-    x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT,
-                                            _attend_fresh(config, lengths_B, write_cache=True, mesh=mesh),
-                                            kvc.as_bits(cache), hooks)
+    x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT, backend), positions_BT,
+                                            _attend_fresh(config, lengths_B, True, backend, mesh),
+                                            kvc.as_bits(cache), hooks, backend)
     return (x_BTD, dataclasses.replace(kvc.from_bits(cache, dtype), lengths_B=lengths_B.astype(jnp.int32)), *recorded)
 
 
 def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, cache: KVCache,
-                   active_B: jax.Array, mesh: Mesh | None = None, *, hooks: LayerHooks | None = None):
+                   active_B: jax.Array, mesh: Mesh | None = None, *, hooks: LayerHooks | None = None,
+                   backend: BackendArg = None):
     """Append T tokens per active row after its ``cache.lengths_B`` tokens (decode): hidden [B, T, D]
     and the cache (plus the recorded layers when ``hooks`` is given).
 
     Inactive rows (finished sequences) write nothing and keep their length. ``mesh`` as for
     :func:`forward_prefill`.
     """
+    backend = resolve_backend(backend)
     B, T = tokens_BT.shape
     positions_BT = cache.lengths_B[:, None] + jnp.arange(T, dtype=jnp.int32)
     # Slots of inactive rows are pushed out of range, so their writes are dropped.
@@ -279,10 +305,11 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
     new_lengths_B = cache.lengths_B + jnp.where(active_B, T, 0).astype(jnp.int32)
 
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
-        o_BTNH, k_LBSKH, v_LBSKH = append_and_attend(q_BTNH, k_BTKH, v_BTKH, cache.k_LBSKH, cache.v_LBSKH, layer,
-                                                     slots_BT, positions_BT, config=config, window=window, mesh=mesh)
+        o_BTNH, k_LBSKH, v_LBSKH = backend.append_and_attend(q_BTNH, k_BTKH, v_BTKH, cache.k_LBSKH, cache.v_LBSKH,
+                                                             layer, slots_BT, positions_BT, config=config,
+                                                             window=window, mesh=mesh)
         return o_BTNH, KVCache(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH, lengths_B=cache.lengths_B)
 
-    x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT), positions_BT, attend,
-                                            cache, hooks)
+    x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT, backend), positions_BT,
+                                            attend, cache, hooks, backend)
     return (x_BTD, dataclasses.replace(cache, lengths_B=new_lengths_B), *recorded)

@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from llm_jax.config import ConfigError, ModelConfig
-from llm_jax.model import Params, unfuse_projections
+from llm_jax.model import Params
 from llm_jax.weights import checksum
 from llm_jax.weights.layout import WeightsError
 from llm_jax.weights.placement import (Path, ShardingArg, expected_shapes, leaves_by_path, resolve_shardings,
@@ -90,7 +90,6 @@ def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Par
     checkpoint itself.
     """
     path = pathlib.Path(path)
-    params = unfuse_projections(params, config)  # checkpoints keep the separate layout
     stored_dtype = _check_params(params, config, where=str(path))
     config = config.replace(param_dtype=stored_dtype)
     copies = _tokenizer_copies(tokenizer_files)

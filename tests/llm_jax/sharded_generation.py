@@ -26,9 +26,9 @@ import numpy as np
 
 import llm_jax
 from llm_jax import buckets, sharding
-from llm_jax.decode import DecodeControls, decode, start
+from llm_jax.decoding import DecodeControls, decode, start
 from llm_jax.kv_cache import init_cache
-from llm_jax.prefill import pad_prompts, prefill
+from llm_jax.prefilling import pad_prompts, prefill
 from llm_jax.sampling import GREEDY
 
 TINY_GQA = llm_jax.ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=8,
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             report[name][mesh] = run(load(name, mesh), prompts, **kwargs)
         if name == args.model[0]:
             for mesh in args.pallas_mesh:
-                report[name][f"{mesh}+pallas"] = run(load(name, mesh).with_attention("pallas"), prompts, **kwargs)
+                report[name][f"{mesh}+pallas"] = run(load(name, mesh).with_backend("pallas"), prompts, **kwargs)
     json.dump(report, sys.stdout)
     return 0
 

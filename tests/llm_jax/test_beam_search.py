@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import llm_jax
-from llm_jax.beam_search import BeamSearch, EarlyStopping
+from llm_jax.beams import BeamSearch, EarlyStopping
 from tests.hf_models import save_tiny_llama
 
 PROMPTS = [[1, 5, 17, 33, 8], [1, 40, 2, 9], [1, 77, 61, 12, 30, 3, 50]]

@@ -1,6 +1,6 @@
 import pytest
 
-from llm_jax.config import (AttentionImpl, ConfigError, DefaultRope, LinearRope, Llama3Rope, MatmulImpl, ModelConfig)
+from llm_jax.config import ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig
 
 BASE = dict(vocab_size=32, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, d_ff=24, max_seq_len=64)
 
@@ -25,7 +25,6 @@ def test_valid_config_derives_values():
     (dict(rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0,
                                   original_max_position_embeddings=8192)), "invalid rope_scaling"),
     (dict(attn_logit_softcap=0.0), "attn_logit_softcap must be positive"),
-    (dict(attention_impl="cuda"), "unknown attention implementation 'cuda'"),
 ])
 def test_invalid_config_is_rejected(changes, message):
     with pytest.raises(ConfigError, match=message):
@@ -35,10 +34,8 @@ def test_invalid_config_is_rejected(changes, message):
 def test_round_trip_through_dict():
     c = ModelConfig(**BASE, rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                     original_max_position_embeddings=32),
-                    sliding_window=8, sliding_layers=(True, False), attention_impl="pallas",
-                    param_dtype="bfloat16")
+                    sliding_window=8, sliding_layers=(True, False), param_dtype="bfloat16")
     assert ModelConfig.from_dict(c.to_dict()) == c
-    assert c.attention_impl is AttentionImpl.PALLAS
     assert c.layer_windows() == (8, None)
     assert ModelConfig.from_dict(ModelConfig(**BASE, rope_scaling=LinearRope(factor=2.0)).to_dict()).rope_scaling \
         == LinearRope(factor=2.0)
@@ -60,9 +57,11 @@ def test_num_params_matches_pytree():
         assert c.num_params() == sum(x.size for x in jax.tree.leaves(params))
 
 
-def test_implementations_parse_at_the_edge():
-    c = ModelConfig(**BASE, attention_impl="PALLAS", matmul_impl="xla")
-    assert (c.attention_impl, c.matmul_impl) == (AttentionImpl.PALLAS, MatmulImpl.XLA)
-    assert ModelConfig.from_dict(c.to_dict()) == c
-    with pytest.raises(ConfigError, match="unknown matmul implementation 'blas'; choose one of 'auto', 'xla'"):
-        ModelConfig(**BASE, matmul_impl="blas")
+def test_runtime_choices_are_not_config():
+    """How a model runs is its backend's (``llm_jax.backends``): not a config field, never saved; configs
+    saved with the runtime fields of earlier versions still load, without them."""
+    with pytest.raises(TypeError, match="attention_impl"):
+        ModelConfig(**BASE, attention_impl="pallas")
+    saved = {**ModelConfig(**BASE).to_dict(), "attention_impl": "pallas", "matmul_impl": "xla"}
+    assert ModelConfig.from_dict(saved) == ModelConfig(**BASE)
+    assert not {"attention_impl", "matmul_impl"} & set(ModelConfig(**BASE).to_dict())

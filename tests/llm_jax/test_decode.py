@@ -12,10 +12,10 @@ import transformers
 
 import llm_jax
 from llm_jax.config import ModelConfig
-from llm_jax.decode import PAD_ID, DecodeControls, FinishReason, Logprobs, decode, start
+from llm_jax.decoding import PAD_ID, DecodeControls, FinishReason, Logprobs, decode, start
 from llm_jax.kv_cache import init_cache
 from llm_jax.model import forward, init_params
-from llm_jax.prefill import pad_prompts, prefill
+from llm_jax.prefilling import pad_prompts, prefill
 from llm_jax.sampling import GREEDY, Sampling
 
 CONFIG = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,

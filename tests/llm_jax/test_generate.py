@@ -213,7 +213,7 @@ def test_n_samples_share_one_prefill(tiny, monkeypatch):
     prompts = [[1, 5, 17], [1, 40, 2, 9]]
     sampling = llm_jax.Sampling(temperature=1.0, seed=3)
     calls = []
-    generate_module = importlib.import_module("llm_jax.generate")
+    generate_module = importlib.import_module("llm_jax.generation")
     real_prefill = generate_module._prefill
     monkeypatch.setattr(generate_module, "_prefill", lambda params, config, tokens, *rest, **kw: calls.append(
         tokens.shape) or real_prefill(params, config, tokens, *rest, **kw))

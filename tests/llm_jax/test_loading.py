@@ -1,4 +1,4 @@
-"""``llm_jax.load``: format detection, dtype, sharding, attention and tokenizer options for every format."""
+"""``llm_jax.load``: format detection, dtype, sharding, backend and tokenizer options for every format."""
 
 import jax
 import jax.numpy as jnp
@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import llm_jax
-from llm_jax.config import AttentionImpl, ConfigError
-from llm_jax.model import greedy_head, is_fused, unfuse_projections
-from llm_jax.model.fused import kernels_prefer_fused
+from llm_jax.backends import BackendError, Pallas
+from llm_jax.model import param_shapes
 from llm_jax.weights.convert import convert
 from llm_jax.weights.placement import leaves_by_path
 from tests.hf_models import save_tiny_llama
@@ -28,15 +27,15 @@ def reference(paths):
 
 
 def separate(model: llm_jax.Model) -> dict:
-    """The model's params by path, in the separate layout of checkpoints (llm_jax.model.fused)."""
-    return leaves_by_path(unfuse_projections(model.params, model.config))
+    """The model's params by path (the checkpoint's layout on every platform)."""
+    return leaves_by_path(model.params)
 
 
 @pytest.mark.parametrize("kind", ["bin", "hf", "llm_jax"])
 def test_every_format_loads_the_same_model(paths, reference, kind):
     model = llm_jax.load(paths[kind])
     assert model.config == reference.config and model.path == str(paths[kind])
-    assert is_fused(model.params) == kernels_prefer_fused()  # fused where the CPU kernels run
+    assert set(separate(model)) == set(leaves_by_path(param_shapes(model.config)))  # the canonical layout
     for path, x in separate(reference).items():
         np.testing.assert_array_equal(np.asarray(separate(model)[path]), np.asarray(x))
     assert model.tokenizer.encode("Once upon a time") == reference.tokenizer.encode("Once upon a time")
@@ -45,16 +44,15 @@ def test_every_format_loads_the_same_model(paths, reference, kind):
 
 
 @pytest.mark.parametrize("kind", ["bin", "hf", "llm_jax"])
-def test_dtype_sharding_and_attention(paths, reference, kind):
+def test_dtype_sharding_and_backend(paths, reference, kind):
     sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",)),
                                           jax.sharding.PartitionSpec())
     seen = []
-    model = llm_jax.load(paths[kind], dtype=jnp.bfloat16, attention="pallas",
+    model = llm_jax.load(paths[kind], dtype=jnp.bfloat16, backend="pallas",
                          sharding=lambda config: seen.append(config.param_dtype) or sharding)
     assert seen == ["bfloat16"]
     assert (model.config.param_dtype, model.config.compute_dtype) == ("bfloat16", "bfloat16")
-    assert model.config.attention_impl is AttentionImpl.PALLAS
-    assert not is_fused(model.params)  # a placement given: the separate layout, each tensor where it was put
+    assert model.backend == Pallas()
     for path, x in separate(reference).items():
         ours = leaves_by_path(model.params)[path]
         assert ours.sharding == sharding and ours.dtype == jnp.bfloat16
@@ -66,8 +64,7 @@ def test_hugging_face_default_dtype_is_the_checkpoints_own(tmp_path):
                     num_attention_heads=4, num_key_value_heads=2).to(torch.bfloat16).save_pretrained(tmp_path)
     model = llm_jax.load(tmp_path)
     assert model.config.param_dtype == "bfloat16"
-    # every weight; the LM head's screens for greedy decoding (int8, float32 scales) are not weights
-    assert {x.dtype for x in jax.tree.leaves(greedy_head.without_screen(model.params))} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(model.params)} == {jnp.dtype(jnp.bfloat16)}
     assert model.tokenizer is None and model.eos_ids == ()
 
 
@@ -85,5 +82,5 @@ def test_bad_arguments(paths, tmp_path):
         llm_jax.load(tmp_path / "weights.txt")
     with pytest.raises(ValueError, match="not a model folder"):
         llm_jax.load(tmp_path)
-    with pytest.raises(ConfigError, match="unknown attention implementation 'cuda'"):
-        llm_jax.load(paths["bin"], attention="cuda")
+    with pytest.raises(BackendError, match="unknown backend 'cuda'; choose one of 'auto', 'xla', 'cpu', 'pallas'"):
+        llm_jax.load(paths["bin"], backend="cuda")

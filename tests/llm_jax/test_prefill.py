@@ -10,7 +10,7 @@ from llm_jax import buckets
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import init_cache
 from llm_jax.model import forward, init_params
-from llm_jax.prefill import pad_prompts, prefill
+from llm_jax.prefilling import pad_prompts, prefill
 
 CONFIG = ModelConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
                      max_seq_len=128)

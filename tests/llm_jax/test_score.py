@@ -12,7 +12,7 @@ import llm_jax
 from llm_jax import logprobs as logprobs_module
 from llm_jax.config import ModelConfig
 from llm_jax.model import LayerHooks, forward, forward_hidden, init_params
-from llm_jax.score import continuation_logprobs
+from llm_jax.scoring import continuation_logprobs
 
 CONFIG = ModelConfig(vocab_size=53, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
                      max_seq_len=64, tie_embeddings=True)

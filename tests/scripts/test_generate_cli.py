@@ -115,7 +115,7 @@ def test_help_is_fast_and_does_not_import_jax(env):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("jax imported: False")
     for flag in ("--model", "--prompt", "--prompt-ids", "--chat", "--system", "--max-new-tokens", "--ignore-eos",
-                 "--stop", "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--dtype", "--attention",
+                 "--stop", "--temperature", "--top-k", "--top-p", "--min-p", "--seed", "--dtype", "--backend",
                  "--json", "--quiet"):
         assert flag in proc.stdout
 

@@ -4,7 +4,7 @@ import io
 import types
 
 from llm_jax.cli.output import json_report, metrics_fields, print_status, write_stream
-from llm_jax.generate import GenerationMetrics, GenerationResult, StreamEvent
+from llm_jax.generation import GenerationMetrics, GenerationResult, StreamEvent
 
 
 class Recorder(io.StringIO):

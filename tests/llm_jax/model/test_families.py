@@ -25,7 +25,7 @@ import transformers
 
 import llm_jax
 from llm_jax.kv_cache import init_cache
-from llm_jax.model import forward, forward_extend, forward_prefill, unembed, unfuse_projections
+from llm_jax.model import forward, forward_extend, forward_prefill, unembed
 from llm_jax.weights.checkpoint import load_checkpoint
 from llm_jax.weights.convert import convert
 from llm_jax.weights.placement import leaves_by_path
@@ -233,9 +233,8 @@ def test_convert_round_trip_is_exact(case):
     name, folder, model = case.name, case.folder, case.model
     convert(folder / "hf", folder / "llm_jax", dtype="float32")
     config, params, _ = load_checkpoint(folder / "llm_jax")
-    assert config == model.config.replace(attention_impl=config.attention_impl)
-    # checkpoints keep q/k/v and gate/up separate, whatever the loaded layout (llm_jax.model.fused)
-    ours, restored = leaves_by_path(unfuse_projections(model.params, model.config)), leaves_by_path(params)
+    assert config == model.config
+    ours, restored = leaves_by_path(model.params), leaves_by_path(params)
     assert ours.keys() == restored.keys()
     for path in ours:
         np.testing.assert_array_equal(np.asarray(restored[path]), np.asarray(ours[path]), err_msg=f"{name} {path}")

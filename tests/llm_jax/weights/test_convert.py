@@ -16,7 +16,6 @@ import torch
 import transformers
 
 import llm_jax
-from llm_jax.model import unfuse_projections
 from llm_jax.tokenizer import load_tokenizer
 from llm_jax.weights import checkpoint
 from llm_jax.weights.checkpoint import is_checkpoint, load_checkpoint
@@ -50,7 +49,7 @@ def test_stories260k_round_trip(stories260k_dir, tmp_path, kind):
     reads = [e for e in events if e.stage == "read"]
     saves = [e for e in events if e.stage == "save"]
     assert [e.done for e in reads] == list(range(1, reads[0].total + 1)) and reads[0].total == 9 * 5 + 2
-    assert len(saves) == saves[0].total == len(jax.tree.leaves(unfuse_projections(direct.params, direct.config)))
+    assert len(saves) == saves[0].total == len(jax.tree.leaves(direct.params))
 
 
 def test_bfloat16_conversion_keeps_greedy_output_close(stories260k_dir, tmp_path):
@@ -59,7 +58,7 @@ def test_bfloat16_conversion_keeps_greedy_output_close(stories260k_dir, tmp_path
     config, params, meta = load_checkpoint(tmp_path / "bf16")
     assert meta.param_dtype == config.param_dtype == config.compute_dtype == "bfloat16"
     f32 = llm_jax.load(source)
-    for path, x in leaves_by_path(unfuse_projections(f32.params, f32.config)).items():  # round-to-nearest casts
+    for path, x in leaves_by_path(f32.params).items():  # round-to-nearest casts
         np.testing.assert_array_equal(np.asarray(leaves_by_path(params)[path]), np.asarray(x.astype("bfloat16")))
     # The float32 reference is transformers on the hf/ copy (equal to llm_jax float32 token for token).
     reference = transformers.LlamaForCausalLM.from_pretrained(stories260k_dir / "hf").eval()

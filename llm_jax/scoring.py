@@ -18,25 +18,28 @@ from llm_jax import buckets
 from llm_jax.config import ModelConfig
 from llm_jax.loading import Model
 from llm_jax.logprobs import token_logprobs
-from llm_jax.model import LayerHooks, Params, forward_hidden
-from llm_jax.prefill import pad_prompts
+from llm_jax.backends import Backend
+from llm_jax.model import LayerHooks, Params, forward_hidden, resolve_backend
+from llm_jax.prefilling import pad_prompts
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config", "backend"))
 def continuation_logprobs(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
-                          starts_B: jax.Array, hooks: LayerHooks | None = None) -> tuple[jax.Array, jax.Array]:
+                          starts_B: jax.Array, hooks: LayerHooks | None = None, *,
+                          backend: Backend | str | None = None) -> tuple[jax.Array, jax.Array]:
     """log p(``tokens_BT[b, t]`` | ``tokens_BT[b, :t]``) at continuation positions ``starts_B[b] <= t <
     lengths_B[b]`` (0 elsewhere), and whether each such token was the model's argmax (True elsewhere).
 
     Differentiable in ``params`` and ``hooks`` (steering vectors): ``jax.grad`` of the summed output is
     the gradient of the continuations' log-likelihood. ``starts_B`` must be >= 1.
     """
-    x_BTD = forward_hidden(params, config, tokens_BT, lengths_B, hooks=hooks)
+    backend = resolve_backend(backend)
+    x_BTD = forward_hidden(params, config, tokens_BT, lengths_B, hooks=hooks, backend=backend)
     if hooks is not None:
         x_BTD = x_BTD[0]
     B, T = tokens_BT.shape
     # Position t predicts token t + 1; shift so that entry t scores token t.
     next_BT = jnp.concatenate([tokens_BT[:, 1:], jnp.zeros((B, 1), tokens_BT.dtype)], axis=1)
-    predicted = token_logprobs(params, config, x_BTD, next_BT, top_n=1)
+    predicted = token_logprobs(params, config, x_BTD, next_BT, top_n=1, backend=backend)
     logprobs_BT = jnp.pad(predicted.logprobs_BT[:, :-1], ((0, 0), (1, 0)))
     greedy_BT = jnp.pad(predicted.top_ids_BTN[:, :-1, 0] == tokens_BT[:, 1:], ((0, 0), (1, 0)))
     t_T = jnp.arange(T)
@@ -89,7 +92,7 @@ def score(model: Model, prompts: Sequence[str | Sequence[int]],
     tokens_BT, lengths_B = pad_prompts(sequences, block)
     starts_B = np.array([len(p) for p in prompt_ids], np.int32)
     logprobs_BT, greedy_BT = jax.device_get(
-        continuation_logprobs(model.params, model.config, tokens_BT, lengths_B, starts_B))
+        continuation_logprobs(model.weights, model.config, tokens_BT, lengths_B, starts_B, backend=model.backend))
     return [Score(logprob=float(logprobs_BT[b, s:n].sum()), token_logprobs=logprobs_BT[b, s:n].tolist(),
                   is_greedy=bool(greedy_BT[b].all()), continuation_ids=c)
             for b, (s, n, c) in enumerate(zip(starts_B, lengths_B, cont_ids))]

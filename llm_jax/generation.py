@@ -4,7 +4,7 @@ Thin orchestration over the pipeline stages: tokenize → pad into a bucket → 
 (first token) → ``decode`` in chunks of scan steps (the host sees tokens once per chunk) → detokenize
 incrementally → results with timing metrics. Every control runs on device inside the decode loop, per
 sequence (:mod:`llm_jax.sampling`, :mod:`llm_jax.stop_matching`); ``n`` samples of a prompt share its
-prefill (its cache rows are copied); ``num_beams > 1`` runs :func:`llm_jax.beam_search.beam_search`.
+prefill (its cache rows are copied); ``num_beams > 1`` runs :func:`llm_jax.beams.beam_search`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import numpy as np
 from jax.sharding import Mesh
 
 from llm_jax import buckets, executable_cache, sharding
-from llm_jax.beam_search import BeamSearch, EarlyStopping, beam_search
+from llm_jax.beams import BeamSearch, EarlyStopping, beam_search
 from llm_jax.compile_stats import measure_compilation
-from llm_jax.decode import PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, decode, start, take_cache_rows
+from llm_jax.decoding import PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, decode, start, take_cache_rows
 from llm_jax.detokenize import IncrementalDetokenizer
 from llm_jax.kv_cache import KVCache, init_cache
 from llm_jax.loading import Model
 from llm_jax.model import LayerHooks
-from llm_jax.prefill import PrefillExtras, pad_prompts, prefill, prefill_with_extras
+from llm_jax.prefilling import PrefillExtras, pad_prompts, prefill, prefill_with_extras
 from llm_jax.sampling import GREEDY, Sampling
 from llm_jax.stop_strings import StopStringMatcher
 
@@ -284,15 +284,15 @@ class GenerationStream:
         return self._run()
 
     def _prefill(self, tokens_BT, lengths_B) -> tuple[jax.Array, KVCache, PrefillExtras | None]:
-        config, params, mesh = self.model.config, self.model.params, self.model.mesh
+        config, params, mesh, backend = self.model.config, self.model.weights, self.model.mesh, self.model.backend
         P = len(self.prompt_ids)
         layout = None if mesh is None else sharding.cache_shardings(config, P, self.cache_len, mesh)
         cache = init_cache(config, P, self.cache_len, sharding=layout)
         hooks = self.prompt_hooks
         if hooks.steering_BLD is None and not hooks.record_layers and self.prompt_logprobs is None:
-            return (*_prefill(params, config, tokens_BT, lengths_B, cache, mesh=mesh), None)
+            return (*_prefill(params, config, tokens_BT, lengths_B, cache, mesh=mesh, backend=backend), None)
         return _prefill_with_extras(params, config, tokens_BT, lengths_B, cache, hooks,
-                                   prompt_logprobs=self.prompt_logprobs, mesh=mesh)
+                                   prompt_logprobs=self.prompt_logprobs, mesh=mesh, backend=backend)
 
     def _run(self) -> Iterator[StreamEvent]:
         model, config, mesh = self.model, self.model.config, self.model.mesh
@@ -306,7 +306,8 @@ class GenerationStream:
             rows = jnp.asarray(self.rows)
             if self.n > 1:  # the samples of a prompt share its prefill: copy its cache rows
                 logits_BV, cache = logits_BV[rows], take_cache_rows(cache, rows)
-            state, emitted = _start(logits_BV, tokens_BT[self.rows], cache, self.controls, mesh=mesh)
+            state, emitted = _start(logits_BV, tokens_BT[self.rows], cache, self.controls, mesh=mesh,
+                                    backend=model.backend)
             emitted = jax.device_get(emitted)
             t_first, compile_before_decode = time.perf_counter(), compiled.seconds
             texts = [_RowText(model.tokenizer, self.prompt_ids[p], stops, minimum)
@@ -341,8 +342,8 @@ class GenerationStream:
                     finish_B[stopped_by_text] = FinishReason.STOP
                     state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
                 t_chunk, compile_before_chunk = time.perf_counter(), compiled.seconds
-                cache, state, emitted = _decode(model.params, config, cache, state, self.controls,
-                                               num_steps=self.chunk_steps, mesh=mesh)
+                cache, state, emitted = _decode(model.weights, config, cache, state, self.controls,
+                                               num_steps=self.chunk_steps, mesh=mesh, backend=model.backend)
                 emitted = jax.device_get(emitted)
                 host_syncs += 1
                 # A chunk that compiled decode says nothing about step time: take the compilation out.
@@ -398,8 +399,9 @@ class GenerationStream:
 
     def _run_beams(self, logits_BV, tokens_BT, cache, extras, t_start, compiled) -> Iterator[StreamEvent]:
         model, search = self.model, self.beams
-        beams = jax.device_get(_beam_search(model.params, model.config, logits_BV, tokens_BT, cache, self.controls,
-                                           search=search, max_new_tokens=self.max_new_tokens, mesh=model.mesh))
+        beams = jax.device_get(_beam_search(model.weights, model.config, logits_BV, tokens_BT, cache, self.controls,
+                                           search=search, max_new_tokens=self.max_new_tokens, mesh=model.mesh,
+                                           backend=model.backend))
         t_end = time.perf_counter()
         end_ids = set(model.eos_ids) | set(int(t) for t in np.asarray(self.controls.stop_ids_BX).ravel())
         tok, prompt_extras = model.tokenizer, self._prompt_extras(extras)

@@ -25,7 +25,8 @@ from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.logits_processors import PAD_ID, History
 from llm_jax.logprobs import chosen_and_top
-from llm_jax.model import LayerHooks, Params, forward_extend, greedy_head, unembed
+from llm_jax.backends import Backend
+from llm_jax.model import LayerHooks, Params, forward_extend, greedy_tokens, resolve_backend, unembed
 from llm_jax.sampling import Sampling, SamplingParams, process_logits, sample
 from llm_jax.sharding import constrain_cache, constrain_replicated
 from llm_jax.stop_matching import StopTable
@@ -173,23 +174,25 @@ def take_cache_rows(cache: KVCache, index_B: jax.Array) -> KVCache:
 
 def argmax_only(controls: DecodeControls) -> bool:
     """Whether every step's token is the argmax of the model's logits, nothing else read from them: every
-    row greedy, no logits processors, no log-probabilities (all static). Such steps run the LM head
-    through its screen where the params hold one (:mod:`llm_jax.model.greedy_head`)."""
+    row greedy, no logits processors, no log-probabilities (all static). Such steps ask the backend for
+    the token without the logits (:meth:`llm_jax.backends.Backend.greedy_tokens`)."""
     s = controls.sampling
     processors = (s.bias_ids_BX, s.repetition_penalty_B, s.presence_penalty_B, s.no_repeat_ngram_B, s.banned_BQJ,
                   controls.min_new_tokens_B)
     return not s.sampled and controls.logprobs is None and all(p is None for p in processors)
 
 
-def _choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls) -> tuple[jax.Array, Emitted]:
+def _choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls,
+            backend: Backend) -> tuple[jax.Array, Emitted]:
     """Process the logits, pick each row's next token, and its log-probabilities when asked."""
     minimum = controls.min_new_tokens_B
     scores_BV = process_logits(logits_BV, controls.sampling, state.history, num_generated_B=state.num_generated_B,
                                end_ids_BE=None if minimum is None else controls.end_ids_BE, min_new_tokens_B=minimum)
     if controls.logprobs is None:
-        token_B = sample(scores_BV, controls.sampling, state.num_generated_B)
+        token_B = sample(scores_BV, controls.sampling, state.num_generated_B, backend=backend)
         return token_B, Emitted(tokens_BS=token_B)
-    token_B, chosen_from_BV = sample(scores_BV, controls.sampling, state.num_generated_B, with_scores=True)
+    token_B, chosen_from_BV = sample(scores_BV, controls.sampling, state.num_generated_B, with_scores=True,
+                                     backend=backend)
     reported_BV = logits_BV if controls.logprobs.raw else chosen_from_BV
     logprob_B, top_ids_BN, top_logprobs_BN = chosen_and_top(reported_BV, token_B, controls.logprobs.top_n)
     return token_B, Emitted(tokens_BS=token_B, logprobs_BS=logprob_B, top_ids_BSN=top_ids_BN,
@@ -220,27 +223,30 @@ def _advance(token_B: jax.Array, running_B: jax.Array, state: DecodeState, contr
                        history=state.history.append(token_B, running_B), stop_window_BP=window_BP)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh",))
+@functools.partial(jax.jit, static_argnames=("mesh", "backend"))
 def start(last_logits_BV: jax.Array, prompts_BT: jax.Array, cache: KVCache, controls: DecodeControls, *,
-          mesh: Mesh | None = None) -> tuple[DecodeState, Emitted]:
+          mesh: Mesh | None = None, backend: Backend | str | None = None) -> tuple[DecodeState, Emitted]:
     """Choose each sequence's first token from its prefill logits; the state starts from the prompts
     (right-padded ``prompts_BT``, ``cache.lengths_B`` tokens each). The emitted arrays are [B, 1]; they
     and the state come back whole on every device of ``mesh``, for the host to read."""
+    backend = resolve_backend(backend)
     B, V = last_logits_BV.shape
     zeros_B = jnp.zeros((B,), jnp.int32)
     history = controls.sampling.new_history(prompts_BT, cache.lengths_B, V=V, capacity=cache.max_len + 1)
     window_BP = None if controls.stop_table is None else stop_matching.empty_window(B, controls.stop_table)
     state = DecodeState(tokens_B=zeros_B, num_generated_B=zeros_B, finish_reason_B=zeros_B, history=history,
                         stop_window_BP=window_BP)
-    token_B, emitted = _choose(last_logits_BV, state, controls)
+    token_B, emitted = _choose(last_logits_BV, state, controls, backend)
     state = _advance(token_B, jnp.ones((B,), bool), state, controls, cache.lengths_B, cache.max_len)
     emitted = dataclasses.replace(emitted, tokens_BS=state.tokens_B)
     return constrain_replicated((state, jax.tree.map(lambda a: a[:, None], emitted)), mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "num_steps", "mesh"), donate_argnames=("cache", "state"))
+@functools.partial(jax.jit, static_argnames=("config", "num_steps", "mesh", "backend"),
+                   donate_argnames=("cache", "state"))
 def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeState, controls: DecodeControls,
-           *, num_steps: int, mesh: Mesh | None = None) -> tuple[KVCache, DecodeState, Emitted]:
+           *, num_steps: int, mesh: Mesh | None = None,
+           backend: Backend | str | None = None) -> tuple[KVCache, DecodeState, Emitted]:
     """Run ``num_steps`` decode steps: the new cache and state, and what each row emitted per step
     ([B, num_steps, ...]; ``PAD_ID`` tokens for rows that had already finished). ``cache`` and ``state``
     are donated.
@@ -248,8 +254,9 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
     With a ``mesh`` (params and cache laid out by ``llm_jax.sharding``) the cache stays sharded from step
     to step; the state and what was emitted come back whole on every device, for the host to read.
     """
+    backend = resolve_backend(backend)
     hooks = controls.hooks
-    screenable = mesh is None and argmax_only(controls)
+    screenable = argmax_only(controls)
     cache, state = constrain_cache(cache, mesh), constrain_replicated(state, mesh)
     def step(carry, _):
         cache, state = carry
@@ -257,11 +264,11 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
         def run(cache, state):
             running_B = ~state.done_B
             x_B1D, cache, *hidden = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh,
-                                                   hooks=hooks)
-            # Only the argmax wanted: through the LM head's screen where there is one (None: none fits).
-            token_B = greedy_head.greedy_tokens(params, config, x_B1D[:, 0]) if screenable else None
+                                                   hooks=hooks, backend=backend)
+            # Only the argmax wanted: without every logit where the backend can (None: it cannot).
+            token_B = greedy_tokens(params, config, x_B1D[:, 0], backend) if screenable else None
             if token_B is None:
-                token_B, emitted = _choose(unembed(params, config, x_B1D)[:, 0], state, controls)
+                token_B, emitted = _choose(unembed(params, config, x_B1D, backend)[:, 0], state, controls, backend)
             else:
                 emitted = Emitted(tokens_BS=token_B)
             state = _advance(token_B, running_B, state, controls, cache.lengths_B, cache.max_len)

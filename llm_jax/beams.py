@@ -24,10 +24,11 @@ from jax.sharding import Mesh
 
 from llm_jax import kv_cache as kvc
 from llm_jax.config import ModelConfig
-from llm_jax.decode import DecodeControls, take_cache_rows
+from llm_jax.decoding import DecodeControls, take_cache_rows
 from llm_jax.kv_cache import KVCache
 from llm_jax.logits_processors import PAD_ID
-from llm_jax.model import Params, forward_extend, unembed
+from llm_jax.backends import Backend
+from llm_jax.model import Params, forward_extend, resolve_backend, unembed
 from llm_jax.sampling import process_logits
 from llm_jax.sharding import constrain_replicated
 
@@ -104,14 +105,15 @@ def _gather(x_BW_, index_BW):
     return jnp.take_along_axis(x_BW_, index_BW.reshape(*index_BW.shape, *([1] * (x_BW_.ndim - 2))), axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "search", "max_new_tokens", "mesh"))
+@functools.partial(jax.jit, static_argnames=("config", "search", "max_new_tokens", "mesh", "backend"))
 def beam_search(params: Params, config: ModelConfig, last_logits_BV: jax.Array, prompts_BT: jax.Array,
                 cache: KVCache, controls: DecodeControls, *, search: BeamSearch, max_new_tokens: int,
-                mesh: Mesh | None = None) -> Beams:
+                mesh: Mesh | None = None, backend: Backend | str | None = None) -> Beams:
     """Beam search from prefilled prompts: ``last_logits_BV`` and ``cache`` come from ``prefill`` (B rows,
     copied to B·W), ``controls`` has one row per prompt (greedy settings; its processors, end ids and budgets
     apply per beam). ``max_new_tokens`` (static) bounds every row's budget. ``mesh``: the mesh params and
     cache are laid out on (``llm_jax.sharding``); the beams come back whole on every device."""
+    backend = resolve_backend(backend)
     B, V = last_logits_BV.shape
     W, M = search.num_beams, max_new_tokens
     end_ids_BE, budget_B1 = controls.end_ids_BE, jnp.asarray(controls.max_new_tokens_B)[:, None]
@@ -165,8 +167,9 @@ def beam_search(params: Params, config: ModelConfig, last_logits_BV: jax.Array, 
         active_N = jnp.ones((B * W,), bool)
         cache = take_cache_rows(s.cache, source_N)
         history = jax.tree.map(lambda a: a[source_N], s.history).append(new_N, active_N)
-        x_N1D, cache = forward_extend(params, config, new_N[:, None], cache, active_N, mesh, hooks=controls.hooks)[:2]
-        return _Search(step=s.step + 1, logits_NV=unembed(params, config, x_N1D)[:, 0], cache=cache,
+        x_N1D, cache = forward_extend(params, config, new_N[:, None], cache, active_N, mesh, hooks=controls.hooks,
+                                      backend=backend)[:2]
+        return _Search(step=s.step + 1, logits_NV=unembed(params, config, x_N1D, backend)[:, 0], cache=cache,
                        history=history, running_BWM=running_BWM, running_scores_BW=running_scores_BW,
                        finished_BWM=finished_BWM, finished_lengths_BW=_gather(lengths_BX, best_BW),
                        finished_scores_BW=finished_scores_BW, is_finished_BW=is_finished_BW,

@@ -1,0 +1,199 @@
+"""The backend seam and its reference implementation, XLA's own operations.
+
+A :class:`Backend` answers every "which kernel?" question of the model: matrix products, the gated
+MLP's activation, embedding lookups, attention over fresh keys and over the KV cache, the argmax of
+greedy steps, and the form of the weights its kernels read (:meth:`Backend.prepare`). The model calls
+it and never asks what device it runs on. :class:`Xla` is the reference every other backend is tested
+against; the others override what their kernels do better.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from llm_jax import kv_cache as kvc
+from llm_jax.bits import as_bits, from_bits
+from llm_jax.config import Activation, ModelConfig
+
+Params = dict[str, Any]
+
+# Masked scores get a large finite negative value rather than -inf, so a row with no visible key
+# (padding) gives zeros instead of NaN.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """How the model's operations run. Frozen and hashable: a static argument of the jitted stages.
+
+    Every method has XLA's implementation here; subclasses override what their kernels compute.
+    """
+
+    name = "xla"
+
+    def prepare(self, params: Params, config: ModelConfig) -> Params:
+        """The form of canonical ``params`` this backend's kernels read (``params`` itself here)."""
+        return params
+
+    # Matrix products.
+    def dense(self, equation: str, x: jax.Array, w: Any, out_dtype, layer: jax.Array | None = None) -> jax.Array:
+        """``einsum(equation, x, w)`` with float32 accumulation, cast to ``out_dtype``; with ``layer``,
+        ``w`` is a stack [L, ...] of every layer's weights and ``w[layer]`` is used."""
+        return self.dense_many([equation], x, [w], out_dtype, layer)[0]
+
+    def dense_many(self, equations: Sequence[str], x: jax.Array, ws: Sequence[Any], out_dtype,
+                   layer: jax.Array | None = None) -> list[jax.Array]:
+        """:meth:`dense` of one input with several weights (q/k/v, gate/up)."""
+        return [_einsum(eq, x, _plain(w, self, layer), out_dtype) for eq, w in zip(equations, ws)]
+
+    def gate_up(self, x_BTD: jax.Array, gate_DF: Any, up_DF: Any, activation: Activation,
+                layer: jax.Array | None = None) -> jax.Array:
+        """``act(x · gate) · (x · up)`` in float32 [B, T, F]: the gated MLP's hidden activations."""
+        gate_BTF, up_BTF = self.dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, layer)
+        return gated(gate_BTF, up_BTF, activation)
+
+    def embed(self, table_VD: Any, tokens_BT: jax.Array, out_dtype) -> jax.Array:
+        """Rows ``tokens_BT`` of the embedding table [V, D] (bfloat16 gathered as its bits)."""
+        table_VD = _plain(table_VD, self)
+        return from_bits(jnp.take(as_bits(table_VD), tokens_BT, axis=0), table_VD.dtype).astype(out_dtype)
+
+    # Attention.
+    def attention(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, *, config: ModelConfig, window: int | None,
+                  mesh: Mesh | None = None) -> jax.Array:
+        """Causal attention of T queries at positions 0 ... T-1 over their own keys (prefill, a full
+        forward); key t is visible to rows whose ``lengths_B`` exceed t."""
+        B, T = q_BTNH.shape[:2]
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        return xla_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, lengths_B, scale=config.attn_scale,
+                             window=window, softcap=config.attn_logit_softcap)
+
+    def append_and_attend(self, q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT, positions_BT, *,
+                          config: ModelConfig, window: int | None, mesh: Mesh | None = None):
+        """Write the new keys and values [B, T, K, H] at ``slots_BT`` of layer ``layer`` of the stacked
+        caches (a slot past the cache writes nothing: a finished row), then attend from the new queries
+        at ``positions_BT``, each row seeing its slots up to its last query: (o_BTNH, k_LBSKH, v_LBSKH)."""
+        k_LBSKH = kvc.write_tokens(k_LBSKH, layer, slots_BT, k_BTKH)
+        v_LBSKH = kvc.write_tokens(v_LBSKH, layer, slots_BT, v_BTKH)
+        o_BTNH = xla_attention(q_BTNH, kvc.read_layer(k_LBSKH, layer), kvc.read_layer(v_LBSKH, layer), positions_BT,
+                               positions_BT[:, -1] + 1, scale=config.attn_scale, window=window,
+                               softcap=config.attn_logit_softcap)
+        return o_BTNH, k_LBSKH, v_LBSKH
+
+    # Choosing tokens.
+    def argmax(self, scores_BV: jax.Array) -> jax.Array:
+        """The first index of each row's largest score (of its first NaN), int32 [B]: ``jnp.argmax``."""
+        return jnp.argmax(scores_BV, axis=-1).astype(jnp.int32)
+
+    def greedy_tokens(self, weights: Params, config: ModelConfig, x_BD: jax.Array) -> jax.Array | None:
+        """The greedy token [B] of final-normed hidden states ``x_BD`` without computing every logit, where
+        this backend has a way to (the argmax of the logits the head's own product would give); None
+        otherwise, and the caller computes the logits."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Xla(Backend):
+    """XLA's own operations everywhere: the reference, and what runs sharded over a mesh."""
+
+
+def _plain(w: Any, backend: Backend, layer: jax.Array | None = None) -> jax.Array:
+    """``w`` (``w[layer]`` with a layer) as a plain array; a typed leaf of another backend's form is an error."""
+    if not isinstance(w, jax.Array) and not hasattr(w, "__array__"):
+        raise TypeError(f"the {backend.name} backend got a weight of type {type(w).__name__}: weights prepared "
+                        "for another backend (pass model.params, or that backend with model.weights)")
+    return w if layer is None else layer_of(w, layer)
+
+
+def layer_of(w_L: jax.Array, layer: jax.Array) -> jax.Array:
+    """``w_L[layer]`` for a stack [L, ...] and a traced index (bfloat16 sliced as its bits)."""
+    return from_bits(jax.lax.dynamic_index_in_dim(as_bits(w_L), layer, keepdims=False), w_L.dtype)
+
+
+def _einsum(equation: str, x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+    # Contracted axes that lie together in both operands are merged first: given "BTNH,NHD->BTD" as it
+    # stands, XLA:CPU transposes the whole weight on every call; on [B, T, N·H] · [N·H, D] it does not.
+    form = matmul_form(equation, x.shape, w.shape)
+    if form is not None and form.contracted > 1:
+        x2 = x.reshape(*x.shape[: x.ndim - form.contracted], form.K)
+        w2 = w.reshape(form.N, form.K) if form.transposed else w.reshape(form.K, form.N)
+        y = jnp.einsum("...k,nk->...n" if form.transposed else "...k,kn->...n", x2.astype(w.dtype), w2,
+                       preferred_element_type=jnp.float32)
+        return y.reshape(form.out_shape).astype(out_dtype)
+    return jnp.einsum(equation, x.astype(w.dtype), w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulForm:
+    """An einsum that is x [rows..., k...] · W [k..., out...] (or W [out..., k...], ``transposed``)."""
+
+    R: int
+    K: int
+    N: int
+    transposed: bool
+    contracted: int  # how many axes are contracted
+    out_shape: tuple[int, ...]
+
+
+def matmul_form(equation: str, x_shape, w_shape) -> MatmulForm | None:
+    """The :class:`MatmulForm` of ``equation`` on these shapes, or None for any other einsum."""
+    inputs, out = equation.replace(" ", "").split("->")
+    x_spec, w_spec = inputs.split(",")
+    contracted = "".join(a for a in x_spec if a in w_spec)
+    n_c = len(contracted)
+    if not contracted or x_spec[len(x_spec) - n_c:] != contracted:
+        return None
+    rows_spec = x_spec[: len(x_spec) - n_c]
+    if w_spec[:n_c] == contracted:
+        transposed, out_spec = False, w_spec[n_c:]
+    elif w_spec[len(w_spec) - n_c:] == contracted:
+        transposed, out_spec = True, w_spec[: len(w_spec) - n_c]
+    else:
+        return None
+    if out != rows_spec + out_spec or len(w_shape) != len(w_spec):
+        return None
+    out_dims = tuple(w_shape[: len(out_spec)] if transposed else w_shape[n_c:])
+    return MatmulForm(R=math.prod(x_shape[: len(rows_spec)]), K=math.prod(x_shape[len(rows_spec):]),
+                      N=math.prod(out_dims), transposed=transposed, contracted=n_c,
+                      out_shape=(*x_shape[: len(rows_spec)], *out_dims))
+
+
+def gated(gate: jax.Array, up: jax.Array, activation: Activation) -> jax.Array:
+    """``act(gate) · up``: SwiGLU's SiLU or GeGLU's tanh-approximated GELU."""
+    match activation:
+        case Activation.SILU:
+            return jax.nn.silu(gate) * up
+        case Activation.GELU_TANH:
+            return jax.nn.gelu(gate, approximate=True) * up
+
+
+def xla_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, *, scale: float,
+                  window: int | None, softcap: float | None) -> jax.Array:
+    """Masked attention in plain jnp. Key slot s is position s; it is visible to a query at position p
+    iff s <= p, s < kv_lengths_B[b] and (no window or p - s < window). Rows with no visible key are 0.
+    Query heads are grouped [K, G] so G of them share a K/V head without repeating it."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
+    scores_BKGTS = jnp.einsum("BTKGH,BSKH->BKGTS", q_BTKGH, k_BSKH,
+                              preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores_BKGTS = softcap * jnp.tanh(scores_BKGTS / softcap)
+    s_S = jnp.arange(k_BSKH.shape[1])
+    p_BT1 = q_positions_BT[:, :, None]
+    visible_BTS = (s_S <= p_BT1) & (s_S < kv_lengths_B[:, None, None])
+    if window is not None:
+        visible_BTS &= p_BT1 - s_S < window
+    visible_B11TS = visible_BTS[:, None, None]
+    scores_BKGTS = jnp.where(visible_B11TS, scores_BKGTS, MASK_VALUE)
+    probs_BKGTS = jnp.exp(scores_BKGTS - jnp.max(scores_BKGTS, axis=-1, keepdims=True))
+    probs_BKGTS = jnp.where(visible_B11TS, probs_BKGTS, 0.0)
+    denom_BKGT1 = jnp.maximum(jnp.sum(probs_BKGTS, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    probs_BKGTS = (probs_BKGTS / denom_BKGT1).astype(v_BSKH.dtype)
+    o_BTKGH = jnp.einsum("BKGTS,BSKH->BTKGH", probs_BKGTS, v_BSKH, preferred_element_type=jnp.float32)
+    return o_BTKGH.reshape(B, T, N, H).astype(q_BTNH.dtype)

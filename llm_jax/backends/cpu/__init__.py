@@ -1,0 +1,249 @@
+"""The CPU kernels backend: ``cpu_kernels`` (C++ XLA FFI calls) for one CPU device.
+
+Products read float32 or bfloat16 weights where they lie in the stacked layers (a layer index, no copy)
+and in the execution form of :mod:`llm_jax.backends.cpu.forms` (panels, fused q/k/v and gate/up) or the
+canonical layout; attention reads the cache in place and scores only the keys each query sees; a decode
+step's key and value are written by the attention kernel itself; greedy steps read the LM head through
+its screen (:mod:`llm_jax.backends.cpu.greedy_head`). What the kernels do not cover (other dtypes,
+gradients) is XLA's, as in :class:`llm_jax.backends.Xla`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+import cpu_kernels
+from llm_jax import kv_cache as kvc
+from llm_jax.backends import base
+from llm_jax.backends.base import Backend, matmul_form
+from llm_jax.backends.cpu import forms, greedy_head
+from llm_jax.backends.cpu.forms import Fused, FusedPart, Panels
+from llm_jax.bits import as_bits, from_bits
+from llm_jax.config import Activation, ModelConfig
+
+Params = dict[str, Any]
+
+# From this many rows on, the gated MLP's activation on a fused gate/up output is ``cpu_kernels.glu`` (XLA
+# computes it one element at a time); fewer rows keep XLA's fusion, which costs less than a kernel call.
+GLU_KERNEL_MIN_ROWS = 8
+_KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+_KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uint16))
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuKernels(Backend):
+    """The C++ kernels of ``cpu_kernels`` on one CPU device. ``greedy_screen``: prepared weights hold the
+    LM head's screens for greedy steps (False saves their memory: 0.5 to 1 of the head)."""
+
+    greedy_screen: bool = True
+    name = "cpu"
+
+    def prepare(self, params: Params, config: ModelConfig) -> Params:
+        if config.param_jnp_dtype not in _KERNEL_DTYPES:
+            return params  # the kernels read float32 and bfloat16; other dtypes run XLA's products
+        weights = forms.prepare(params, config)
+        head = forms.head_panels(weights, config)
+        if self.greedy_screen and head is not None and greedy_head.applies(config):
+            weights[greedy_head.SCREEN] = greedy_head.build(head)
+        return weights
+
+    # Matrix products.
+    def dense_many(self, equations: Sequence[str], x: jax.Array, ws: Sequence[Any], out_dtype,
+                   layer: jax.Array | None = None) -> list[jax.Array]:
+        products = _plan(equations, x, ws, layer)
+        if products is None:
+            return _xla_many(equations, x, ws, out_dtype, layer)
+        ys = _run(x, products, layer)
+        out = [None] * len(ws)
+        for product, y_RN in zip(products, ys):
+            for index, start, width, shape in product.parts:
+                out[index] = y_RN[:, start:start + width].reshape(shape).astype(out_dtype)
+        return out
+
+    def gate_up(self, x_BTD: jax.Array, gate_DF: Any, up_DF: Any, activation: Activation,
+                layer: jax.Array | None = None) -> jax.Array:
+        products = _plan(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], layer)
+        rows = math.prod(x_BTD.shape[:-1])
+        if products is None or len(products) != 1 or rows < GLU_KERNEL_MIN_ROWS:
+            return super().gate_up(x_BTD, gate_DF, up_DF, activation, layer)
+        (y_RE,) = _run(x_BTD, products, layer)  # [gate | up]: one fused product
+        F = y_RE.shape[1] // 2
+        return cpu_kernels.glu(y_RE, activation.value).reshape(*x_BTD.shape[:-1], F)
+
+    def embed(self, table_VD: Any, tokens_BT: jax.Array, out_dtype) -> jax.Array:
+        if isinstance(table_VD, Panels):  # row t of E is column t of the head: panel t // 16, lane t % 16
+            bits = as_bits(table_VD.data)
+            rows_BTD = bits.at[tokens_BT // cpu_kernels.PANEL, :, tokens_BT % cpu_kernels.PANEL].get(mode="fill")
+            return from_bits(rows_BTD, table_VD.dtype).astype(out_dtype)
+        return super().embed(table_VD, tokens_BT, out_dtype)
+
+    # Attention.
+    def attention(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, *, config: ModelConfig, window: int | None,
+                  mesh: Mesh | None = None) -> jax.Array:
+        if q_BTNH.shape[1] == 1 or jnp.dtype(k_BTKH.dtype) not in _KV_DTYPES:
+            return super().attention(q_BTNH, k_BTKH, v_BTKH, lengths_B, config=config, window=window)
+        B, T = q_BTNH.shape[:2]
+        positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        return _prefill_attention(q_BTNH, k_BTKH, v_BTKH, positions_BT, lengths_B, config.attn_scale, window,
+                                  config.attn_logit_softcap)
+
+    def append_and_attend(self, q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT, positions_BT, *,
+                          config: ModelConfig, window: int | None, mesh: Mesh | None = None):
+        if jnp.dtype(k_LBSKH.dtype) not in _KV_DTYPES:
+            return super().append_and_attend(q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT,
+                                             positions_BT, config=config, window=window)
+        common = dict(scale=config.attn_scale, window=window, softcap=config.attn_logit_softcap)
+        kv_lengths_B = positions_BT[:, -1] + 1
+        if q_BTNH.shape[1] == 1:  # a decode step: one kernel writes the key and value, then attends
+            o_BNH, k_LBSKH, v_LBSKH = cpu_kernels.decode_attention_append(
+                q_BTNH[:, 0], kvc.stored(k_LBSKH, k_BTKH[:, 0]), kvc.stored(v_LBSKH, v_BTKH[:, 0]), k_LBSKH,
+                v_LBSKH, layer, slots_BT[:, 0], positions_BT[:, 0], kv_lengths_B, **common)
+            return o_BNH[:, None].astype(q_BTNH.dtype), k_LBSKH, v_LBSKH
+        k_LBSKH = kvc.write_tokens(k_LBSKH, layer, slots_BT, k_BTKH)
+        v_LBSKH = kvc.write_tokens(v_LBSKH, layer, slots_BT, v_BTKH)
+        o_BTNH = cpu_kernels.prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, positions_BT, kv_lengths_B, **common)
+        return o_BTNH.astype(q_BTNH.dtype), k_LBSKH, v_LBSKH
+
+    # Choosing tokens.
+    def argmax(self, scores_BV: jax.Array) -> jax.Array:
+        if scores_BV.dtype != jnp.float32 or scores_BV.ndim != 2:
+            return super().argmax(scores_BV)
+        return cpu_kernels.argmax(scores_BV)
+
+    def greedy_tokens(self, weights: Params, config: ModelConfig, x_BD: jax.Array) -> jax.Array | None:
+        return greedy_head.greedy_tokens(weights, config, x_BD)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Product:
+    """One kernel product: x [R, K] · ``matrix`` (``layout`` "kn", "nk" or "panels"), whose output columns
+    [start, start + width) are weight ``index``'s, of shape ``shape``: ``parts`` lists (index, start,
+    width, shape)."""
+
+    matrix: jax.Array
+    layout: str
+    K: int
+    parts: tuple[tuple[int, int, int, tuple[int, ...]], ...]
+
+
+def _contraction(equation: str, x_shape) -> tuple[tuple[int, ...], int] | None:
+    """(the rows' shape, K) of an einsum contracting trailing axes of x; None for any other."""
+    x_spec, w_spec = equation.replace(" ", "").split("->")[0].split(",")
+    n_c = sum(a in w_spec for a in x_spec)
+    if n_c == 0 or any(a not in w_spec for a in x_spec[len(x_spec) - n_c:]):
+        return None
+    return tuple(x_shape[: len(x_shape) - n_c]), math.prod(x_shape[len(x_shape) - n_c:])
+
+
+def _plan(equations: Sequence[str], x: jax.Array, ws: Sequence[Any], layer) -> list[_Product] | None:
+    """The kernel products that compute ``einsum(eq_i, x, w_i)``, one per matrix (a fused group and its
+    parts are one); None where the kernels do not take them (other dtypes or einsums): XLA's then."""
+    lead = 0 if layer is None else 1
+    products: list[_Product] = []
+    i = 0
+    while i < len(ws):
+        eq, w = equations[i], ws[i]
+        if isinstance(w, FusedPart):
+            raise ValueError(f"weight {i} is part {w.index} of a fused group whose first part is not before it")
+        if isinstance(w, Fused):
+            n = len(w.out_shapes)
+            if i + n > len(ws) or any(not isinstance(ws[i + j], FusedPart) or ws[i + j].index != j
+                                      for j in range(1, n)):
+                raise ValueError(f"the fused group of {n} parts at weight {i} is not followed by its parts")
+            contraction = _contraction(eq, x.shape)
+            if contraction is None:
+                return None
+            rows, K = contraction
+            matrix, N, transposed = w.data, sum(w.widths), False
+            starts = [sum(w.widths[:j]) for j in range(n)]
+            parts = tuple((i + j, starts[j], w.widths[j], (*rows, *w.out_shapes[j])) for j in range(n))
+            i += n
+        else:
+            form = matmul_form(eq, x.shape, w.shape[lead:])
+            if form is None:
+                return None
+            matrix, N, K, transposed = w, form.N, form.K, form.transposed
+            parts = ((i, 0, form.N, form.out_shape),)
+            i += 1
+        if jnp.dtype(matrix.dtype) not in _KERNEL_DTYPES:
+            return None
+        if isinstance(matrix, Panels):
+            if matrix.transposed != transposed:
+                return None
+            layout, data = "panels", matrix.data
+        else:
+            layout = "nk" if transposed else "kn"
+            data = matrix.reshape(*matrix.shape[:lead], *((N, K) if transposed else (K, N)))
+        products.append(_Product(data, layout, K, parts))
+    if len({p.K for p in products}) != 1 or len({p.matrix.dtype for p in products}) != 1:
+        return None
+    return products
+
+
+def _run(x: jax.Array, products: list[_Product], layer) -> list[jax.Array]:
+    """The products' outputs [R, N] float32, one kernel call per layout."""
+    K = products[0].K
+    x_RK = x.reshape(x.size // K, K)
+    ys = [None] * len(products)
+    for layout in ("kn", "nk", "panels"):
+        which = [i for i, p in enumerate(products) if p.layout == layout]
+        if which:
+            outs = cpu_kernels.matmuls(x_RK, [products[i].matrix for i in which], transposed=layout == "nk",
+                                       panels=layout == "panels", layer=layer)
+            for i, y in zip(which, outs):
+                ys[i] = y
+    return ys
+
+
+def _xla_many(equations, x, ws, out_dtype, layer) -> list[jax.Array]:
+    """XLA's products of ``ws`` in any form (typed leaves unpacked; a fused group's outputs split)."""
+    out = [None] * len(ws)
+    for i, (eq, w) in enumerate(zip(equations, ws)):
+        if isinstance(w, FusedPart):
+            continue
+        if not isinstance(w, Fused):
+            w = w.unpacked() if isinstance(w, Panels) else w
+            out[i] = base._einsum(eq, x, w if layer is None else base.layer_of(w, layer), out_dtype)
+            continue
+        data = w.data.unpacked() if isinstance(w.data, Panels) else w.data
+        data = data if layer is None else base.layer_of(data, layer)
+        y = jnp.einsum("...d,de->...e", x.astype(data.dtype), data.reshape(x.shape[-1], -1),
+                       preferred_element_type=jnp.float32)
+        start = 0
+        for j, shape in enumerate(w.out_shapes):
+            width = math.prod(shape)
+            out[i + j] = y[..., start:start + width].reshape(*x.shape[:-1], *shape).astype(out_dtype)
+            start += width
+    return out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _prefill_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, scale: float, window: int | None,
+                       softcap: float | None) -> jax.Array:
+    """:func:`base.xla_attention` computed by ``cpu_kernels.prefill_attention`` (only the keys each query
+    sees); gradients are XLA's."""
+    o_BTNH = cpu_kernels.prefill_attention(q_BTNH, k_BSKH[None], v_BSKH[None], 0, q_positions_BT, kv_lengths_B,
+                                           scale=scale, window=window, softcap=softcap)
+    return o_BTNH.astype(q_BTNH.dtype)
+
+
+def _prefill_attention_fwd(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, scale, window, softcap):
+    o_BTNH = _prefill_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, scale, window, softcap)
+    return o_BTNH, (q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B)
+
+
+def _prefill_attention_bwd(scale, window, softcap, residuals, do_BTNH):
+    q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B = residuals
+    _, vjp = jax.vjp(lambda q, k, v: base.xla_attention(q, k, v, q_positions_BT, kv_lengths_B, scale=scale,
+                                                        window=window, softcap=softcap), q_BTNH, k_BSKH, v_BSKH)
+    return (*vjp(do_BTNH), None, None)
+
+
+_prefill_attention.defvjp(_prefill_attention_fwd, _prefill_attention_bwd)

@@ -1,0 +1,51 @@
+"""The Pallas backend: the fused attention kernels of ``pallas_kernels`` on GPU (Triton) and TPU (Mosaic).
+
+Prefill attention is the causal flash-attention kernel; a decode step's attention is the split-K
+(flash-decoding) kernel reading layer ``layer`` of the stacked cache where it lies. Under a mesh each
+runs on every device's shard (``llm_jax.sharding.attention_on_shards``). Products and the rest are
+XLA's. Off an accelerator the kernels run in Pallas' interpreter (``interpret``: tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+import pallas_kernels
+from llm_jax import kv_cache as kvc
+from llm_jax.backends.base import Backend
+from llm_jax.config import ModelConfig
+from llm_jax.sharding import attention_on_shards, stacked_attention_on_shards
+
+
+@dataclasses.dataclass(frozen=True)
+class Pallas(Backend):
+    """Pallas attention kernels; ``interpret`` None compiles them on GPU/TPU and interprets elsewhere."""
+
+    interpret: bool | None = None
+    name = "pallas"
+
+    def _common(self, config: ModelConfig, window: int | None) -> dict:
+        return dict(sm_scale=config.attn_scale, sliding_window=window, logit_softcap=config.attn_logit_softcap,
+                    interpret=self.interpret)
+
+    def attention(self, q_BTNH, k_BTKH, v_BTKH, lengths_B, *, config: ModelConfig, window: int | None,
+                  mesh: Mesh | None = None) -> jax.Array:
+        kernel = functools.partial(pallas_kernels.flash_attention, **self._common(config, window))
+        return attention_on_shards(kernel, mesh, q_BTNH, k_BTKH, v_BTKH, lengths_B)
+
+    def append_and_attend(self, q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT, positions_BT, *,
+                          config: ModelConfig, window: int | None, mesh: Mesh | None = None):
+        if q_BTNH.shape[1] != 1:  # a prompt continuing a cache: XLA's attention
+            return super().append_and_attend(q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT,
+                                             positions_BT, config=config, window=window, mesh=mesh)
+        k_LBSKH = kvc.write_tokens(k_LBSKH, layer, slots_BT, k_BTKH)
+        v_LBSKH = kvc.write_tokens(v_LBSKH, layer, slots_BT, v_BTKH)
+        kernel = functools.partial(pallas_kernels.decode_attention, **self._common(config, window))
+        o_BNH = stacked_attention_on_shards(kernel, mesh, q_BTNH[:, 0], k_LBSKH, v_LBSKH, layer,
+                                            positions_BT[:, 0] + 1)
+        return o_BNH[:, None].astype(q_BTNH.dtype), k_LBSKH, v_LBSKH
