@@ -29,7 +29,7 @@ def from_bits(a: jnp.ndarray, dtype) -> jnp.ndarray:
 def moving_bits(fn):
     """``fn`` — pure data movement (reshapes, transposes, concatenation, slicing) of arrays of one dtype —
     applied to bfloat16 arrays as their bits: around a bfloat16 concatenate or transpose XLA:CPU converts
-    to float32 and back, which for the 1B shape's gate/up stacks took 3.9 GB of memory for a moment."""
+    to float32 and back, which briefly needs memory for a float32 copy of the whole operand."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):

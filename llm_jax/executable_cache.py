@@ -1,8 +1,8 @@
 """Whole compiled programs on disk: a later process runs them without tracing or lowering them.
 
 JAX's persistent compilation cache (:mod:`llm_jax.compilation`) skips XLA's compilation, but every
-process still traces and lowers each program to find it there: for the 110M shape ≈ 0.2 s for
-``prefill`` and ``start``, most of a second CLI run's time to first token. This cache keeps the
+process still traces and lowers each program to find it there: most of a second CLI run's time to first
+token. This cache keeps the
 serialized executable itself (``jax.experimental.serialize_executable``) and loads it in a few tens of
 milliseconds.
 

@@ -8,8 +8,7 @@ jitted callers donate the old one so XLA updates the buffers in place.
 A bfloat16 cache holds its keys and values as their bits (uint16; ``KVCache.dtype`` is still bfloat16,
 and :func:`from_bits` gives the bfloat16 arrays): XLA:CPU has no bfloat16 dynamic-update-slice and
 copies a bfloat16 cache whole on every write, and converting between the two forms around each prefill
-or decode call is itself a copy of the cache (110M, a 1000-token bfloat16 cache of 36 MiB: two copies
-and 36 MiB of scratch per decode call).
+or decode call would itself copy the cache. Elsewhere the bits cost nothing (a bitcast).
 """
 
 from __future__ import annotations

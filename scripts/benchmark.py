@@ -1,9 +1,12 @@
 #!/usr/bin/env python
-"""Benchmark llm_jax: ``python scripts/benchmark.py --model 110M --dtype float32 bfloat16 --compare hf``."""
+"""Benchmark llm_jax: ``python scripts/benchmark.py --model 110M --dtype float32 bfloat16 --compare hf``.
+
+The harness is the ``benchmarking`` package beside this file (Python puts this folder on ``sys.path``).
+"""
 
 import sys
 
-from llm_jax.cli.benchmark import entry
+from benchmarking.cli import entry
 
 if __name__ == "__main__":
     sys.exit(entry())

@@ -135,8 +135,10 @@ def prepare(params: Params, config: ModelConfig) -> Params:
         group = layers[module]
         parts = [group[n] for n in names]
         outs = tuple(projection_dims(n, config)[1] for n in names)
-        fused = _side_by_side(parts)
-        group[names[0]] = Fused(_maybe_panels(fused, (config.d_model,), (sum(math.prod(o) for o in outs),)), outs)
+        width = sum(math.prod(o) for o in outs)
+        # One program from the parts to the fused panels: no fused copy in between.
+        fused = Panels(_fused_panels(parts), (config.d_model,), (width,)) if takes_panels(width) else _side_by_side(parts)
+        group[names[0]] = Fused(fused, outs)
         for i, n in enumerate(names[1:], start=1):
             group[n] = FusedPart(i)
     for module, name in (("attn", "o_proj"), ("mlp", "down_proj")):
@@ -176,6 +178,13 @@ def head_panels(weights: Params, config: ModelConfig) -> Panels | None:
 def _side_by_side(parts: list[jax.Array]) -> jax.Array:
     """[L, D, ...] stacks → [L, D, Σ columns], the parts' columns one after another."""
     return jnp.concatenate([w.reshape(*w.shape[:2], -1) for w in parts], axis=-1)
+
+
+@jax.jit
+@moving_bits
+def _fused_panels(parts: list[jax.Array]) -> jax.Array:
+    """[L, D, ...] stacks → the panels of [L, D, Σ columns]."""
+    return cpu_kernels.to_panels(jnp.concatenate([w.reshape(*w.shape[:2], -1) for w in parts], axis=-1))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

@@ -166,7 +166,9 @@ def test_bfloat16_forms_move_bits_and_convert_nothing():
     config = TIED.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
     params = random_params(config)
     gate, up = params["layers"]["mlp"]["gate_proj"], params["layers"]["mlp"]["up_proj"]
-    programs = [forms._side_by_side.lower([gate, up]), forms._panels.lower(forms._side_by_side([gate, up]), 1, 40, 112),
+    programs = [forms._fused_panels.lower([gate, up]), forms._side_by_side.lower([gate, up]),
+                forms._panels.lower(forms._side_by_side([params["layers"]["attn"][n] for n in ("q_proj", "k_proj",
+                                                                                                 "v_proj")]), 1, 40, 80),
                 forms._table_panels.lower(params["embedder"]["embedding"])]
     for lowered in programs:
         text = lowered.compile().as_text()

@@ -240,3 +240,37 @@ def test_stories260k_greedy_is_the_same_through_the_screen(stories260k_dir, rows
     full = llm_jax.generate(unscreened, prompts, max_new_tokens=40, ignore_eos=True)
     assert [r.output_ids for r in screened] == [r.output_ids for r in full]
     assert all(len(r.output_ids) == 40 for r in screened)
+
+
+def _tied_head_params(config: ModelConfig, nudge: int):
+    """Params whose LM head repeats each even column in the odd one after it: ``nudge`` 0, exact ties at
+    every step; ±1, the copy's first weight moved by one float32 ulp up or down (near-ties, which float32
+    sums may keep apart or make equal)."""
+    params = jax.tree.map(lambda a: a * 8 if a.ndim > 1 else a, init_params(config, seed=4))
+    head = np.asarray(params["lm_head"], np.float32).copy()  # [D, V]
+    head[:, 1::2] = head[:, 0::2]
+    if nudge:
+        head[0, 1::2] = np.nextafter(head[0, 1::2], np.float32(np.inf) * nudge)
+    return {**params, "lm_head": jnp.asarray(head, params["lm_head"].dtype)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("nudge", [0, 1, -1], ids=["exact", "up", "down"])
+@pytest.mark.parametrize("rows", [3, 9])
+def test_greedy_ties_and_near_ties_decode_as_the_unscreened_path(nudge, rows):
+    """One greedy: every token, the first included, is the largest float32 logit of the unscreened path of
+    the same backend, the first on ties: through the screen, without it, and (exact ties) through XLA."""
+    config = CONFIG.replace(tie_embeddings=False)
+    params = _tied_head_params(config, nudge)
+    prompts = (PROMPTS * 3)[:rows]
+    screened_weights = CpuKernels().prepare(params, config)
+    assert greedy_head.screen_for(screened_weights[greedy_head.SCREEN], rows) is not None
+    screened = _decode(screened_weights, config, _controls(rows), prompts, steps=20)
+    unscreened = _decode(CpuKernels(greedy_screen=False).prepare(params, config), config, _controls(rows), prompts,
+                         steps=20)
+    np.testing.assert_array_equal(screened, unscreened)
+    if nudge == 0:
+        assert (screened % 2 == 0).all()  # the first of each tied pair
+        np.testing.assert_array_equal(_decode(params, config, _controls(rows), prompts, steps=20, backend=Xla()),
+                                      screened)
+    assert len(set(screened.ravel().tolist())) > 4, "degenerate continuations; the test would prove little"

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from llm_jax.training import stories as S
+from training import stories as S
 
 
 def take(seed: int, n: int) -> list[str]:

@@ -17,12 +17,13 @@ import tempfile
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 
-from llm_jax.benchmark.llm_jax_engine import LlmJaxEngine, Workload
-from llm_jax.benchmark.shapes import shape_config
+from llm_jax.backends import Backend
 from llm_jax.compilation import CACHE_ENV
-from llm_jax.model import for_inference, init_params
+from llm_jax.model import init_params
+
+from benchmarking.llm_jax_engine import LlmJaxEngine, Workload
+from benchmarking.shapes import shape_config
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,18 +34,20 @@ class DepthCompile:
     decode_s: float
 
 
-def compile_vs_depth(shape: str, dtype: str, layer_counts: Sequence[int], workload: Workload) -> list[DepthCompile]:
+def compile_vs_depth(shape: str, dtype: str, layer_counts: Sequence[int], workload: Workload,
+                     backend: Backend) -> list[DepthCompile]:
+    """Prefill's and decode's compile time on ``backend`` of ``shape`` at each of ``layer_counts``."""
     out = []
     for n_layers in layer_counts:
         # A program this process compiled before (the benchmark's own run of the same shape) would come
         # from JAX's in-memory caches and time as zero.
         jax.clear_caches()
         config = shape_config(shape, dtype=dtype, n_layers=n_layers)
-        params = for_inference(jax.tree.map(jnp.asarray, init_params(config)), config, consume=True)
-        compiled = LlmJaxEngine(params, config, workload).compile()
+        weights = backend.prepare(init_params(config), config)
+        compiled = LlmJaxEngine(weights, config, workload, backend=backend).compile()
         out.append(DepthCompile(shape=shape, n_layers=n_layers, prefill_s=compiled.prefill_s,
                                 decode_s=compiled.decode_s))
-        del params
+        del weights
     return out
 
 

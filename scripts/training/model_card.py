@@ -12,9 +12,10 @@ import jax
 import numpy as np
 
 from llm_jax.cli.generate import DEFAULT_MODEL
-from llm_jax.training import data
-from llm_jax.training.recipe import TrainResult
-from llm_jax.training.stories import ANIMAL_NAMES, ANIMAL_SHARE, BOY_NAMES, GIRL_NAMES, NAMES, stories
+
+from training import data
+from training.recipe import TrainResult
+from training.stories import ANIMAL_NAMES, ANIMAL_SHARE, BOY_NAMES, GIRL_NAMES, NAMES, stories
 
 # Greedy continuations shown in the README; the first is the README's main command, so it is generated
 # with the command's own defaults.
@@ -35,7 +36,7 @@ class Sample:
 def generate_samples(model) -> list[Sample]:
     """Greedy and sampled stories from ``model`` (an ``llm_jax.Model``), as ``generate.py`` prints them."""
     from llm_jax.cli.generate import build_parser
-    from llm_jax.generate import generate
+    from llm_jax.generation import generate
     from llm_jax.sampling import GREEDY, Sampling
 
     cli_max_new_tokens = build_parser().get_default("max_new_tokens")
@@ -175,7 +176,7 @@ Greedy unless noted; the first with `generate.py`'s default `--max-new-tokens`, 
 
 ## Data
 
-`llm_jax/training/stories.py`: a story generator written for llm_jax (same license as the project,
+`scripts/training/stories.py`: a story generator written for llm_jax (same license as the project,
 no download, nothing third-party), in the spirit of TinyStories (Eldan & Li, 2023). Six plots (a lost
 toy, a new friend, a rainy day, sharing, a fear, building something), each sentence drawn from a few
 phrasings, with names, animals, places, toys, foods and feelings filled in and kept consistent within

@@ -1,4 +1,5 @@
-"""Training llm_jax's default story model from scratch, in pipeline order.
+"""Training llm_jax's default story model from scratch, in pipeline order: a recipe beside the library,
+which it imports (the library never imports it).
 
 ``stories`` (the text) → ``data`` (sentencepiece tokenizer, padded rows) → ``loss`` (masked next-token
 cross-entropy) → ``step`` (AdamW, jitted train and eval steps) → ``recipe`` (the shipped model's

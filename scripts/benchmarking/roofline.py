@@ -9,7 +9,7 @@ weight does B multiply-adds per read, and the arithmetic binds instead: 2 flops 
 the matrix products, 4 per cached key, query head and head dimension for attention (q·k and p·v), at the
 measured peak of the arithmetic the kernels use (:func:`compute_roofline`).
 
-With a ``screen`` (greedy decoding through a screen of the LM head, :mod:`llm_jax.model.greedy_head`)
+With a ``screen`` (greedy decoding through a screen of the LM head, :mod:`llm_jax.backends.cpu.greedy_head`)
 the head counts as what that step reads and computes: its int8 copy (1 byte a weight, and a scale and a
 norm per column) at the float32 peak, its bfloat16 copy (2 bytes a weight, and a norm per column) at
 the bfloat16 peak, or its int8 copy in quads (1 byte a weight, and a scale, a norm and an error per

@@ -16,7 +16,8 @@ import optax
 
 from llm_jax.config import ModelConfig
 from llm_jax.model import Params
-from llm_jax.training.loss import mean_loss, token_losses
+
+from training.loss import mean_loss, token_losses
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -5,8 +5,8 @@ import json
 import pytest
 
 import llm_jax
-from llm_jax.cli import train_tiny
-from llm_jax.training import data
+from training import cli as train_tiny
+from training import data
 
 TINY = ["--steps", "24", "--batch-size", "4", "--seq-len", "64", "--warmup-steps", "4", "--peak-lr", "0.01",
         "--tokenizer-stories", "200", "--val-stories", "16", "--eval-every", "12", "--log-every", "4",

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from llm_jax.training.recipe import STORIES, Recipe, recipe_dict
+from training.recipe import STORIES, Recipe, recipe_dict
 
 
 def test_the_shipped_recipe_is_a_small_model():

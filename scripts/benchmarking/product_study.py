@@ -1,17 +1,14 @@
-"""A decode step's matrix products one by one: llm_jax's kernels against torch's on the same shapes.
+"""A decode step's matrix products one by one: llm_jax's CPU kernels against torch's on the same shapes.
 
 Batched decode is bound by arithmetic, and most of its arithmetic is a layer's four products: the fused
 q/k/v, o, the fused gate/up and down. Each runs here alone, x [rows, K] times every layer's weights in
-turn, as a decode step runs it — llm_jax through :func:`cpu_kernels.matmul` on the weights in the layout
-``for_inference`` gives them (panels where the output width is a multiple of 16, else [K, N]), torch
-through ``torch.nn.functional.linear`` on W [N, K] (the call ``transformers`` makes; x in the weights'
-dtype, as ``transformers`` runs a bfloat16 model). Each is timed twice: over many copies of the weights,
-more bytes than any cache holds, so that each call reads its weights from memory as in a step (where the
-other layers, the LM head and the KV cache pass through the caches between two reads of one layer's),
-and over two copies, which stay in the caches: the products' arithmetic with no wait on memory.
-
-The share of the arithmetic peak each reaches says how far batch B ÷ batch 1 can go on this machine:
-a step's products take at least their flops at the measured speed.
+turn, as a decode step runs it: llm_jax through :func:`cpu_kernels.matmul` on the weights in the form the
+CPU backend prepares (:mod:`llm_jax.backends.cpu.forms`: panels where the output width takes them, else
+[K, N]), torch through ``torch.nn.functional.linear`` on W [N, K] (the call ``transformers`` makes; x in
+the weights' dtype, as ``transformers`` runs a bfloat16 model). Each is timed twice: over enough copies of
+the weights that no cache holds them, so each call reads its weights from memory as in a step, and over
+two copies, which stay in the caches: the products' arithmetic without waiting on memory. The share of
+the arithmetic peak each reaches bounds how far batch B ÷ batch 1 can go on this machine.
 """
 
 from __future__ import annotations
@@ -27,12 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import cpu_kernels
+from llm_jax.backends.cpu.forms import projection_dims, takes_panels
 from llm_jax.config import ModelConfig
-from llm_jax.model.panels import projection_dims, takes_panels
 
-# A layer's products as decode runs them (q/k/v and gate/up fused: for_inference fuses them where the
-# kernels run).
-PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# A layer's products as the CPU kernels run them: q/k/v and gate/up fused (forms.GROUPS), o and down alone.
+PRODUCTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+            "down": ("down_proj",)}
 WEIGHT_BYTES = 96 << 20  # the copies' bytes: three times a large L3 (32 MiB)
 MAX_COPIES = 512
 CALLS = 480  # products per timing
@@ -47,25 +44,24 @@ class ProductShape:
 
     @property
     def panels(self) -> bool:
-        """Whether ``for_inference`` holds this weight in the panel layout."""
+        """Whether the CPU backend's prepared weights hold this product's matrix as panels."""
         return takes_panels(self.N)
 
 
 def product_shapes(config: ModelConfig) -> list[ProductShape]:
-    """A layer's four products x [R, K] · W [K, N] in decode's fused layout."""
+    """A layer's four products x [R, K] · W [K, N], a fused group's N the sum of its parts'."""
     out = []
-    for name in PRODUCTS:
-        ins, outs = projection_dims(name, config)
-        out.append(ProductShape(name=name.removesuffix("_proj"), K=math.prod(ins), N=math.prod(outs)))
+    for name, parts in PRODUCTS.items():
+        dims = [projection_dims(part, config) for part in parts]
+        out.append(ProductShape(name=name, K=math.prod(dims[0][0]), N=sum(math.prod(outs) for _, outs in dims)))
     return out
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ProductTime:
     """Median seconds per product, weights read from memory (``*_s``: :data:`WEIGHT_BYTES` of copies) and
-    from the caches (``*_cached_s``: two copies, which stay in them between calls where two fit: every
-    matrix of 15M and 110M in a 32 MiB L3, not the 1B shape's largest); torch's None where it is not
-    installed."""
+    from the caches (``*_cached_s``: two copies, which stay there between calls where two fit in the
+    last-level cache); torch's None where it is not installed."""
 
     name: str
     dtype: str

@@ -4,8 +4,8 @@ import pytest
 
 from llm_jax.config import ModelConfig
 from llm_jax.model import init_params
-from llm_jax.training.loss import mean_loss
-from llm_jax.training.step import (OptimizerConfig, _decay_mask, init_state, make_eval_step, make_optimizer,
+from training.loss import mean_loss
+from training.step import (OptimizerConfig, _decay_mask, init_state, make_eval_step, make_optimizer,
                                    make_train_step)
 
 CONFIG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64,

@@ -1,12 +1,10 @@
-"""Running the benchmark matrix: models × dtypes × batch sizes, engines, dtypes and batch sizes alternating.
+"""Running the benchmark matrix: models × dtypes × batch sizes × engines, all taking turns.
 
-Alternating (llm_jax run, transformers run, llm_jax run, ...) exposes both engines to the same
-machine conditions, so their ratio holds even when other processes disturb the absolute numbers. For
-the same reason the dtypes and batch sizes of one model take turns too (each repeat runs every dtype at
-every batch size once), so that the ratios between them (bfloat16 over float32, batch 32 over batch 1)
-compare runs of the same moments: run one after the other, minutes apart, they compared phases of a
-shared machine whose memory bandwidth moves by a third within minutes (probes of 12–16 GB/s within
-one hour of 2026-12-02). Every dtype's params are loaded at once for it.
+Each repeat runs every cell (dtype and batch size of one model) on every engine once, one after the
+other: llm_jax on each backend asked for, then transformers. So every ratio the report gives (llm_jax
+over transformers, one backend over another, bfloat16 over float32, batch B over batch 1) compares runs
+of the same moments, and holds on a shared machine whose memory bandwidth moves from minute to minute.
+Every dtype's weights are loaded at once for it, in each backend's prepared form.
 """
 
 from __future__ import annotations
@@ -18,20 +16,19 @@ import sys
 import tempfile
 from typing import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
-
 import llm_jax
-from llm_jax.benchmark import machine as machine_lib
-from llm_jax.benchmark.hf_engine import HfEngine, save_random_hf_model
-from llm_jax.benchmark.llm_jax_engine import LlmJaxEngine, Workload
-from llm_jax.benchmark.results import Difference, Row, agreement, first_differences, summarise
-from llm_jax.benchmark.roofline import compute_roofline, decode_roofline, head_peak, product_peak
-from llm_jax.benchmark.shapes import SHAPES, shape_config
-from llm_jax.benchmark.step_profile import StepProfile, profile_decode
-from llm_jax.config import MatmulImpl, ModelConfig
+from llm_jax.backends import Backend, default
+from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import cache_bytes_per_token
-from llm_jax.model import for_inference, init_params
+from llm_jax.model import Params, init_params
+
+from benchmarking import machine as machine_lib
+from benchmarking.hf_engine import HfEngine, save_random_hf_model
+from benchmarking.llm_jax_engine import LlmJaxEngine, Workload
+from benchmarking.results import Difference, Row, agreement, first_differences, summarise
+from benchmarking.roofline import compute_roofline, decode_roofline, head_peak, product_peak
+from benchmarking.shapes import SHAPES, shape_config
+from benchmarking.step_profile import StepProfile, profile_decode
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,7 +45,8 @@ class Options:
     repeats: int = 3
     chunk_steps: int = 16
     compare_hf: bool = False
-    matmuls: tuple[MatmulImpl, ...] = (MatmulImpl.AUTO,)  # llm_jax variants, each an engine
+    # llm_jax's engines: (name, the backend it runs on); the default, "auto"'s choice, named "llm_jax"
+    engines: tuple[tuple[str, Backend], ...] = ()
     threads: int = 0  # torch threads (0: every CPU)
     bandwidth_gbps: float = 0.0
     peaks_gflops: tuple[float | None, ...] = (None, None, None)  # float32, bfloat16, int8 (Machine's)
@@ -93,23 +91,34 @@ class ModelSource:
     def label(self) -> str:
         return self.model if self.named else pathlib.Path(self.model).name
 
-    def load(self, dtype: str) -> tuple[ModelConfig, llm_jax.Params]:
+    def load(self, dtype: str, backends: Sequence[Backend]) -> tuple[ModelConfig, list[Params]]:
+        """The config in ``dtype`` and the weights each of ``backends`` reads (``Backend.prepare``). The
+        canonical params are not kept: only what the prepared forms share with them stays in memory."""
         if self.hf_folder is not None or not self.named:
             loaded = llm_jax.load(self.hf_folder or self.model, dtype=dtype)
-            return loaded.config, loaded.params
-        config = shape_config(self.model, dtype=dtype)
-        return config, for_inference(jax.tree.map(jnp.asarray, init_params(config)), config, consume=True)
+            config, params = loaded.config, loaded.params
+        else:
+            config = shape_config(self.model, dtype=dtype)
+            params = init_params(config)
+        return config, [backend.prepare(params, config) for backend in backends]
 
 
-def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, llm_jax.Params]], options: Options,
-              log: Log) -> list[CellResult]:
-    """Every cell's engines compiled (each cell with the config and params of its dtype), then
-    ``options.repeats`` rounds in which each cell runs each of its engines once."""
+def engines_of(options: Options) -> tuple[tuple[str, Backend], ...]:
+    """``options.engines``, or the default backend's one engine."""
+    return options.engines or (("llm_jax", default()),)
+
+
+def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, Sequence[Params]]],
+              options: Options, log: Log) -> list[CellResult]:
+    """Every cell's engines compiled (each cell with the config of its dtype and the weights of each of
+    :func:`engines_of`'s backends, in order), then ``options.repeats`` rounds in which each cell runs each
+    of its engines once."""
     plans = []
-    for cell, config, params in cells:
+    for cell, config, weights in cells:
         workload = Workload(batch=cell.batch, prompt_len=options.prompt_len, new_tokens=options.new_tokens,
                             chunk_steps=options.chunk_steps)
-        engines = [LlmJaxEngine(params, config.replace(matmul_impl=m), workload) for m in options.matmuls]
+        engines = [LlmJaxEngine(w, config, workload, backend=backend, name=name)
+                   for (name, backend), w in zip(engines_of(options), weights, strict=True)]
         if options.compare_hf:
             threads = options.threads or machine_lib.cpu_threads()
             engines.append(HfEngine(source.hf_folder, config, workload, threads=threads))
@@ -157,8 +166,9 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, llm_
                                    new_tokens=1 + workload.decode_steps,
                                    product_gflops=product_peak(cell.dtype, arithmetic), attention_gflops=arithmetic[0],
                                    head_gflops=head_peak(screen, arithmetic), screen=screen)
-        rows = [summarise(engine=e.name, shape=source.label, dtype=cell.dtype, workload=workload,
-                          compiled=compiled[c, e.name], runs=runs[c, e.name], roofline=roofline, compute=compute,
+        rows = [summarise(engine=e.name, backend=e.backend.name if isinstance(e, LlmJaxEngine) else None,
+                          shape=source.label, dtype=cell.dtype, workload=workload, compiled=compiled[c, e.name],
+                          runs=runs[c, e.name], roofline=roofline, compute=compute,
                           kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[c, e.name],
                           run_bandwidths=bandwidths[c, e.name], peaks_measured=measured, head_screen=screen)
                 for e in engines]
@@ -181,7 +191,8 @@ def run_matrix(models: Sequence[str], dtypes: Sequence[str], batches: Sequence[i
         for model in models:
             log(f"{model}: preparing weights" + (" (and the transformers copy)" if options.compare_hf else ""))
             source = ModelSource(model, need_hf=options.compare_hf, workdir=pathlib.Path(tmp))
-            loaded = {dtype: source.load(dtype) for dtype in dtypes}
+            backends = [backend for _, backend in engines_of(options)]
+            loaded = {dtype: source.load(dtype, backends) for dtype in dtypes}
             log(f"{source.label} {' and '.join(dtypes)}, batch {', '.join(map(str, batches))}, taking turns:")
             cells = [(Cell(model=model, dtype=dtype, batch=batch), *loaded[dtype]) for dtype in dtypes
                      for batch in batches]

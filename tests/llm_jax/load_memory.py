@@ -1,13 +1,16 @@
-"""Host memory of loading a model sharded over a mesh, against what its devices end up holding.
+"""Host memory of loading a model, against what it holds in the end.
 
-    python tests/llm_jax/sharded_load_memory.py save DIR [--scale N]      # random model, llm_jax checkpoint
-    python tests/llm_jax/sharded_load_memory.py save-hf DIR [--scale N]   # the same shapes, Hugging Face folder
-    python tests/llm_jax/sharded_load_memory.py load DIR --mesh data=1,model=8
+    python tests/llm_jax/load_memory.py save DIR [--scale N]      # random model, llm_jax checkpoint
+    python tests/llm_jax/load_memory.py save-hf DIR [--scale N]   # the same shapes, Hugging Face folder
+    python tests/llm_jax/load_memory.py load DIR --mesh data=1,model=8
+    python tests/llm_jax/load_memory.py load DIR --mesh none      # one device: params and the backend's form
 
 ``load`` runs in a fresh process (for 8 simulated CPU devices, with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8``), loads once with ``llm_jax.load(DIR, mesh=...)``
 and prints JSON: the peak resident memory the load added over what the process held before, against
 ``device_bytes``, what the devices must hold in the end (one copy of the params per ``data`` replica).
+With ``--mesh none`` it loads on one device and derives the backend's execution form (``model.weights``:
+the CPU kernels' panels and the LM head's screens), and ``device_bytes`` counts both.
 On CPU the devices' buffers are host memory, so a load that reads each device's shard straight from
 the files peaks near 1× ``device_bytes`` (plus a constant for compiling and the I/O machinery, tens
 of MB, which only small models notice); one that stages a full host copy first peaks near 2×.
@@ -74,7 +77,7 @@ def load(folder: pathlib.Path, mesh_spec: str) -> dict:
     from llm_jax.weights import sources
     from llm_jax.weights.checkpoint import read_metadata
 
-    mesh = llm_jax.make_mesh(mesh_spec)
+    mesh = None if mesh_spec == "none" else llm_jax.make_mesh(mesh_spec)
     fmt = sources.detect_format(folder)
     config = read_metadata(folder)[0] if fmt is sources.WeightFormat.LLM_JAX else sources.source_config(folder, fmt)
     param_bytes = sum(s.size * np.dtype(config.param_dtype).itemsize for s in jax.tree.leaves(param_shapes(config)))
@@ -82,13 +85,15 @@ def load(folder: pathlib.Path, mesh_spec: str) -> dict:
     gc.collect()
     before = _status_kib("VmRSS")
     reset = _reset_peak()
-    params = llm_jax.load(folder, mesh=mesh).params
-    jax.block_until_ready(params)
+    model = llm_jax.load(folder, mesh=mesh)
+    held = jax.block_until_ready([model.params, model.weights])  # the backend's form too, derived once
     peak = _status_kib("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     added = (peak - before) * 1024
-    device_bytes = sum(s.data.nbytes for leaf in jax.tree.leaves(params) for s in leaf.addressable_shards)
-    return {"devices": jax.device_count(), "mesh": dict(mesh.shape), "param_bytes": param_bytes,
-            "device_bytes": device_bytes, "peak_added_bytes": added, "ratio": added / device_bytes}
+    unique = {id(leaf): leaf for leaf in jax.tree.leaves(held)}.values()  # leaves both hold count once
+    device_bytes = sum(s.data.nbytes for leaf in unique for s in leaf.addressable_shards)
+    return {"devices": jax.device_count(), "mesh": None if mesh is None else dict(mesh.shape),
+            "backend": type(model.backend).__name__, "param_bytes": param_bytes, "device_bytes": device_bytes,
+            "peak_added_bytes": added, "ratio": added / device_bytes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("command", choices=["save", "save-hf", "load"])
     p.add_argument("folder", type=pathlib.Path)
     p.add_argument("--scale", type=int, default=1)
-    p.add_argument("--mesh", default="data=1,model=8")
+    p.add_argument("--mesh", default="data=1,model=8", help="a mesh spec, or none for one device")
     args = p.parse_args(argv)
     if args.command == "save":
         save(args.folder, args.scale)

@@ -10,19 +10,22 @@ import numpy as np
 import pytest
 
 from cpu_kernels import build
-from llm_jax.benchmark.compile_study import cli_ttft, compile_vs_depth
-from llm_jax.benchmark.llm_jax_engine import Workload
-from llm_jax.benchmark.product_study import product_shapes, table as product_table, time_products
-from llm_jax.benchmark import hf_engine, machine
-from llm_jax.benchmark.results import (Difference, agreement, describe_differences, first_differences,
-                                       paired_ratio)
-from llm_jax.benchmark.roofline import (compute_roofline, decode_roofline, head_peak, product_weights,
-                                      weight_bytes_per_step)
-from llm_jax.benchmark.shapes import SHAPES, shape_config
-from llm_jax.benchmark.step_profile import OpTime, exclusive_times, op_flops, op_labels
-from llm_jax.cli.benchmark import main as benchmark_main
+from llm_jax import backends
+from llm_jax.backends.cpu import forms
 from llm_jax.kv_cache import cache_bytes_per_token
-from llm_jax.model import for_inference, init_params, param_shapes
+from llm_jax.model import init_params, param_shapes
+
+from benchmarking import hf_engine, machine
+from benchmarking.cli import BACKENDS, main as benchmark_main
+from benchmarking.compile_study import cli_ttft, compile_vs_depth
+from benchmarking.llm_jax_engine import LlmJaxEngine, Workload
+from benchmarking.product_study import product_shapes, table as product_table, time_products
+from benchmarking.results import (Difference, agreement, describe_differences, first_differences,
+                                  paired_ratio)
+from benchmarking.roofline import (compute_roofline, decode_roofline, head_peak, product_weights,
+                                   weight_bytes_per_step)
+from benchmarking.shapes import SHAPES, shape_config
+from benchmarking.step_profile import OpTime, exclusive_times, op_flops, op_labels
 
 ROW_FIELDS = {"engine": str, "shape": str, "dtype": str, "batch": int, "prompt_len": int, "new_tokens": int,
               "compile_s": float, "ttft_s": float, "decode_tokens_per_s": float, "prefill_tokens_per_s": float,
@@ -46,6 +49,7 @@ def report(tmp_path_factory):
 def test_json_has_a_row_per_engine_with_every_field(report):
     assert report["machine"]["bandwidth_gbps"] == 10.0
     assert [row["engine"] for row in report["rows"]] == ["llm_jax", "transformers"]
+    assert [row["backend"] for row in report["rows"]] == [backends.default().name, None]  # "auto"'s choice
     for row in report["rows"]:
         for field, kind in ROW_FIELDS.items():
             assert isinstance(row[field], kind), (field, row[field])
@@ -108,11 +112,55 @@ def test_numbers_are_well_formed(report):
     assert ours["roofline_tokens_per_s"] == theirs["roofline_tokens_per_s"]
 
 
+def test_the_backend_choices_are_the_librarys():
+    assert BACKENDS == backends.CHOICES  # spelled out in the CLI so that --help does not import JAX
+
+
+def test_an_engine_reads_the_screen_its_weights_hold():
+    """The roofline counts the LM head's screen where the engine's prepared weights hold one that serves its
+    rows: the CPU kernels' (int8 at batch 1), not XLA's weights nor the CPU kernels' without screens."""
+    config = shape_config("260K", dtype="float32")
+    params = init_params(config)
+
+    def screen(backend, batch):
+        workload = Workload(batch=batch, prompt_len=4, new_tokens=5, chunk_steps=4)
+        return LlmJaxEngine(backend.prepare(params, config), config, workload, backend=backend).screen
+
+    assert screen(backends.Xla(), 1) is None
+    if not build.load():
+        return
+    assert screen(backends.CpuKernels(), 1) == "int8"
+    assert screen(backends.CpuKernels(), 8) in ("int8_quads", "bfloat16", None)  # many rows: not the int8 screen
+    assert screen(backends.CpuKernels(greedy_screen=False), 1) is None
+
+
+@pytest.mark.skipif(not build.load(), reason="the cpu backend needs the kernels built")
+def test_backends_take_turns_as_engines_and_their_ratio_is_reported(tmp_path, capsys):
+    """--backend cpu xla: two llm_jax engines on the same weights, each prepared for its backend, running in
+    turn; the report gives the second's decode rate over the first's, repeat by repeat."""
+    path = tmp_path / "bench.json"
+    assert benchmark_main(["--model", "260K", "--backend", "cpu", "xla", "cpu", "--new-tokens", "5",
+                           "--chunk-steps", "4", "--repeats", "2", "--bandwidth", "10", "--peak-gflops", "100",
+                           "--json", str(path)]) == 0
+    out, err = capsys.readouterr()
+    progress = [line.split(",")[1].split(" run ")[0].strip() for line in err.splitlines() if " run " in line]
+    assert progress == ["llm_jax[cpu]", "llm_jax[xla]"] * 2  # each backend once, in turn
+    report = json.loads(path.read_text())
+    rows = report["rows"]
+    assert [(r["engine"], r["backend"]) for r in rows] == [("llm_jax[cpu]", "cpu"), ("llm_jax[xla]", "xla")]
+    [ratio] = report["backend_ratios"]
+    assert (ratio["engine"], ratio["over"], ratio["shape"], ratio["batch"]) == ("llm_jax[xla]", "llm_jax[cpu]",
+                                                                                "260K", 1)
+    paired = sorted(x / c for c, x in zip(rows[0]["decode_tokens_per_s_runs"], rows[1]["decode_tokens_per_s_runs"]))
+    assert (ratio["min"], ratio["max"]) == pytest.approx(tuple(paired))
+    assert f"decode llm_jax[xla] ÷ llm_jax[cpu] 260K float32 batch 1: {ratio['ratio']:.2f}×" in out
+
+
 def test_compile_time_is_measured_at_every_depth():
     """Each depth compiles afresh: the same depth twice (as after the benchmark's own run of the shape)
     reports a real compile time both times, not a hit in JAX's in-memory caches."""
     workload = Workload(batch=1, prompt_len=8, new_tokens=5, chunk_steps=4)
-    depth = compile_vs_depth("260K", "float32", [2, 2], workload)
+    depth = compile_vs_depth("260K", "float32", [2, 2], workload, backends.default())
     assert [d.n_layers for d in depth] == [2, 2]
     for d in depth:
         assert positive_finite(d.prefill_s) and positive_finite(d.decode_s), d
@@ -412,7 +460,7 @@ def test_the_profile_attributes_a_decode_step_to_its_ops(report):
     labels = [op["label"] for op in profile["ops"]]
     assert len(set(labels)) == len(labels)
     if build.load():  # on CPU the kernels run: the products and the attention are named by where they run
-        # greedy batch-1 steps: the LM head through its int8 screen (llm_jax.model.greedy_head)
+        # greedy batch-1 steps: the LM head through its int8 screen (llm_jax.backends.cpu.greedy_head)
         assert any(label.startswith("greedy_head: matmul_panels_i8") for label in labels), labels
         assert any(label.startswith("greedy_head: screened_argmax_f32") for label in labels), labels
         products = [op for op in profile["ops"] if "matmul_" in op["label"]]
@@ -460,19 +508,23 @@ def test_a_products_flops_count_every_result():
 
 
 @pytest.mark.parametrize("shape", ["260K", "15M"])
-def test_the_products_timed_alone_are_a_layers_in_decodes_layout(shape):
-    """Each of the four is a leaf of the inference params (fused q/k/v and gate/up), a layer's slice of it
-    K × N values, in panels exactly where the output width is a multiple of 16 (260K's gate/up is not)."""
+def test_the_products_timed_alone_are_a_layers_in_the_cpu_backends_form(shape):
+    """Each of the four is a matrix of the CPU backend's prepared weights (q/k/v and gate/up fused), a
+    layer's slice of it K × N values, in panels exactly where the output width is a multiple of 16 (260K's
+    gate/up is not)."""
     config = shape_config(shape, dtype="float32")
-    layers = for_inference(init_params(config), config)["layers"]
-    leaves = {**layers["attn"], **layers["mlp"]}
-    for product in product_shapes(config):
-        name = product.name + "_proj"
-        leaf = leaves.get(name + "_panels", leaves.get(name))
-        assert leaf is not None, (name, sorted(leaves))
-        assert (name + "_panels" in leaves) == product.panels == (product.N % 16 == 0)
-        assert int(np.prod(leaf.shape[1:])) == product.K * product.N
-        assert leaf.shape[0] == config.n_layers
+    layers = forms.prepare(init_params(config), config)["layers"]
+    attn, mlp = layers["attn"], layers["mlp"]
+    assert isinstance(attn["q_proj"], forms.Fused) and isinstance(mlp["gate_proj"], forms.Fused)
+    matrices = {"qkv": attn["q_proj"].data, "o": attn["o_proj"], "gate_up": mlp["gate_proj"].data,
+                "down": mlp["down_proj"]}
+    products = product_shapes(config)
+    assert [p.name for p in products] == list(matrices)
+    for product in products:
+        matrix = matrices[product.name]
+        assert isinstance(matrix, forms.Panels) == product.panels == (product.N % 16 == 0), product
+        assert (matrix.shape[0], matrix.shape[-1]) == (config.n_layers, product.N)  # [L, *in, N]
+        assert int(np.prod(matrix.shape[1:])) == product.K * product.N
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

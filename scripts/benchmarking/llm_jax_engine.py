@@ -1,7 +1,8 @@
 """Timing llm_jax's own stages — ``prefill`` → ``start`` → ``decode`` in chunks — on one workload.
 
-The stages are called directly, as ``generate`` calls them, without tokenizer or detokenizer: the
-numbers are the model's. Compilation is measured on the first run and excluded from the timed runs.
+The stages are called directly, as ``generate`` calls them, on one backend's prepared weights and
+without tokenizer or detokenizer: the numbers are the model's. Compilation is measured on the first run
+and excluded from the timed runs.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import time
 import numpy as np
 
 from llm_jax import buckets
+from llm_jax.backends import Backend
+from llm_jax.backends.cpu.greedy_head import SCREEN, screen_for
 from llm_jax.compile_stats import measure_compilation
-from llm_jax.config import MatmulImpl, ModelConfig
-from llm_jax.decode import PAD_ID, DecodeControls, argmax_only, decode, start
+from llm_jax.config import ModelConfig
+from llm_jax.decoding import PAD_ID, DecodeControls, argmax_only, decode, start
 from llm_jax.kv_cache import init_cache
-from llm_jax.model import Params, greedy_head
-from llm_jax.prefill import prefill
+from llm_jax.model import Params
+from llm_jax.prefilling import prefill
 from llm_jax.sampling import GREEDY
 
 
@@ -73,12 +76,12 @@ class Compiled:
 
 
 class LlmJaxEngine:
-    """Runs a :class:`Workload` against ``params``; call :meth:`compile` once, then :meth:`run`."""
+    """Runs a :class:`Workload` on ``backend`` against ``weights``, the params as ``backend.prepare`` gives
+    them; call :meth:`compile` once, then :meth:`run`. ``name`` labels its rows."""
 
-    def __init__(self, params: Params, config: ModelConfig, workload: Workload):
-        self.params, self.config, self.workload = params, config, workload
-        impl = config.matmul_impl
-        self.name = "llm_jax" if impl is MatmulImpl.AUTO else f"llm_jax[{impl.value} matmul]"
+    def __init__(self, weights: Params, config: ModelConfig, workload: Workload, *, backend: Backend,
+                 name: str = "llm_jax"):
+        self.weights, self.config, self.workload, self.backend, self.name = weights, config, workload, backend, name
         context = config.max_seq_len
         self.block_len = buckets.prompt_bucket(workload.prompt_len, context=context)
         self.cache_len = buckets.cache_bucket(workload.prompt_len, 1 + workload.decode_steps, context=context)
@@ -92,8 +95,10 @@ class LlmJaxEngine:
         self.lengths_B = np.full((B,), workload.prompt_len, np.int32)
         self.controls = DecodeControls.create([GREEDY] * B, eos_ids=[()] * B, stop_ids=[()] * B,
                                               max_new_tokens=[1 + workload.decode_steps] * B)
-        # Greedy, nothing read from the logits but their argmax: the LM head through its screen, if any.
-        self.screen = greedy_head.screen_for(params, config, B) if argmax_only(self.controls) else None
+        # Greedy, nothing read from the logits but their argmax: the LM head through its screen, where the
+        # prepared weights hold one (the CPU kernels') and one serves B rows.
+        screen = weights.get(SCREEN) if argmax_only(self.controls) else None
+        self.screen = None if screen is None else screen_for(screen, B)
 
     def compile(self) -> Compiled:
         t0 = time.perf_counter()
@@ -115,12 +120,12 @@ class LlmJaxEngine:
                             temp_bytes=stats.temp_size_in_bytes)
 
     def _compiled_decode(self, cache, state):
-        return decode.lower(self.params, self.config, cache, state, self.controls,
-                            num_steps=self.workload.chunk_steps).compile()
+        return decode.lower(self.weights, self.config, cache, state, self.controls,
+                            num_steps=self.workload.chunk_steps, backend=self.backend).compile()
 
     def decode_program_text(self) -> str:
-        """The compiled decode chunk's program (HLO text): what :mod:`llm_jax.benchmark.step_profile` names
-        its ops from."""
+        """The compiled decode chunk's program (HLO text): what :mod:`benchmarking.step_profile` names its
+        ops from."""
         cache, state = self._prefill()
         return self._compiled_decode(cache, state).as_text()
 
@@ -142,9 +147,11 @@ class LlmJaxEngine:
 
     def _prefill(self):
         cache = init_cache(self.config, self.workload.batch, self.cache_len)
-        logits_BV, cache = prefill(self.params, self.config, self.tokens_BT, self.lengths_B, cache)
-        state, _ = start(logits_BV, self.tokens_BT, cache, self.controls)
+        logits_BV, cache = prefill(self.weights, self.config, self.tokens_BT, self.lengths_B, cache,
+                                   backend=self.backend)
+        state, _ = start(logits_BV, self.tokens_BT, cache, self.controls, backend=self.backend)
         return cache, state
 
     def _decode(self, cache, state):
-        return decode(self.params, self.config, cache, state, self.controls, num_steps=self.workload.chunk_steps)
+        return decode(self.weights, self.config, cache, state, self.controls, num_steps=self.workload.chunk_steps,
+                      backend=self.backend)

@@ -9,9 +9,9 @@ from typing import Sequence
 
 import numpy as np
 
-from llm_jax.benchmark.llm_jax_engine import Compiled, Run, Workload
-from llm_jax.benchmark.machine import Machine, RunBandwidth
-from llm_jax.benchmark.roofline import ComputeRoofline, Roofline, arithmetic_seconds, head_peak, product_peak
+from benchmarking.llm_jax_engine import Compiled, Run, Workload
+from benchmarking.machine import Machine, RunBandwidth
+from benchmarking.roofline import ComputeRoofline, Roofline, arithmetic_seconds, head_peak, product_peak
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,6 +31,7 @@ class Row:
     """One engine on one workload. Scalars are medians over the repeats; ``*_spread`` give min and max."""
 
     engine: str
+    backend: str | None  # the llm_jax backend's name ("cpu", "xla", "pallas"); None for transformers
     shape: str
     dtype: str
     batch: int
@@ -69,9 +70,9 @@ class Row:
     product_flops_per_step: int
     attention_flops_per_step: int
     # The screen llm_jax's greedy steps read the LM head through ("int8", "bfloat16", "int8_quads"; None:
-    # the head itself; llm_jax.model.greedy_head): bytes_per_step counts it in place of the head, for both
-    # engines' rows (the bound of the computation llm_jax does); and of product_flops_per_step, the LM
-    # head's when through the bfloat16 screen or the quads, at the bfloat16 or int8 peak.
+    # the head itself; llm_jax.backends.cpu.greedy_head): bytes_per_step counts it in place of the head,
+    # for every engine's row (the bound of the computation llm_jax does); and of product_flops_per_step,
+    # the LM head's when through the bfloat16 screen or the quads, at the bfloat16 or int8 peak.
     head_screen: str | None
     screened_head_flops_per_step: int
     compute_roofline_tokens_per_s: float | None
@@ -90,9 +91,9 @@ class Row:
         return dataclasses.asdict(self)
 
 
-def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compiled: Compiled, runs: Sequence[Run],
-              roofline: Roofline, compute: ComputeRoofline, kv_bytes_per_token: int, peak_rss_mb: float,
-              run_bandwidths: Sequence[RunBandwidth] = (), peaks_measured: bool = True,
+def summarise(*, engine: str, backend: str | None, shape: str, dtype: str, workload: Workload, compiled: Compiled,
+              runs: Sequence[Run], roofline: Roofline, compute: ComputeRoofline, kv_bytes_per_token: int,
+              peak_rss_mb: float, run_bandwidths: Sequence[RunBandwidth] = (), peaks_measured: bool = True,
               head_screen: str | None = None) -> Row:
     """``runs`` in one row; ``run_bandwidths[i]`` is the bandwidth measured around run i; ``compute``
     at the measured arithmetic peaks (without ``peaks_measured``, its flops only)."""
@@ -111,7 +112,7 @@ def summarise(*, engine: str, shape: str, dtype: str, workload: Workload, compil
     steps = np.concatenate([r.step_s for r in runs])
     decode = Spread.of(decode_rate)
     memory = compiled.decode_memory
-    return Row(engine=engine, shape=shape, dtype=dtype, batch=B, prompt_len=workload.prompt_len,
+    return Row(engine=engine, backend=backend, shape=shape, dtype=dtype, batch=B, prompt_len=workload.prompt_len,
                new_tokens=1 + workload.decode_steps, repeats=len(runs),
                compile_s=compiled.prefill_s + compiled.decode_s, compile_prefill_s=compiled.prefill_s,
                compile_decode_s=compiled.decode_s, first_ttft_s=compiled.first_ttft_s,

@@ -11,8 +11,9 @@ import time
 
 import numpy as np
 
-from llm_jax.benchmark.llm_jax_engine import Compiled, Run, Workload
 from llm_jax.config import ModelConfig
+
+from benchmarking.llm_jax_engine import Compiled, Run, Workload
 
 
 def hf_config(config: ModelConfig):

@@ -22,9 +22,10 @@ import sentencepiece
 
 from llm_jax.config import ModelConfig
 from llm_jax.model import Params, init_params
-from llm_jax.training import data
-from llm_jax.training.step import OptimizerConfig, init_state, make_eval_step, make_optimizer, make_train_step
-from llm_jax.training.stories import stories
+
+from training import data
+from training.step import OptimizerConfig, init_state, make_eval_step, make_optimizer, make_train_step
+from training.stories import stories
 
 # A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention, tied embeddings.
 STORIES_MODEL = ModelConfig(vocab_size=1536, d_model=128, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=32,
@@ -202,7 +203,7 @@ PREVIEW_PROMPT = "Once upon a time"
 
 def _previewer(config: ModelConfig, tokenizer_model: bytes) -> Callable[[Params], str]:
     """A greedy story from :data:`PREVIEW_PROMPT`, through llm_jax's own generation path."""
-    from llm_jax.generate import generate
+    from llm_jax.generation import generate
     from llm_jax.loading import Model
     from llm_jax.tokenizer import load_tokenizer
 

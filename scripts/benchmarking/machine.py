@@ -23,10 +23,10 @@ import numpy as np
 from cpu_kernels import build
 
 BANDWIDTH_BYTES = 1 << 30  # far larger than any cache
-# The probe beside each run: eight times a large L3 (32 MiB here), read in tens of milliseconds (64 MiB
-# read 26–53 GB/s in one minute where 256 MiB read 31–52 and 1 GiB 34–49).
+# The probe beside each run: several times a large last-level cache, so that it reads memory, yet read in
+# tens of milliseconds, so that a window of reads samples memory's speed many times.
 RUN_PROBE_BYTES = 1 << 28
-RUN_PROBE_S = 0.5  # each window of reads beside a run: a 110M float32 run of 65 tokens lasts ≈ 0.9 s
+RUN_PROBE_S = 0.5  # each window of reads beside a run: about as long as a short run
 PEAK_PROBE_S = 0.05  # each thread's run of the arithmetic probe
 
 
@@ -72,8 +72,7 @@ def measure_bandwidth(*, threads: int | None = None, nbytes: int = BANDWIDTH_BYT
 
     The best over the readers (the compiled stream read when available, NumPy's sum and max) and
     ``repeats`` runs of each: a reader that computes too slowly would understate the bandwidth and
-    flatter every roofline fraction measured against it (NumPy alone read up to 30 % slower than the
-    compiled read on the development machine).
+    flatter every roofline fraction measured against it.
     """
     threads = threads or cpu_threads()
     data = np.ones(nbytes // 4, np.float32)
@@ -98,10 +97,10 @@ class RunBandwidth:
 def measure_run_bandwidth(*, threads: int | None = None, seconds: float = RUN_PROBE_S) -> RunBandwidth:
     """The bandwidth right now: reads of :data:`RUN_PROBE_BYTES` for ``seconds``, the readers taking
     turns. Measured just before and just after each timed run, it says what memory could give that run
-    on a machine shared with others. Its sustained rate is the bound of a run, which streams for as long:
-    single reads of this host swing between ≈ 30 and ≈ 50 GB/s within tens of milliseconds, so the best
-    of a few reads states what no run of a second sustains (a plain read of the same length included).
-    Its array is freed on return, before a run's peak memory is counted."""
+    on a machine shared with others. Its sustained rate is the bound of a run, which streams for as long;
+    the best single read (the burst) can state what no run of a second sustains, where memory's speed
+    swings within tens of milliseconds. Its array is freed on return, before a run's peak memory is
+    counted."""
     threads = threads or cpu_threads()
     data = np.ones(RUN_PROBE_BYTES // 4, np.float32)
     return run_bandwidth_of(list(_timed_reads(data, threads, seconds=seconds)), data.nbytes)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import sentencepiece
 
-from llm_jax.training import data
-from llm_jax.training.stories import stories
+from training import data
+from training.stories import stories
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,8 @@ of the host trace, with the program (``hlo_module``) and the op (``hlo_op``) it 
 runs one chunk of ``decode`` inside ``jax.profiler.trace``, reads the trace back (the Perfetto JSON that
 ``create_perfetto_trace=True`` writes beside the TensorBoard files), and sums each op's *exclusive* time
 (its span less the spans of ops inside it) per decode step. A loop's or a conditional's own time is
-then its bookkeeping and the gaps between the ops it runs: the executor's cost of dispatching them. The op names are the compiled program's, so each one is labelled from that program's text: where
+then its bookkeeping and the gaps between the ops it runs: the executor's cost of dispatching them. The
+op names are the compiled program's, so each one is labelled from that program's text: where
 in the model it runs (the path JAX records, e.g. ``DecoderLayer/attn.project``) and, for a kernel, its
 target and shapes (``matmul_panels_f32 f32[32,288] · f32[6,54,288,16] → f32[32,864]``: q/k/v of 15M at
 batch 32), for any other op ``XLA <op name>``. A matrix product's flops (2 · R · K · N, from the same
@@ -29,9 +30,9 @@ import time
 import jax
 import numpy as np
 
-from llm_jax.benchmark.llm_jax_engine import LlmJaxEngine
+from benchmarking.llm_jax_engine import LlmJaxEngine
 
-MODULE = "jit_decode"  # the name XLA gives the program of llm_jax.decode.decode
+MODULE = "jit_decode"  # the name XLA gives the program of llm_jax.decoding.decode
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

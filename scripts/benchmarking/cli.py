@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING
 from llm_jax.cli.common import positive_int, run_main
 
 if TYPE_CHECKING:
-    from llm_jax.benchmark.results import Spread
+    from llm_jax.backends import Backend
+
+    from benchmarking.results import Spread
 
 EPILOG = """\
 examples:
   benchmark.py --model 15M --model 110M --dtype float32 bfloat16 --compare hf --repeats 3
   benchmark.py --model 15M --batch 1 8 32
+  benchmark.py --model 15M --batch 1 32 --backend cpu xla
   benchmark.py --model 1B --dtype bfloat16 --new-tokens 33
   benchmark.py --model 110M --compile-layers 6 12 24 --cli-ttft
   benchmark.py --model 15M --batch 32 --profile
@@ -33,8 +36,9 @@ over the runs of each run's share of the roofline at the bandwidth a streaming r
 (half a second of reads just before and just after, the better of the two; on a machine shared with
 others, memory's speed moves from one moment to the next), "% @burst" the same at the fastest single
 read around it (a burst of memory, which a run lasting longer sees only part of). "% roof@size" is
-the share of the same bound at the bandwidth of reading just a step's bytes over and over: a model that fits in a cache (15M in a large L3) is read from the cache, faster
-than memory allows, and can pass 100 % of the memory roofline. "flop roof" is the arithmetic bound: the
+the share of the same bound at the bandwidth of reading just a step's bytes over and over: a model that
+fits in a cache (15M in a large L3) is read from the cache, faster than memory allows, and can pass
+100 % of the memory roofline. "flop roof" is the arithmetic bound: the
 tokens/s the measured peak of multiply-adds (bfloat16 weights: of the CPU's bfloat16 dot products, where
 it has them) allows for a step's matrix products and attention; "% flop" the share of it reached. It
 binds where it is below the memory roofline: batched decode. "× hf" is llm_jax's decode rate over
@@ -43,13 +47,31 @@ well (each repeat runs every one once), and the lines under the table give their
 (median, min–max): bfloat16 ÷ float32 and batch B ÷ batch 1 decode throughput, the latter with the
 most it can be here while batch 1 runs as it did ("at its roofline": batch B's roofline, the lower of
 memory's and the arithmetic's, over batch 1's median rate).
---products times a layer's four products alone (q/k/v and gate/up fused, as decode runs them), each over
-many copies of its weights so that they come from memory as in a step, and over two copies that stay in
-the caches, through llm_jax's kernels and torch's F.linear taking turns, with the share of the arithmetic peak each reaches: batched decode is
-bound by arithmetic, so these say how far batch B ÷ batch 1 can go here.
+--backend runs llm_jax on each backend named, as separate engines taking turns ("cpu xla": the CPU kernels
+against XLA's own operations); "auto" is the one llm_jax picks here, and its rows are named "llm_jax".
+--products times a layer's four products alone (q/k/v and gate/up fused, as the CPU backend runs them),
+each over many copies of its weights so that they come from memory as in a step, and over two copies that
+stay in the caches, through llm_jax's CPU kernels and torch's F.linear taking turns, with the share of the
+arithmetic peak each reaches: batched decode is bound by arithmetic, so these say how far batch B ÷ batch 1
+can go here.
 Peak memory is the process's: with --compare hf both engines' weights are resident, and with several
 dtypes every dtype's copy.
 """
+
+
+BACKENDS = ("auto", "xla", "cpu", "pallas")  # llm_jax.backends.CHOICES, without importing JAX for --help
+
+
+def engine_name(choice: str) -> str:
+    """The rows' name of llm_jax on backend ``choice``: "llm_jax" for auto's, "llm_jax[xla]" for another."""
+    return "llm_jax" if choice == "auto" else f"llm_jax[{choice}]"
+
+
+def chosen_engines(choices: list[str]) -> tuple[tuple[str, Backend], ...]:
+    """(name, backend) of llm_jax's engine on each of ``choices``, in order, each once."""
+    from llm_jax import backends
+
+    return tuple((engine_name(choice), backends.choose(choice)) for choice in dict.fromkeys(choices))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-steps", type=positive_int, default=16, help="decode steps per device call")
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers on the same weights")
-    p.add_argument("--matmul", nargs="+", choices=["auto", "xla"], default=["auto"],
-                   help="llm_jax kernels: auto (on one CPU device, the CPU kernels for matrix products and "
-                        "attention) and/or xla (XLA's own everywhere); several run as separate engines, alternating")
+    p.add_argument("--backend", nargs="+", choices=BACKENDS, default=["auto"],
+                   help="how llm_jax runs: auto (the CPU kernels on one CPU device where they build, Pallas on GPU "
+                        "and TPU, XLA otherwise), cpu, xla (XLA's own operations) or pallas; several run as "
+                        "separate engines, taking turns")
     p.add_argument("--threads", type=positive_int, help="threads for torch and the bandwidth probe (default: all)")
     p.add_argument("--bandwidth", type=float, help="memory bandwidth in GB/s to use instead of measuring it")
     p.add_argument("--peak-gflops", type=float, nargs="+", metavar="GFLOPS",
@@ -90,7 +113,7 @@ def _paired_against(rows, field: str, base_value):
     """(row, its base, its ratio to the base) for each row whose ``field`` is not ``base_value`` and that has a
     base: the row equal to it but for ``field`` (shape, dtype, engine, batch). Ratios of decode rates repeat
     by repeat (``results.paired_ratio``)."""
-    from llm_jax.benchmark.results import paired_ratio
+    from benchmarking.results import paired_ratio
 
     key = lambda r: {f: getattr(r, f) for f in ("shape", "dtype", "engine", "batch") if f != field}
     for r in rows:
@@ -117,6 +140,17 @@ def batch_scaling(rows) -> dict:
     return out
 
 
+def backend_ratios(rows) -> dict:
+    """Each other llm_jax engine's decode rate over the first's (the first backend of --backend), repeat by
+    repeat, per shape, dtype and batch size."""
+    ours = [r for r in rows if r.backend is not None]
+    if not ours:
+        return {}
+    first = ours[0].engine
+    return {(r.shape, r.dtype, r.batch, r.engine, first): ratio
+            for r, _, ratio in _paired_against(ours, "engine", first)}
+
+
 def dtype_ratios(rows) -> dict:
     """bfloat16's decode rate over float32's, repeat by repeat, per shape, engine and batch size that ran
     both."""
@@ -128,18 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     models = args.models or ["15M"]
     # Imported here so --help answers without starting JAX.
-    from llm_jax.benchmark import machine as machine_lib
-    from llm_jax.benchmark.compile_study import compile_vs_depth
-    from llm_jax.benchmark.llm_jax_engine import Workload
-    from llm_jax.benchmark.results import at_bandwidth, at_peaks, at_size, describe_differences, table, write_json
-    from llm_jax.benchmark.shapes import SHAPES
-    from llm_jax.benchmark.step_profile import table as step_table
-    from llm_jax.benchmark.suite import Options, log_stderr, run_matrix
-    from llm_jax.config import MatmulImpl
+    from benchmarking import machine as machine_lib
+    from benchmarking.compile_study import compile_vs_depth
+    from benchmarking.llm_jax_engine import Workload
+    from benchmarking.results import at_bandwidth, at_peaks, at_size, describe_differences, table, write_json
+    from benchmarking.shapes import SHAPES
+    from benchmarking.step_profile import table as step_table
+    from benchmarking.suite import Options, log_stderr, run_matrix
 
     if args.products and any(m not in SHAPES for m in models):
         raise ValueError(f"--products takes named shapes ({', '.join(SHAPES)}), got "
                          f"{', '.join(m for m in models if m not in SHAPES)}")
+    engines = chosen_engines(args.backend)  # before any slow work: a backend that cannot run here is an error
     threads = args.threads or machine_lib.cpu_threads()
     if args.bandwidth:
         bandwidth = args.bandwidth
@@ -156,11 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         peaks = machine_lib.measure_peaks(threads=threads)
     machine = machine_lib.describe(bandwidth, peaks)
     log_stderr(f"machine: {machine.cpu}, {machine.threads} threads, {bandwidth:.1f} GB/s, "
-               f"arithmetic peak {_gflops(peaks)}, jax {machine.jax_version} ({machine.backend})")
+               f"arithmetic peak {_gflops(peaks)}, jax {machine.jax_version} ({machine.backend}); "
+               + ", ".join(f"{name} on the {backend.name} backend" for name, backend in engines))
     options = Options(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                       chunk_steps=args.chunk_steps, compare_hf=args.compare == "hf", threads=threads,
                       bandwidth_gbps=bandwidth, peaks_gflops=peaks, probe_each_run=not args.bandwidth,
-                      matmuls=tuple(MatmulImpl.parse(m) for m in args.matmul), profile=args.profile)
+                      engines=engines, profile=args.profile)
     results = run_matrix(models, args.dtype, args.batch, options)
     rows = [row for result in results for row in result.rows]
     ratios = {}
@@ -219,6 +254,13 @@ def main(argv: list[str] | None = None) -> int:
                                    "times_batch_1": x.times_batch_1.median, "min": x.times_batch_1.min,
                                    "max": x.times_batch_1.max, "roofline_times_batch_1": x.ceiling}
                                   for (shape, dtype, engine), by_batch in scaling.items() for b, x in by_batch.items()]
+    by_backend = backend_ratios(rows)
+    for (shape, dtype, batch, engine, base), x in by_backend.items():
+        print(f"decode {engine} ÷ {base} {shape} {dtype} batch {batch}: {x.median:.2f}× ({x.min:.2f}–{x.max:.2f})")
+    if by_backend:
+        extra["backend_ratios"] = [{"shape": shape, "dtype": dtype, "batch": batch, "engine": engine, "over": base,
+                                    "ratio": x.median, "min": x.min, "max": x.max}
+                                   for (shape, dtype, batch, engine, base), x in by_backend.items()]
     by_dtype = dtype_ratios(rows)
     for (shape, engine, batch), x in by_dtype.items():
         print(f"decode bfloat16 ÷ float32 {shape} batch {batch} {engine}: {x.median:.2f}× ({x.min:.2f}–{x.max:.2f})")
@@ -240,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         workload = Workload(batch=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                             chunk_steps=args.chunk_steps)
         log_stderr(f"compile time of {shape} at {args.compile_layers} layers...")
-        depth = compile_vs_depth(shape, args.dtype[0], args.compile_layers, workload)
-        print(f"\ncompile time, {shape} {args.dtype[0]} (trace + lower + compile, s):")
+        name, backend = engines[0]
+        depth = compile_vs_depth(shape, args.dtype[0], args.compile_layers, workload, backend)
+        print(f"\ncompile time, {shape} {args.dtype[0]}, {name} (trace + lower + compile, s):")
         for d in depth:
             print(f"  {d.n_layers:3d} layers: prefill {d.prefill_s:.2f}  decode {d.decode_s:.2f}")
         extra["compile_vs_depth"] = [dataclasses.asdict(d) for d in depth]
@@ -260,9 +303,9 @@ def _gflops(peaks) -> str:
 
 
 def _products(models, args, threads: int, peaks, log) -> list[dict]:
-    from llm_jax.benchmark.product_study import CALLS, REPEATS, table as product_table, time_products
-    from llm_jax.benchmark.roofline import product_peak
-    from llm_jax.benchmark.shapes import shape_config
+    from benchmarking.product_study import CALLS, REPEATS, table as product_table, time_products
+    from benchmarking.roofline import product_peak
+    from benchmarking.shapes import shape_config
 
     out = []
     for model in models:
@@ -282,9 +325,9 @@ def _products(models, args, threads: int, peaks, log) -> list[dict]:
 def _cli_ttft(model: str, args, log) -> dict:
     import tempfile
 
-    from llm_jax.benchmark.compile_study import cli_ttft
-    from llm_jax.benchmark.hf_engine import save_random_hf_model
-    from llm_jax.benchmark.shapes import SHAPES, shape_config
+    from benchmarking.compile_study import cli_ttft
+    from benchmarking.hf_engine import save_random_hf_model
+    from benchmarking.shapes import SHAPES, shape_config
 
     prompt_ids = list(range(1, args.prompt_len + 1))
     with tempfile.TemporaryDirectory(prefix="llm_jax_bench_cli_") as tmp:

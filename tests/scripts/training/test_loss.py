@@ -4,7 +4,7 @@ import pytest
 
 from llm_jax.config import ModelConfig
 from llm_jax.model import forward, init_params
-from llm_jax.training import loss
+from training import loss
 
 # Jitted once each: op-by-op dispatch of a whole model is slow.
 token_losses = jax.jit(loss.token_losses, static_argnums=1)

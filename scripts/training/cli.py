@@ -39,7 +39,7 @@ _MODEL_FLAGS = {
 
 
 def build_parser() -> CliParser:
-    from llm_jax.training.recipe import STORIES  # the defaults; imports jax but starts nothing
+    from training.recipe import STORIES  # the defaults; imports jax but starts nothing
 
     p = CliParser(description="Train llm_jax's default story model from scratch and save it as a checkpoint.",
                   epilog="With no flags it reproduces the model shipped in checkpoints/ "
@@ -61,9 +61,10 @@ def build_parser() -> CliParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from llm_jax.training import model_card
-    from llm_jax.training import recipe as rc
     from llm_jax.weights.checkpoint import check_destination
+
+    from training import model_card
+    from training import recipe as rc
 
     shape = {name: getattr(args, name) for name in _MODEL_FLAGS}
     if shape["d_model"] % shape["n_heads"]:
