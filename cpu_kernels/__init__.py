@@ -31,7 +31,7 @@ compiler), it is XLA's product. Gradients are XLA's.
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
     argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU
     screened_argmax(y_BV, x_BD, panels, scales_V, norms_V, c1, c2, errors_V=None) -> i_B  # argmax of x · W
-        from a screen
+        from a screen: the token of matmul's product, then argmax
     glu(y_RE, activation) -> act(gate) · up [R, E / 2]  # the gated MLP's activation on y = [gate | up]
     gated(gate, up, activation) -> act(gate) · up  # the same through XLA, gate and up apart
 """
@@ -303,22 +303,24 @@ def argmax(x_BV: jax.Array) -> jax.Array:
 
 
 def _full_argmax(x_BD: jax.Array, panels: jax.Array) -> jax.Array:
-    """The argmax [B] (int32) of every logit x [B, D] · W, W as panels [V / 16, D, 16], through XLA."""
-    logits_BV = jnp.einsum("BD,DV->BV", x_BD, from_panels(panels).astype(jnp.float32), precision="highest")
-    return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    """The unscreened path's tokens [B] (int32) for x [B, D] and W as panels [V / 16, D, 16]: every logit
+    through :func:`matmul` (the kernels' product, or XLA's where they do not run), then :func:`argmax`."""
+    return argmax(matmul(x_BD, panels, panels=True))
 
 
 def screened_argmax(y_BV: jax.Array, x_BD: jax.Array, panels: jax.Array, scales_V: jax.Array | None,
                     norms_V: jax.Array, c1: float, c2: float, errors_V: jax.Array | None = None) -> jax.Array:
     """The greedy token per row [B] (int32) of the logits x [B, D] · W, W [D, V] (float32 or bfloat16) held
-    as panels [V / 16, D, 16], given screened logits a = ``y_BV`` (times ``scales_V`` [V] when given) that
-    differ from them by at most r = c1 · ||x_b||₁ · scales_V[j] + c2 · ||x_b||₂ · norms_V[j], or, with
-    ``errors_V`` [V] (screened logits of x quantized as :func:`quantize_rows` does, δ_b = x_b − t_b n_b; needs
-    ``scales_V``), r = c1 · (||x_b||₂ + ||δ_b||₂) · errors_V[j] + (c1 · ||δ_b||₂ + c2 · ||x_b||₂) · norms_V[j]:
-    the columns whose interval [a − r, a + r] reaches the largest lower end are computed exactly (in double
-    precision), the largest wins, the first on ties; a row with a NaN or an infinity is computed in full
-    (its first NaN wins, as in ``jnp.argmax``). x is used as given (a bfloat16 W's logits are those of x
-    rounded to bfloat16: round it first). XLA's full product and argmax where the kernels are not
+    as panels [V / 16, D, 16]: the unscreened path's token, ``argmax(matmul(x_BD, panels, panels=True))``,
+    the first largest float32 logit of the head's own product of these B rows. Given screened logits a =
+    ``y_BV`` (times ``scales_V`` [V] when given) that differ from that product's by at most r = c1 · ||x_b||₁
+    · scales_V[j] + c2 · ||x_b||₂ · norms_V[j], or, with ``errors_V`` [V] (screened logits of x quantized as
+    :func:`quantize_rows` does, δ_b = x_b − t_b n_b; needs ``scales_V``), r = c1 · (||x_b||₂ + ||δ_b||₂) ·
+    errors_V[j] + (c1 · ||δ_b||₂ + c2 · ||x_b||₂) · norms_V[j]: the columns whose interval [a − r, a + r]
+    reaches the largest lower end have their logits computed with the product's own arithmetic for B rows
+    (bit for bit), the largest wins, the first on ties; a row with a NaN or an infinity is computed in full
+    (its first NaN wins, as in ``jnp.argmax``). x is rounded to W's dtype, as the product rounds it; ``y_BV``
+    must be the screen's logits of x so rounded. The unscreened path itself where the kernels are not
     available."""
     B, V = y_BV.shape
     none = jnp.zeros((0,), jnp.float32)
@@ -357,9 +359,10 @@ def quads_argmax(x_BD: jax.Array, quads: jax.Array, panels: jax.Array, scales_V:
     (float32 or bfloat16), through its int8 screen in quads of rows (``quads``, :func:`to_quads`; ``scales_V``,
     ``errors_V``, ``norms_V`` and c1, c2 as :func:`screened_argmax` takes them) in one kernel call: the token
     of ``screened_argmax(matmul(x_BD, quads, panels=True, quads=True), x_BD, panels, scales_V, norms_V, c1,
-    c2, errors_V)``, without the screened logits [B, V] going through memory (the kernel bounds each unit
-    of columns as the product finishes it). Where the quads do not run (:func:`quads_available`), XLA's
-    full product and argmax."""
+    c2, errors_V)`` — the unscreened path's token, ``argmax(matmul(x_BD, panels, panels=True))`` — without
+    the screened logits [B, V] going through memory (the kernel bounds each unit of columns as the product
+    finishes it). x is rounded to the head's dtype first, for the screen's product too. Where the quads do
+    not run (:func:`quads_available`), the unscreened path itself."""
     B, D = x_BD.shape
     V = panels.shape[0] * PANEL
     if (quads.shape != panels.shape or quads.dtype != jnp.int8 or panels.shape[1:] != (D, PANEL) or D % 4

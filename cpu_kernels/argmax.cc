@@ -7,7 +7,10 @@
 // computed, from logits that were, through a narrower copy of W (its screen: bfloat16 for a float32 W,
 // int8 with a scale per column for either: fewer bytes to read; at many rows the int8 one in quads, x
 // quantized too: half the arithmetic of bfloat16's), and W itself for the few columns that can still
-// win; see llm_jax/model/greedy_head.py for the bound that makes it exact.
+// win. The token is the unscreened path's, jnp.argmax of matmul.cc's product x · W of the same B rows (x
+// rounded to W's dtype): the screen bounds how far each screened logit lies from that product's float32
+// logit (llm_jax/backends/cpu/greedy_head.py), and the columns that can still win have their logits
+// computed by the product's own inner routines for B rows (panel_row_product), bit for bit its values.
 //
 // QuadsArgmax{F32,BF16}: the same through the int8 screen in quads, with the screen's product in the same
 // call (matmul.cc's quads_units): its logits are bounded a unit of columns at a time, never written.
@@ -95,14 +98,30 @@ auto Binding() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32, 2>>().Ret<ffi::Buffer<ffi::S32, 1>>();
 }
 
-// Column j of W [D, V] held as panels [V / 16, D, 16] (float32, or bfloat16 bits), dotted with x [D] in
-// double precision.
+// The LM head W [D, V] held as panels [V / 16, D, 16] (float32, or bfloat16 bits), its logits as the
+// unscreened path computes them: matmul.cc's product of R rows on `threads` threads (the call's R and pool),
+// a panel of 16 columns of one row at a time (panel_row_product), bit for bit that product's float32 values.
 template <typename H>
-double column_dot(const float* x, const H* panels, int64_t D, int64_t j) {
-  const H* w = panels + (j / 16) * D * 16 + j % 16;
-  double sum = 0.0;
-  for (int64_t d = 0; d < D; ++d) sum += static_cast<double>(x[d]) * static_cast<double>(load1(w + d * 16));
-  return sum;
+struct Head {
+  const H* panels;
+  int64_t D, V, R, threads;
+
+  // logits[0:16] of row x [D] (as_head_rows's) against panel q: columns 16 q … 16 q + 15.
+  void panel(const float* x, int64_t q, float* logits) const {
+    panel_row_product(x, panels + q * D * 16, V, R, D, threads, logits);
+  }
+};
+
+// n values of x as the head's product reads them (matmul rounds x to W's dtype): a float32 head's as they
+// are, a bfloat16 head's rounded to bfloat16, into `rounded`.
+inline const float* as_head_rows(const float* x, int64_t, const float*, std::vector<float>&) { return x; }
+
+inline const float* as_head_rows(const float* x, int64_t n, const uint16_t*, std::vector<float>& rounded) {
+  rounded.resize(static_cast<size_t>(n));
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(rounded.data() + i, round_to_bf16(load8(x + i)));
+  for (; i < n; ++i) rounded[i] = round_to_bf16(x[i]);
+  return rounded.data();
 }
 
 // The radius of a row's screened logits, r_j = s1 · first_j + s2 · norm_j (first_j: errors_j through the
@@ -210,52 +229,61 @@ inline ivec not_finite(fvec a) {
   return (a != a) | (a == inf) | (a == -inf);
 }
 
-// The greedy token of x [D] from every exact logit (a row with a NaN or an infinity, as jnp.argmax would
-// see it: the first NaN wins).
+// The greedy token of x [D] from every logit, as jnp.argmax sees the head's product: the first NaN, else
+// the first of the largest (a row with a NaN or an infinity).
 template <typename H>
-int32_t full_argmax(const float* x, const H* panels, int64_t D, int64_t V) {
-  double best = -std::numeric_limits<double>::infinity();
+int32_t full_argmax(const float* x, const Head<H>& head) {
+  float logits[16], best = -std::numeric_limits<float>::infinity();
   int32_t index = 0;
-  for (int64_t v = 0; v < V; ++v) {
-    const double e = column_dot(x, panels, D, v);
-    if (std::isnan(e)) return static_cast<int32_t>(v);
-    if (e > best || v == 0) best = e, index = static_cast<int32_t>(v);
+  for (int64_t q = 0; q < head.V / 16; ++q) {
+    head.panel(x, q, logits);
+    for (int i = 0; i < 16; ++i) {
+      const int32_t v = static_cast<int32_t>(16 * q + i);
+      if (std::isnan(logits[i])) return v;
+      if (logits[i] > best || v == 0) best = logits[i], index = v;
+    }
   }
   return index;
 }
 
-// The largest exact logit of the candidate columns (ascending: the first of equal logits stays). Every
-// line of every candidate is asked for before the first is read (a column is D lines apart, from memory;
-// read one after another they wait on each). A lone candidate is the token without its logit: the column
-// whose lower end is the threshold t is always a candidate (its upper end is no lower), and every other
-// column's exact logit is at most its upper end, below t, so below the candidate's, which is at least t.
-// (15M's greedy head at 32 rows, calls taking turns in a decode loop: 0.988× the time, 2,555 against
-// 2,586 k cycles; ≈ 1.6 candidates a row there, each D lines of the head read from memory.)
+// The largest logit of the candidate columns (ascending: the first of equal logits stays), each computed as
+// the head's product computes it, a candidate's panel at a time. Every line of every candidate's panel is
+// asked for before the first is read (a panel's rows are lines apart, from memory; read one after another
+// they wait on each). A lone candidate is the token without its logit: the column whose lower end is the
+// threshold t is always a candidate (its upper end is no lower), and every other column's logit is at most
+// its upper end, below t, so below the candidate's, which is at least t. A logit that is not finite (a
+// float32 sum that overflowed) sends the row to full_argmax, as the unscreened argmax would see it.
 template <typename H>
-int32_t exact_argmax(const float* x, const H* panels, int64_t D, const std::vector<int64_t>& candidates) {
-  if (candidates.size() == 1) return static_cast<int32_t>(candidates[0]);
+int32_t candidates_argmax(const float* x, const Head<H>& head, const std::vector<int64_t>& candidates) {
+  if (candidates.size() <= 1) return candidates.empty() ? 0 : static_cast<int32_t>(candidates[0]);
   const int64_t rows_per_line = std::max<int64_t>(1, 64 / (16 * static_cast<int64_t>(sizeof(H))));
-  for (const int64_t v : candidates) {
-    const H* w = panels + (v / 16) * D * 16 + v % 16;
-    for (int64_t d = 0; d < D; d += rows_per_line) __builtin_prefetch(w + d * 16);
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const int64_t q = candidates[i] / 16;
+    if (i > 0 && q == candidates[i - 1] / 16) continue;
+    const H* w = head.panels + q * head.D * 16;
+    for (int64_t d = 0; d < head.D; d += rows_per_line) __builtin_prefetch(w + d * 16);
   }
-  double best = -std::numeric_limits<double>::infinity();
-  int32_t index = 0;
+  float logits[16], best = 0.f;
+  int64_t panel = -1;
+  int32_t index = -1;
   for (const int64_t v : candidates) {
-    const double e = column_dot(x, panels, D, v);
-    if (e > best) best = e, index = static_cast<int32_t>(v);
+    if (v / 16 != panel) panel = v / 16, head.panel(x, panel, logits);
+    const float e = logits[v % 16];
+    if (!std::isfinite(e)) return full_argmax(x, head);
+    if (index < 0 || e > best) best = e, index = static_cast<int32_t>(v);
   }
   return index;
 }
 
-// The greedy token of row x [D] from its screened logits y [V] (a_j = y_j, or y_j · scale_j with `scales`),
-// within r_j of the exact logit x · W[:, j] (row_bound; `errors`: through the quads). Every column whose
-// interval [a_j - r_j, a_j + r_j] reaches the largest lower end is computed exactly, and the largest exact
-// logit wins (the first on ties). Rows with a NaN or an infinity anywhere are computed in full, as
-// jnp.argmax would see them (the first NaN wins).
+// The greedy token of row x [D] (as_head_rows's) from its screened logits y [V] (a_j = y_j, or y_j · scale_j
+// with `scales`), within r_j of the head's float32 logit e_j (row_bound; `errors`: through the quads). Every
+// column whose interval [a_j - r_j, a_j + r_j] reaches the largest lower end has e_j computed as the head's
+// product computes it, and the largest wins (the first on ties). Rows with a NaN or an infinity anywhere
+// are computed in full, as jnp.argmax would see them (the first NaN wins).
 template <typename H>
-int32_t screened_row(const float* y, const float* x, const H* panels, const float* scales, const float* errors,
-                     const float* norms, int64_t D, int64_t V, double c1, double c2) {
+int32_t screened_row(const float* y, const float* x, const Head<H>& head, const float* scales, const float* errors,
+                     const float* norms, double c1, double c2) {
+  const int64_t D = head.D, V = head.V;
   const RowBound bound = row_bound(x, D, errors != nullptr, c1, c2);
   const Screened screened(scales, errors, norms, bound);
   // kLanes columns at a time, four vectors a step (16 with AVX-512: 0.73–0.81 of the time of 8 at 32 rows
@@ -286,7 +314,7 @@ int32_t screened_row(const float* y, const float* x, const H* panels, const floa
     finite &= std::isfinite(a);
     threshold = std::max(threshold, a - r);
   }
-  if (!finite) return full_argmax(x, panels, D, V);
+  if (!finite) return full_argmax(x, head);
   const fvec tv = fvec{} + threshold;
   thread_local std::vector<int64_t> candidates;
   candidates.clear();
@@ -308,7 +336,7 @@ int32_t screened_row(const float* y, const float* x, const H* panels, const floa
     screened.at(y[v], v, &a, &r);
     if (a + r >= threshold) candidates.push_back(v);
   }
-  return exact_argmax(x, panels, D, candidates);
+  return candidates_argmax(x, head, candidates);
 }
 
 // y [B, V] the screen's logits, x [B, D], the head's panels [V / 16, D, 16], scales [V] (or [0]: none),
@@ -325,12 +353,13 @@ ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> y, ffi:
     return ffi::Error::InvalidArgument("screened argmax: y [B, V], x [B, D], panels [V / 16, D, 16], scales [V] or "
                                        "[0], errors [V] (with scales) or [0], norms [V]");
   }
-  const H* head = reinterpret_cast<const H*>(panels.untyped_data());
+  const Head<H> head{reinterpret_cast<const H*>(panels.untyped_data()), D, V, B, pool.num_threads()};
   const float* scale = S ? scales.typed_data() : nullptr;
   const float* error = E ? errors.typed_data() : nullptr;
   for_each_row(pool, B, V, [&](int64_t b) {
-    out->typed_data()[b] = screened_row(y.typed_data() + b * V, x.typed_data() + b * D, head, scale, error,
-                                        norms.typed_data(), D, V, c1, c2);
+    thread_local std::vector<float> rounded;
+    const float* xb = as_head_rows(x.typed_data() + b * D, D, head.panels, rounded);
+    out->typed_data()[b] = screened_row(y.typed_data() + b * V, xb, head, scale, error, norms.typed_data(), c1, c2);
   });
   return ffi::Error::Success();
 }
@@ -362,7 +391,8 @@ auto HeadBinding() {
 // screened logits [B, V] are never written to memory and read back (15M at 32 rows: 4 MB a step, which
 // took the product from 0.90 to 1.37 ms, and then the argmax's 0.33–0.49 ms). The threshold only grows,
 // to the one screened_row finds; the columns kept include every column whose upper end reaches that, and
-// those are computed exactly, in ascending order: the same token as the product and ScreenedArgmax.
+// those are computed as the head's product computes them (candidates_argmax), in ascending order: the same
+// token as the product and ScreenedArgmax. x is rounded to the head's dtype first, for all of it.
 // A row keeps at most kKeptPerRow columns; one that would keep more (x of zeros: every column ties) is
 // computed in full, as are rows with a NaN or an infinity.
 constexpr int64_t kKeptPerRow = 4096;
@@ -392,8 +422,9 @@ ffi::Error QuadsArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Bu
     std::fill(out->typed_data(), out->typed_data() + B, 0);
     return ffi::Error::Success();
   }
-  const float* xs = x.typed_data();
-  const H* head = reinterpret_cast<const H*>(panels.untyped_data());
+  const Head<H> head{reinterpret_cast<const H*>(panels.untyped_data()), D, V, B, pool.num_threads()};
+  thread_local std::vector<float> rounded;  // the caller's; the tasks reach it through `xs`
+  const float* xs = as_head_rows(x.typed_data(), B * D, head.panels, rounded);
   const float *scale = scales.typed_data(), *error = errors.typed_data(), *norm = norms.typed_data();
   struct alignas(64) Row {  // a cache line each: the threads raise thresholds and count columns at once
     RowBound bound;
@@ -456,7 +487,7 @@ ffi::Error QuadsArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Bu
     const float* xb = xs + b * D;
     const int64_t n = row.kept.load();
     if (!row.bound.finite || row.bad.load() || n > capacity) {
-      out->typed_data()[b] = full_argmax(xb, head, D, V);
+      out->typed_data()[b] = full_argmax(xb, head);
       return;
     }
     const float threshold = row.threshold.load();
@@ -467,7 +498,7 @@ ffi::Error QuadsArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Bu
       if (k.upper >= threshold) candidates.push_back(k.column);
     }
     std::sort(candidates.begin(), candidates.end());
-    out->typed_data()[b] = exact_argmax(xb, head, D, candidates);
+    out->typed_data()[b] = candidates_argmax(xb, head, candidates);
   });
   return ffi::Error::Success();
 }

@@ -1,5 +1,6 @@
 // What the kernels share: 8-wide float vectors, loads of float32 and bfloat16 (as its bits, uint16)
-// widened to float32, and a loop that shares units of work with XLA's intra-op thread pool.
+// widened to float32, a loop that shares units of work with XLA's intra-op thread pool, and the entries
+// argmax.cc takes into matmul.cc's products.
 
 #ifndef LLM_JAX_CPU_KERNELS_COMMON_H_
 #define LLM_JAX_CPU_KERNELS_COMMON_H_
@@ -340,6 +341,14 @@ using QuadsUnitFn =
 bool quads_ready();
 void quads_units(ffi::ThreadPool& pool, const float* x, const int8_t* q, int64_t N, int64_t R, int64_t K,
                  const QuadsUnitFn& done);
+
+// matmul.cc's product on panels, one row and one panel: y[0:16] = x [K] · p [K, 16], panel of a matrix
+// [K, N] of float32 or bfloat16 (its bits), each sum bit for bit the float32 value the product of R rows
+// gives that element on `threads` threads (the pool's num_threads()), whatever its other rows: the same
+// path for R, the same inner routines, the same order of sums. x as the product reads it: rounded to W's
+// dtype. The greedy heads' exact logits (argmax.cc).
+void panel_row_product(const float* x, const float* p, int64_t N, int64_t R, int64_t K, int64_t threads, float* y);
+void panel_row_product(const float* x, const uint16_t* p, int64_t N, int64_t R, int64_t K, int64_t threads, float* y);
 
 // Whether a prefetch of locality 2 (prefetcht1) fills L2 and not L1 on the CPUs this build targets: so
 // on those with AVX-512 (AMD from Zen 4, Intel from Skylake-SP), where a stream asked for into L2 can run

@@ -774,6 +774,13 @@ void panel_gemv_streams(ffi::ThreadPool& pool, const float* x, const std::vector
 // at the end).
 constexpr int64_t kGemvPanels = 4;
 
+// The slices of K panel_rows cuts its products into, for `groups` units of panels on `threads` threads (a
+// row's sums are the slices' sums added in order: panel_row_product computes them so too).
+inline int64_t gemv_slices(int64_t groups, int64_t K, int64_t threads) {
+  threads = std::max<int64_t>(threads, 1);
+  return std::min<int64_t>(K, std::max<int64_t>(1, (2 * threads + groups - 1) / groups));
+}
+
 template <typename W>
 void panel_rows(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
                 const std::vector<int64_t>& ns, int64_t R, int64_t K) {
@@ -781,7 +788,7 @@ void panel_rows(ffi::ThreadPool& pool, const float* x, const std::vector<const W
   std::vector<int64_t> first_unit(M + 1, 0);
   for (size_t i = 0; i < M; ++i) first_unit[i + 1] = first_unit[i] + (ns[i] / kPanel + kGemvPanels - 1) / kGemvPanels;
   const int64_t groups = first_unit[M], threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t slices = std::min<int64_t>(K, std::max<int64_t>(1, (2 * threads + groups - 1) / groups));
+  const int64_t slices = gemv_slices(groups, K, threads);
   const int64_t slice = (K + slices - 1) / slices;
   if (R == 1 && slices == 1 && K * kPanel * static_cast<int64_t>(sizeof(W)) <= kLongStreamPanelBytes) {
     return panel_gemv_streams(pool, x, ws, ys, ns, K, threads);
@@ -1063,11 +1070,30 @@ void amx_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W
     if (stream[i]) _mm_sfence();
   });
 }
+
+// y[0:16] = the row x [K] (K a multiple of 32) · panel p [K, 16] on the tile unit, each sum as amx_matmul
+// computes it: x is row 0 of a block of 32 rows whose others are zeros (a row's sums depend on its own
+// values only), the panel rearranged into pairs of rows, the block's sums from zero over all of K.
+void amx_row(const float* x, const uint16_t* p, int64_t K, float* y) {
+  thread_local std::vector<uint16_t> xb, pairs;
+  if (xb.size() != static_cast<size_t>(kAmxRows * K)) xb.assign(static_cast<size_t>(kAmxRows * K), 0);
+  for (int64_t k = 0; k < K; ++k) xb[k] = bf16_bits(x[k]);
+  pairs.resize(static_cast<size_t>(K * kPanel));
+  to_pairs(p, K, pairs.data());
+  alignas(64) float sums[kAmxRows * kPanel];
+  Prefetcher none;
+  amx_configure();
+  amx_block(xb.data(), K, pairs.data(), nullptr, sums, kPanel, none, 0);
+  _tile_release();
+  std::copy_n(sums, kPanel, y);
+}
 #else
 template <typename W>
 bool amx_takes(int64_t, int64_t) {
   return false;
 }
+
+void amx_row(const float*, const uint16_t*, int64_t, float*) {}
 
 template <typename W>
 void amx_matmul(ffi::ThreadPool&, const float*, const std::vector<const W*>&, const std::vector<float*>&,
@@ -1217,6 +1243,27 @@ void bf16_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<co
     }
   });
 }
+
+// y[0:16] = the row x [K] · panel p [K, 16] on vdpbf16ps, each sum as bf16_dot_matmul computes it: x and the
+// panel in pairs of k (an odd K's last pair completed with zeros), a tile of one row and one panel, block
+// after block of kKC rows of K, each block's sums going on from the last's.
+void bf16_dot_row(const float* x, const uint16_t* p, int64_t K, float* y) {
+  const int64_t kc_max = std::min(K, kKC), pairs = (K + 1) / 2;
+  thread_local std::vector<uint32_t> xq;
+  thread_local std::vector<uint16_t> wq;
+  xq.resize(static_cast<size_t>(pairs));
+  wq.resize(static_cast<size_t>(pairs * 2 * kPanel));
+  for (int64_t q = 0; q < pairs; ++q) {
+    const uint32_t hi = 2 * q + 1 < K ? bf16_bits(x[2 * q + 1]) : 0;
+    xq[q] = bf16_bits(x[2 * q]) | hi << 16;
+  }
+  to_pairs(p, K, wq.data());
+  Prefetcher none;
+  for (int64_t k0 = 0; k0 < K; k0 += kc_max) {  // kc_max is even (or K itself): blocks hold whole pairs
+    const int64_t steps = (std::min(kc_max, K - k0) + 1) / 2;
+    dot_tile<Bf16Pairs, 1, 1>(xq.data() + k0 / 2, steps, wq.data() + k0 * kPanel, 0, y, kPanel, k0 > 0, none, 0);
+  }
+}
 #else
 bool bf16_dot_ready() { return false; }
 
@@ -1224,6 +1271,8 @@ template <typename W>
 bool bf16_dot_takes(int64_t) {
   return false;
 }
+
+void bf16_dot_row(const float*, const uint16_t*, int64_t, float*) {}
 
 template <typename W>
 void bf16_dot_matmul(ffi::ThreadPool&, const float*, const std::vector<const W*>&, const std::vector<float*>&,
@@ -1372,19 +1421,75 @@ void int8_dot_matmul(ffi::ThreadPool&, const float*, const std::vector<const int
                      const std::vector<int64_t>&, int64_t, int64_t) {}
 #endif
 
-// Every product on panels: the tile unit, bfloat16 dot products, register tiles or streams, by rows and
-// dtype.
+// The path of a product on panels of R rows: the tile unit, bfloat16 dot products, register tiles or
+// streams, by rows and dtype (and, for the tile unit, K). One choice for the product and for
+// panel_row_product, which repeats one row's share of it (a change to what a path sums, or in what order,
+// belongs in panel_row too: tests/cpu_kernels/test_greedy_ties.py tells).
+enum class PanelPath { kAmx, kBf16Dot, kTiled, kRows };
+
+template <typename W>
+PanelPath panel_path(int64_t R, int64_t K) {
+  if (amx_takes<W>(R, K)) return PanelPath::kAmx;
+  if (bf16_dot_takes<W>(R)) return PanelPath::kBf16Dot;
+  return R >= kTiledMinRows ? PanelPath::kTiled : PanelPath::kRows;
+}
+
+// Every product on panels.
 template <typename W>
 void panel_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
                   const std::vector<int64_t>& ns, int64_t R, int64_t K) {
-  if (amx_takes<W>(R, K)) {
-    amx_matmul(pool, x, ws, ys, ns, R, K);
-  } else if (bf16_dot_takes<W>(R)) {
-    bf16_dot_matmul(pool, x, ws, ys, ns, R, K);
-  } else if (R >= kTiledMinRows) {
-    panel_tiled(pool, x, ws, ys, ns, R, K);
-  } else {
-    panel_rows(pool, x, ws, ys, ns, R, K);
+  switch (panel_path<W>(R, K)) {
+    case PanelPath::kAmx: return amx_matmul(pool, x, ws, ys, ns, R, K);
+    case PanelPath::kBf16Dot: return bf16_dot_matmul(pool, x, ws, ys, ns, R, K);
+    case PanelPath::kTiled: return panel_tiled(pool, x, ws, ys, ns, R, K);
+    case PanelPath::kRows: return panel_rows(pool, x, ws, ys, ns, R, K);
+  }
+}
+
+// y[0:16] = one row x [K] · panel p [K, 16] of a matrix [K, N] (float32 or bfloat16), each sum with the
+// arithmetic panel_matmul uses for that element in a product of R rows on `threads` threads, through the
+// same inner routines on one row and one panel: the tile unit's and the dot products' instructions, whose
+// sums run over pairs of k in their own order; a register tile's multiply-adds over k in order, from zero
+// and on from block to block of kKC; below kTiledMinRows the same over each slice of K (gemv_slices), the
+// slices' sums added in order. Which other rows and columns share a tile, a unit or a thread leaves each
+// sum as it is. x as the product reads it: rounded to W's dtype.
+template <typename W>
+void panel_row(const float* x, const W* p, int64_t N, int64_t R, int64_t K, int64_t threads, float* y) {
+  if (K == 0) {  // an empty sum, as MatmulPanels gives it
+    std::fill(y, y + kPanel, 0.f);
+    return;
+  }
+  Prefetcher none;
+  switch (panel_path<W>(R, K)) {
+    case PanelPath::kAmx: return amx_row(x, reinterpret_cast<const uint16_t*>(p), K, y);
+    case PanelPath::kBf16Dot: return bf16_dot_row(x, reinterpret_cast<const uint16_t*>(p), K, y);
+    case PanelPath::kTiled: {  // panel_tiled: x packed for a tile of one row is x itself
+      const int64_t kc_max = std::min(K, kKC);
+      for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+        tile<1, 1>(x + k0, std::min(kc_max, K - k0), p + k0 * kPanel, 0, y, kPanel, k0 > 0, none, 0);
+      }
+      return;
+    }
+    case PanelPath::kRows: {  // panel_rows (and panel_gemv_streams, its one slice of one row)
+      const int64_t groups = (N / kPanel + kGemvPanels - 1) / kGemvPanels;
+      const int64_t slices = gemv_slices(groups, K, threads), slice = (K + slices - 1) / slices;
+      float part[kPanel];
+      for (int64_t s = 0; s < slices; ++s) {
+        const int64_t k0 = s * slice, kc = std::min(K, k0 + slice) - k0;
+        float* out = s == 0 ? y : part;
+        if (kc <= 0) {
+          std::fill(out, out + kPanel, 0.f);
+        } else if (R == 1) {
+          panel_gemv<1>(x + k0, p + k0 * kPanel, 0, kc, out, 0);
+        } else {
+          tile<1, 1>(x + k0, kc, p + k0 * kPanel, 0, out, kPanel, false, none, 0);
+        }
+        if (s > 0) {
+          for (int64_t j = 0; j < kPanel; ++j) y[j] += part[j];
+        }
+      }
+      return;
+    }
   }
 }
 
@@ -1550,6 +1655,15 @@ void quads_units(ffi::ThreadPool& pool, const float* x, const int8_t* w, int64_t
                  [&](size_t, int64_t c0, int64_t width, const int32_t* sums, const int32_t* shift, const float* t) {
                    done(c0, width, sums, shift, t);
                  });
+}
+
+void panel_row_product(const float* x, const float* p, int64_t N, int64_t R, int64_t K, int64_t threads, float* y) {
+  panel_row(x, p, N, R, K, threads, y);
+}
+
+void panel_row_product(const float* x, const uint16_t* p, int64_t N, int64_t R, int64_t K, int64_t threads,
+                       float* y) {
+  panel_row(x, p, N, R, K, threads, y);
 }
 
 }  // namespace llm_jax_kernels

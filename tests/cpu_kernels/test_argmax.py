@@ -63,15 +63,23 @@ def test_runs_the_kernel_on_cpu():
     assert ("llm_jax_argmax_f32" in lowered) == cpu_kernels.available()
 
 
-# cpu_kernels.screened_argmax: the argmax of x · W from logits screened through a narrower copy of W.
+# cpu_kernels.screened_argmax: the argmax of x · W from logits screened through a narrower copy of W, the
+# token of the unscreened path (the head's own float32 product, then argmax); test_greedy_ties.py holds the
+# cases where that differs from the exact (float64) argmax.
+
+def _unscreened(x, panels) -> np.ndarray:
+    """The unscreened path's tokens: the first largest of the head's float32 product x · W, row by row."""
+    return np.asarray(cpu_kernels.argmax(cpu_kernels.matmul(x, panels, panels=True)))
+
 
 def _screened_case(D, V, B, seed, screen="bfloat16", head_dtype=jnp.float32):
     """x [B, D] (rounded as W's product rounds it), W [D, V] as panels, the screen's logits, the arguments
-    that go with them, and the exact float64 argmax. The int8 screen in quads needs D a multiple of 4 (D
-    is rounded up to one) and AVX-512 VNNI (where the kernels quantize x as the bound assumes)."""
-    from llm_jax.model import greedy_head
+    that go with them, and the unscreened path's tokens (here also the exact float64 argmax: these rows have
+    no float32 near-ties, which is checked). The int8 screen in quads needs D a multiple of 4 (D is rounded
+    up to one) and AVX-512 VNNI (where the kernels quantize x as the bound assumes)."""
+    from llm_jax.backends.cpu import greedy_head
 
-    quads = screen == greedy_head.QUADS
+    quads = screen == "int8_quads"
     if quads:
         if not cpu_kernels.quads_available():
             pytest.skip("the int8 screen in quads runs on AVX-512 VNNI, which this CPU lacks")
@@ -88,14 +96,16 @@ def _screened_case(D, V, B, seed, screen="bfloat16", head_dtype=jnp.float32):
     panels = cpu_kernels.to_panels(jnp.asarray(W)).astype(head_dtype)
     screens = greedy_head._screens(panels, quads)
     x = jnp.asarray(x).astype(head_dtype).astype(jnp.float32)
-    if screen == "bfloat16" and greedy_head.PAIRED in screens:  # stored in pairs of rows (D even, AVX512_BF16)
-        y = cpu_kernels.matmul(x, screens[greedy_head.PAIRED], panels=True, pairs=True)
+    if screen == "bfloat16" and screens.bfloat16_pairs is not None:  # stored in pairs of rows (AVX512_BF16)
+        y = cpu_kernels.matmul(x, screens.bfloat16_pairs, panels=True, pairs=True)
     else:
-        y = cpu_kernels.matmul(x, screens[screen], panels=True, quads=quads)
-    scales = screens["scales_V"] if screen in ("int8", greedy_head.QUADS) else None
-    errors = screens["errors_V"] if quads else None
+        y = cpu_kernels.matmul(x, getattr(screens, screen), panels=True, quads=quads)
+    scales = screens.scales_V if screen in ("int8", "int8_quads") else None
+    errors = screens.errors_V if quads else None
+    expected = _unscreened(x, panels)
     exact = np.argmax(np.asarray(x, np.float64) @ np.asarray(cpu_kernels.from_panels(panels), np.float64), axis=-1)
-    return (y, x, panels, scales, screens["norms_V"], *greedy_head.bounds(D, screen), errors), exact
+    np.testing.assert_array_equal(expected, exact)
+    return (y, x, panels, scales, screens.norms_V, *greedy_head.bounds(D, screen), errors), expected
 
 
 SCREENS = [("bfloat16", jnp.float32), ("int8", jnp.float32), ("int8", jnp.bfloat16), ("int8_quads", jnp.float32),
@@ -105,40 +115,38 @@ IDS = ["bf16-of-f32", "int8-of-f32", "int8-of-bf16", "quads-of-f32", "quads-of-b
 
 @pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=IDS)
 @pytest.mark.parametrize("D,V,B", [(288, 32000, 32), (37, 160, 9), (64, 48, 3), (768, 4096, 5)])
-def test_screened_argmax_is_the_exact_argmax(D, V, B, screen, head_dtype):
-    args, exact = _screened_case(D, V, B, D + V, screen, head_dtype)
+def test_screened_argmax_is_the_unscreened_argmax(D, V, B, screen, head_dtype):
+    args, expected = _screened_case(D, V, B, D + V, screen, head_dtype)
     ours = np.asarray(jax.jit(cpu_kernels.screened_argmax, static_argnums=(5, 6))(*args))
-    np.testing.assert_array_equal(ours, exact)
+    np.testing.assert_array_equal(ours, expected)  # the head's own product's argmax, and the exact one
     assert ours[0] == 11  # the raised copy, not the first of the two equal columns before it
-    y, x, panels = args[:3]
-    kernel = np.asarray(cpu_kernels.argmax(cpu_kernels.matmul(x, panels, panels=True)))
-    np.testing.assert_array_equal(ours, kernel)  # and the head's own product's argmax
 
 
 @pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=IDS)
 def test_the_screen_alone_would_be_wrong_and_a_bound_of_zero_is_caught(screen, head_dtype):
-    """The screened logits' own argmax misses the exact one in some rows (the test data can tell); with
-    c1 = c2 = 0 the kernel computes only the screen's winners exactly and misses them too."""
+    """The screened logits' own argmax misses the head's in some rows (the test data can tell); with
+    c1 = c2 = 0 the kernel computes only the screen's winners from the head and misses them too."""
     rows = 2048 if screen == "bfloat16" else 256  # bfloat16's screen misorders about one row in 150
-    args, exact = _screened_case(288, 8000, rows, 3, screen, head_dtype)
+    args, expected = _screened_case(288, 8000, rows, 3, screen, head_dtype)
     y, x, panels, scales, norms, c1, c2, errors = args
     screened = np.asarray(y) * (1 if scales is None else np.asarray(scales))
-    assert (np.argmax(screened, axis=-1) != exact).any()
+    assert (np.argmax(screened, axis=-1) != expected).any()
     unbounded = np.asarray(cpu_kernels.screened_argmax(y, x, panels, scales, norms, 0.0, 0.0, errors))
-    assert (unbounded != exact).any()
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.screened_argmax(*args)), exact)
+    assert (unbounded != expected).any()
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.screened_argmax(*args)), expected)
 
 
 @pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=IDS)
 def test_screened_argmax_of_rows_with_nans_and_infinities(screen, head_dtype):
-    """Such rows are computed in full: jnp.argmax's answer for the exact logits (the first NaN)."""
+    """Such rows are computed in full: jnp.argmax's answer for the head's product (the first NaN)."""
     args, _ = _screened_case(37, 160, 4, 5, screen, head_dtype)
     y, x, panels, scales, norms, c1, c2, errors = args
     x = x.at[1, 3].set(NAN).at[2, 0].set(INF)
-    y = y.at[3, 17].set(NAN)  # a NaN in the screen only: the exact logits decide
+    y = y.at[3, 17].set(NAN)  # a NaN in the screen only: the head's logits decide
     ours = np.asarray(cpu_kernels.screened_argmax(y, x, panels, scales, norms, c1, c2, errors))
-    logits = np.asarray(x, np.float64) @ np.asarray(cpu_kernels.from_panels(panels), np.float64)
+    logits = np.asarray(cpu_kernels.matmul(x, panels, panels=True))
     np.testing.assert_array_equal(ours, np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(ours, _unscreened(x, panels))
     assert ours[1] == 0  # every logit NaN: the first
 
 
@@ -170,13 +178,12 @@ def test_screened_argmax_runs_the_kernel_on_cpu(head_dtype):
 
 def _quads_case(D, V, B, seed, head_dtype):
     """_screened_case's data through the quads, as quads_argmax takes it (x, quads, panels, scales, errors,
-    norms, c1, c2), the screened logits and the exact float64 argmax."""
-    from llm_jax.model import greedy_head
+    norms, c1, c2), the screened logits and the unscreened path's tokens."""
+    from llm_jax.backends.cpu import greedy_head
 
-    (y, x, panels, scales, norms, c1, c2, errors), exact = _screened_case(D, V, B, seed, greedy_head.QUADS,
-                                                                          head_dtype)
-    quads = greedy_head._screens(panels, True)[greedy_head.QUADS]
-    return (x, quads, panels, scales, errors, norms, c1, c2), y, exact
+    (y, x, panels, scales, norms, c1, c2, errors), expected = _screened_case(D, V, B, seed, "int8_quads", head_dtype)
+    quads = greedy_head._screens(panels, True).int8_quads
+    return (x, quads, panels, scales, errors, norms, c1, c2), y, expected
 
 
 QUADS_ARGMAX = jax.jit(cpu_kernels.quads_argmax, static_argnums=(6, 7))
@@ -184,11 +191,11 @@ QUADS_ARGMAX = jax.jit(cpu_kernels.quads_argmax, static_argnums=(6, 7))
 
 @pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("D,V,B", [(288, 32000, 32), (37, 160, 9), (64, 48, 3), (768, 4096, 5), (96, 5008, 33)])
-def test_quads_argmax_is_the_two_calls_and_the_exact_argmax(D, V, B, head_dtype):
-    args, y, exact = _quads_case(D, V, B, D + V, head_dtype)
+def test_quads_argmax_is_the_two_calls_and_the_unscreened_argmax(D, V, B, head_dtype):
+    args, y, expected = _quads_case(D, V, B, D + V, head_dtype)
     ours = np.asarray(QUADS_ARGMAX(*args))
     assert ours.dtype == np.int32 and ours.shape == (B,)
-    np.testing.assert_array_equal(ours, exact)
+    np.testing.assert_array_equal(ours, expected)
     assert ours[0] == 11  # the raised copy, not the first of the two equal columns before it
     x, quads, panels, scales, errors, norms, c1, c2 = args
     two_calls = cpu_kernels.screened_argmax(y, x, panels, scales, norms, c1, c2, errors)
@@ -197,29 +204,31 @@ def test_quads_argmax_is_the_two_calls_and_the_exact_argmax(D, V, B, head_dtype)
 
 @pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_quads_argmax_with_a_bound_of_zero_is_wrong(head_dtype):
-    """With c1 = c2 = 0 only the screen's own winners are computed exactly, and some rows miss: the bound
-    is what makes the token exact."""
-    args, _, exact = _quads_case(288, 8000, 256, 3, head_dtype)
+    """With c1 = c2 = 0 only the screen's own winners are computed from the head, and some rows miss: the
+    bound is what makes the token the head's."""
+    args, _, expected = _quads_case(288, 8000, 256, 3, head_dtype)
     unbounded = np.asarray(cpu_kernels.quads_argmax(*args[:6], 0.0, 0.0))
-    assert (unbounded != exact).any()
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.quads_argmax(*args)), exact)
+    assert (unbounded != expected).any()
+    np.testing.assert_array_equal(np.asarray(cpu_kernels.quads_argmax(*args)), expected)
 
 
 @pytest.mark.parametrize("V", [160, 4112])  # at most kKeptPerRow columns, and more (a row of zeros keeps all)
 def test_quads_argmax_of_rows_with_nans_infinities_and_zeros(V):
     """Rows with a NaN or an infinity, and rows where every column ties (x = 0: each column kept), are
-    computed in full: jnp.argmax's answer for the exact logits (the first NaN; the first of equal ones)."""
+    computed in full: jnp.argmax's answer for the head's product (the first NaN; the first of equal ones)."""
     args, _, _ = _quads_case(37, V, 5, 5, jnp.float32)
     x = args[0].at[1, 3].set(NAN).at[2, 0].set(INF).at[3].set(0.0).at[4, 7].set(-INF)
     ours = np.asarray(cpu_kernels.quads_argmax(x, *args[1:]))
-    logits = np.asarray(x, np.float64) @ np.asarray(cpu_kernels.from_panels(args[2]), np.float64)
+    logits = np.asarray(cpu_kernels.matmul(x, args[2], panels=True))
     np.testing.assert_array_equal(ours, np.argmax(logits, axis=-1))
+    np.testing.assert_array_equal(ours, _unscreened(x, args[2]))
     assert ours[1] == 0 and ours[3] == 0  # every logit NaN, every logit 0: the first
 
 
-def test_quads_argmax_without_the_quads_is_xlas_full_argmax(monkeypatch):
-    """Where the quads do not run (no VNNI, LLM_JAX_INT8_DOT=off), every logit through XLA: the exact token."""
-    from llm_jax.model import greedy_head
+def test_quads_argmax_without_the_quads_is_the_unscreened_argmax(monkeypatch):
+    """Where the quads do not run (no VNNI, LLM_JAX_INT8_DOT=off), every logit through the head's own product
+    and argmax: the unscreened path itself (and here the exact token)."""
+    from llm_jax.backends.cpu import greedy_head
 
     monkeypatch.setattr(cpu_kernels, "quads_available", lambda: False)
     rng = np.random.default_rng(7)
@@ -227,12 +236,13 @@ def test_quads_argmax_without_the_quads_is_xlas_full_argmax(monkeypatch):
     x = jnp.asarray(rng.normal(0, 1, (9, 40)).astype(np.float32))
     panels = cpu_kernels.to_panels(jnp.asarray(W))
     screens = greedy_head._screens(panels, True)
-    args = (x, screens[greedy_head.QUADS], panels, screens["scales_V"], screens["errors_V"], screens["norms_V"],
-            *greedy_head.bounds(40, greedy_head.QUADS))
+    args = (x, screens.int8_quads, panels, screens.scales_V, screens.errors_V, screens.norms_V,
+            *greedy_head.bounds(40, "int8_quads"))
     lowered = jax.jit(lambda *a: cpu_kernels.quads_argmax(*a, *args[6:])).lower(*args[:6]).as_text()  # traced anew
     assert "llm_jax_quads_argmax" not in lowered
-    exact = np.argmax(np.asarray(x, np.float64) @ W.astype(np.float64), axis=-1)
-    np.testing.assert_array_equal(np.asarray(cpu_kernels.quads_argmax(*args)), exact)
+    ours = np.asarray(cpu_kernels.quads_argmax(*args))
+    np.testing.assert_array_equal(ours, _unscreened(x, panels))
+    np.testing.assert_array_equal(ours, np.argmax(np.asarray(x, np.float64) @ W.astype(np.float64), axis=-1))
 
 
 def test_quads_argmax_checks_its_operands():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
-from llm_jax.model.attention import xla_attention
+from llm_jax.backends.base import xla_attention
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the kernels are not built "
                                 "(test_matmul's first test checks that a compiler, where present, builds them)")

@@ -65,8 +65,8 @@ def test_without_int8_dot_products_the_quads_and_the_screens_pass_their_tests():
     the bfloat16 screen (a float32 head) or every logit (a bfloat16 one), and their tests pass."""
     env = {**os.environ, "LLM_JAX_INT8_DOT": "off", "PYTEST_ADDOPTS": ""}
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "tests/cpu_kernels/test_matmul_panels.py", "tests/llm_jax/model/test_greedy_head.py",
-                            "-k", "quads or screen or bounds"],
+                            "tests/cpu_kernels/test_matmul_panels.py", "tests/llm_jax/backends/test_screen.py",
+                            "tests/cpu_kernels/test_greedy_ties.py", "-k", "quads or screen or bounds or unscreened"],
                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-4000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout
@@ -77,14 +77,15 @@ def test_without_int8_dot_products_the_quads_and_the_screens_pass_their_tests():
 def test_bfloat16_products_without_amx_pass_the_product_tests(env):
     env = {**os.environ, **env, "PYTEST_ADDOPTS": ""}
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                            "tests/cpu_kernels/test_matmul_panels.py", "tests/cpu_kernels/test_matmul.py", "-k",
+                            "tests/cpu_kernels/test_matmul_panels.py", "tests/cpu_kernels/test_matmul.py",
+                            "tests/cpu_kernels/test_greedy_ties.py", "tests/cpu_kernels/test_argmax.py", "-k",
                             "bf16 or bfloat16"],
                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert tests.returncode == 0, tests.stdout[-4000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout
 
 
-def test_8_wide_build_passes_the_product_and_attention_tests():
+def test_8_wide_build_passes_the_product_attention_and_greedy_tests():
     env = {**os.environ, build.FLAGS_ENV: "-mno-avx512f", "PYTEST_ADDOPTS": ""}
     lanes = subprocess.run([sys.executable, "-c", "from cpu_kernels import build; print(build.vector_lanes())"],
                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -92,8 +93,9 @@ def test_8_wide_build_passes_the_product_and_attention_tests():
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                             "tests/cpu_kernels/test_matmul_panels.py", "tests/cpu_kernels/test_matmul.py",
                             "tests/cpu_kernels/test_prefill_attention.py", "tests/cpu_kernels/test_decode_attention.py",
-                            "tests/cpu_kernels/test_glu.py",
-                            "-k", "numpy or several or stacked or panels or rows or tile or matches or large"],
+                            "tests/cpu_kernels/test_glu.py", "tests/cpu_kernels/test_greedy_ties.py",
+                            "-k", "numpy or several or stacked or panels or rows or tile or matches or large or "
+                                  "unscreened or rounding or duplicated or apart"],
                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert tests.returncode == 0, tests.stdout[-4000:]
     assert " passed" in tests.stdout and " failed" not in tests.stdout
