@@ -1,11 +1,13 @@
 """Pallas attention kernels for LLM inference: fused causal prefill and flash-decoding.
 
 Depends on jax only. Arrays are named with the dimension key of llm_jax (B batch, T query tokens,
-S key/cache positions, N query heads, K kv heads, G = N/K query heads per kv head, H head dim),
-plus P for the key splits of flash-decoding. The KV cache layout is [B, S, K, H].
+S key/cache positions, N query heads, K kv heads, G = N/K query heads per kv head, H head dim,
+L layers), plus P for the key splits of flash-decoding. The KV cache layout is [B, S, K, H]; decode
+also reads layer ``layer`` of a model's stacked cache [L, B, S, K, H] in place.
 
     flash_attention(q_BTNH, k_BSKH, v_BSKH, lengths_B, *, sm_scale, ...) -> o_BTNH   (prefill)
     decode_attention(q_BNH, k_BSKH, v_BSKH, lengths_B, *, sm_scale, ...) -> o_BNH    (one step)
+    decode_attention(q_BNH, k_LBSKH, v_LBSKH, lengths_B, *, sm_scale, layer, ...) -> o_BNH
     reference.attention_reference(...), reference.decode_attention_reference(...)  (the oracle)
 
 Each has a GPU variant (Pallas on Triton) and a TPU variant (Pallas on Mosaic); ``dispatch`` picks

@@ -7,7 +7,8 @@ and log-sum-exp; the splits are combined afterwards (Flash-Decoding, Dao, Haziza
 2023). A TensorCore runs its grid sequentially, so on TPU splits only help to give both cores of a
 megacore chip work when batch x kv heads is 1; the default is one split otherwise. As in the
 prefill kernel, the prefetched lengths steer the index maps so steps past a split's visible range
-fetch nothing new and compute nothing.
+fetch nothing new and compute nothing. The prefetched layer steers them to layer ``layer`` of the
+stacked caches [L, B, S, K, H] (see ``tpu_tiles.to_tiled_cache``).
 """
 
 import functools
@@ -23,8 +24,9 @@ from pallas_kernels import masking, online_softmax, poison, shapes, tpu_tiles
 
 def _decode_kernel(
     lengths_ref,  # [B] int32 in SMEM: valid tokens of each sequence (the query is the last)
+    layer_ref,  # [1] int32 in SMEM: the layer of the caches the index maps fetch from
     q_ref,  # [G, H]: the G query heads of one kv head
-    k_ref,  # [block_k, H]: key block `keys.first + step` of that kv head
+    k_ref,  # [block_k, H]: key block `keys.first + step` of that kv head (uint16: bfloat16 bits)
     v_ref,  # [block_k, H]
     o_ref,  # [G, H] float32: this split's normalised output
     lse_ref,  # [G, 128] float32: this split's base-2 log-sum-exp, replicated over lanes
@@ -38,6 +40,7 @@ def _decode_kernel(
     num_splits: int,
     num_keys: int,
 ):
+    del layer_ref  # read by the index maps only
     group, block_k = q_ref.shape[0], k_ref.shape[0]
     step = pl.program_id(3)
     length = lengths_ref[pl.program_id(0)]
@@ -57,9 +60,9 @@ def _decode_kernel(
         visible = masking.visible(length - 1, k_pos, keys.kv_hi, sliding_window)
         # Rows past the cache end are stale VMEM; a 0 weight times NaN would still be NaN.
         v_pos = k_block * block_k + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
-        v = v_ref[...]
+        v = shapes.as_values(v_ref[...])
         v = jnp.where(v_pos < keys.kv_hi, v, jnp.zeros_like(v))
-        s = online_softmax.scores(q_ref[...], k_ref[...], sm_scale=sm_scale,
+        s = online_softmax.scores(q_ref[...], shapes.as_values(k_ref[...]), sm_scale=sm_scale,
                                   logit_softcap=logit_softcap)
         state = tpu_tiles.read_state(m_ref, l_ref, acc_ref)
         tpu_tiles.write_state(online_softmax.update(state, s, v, visible), m_ref, l_ref, acc_ref)
@@ -76,6 +79,15 @@ def default_num_splits(*, batch: int, kv_heads: int, num_key_blocks: int) -> int
     return min(2 if batch * kv_heads == 1 else 1, num_key_blocks)
 
 
+def vmem_bytes(*, group: int, block_k: int, head_dim: int, dtype) -> int:
+    """VMEM of one program's tiles: q, K, V, o and lse blocks, and the online-softmax scratch."""
+    rows, lanes = (group, head_dim), (group, tpu_tiles.NUM_LANES)
+    return tpu_tiles.vmem_bytes(
+        blocks=[(rows, dtype), ((block_k, head_dim), dtype), ((block_k, head_dim), dtype),
+                (rows, jnp.float32), (lanes, jnp.float32)],
+        scratch=[(lanes, jnp.float32), (lanes, jnp.float32), (rows, jnp.float32)])
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "logit_softcap", "block_k", "num_splits",
@@ -83,11 +95,12 @@ def default_num_splits(*, batch: int, kv_heads: int, num_key_blocks: int) -> int
 )
 def decode_attention_tpu(
     q_BNH: jax.Array,
-    k_BSKH: jax.Array,
-    v_BSKH: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
     lengths_B: jax.Array,
     *,
     sm_scale: float,
+    layer: jax.Array | int | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     block_k: int | None = None,
@@ -97,39 +110,48 @@ def decode_attention_tpu(
 ) -> jax.Array:
     """Attention of one query per sequence, at position lengths_B[b] - 1, over the cache: o_BNH.
 
-    Semantics are those of ``reference.decode_attention_reference``. ``block_k`` is a multiple of
-    128 or S (default 512, or S when shorter); ``num_splits`` defaults to ``default_num_splits``.
-    ``interpret`` runs Pallas' TPU interpreter; ``poison_output`` starts the per-split outputs as
-    NaN (see ``poison`` and ``tpu_tiles.interpreter``).
+    Semantics are those of ``reference.decode_attention_reference`` over ``k_cache[layer]``. The
+    caches are [B, S, K, H], or with ``layer`` (an int32 scalar, traced or not, indexed as
+    ``shapes.as_layer`` says) the stacked caches [L, B, S, K, H]; they may hold bfloat16 as uint16
+    bits. ``block_k`` is a multiple of 128 or S (default 512, or S when shorter); ``num_splits``
+    defaults to ``default_num_splits``. ``interpret`` runs Pallas' TPU interpreter;
+    ``poison_output`` starts the per-split outputs as NaN (see ``poison`` and
+    ``tpu_tiles.interpreter``).
     """
-    dims = shapes.check_decode(q_BNH, k_BSKH, v_BSKH, lengths_B, sliding_window=sliding_window,
-                               logit_softcap=logit_softcap)
+    dims = shapes.check_decode(q_BNH, k_cache, v_cache, lengths_B, layer=layer,
+                               sliding_window=sliding_window, logit_softcap=logit_softcap)
     shapes.check_positive("block_k", block_k)
     shapes.check_positive("num_splits", num_splits)
     block_k = min(block_k or 512, dims.S)
     if block_k % 128 and block_k != dims.S:
         raise ValueError(f"block_k={block_k} must be a multiple of 128 or the whole cache "
                          f"(S={dims.S}): Mosaic tiles are (8, 128)-aligned")
+    tpu_tiles.check_vmem("decode_attention_tpu", vmem_bytes(
+        group=dims.G, block_k=block_k, head_dim=dims.H, dtype=q_BNH.dtype), block_k=block_k)
     num_key_blocks = pl.cdiv(dims.S, block_k)
     num_splits = num_splits or default_num_splits(batch=dims.B, kv_heads=dims.K,
                                                   num_key_blocks=num_key_blocks)
     B, K, P, G, H = dims.B, dims.K, num_splits, dims.G, dims.H
 
-    def kv_tile(b, k, p, step, lengths_ref):
+    def kv_tile(b, k, p, step, lengths_ref, layer_ref):
         keys = masking.decode_key_range(
             lengths_ref[b], p, num_keys=dims.S, block_k=block_k, num_splits=P,
             sliding_window=sliding_window,
         )
         last = jnp.clip(keys.end - 1, 0, num_key_blocks - 1)
-        return b, k, jnp.clip(keys.first + step, 0, last)
+        return layer_ref[0], b, k, jnp.clip(keys.first + step, 0, last)
 
-    kv_spec = tpu_tiles.head_tile_spec(H, block_k, kv_tile)
-    in_specs = [pl.BlockSpec((None, None, G, H), lambda b, k, p, step, lengths_ref: (b, k, 0, 0)),
-                kv_spec, kv_spec]
+    def per_head(b, k, p, step, lengths_ref, layer_ref):
+        return b, k, 0, 0
+
+    def per_split(b, k, p, step, lengths_ref, layer_ref):
+        return b, k, p, 0, 0
+
+    kv_spec = tpu_tiles.cache_tile_spec(H, block_k, kv_tile)
+    in_specs = [pl.BlockSpec((None, None, G, H), per_head), kv_spec, kv_spec]
     out_specs = [
-        pl.BlockSpec((None, None, None, G, H), lambda b, k, p, step, lengths_ref: (b, k, p, 0, 0)),
-        pl.BlockSpec((None, None, None, G, tpu_tiles.NUM_LANES),
-                     lambda b, k, p, step, lengths_ref: (b, k, p, 0, 0)),
+        pl.BlockSpec((None, None, None, G, H), per_split),
+        pl.BlockSpec((None, None, None, G, tpu_tiles.NUM_LANES), per_split),
     ]
     out_shapes = [
         jax.ShapeDtypeStruct((B, K, P, G, H), jnp.float32),
@@ -139,8 +161,10 @@ def decode_attention_tpu(
         _decode_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
         logit_softcap=logit_softcap, num_splits=P, num_keys=dims.S,
     )
-    args = [shapes.as_lengths(lengths_B), q_BNH.reshape(B, K, G, H),
-            tpu_tiles.to_tiled(k_BSKH), tpu_tiles.to_tiled(v_BSKH)]
+    layer = None if layer is None else shapes.as_layer(layer, dims.L)
+    k_tiled, read_layer = tpu_tiles.to_tiled_cache(k_cache, layer)
+    v_tiled, _ = tpu_tiles.to_tiled_cache(v_cache, layer)
+    args = [shapes.as_lengths(lengths_B), read_layer, q_BNH.reshape(B, K, G, H), k_tiled, v_tiled]
     aliases = {}
     if poison_output:
         kernel, args, in_specs, aliases = poison.alias_nan_outputs(
@@ -148,7 +172,7 @@ def decode_attention_tpu(
     o_BKPGH, lse_replicated = pl.pallas_call(  # lse: [B, K, P, G, 128]
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(B, K, P, pl.cdiv(num_key_blocks, P)),
             in_specs=in_specs,
             out_specs=out_specs,

@@ -74,11 +74,12 @@ def flash_attention(
 
 def decode_attention(
     q_BNH: jax.Array,
-    k_BSKH: jax.Array,
-    v_BSKH: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
     lengths_B: jax.Array,
     *,
     sm_scale: float,
+    layer: jax.Array | int | None = None,
     sliding_window: int | None = None,
     logit_softcap: float | None = None,
     block_k: int | None = None,
@@ -89,15 +90,20 @@ def decode_attention(
     """One decode step of attention (Flash-Decoding): o_BNH in q's dtype.
 
     The query of sequence b is at position lengths_B[b] - 1 and sees keys 0..lengths_B[b] - 1 of the
-    cache (within the sliding window); a sequence of length 0 gives 0. The key axis is cut into
-    ``num_splits`` parallel splits whose partial softmaxes are combined; the default suits the
-    variant (see ``decode_attention_gpu`` and ``decode_attention_tpu``).
+    cache (within the sliding window); a sequence of length 0 gives 0. The caches are one layer's
+    [B, S, K, H], or a model's stacked caches [L, B, S, K, H] with ``layer``, an int32 scalar that
+    may be traced (in a ``lax.scan`` over layers, say) and is indexed as
+    ``lax.dynamic_index_in_dim`` does: the kernel reads that layer where it lies, with no copy. A
+    cache may hold bfloat16 as its bits (uint16). The key axis is cut into ``num_splits`` parallel
+    splits whose partial softmaxes are combined; the default suits the variant (see
+    ``decode_attention_gpu`` and ``decode_attention_tpu``).
     """
     platform, interpret = choose_variant(platform, interpret)
-    kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, logit_softcap=logit_softcap,
-                  block_k=block_k, num_splits=num_splits, interpret=interpret)
+    kwargs = dict(sm_scale=sm_scale, layer=layer, sliding_window=sliding_window,
+                  logit_softcap=logit_softcap, block_k=block_k, num_splits=num_splits,
+                  interpret=interpret)
     match platform:
         case Platform.GPU:
-            return decode_attention_gpu(q_BNH, k_BSKH, v_BSKH, lengths_B, **kwargs)
+            return decode_attention_gpu(q_BNH, k_cache, v_cache, lengths_B, **kwargs)
         case Platform.TPU:
-            return decode_attention_tpu(q_BNH, k_BSKH, v_BSKH, lengths_B, **kwargs)
+            return decode_attention_tpu(q_BNH, k_cache, v_cache, lengths_B, **kwargs)

@@ -72,24 +72,39 @@ def _flash_attention_kernel(
     gpu_tiles.store(o_ref, o, rows_ok, cols_ok)
 
 
-def _block_sizes(dims: shapes.AttentionDims, dtype, block_q: int | None, block_k: int | None
-                 ) -> tuple[int, int]:
-    """The given block sizes, checked, or defaults that keep q, two stages of K/V and the float32
-    accumulator within an H100/H200 SM's shared memory and registers, capped by the sequence."""
+def choose_tiles(dims: shapes.AttentionDims, dtype, *, block_q: int | None,
+                 block_k: int | None, num_stages: int | None) -> gpu_tiles.Tiles:
+    """The given tiles, or the largest that fit the device's shared memory, capped by the sequence.
+
+    The preferred tiles keep the float32 accumulator (block_q x Hp) and scores (block_q x block_k)
+    within an SM's registers: 128 x 64 for rows of up to 256 bytes (bfloat16 with H <= 128), else
+    64 x 64, or 64 x 32 past 512 bytes, with three pipeline stages where a K tile is at most
+    64 x 128 elements. ``gpu_tiles.fit_tiles`` then shrinks what the caller left open until the
+    tiles fit shared memory.
+    """
     shapes.check_positive("block_q", block_q)
     shapes.check_positive("block_k", block_k)
-    row_bytes = gpu_tiles.tile_size(dims.H) * jnp.dtype(dtype).itemsize
-    if row_bytes <= 256:  # e.g. bfloat16 with H <= 128
+    shapes.check_positive("num_stages", num_stages)
+    for name, value in (("block_q", block_q), ("block_k", block_k)):
+        if value is not None:
+            gpu_tiles.check_tile_size(name, value)
+    head_dim_padded = gpu_tiles.tile_size(dims.H)
+    row_bytes = head_dim_padded * jnp.dtype(dtype).itemsize
+    if row_bytes <= 256:
         default_q, default_k = 128, 64
     elif row_bytes <= 512:
         default_q, default_k = 64, 64
     else:
         default_q, default_k = 64, 32
-    block_q = block_q or min(default_q, gpu_tiles.tile_size(dims.T))
-    block_k = block_k or min(default_k, gpu_tiles.tile_size(dims.T))
-    gpu_tiles.check_tile_size("block_q", block_q)
-    gpu_tiles.check_tile_size("block_k", block_k)
-    return block_q, block_k
+    preferred_k = block_k or min(default_k, gpu_tiles.tile_size(dims.T))
+    preferred = gpu_tiles.Tiles(
+        block_q=block_q or min(default_q, gpu_tiles.tile_size(dims.T)), block_k=preferred_k,
+        head_dim=head_dim_padded,
+        num_stages=num_stages or (3 if preferred_k * head_dim_padded <= 64 * 128 else 2))
+    fixed = {name for name, value in (("block_q", block_q), ("block_k", block_k),
+                                      ("num_stages", num_stages)) if value}
+    return gpu_tiles.fit_tiles(preferred, dtype=dtype, budget_bytes=gpu_tiles.smem_budget().bytes,
+                               fixed=fixed)
 
 
 @functools.partial(
@@ -116,13 +131,15 @@ def flash_attention_gpu(
     """Causal attention of queries at positions 0..T-1 against keys 0..S-1 (S >= T): o_BTNH.
 
     Semantics are those of ``reference.attention_reference`` with ``q_offset=0``. Block sizes are
-    powers of two >= 16; by default they depend on the head dim and dtype, and are never larger
-    than the (padded) sequence. ``poison_output`` starts the output as NaN (see ``poison``).
+    powers of two >= 16; by default they, and ``num_stages``, are the largest that fit the device's
+    shared memory (``choose_tiles``), never larger than the (padded) sequence. ``poison_output``
+    starts the output as NaN (see ``poison``).
     """
     dims = shapes.check_prefill(q_BTNH, k_BSKH, v_BSKH, lengths_B, sliding_window=sliding_window,
                                 logit_softcap=logit_softcap)
-    block_q, block_k = _block_sizes(dims, q_BTNH.dtype, block_q, block_k)
-    head_dim_padded = gpu_tiles.tile_size(dims.H)
+    tiles = choose_tiles(dims, q_BTNH.dtype, block_q=block_q, block_k=block_k,
+                         num_stages=num_stages)
+    block_q, block_k, head_dim_padded = tiles.block_q, tiles.block_k, tiles.head_dim
     num_q_blocks = pl.cdiv(dims.T, block_q)
     G = dims.G
 
@@ -158,7 +175,7 @@ def flash_attention_gpu(
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(
             num_warps=num_warps or (4 if head_dim_padded <= 64 else 8),
-            num_stages=num_stages or (3 if block_k * head_dim_padded <= 64 * 128 else 2),
+            num_stages=tiles.num_stages,
         ),
         interpret=interpret,
         name="flash_attention_gpu",

@@ -84,6 +84,15 @@ def _check_block(name: str, block: int, *, multiple: int, whole: int) -> None:
                          f"({whole}): Mosaic tiles are (8, 128)-aligned")
 
 
+def vmem_bytes(*, block_q: int, block_k: int, head_dim: int, dtype) -> int:
+    """VMEM of one program's tiles: q, K, V and o blocks, and the online-softmax scratch."""
+    q_tile, kv_tile = ((block_q, head_dim), dtype), ((block_k, head_dim), dtype)
+    return tpu_tiles.vmem_bytes(
+        blocks=[q_tile, kv_tile, kv_tile, q_tile],
+        scratch=[((block_q, tpu_tiles.NUM_LANES), jnp.float32)] * 2
+        + [((block_q, head_dim), jnp.float32)])
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "sliding_window", "logit_softcap", "block_q", "block_k",
@@ -118,6 +127,9 @@ def flash_attention_tpu(
     block_k = min(block_k or 256, dims.S)
     _check_block("block_q", block_q, multiple=8, whole=dims.T)
     _check_block("block_k", block_k, multiple=128, whole=dims.S)
+    tpu_tiles.check_vmem("flash_attention_tpu", vmem_bytes(
+        block_q=block_q, block_k=block_k, head_dim=dims.H, dtype=q_BTNH.dtype),
+        block_q=block_q, block_k=block_k)
     num_q_blocks = pl.cdiv(dims.T, block_q)
     num_steps = masking.max_key_blocks_per_query_block(
         block_q=block_q, block_k=block_k, num_queries=dims.T, num_keys=dims.S,

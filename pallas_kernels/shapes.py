@@ -1,15 +1,23 @@
 """Validation of the attention arguments, shared by every kernel's public wrapper.
 
 Shapes are static under ``jit``, so every mistake is reported at trace time with the values that
-caused it. ``lengths_B`` is traced, so its values cannot be checked here: each must be in [0, S].
+caused it. ``lengths_B`` and a decode call's ``layer`` are traced, so their values cannot be checked
+here: each length must be in [0, S]; the layer is read as ``lax.dynamic_index_in_dim`` reads it
+(negative counts from the end, then clamped to [0, L)), so no value can read outside the cache.
+
+A decode cache may hold bfloat16 values as their bits (uint16), the form in which llm_jax's CPU
+path keeps a bfloat16 cache. The kernels load such tiles as they are and bitcast them to bfloat16 in
+registers: a bitcast of the whole cache outside the kernel is an XLA op, which can copy the cache.
 """
 
 import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+BITS_DTYPE = jnp.dtype(jnp.uint16)  # a cache of bfloat16 values held as their bits
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -18,6 +26,7 @@ class AttentionDims:
 
     B: int  # batch
     T: int  # queries per sequence (1 for decode)
+    L: int = 1  # layers of a stacked decode cache (1 for one layer's cache)
     S: int  # keys per sequence (cache capacity)
     N: int  # query heads
     K: int  # kv heads
@@ -43,15 +52,37 @@ def check_prefill(q_BTNH, k_BSKH, v_BSKH, lengths_B, *, sliding_window, logit_so
     return dims
 
 
-def check_decode(q_BNH, k_BSKH, v_BSKH, lengths_B, *, sliding_window, logit_softcap
+def check_decode(q_BNH, k_cache, v_cache, lengths_B, *, layer, sliding_window, logit_softcap
                  ) -> AttentionDims:
-    """Dimensions of a decode call (T = 1), or a ValueError naming the offending values."""
+    """Dimensions of a decode call (T = 1), or a ValueError naming the offending values.
+
+    The caches are [B, S, K, H], or [L, B, S, K, H] when ``layer`` is given; they may hold
+    bfloat16 as bits (uint16) when q is bfloat16.
+    """
     if q_BNH.ndim != 3:
         raise ValueError(f"q_BNH must be [B, N, H], got shape {q_BNH.shape}")
+    if layer is None:
+        if k_cache.ndim == 5:
+            raise ValueError(f"k_cache {k_cache.shape} is a stacked cache [L, B, S, K, H]: pass "
+                             f"the layer to read as `layer`")
+        L, k_BSKH, v_BSKH = 1, k_cache, v_cache
+    else:
+        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+            raise ValueError(f"layer must be an integer scalar (the layer of the stacked cache to "
+                             f"read), got shape {jnp.shape(layer)} dtype {jnp.result_type(layer)}")
+        for name, cache in (("k", k_cache), ("v", v_cache)):
+            if cache.ndim != 5:
+                raise ValueError(f"with layer, {name}_cache must be the stacked cache "
+                                 f"[L, B, S, K, H], got shape {cache.shape}")
+        # One layer's shape, for the checks below (indexing the cache would trace a slice of it).
+        L = k_cache.shape[0]
+        k_BSKH, v_BSKH = (jax.ShapeDtypeStruct(c.shape[1:], c.dtype) for c in (k_cache, v_cache))
+        if v_cache.shape[0] != L:
+            raise ValueError(f"v_cache shape {v_cache.shape} != k_cache shape {k_cache.shape}")
     dims = _check_kv(q_BNH.shape[0], q_BNH.shape[1], q_BNH.shape[2], q_BNH.dtype,
-                     k_BSKH, v_BSKH, lengths_B, T=1)
+                     k_BSKH, v_BSKH, lengths_B, T=1, bits_ok=True)
     _check_options(sliding_window, logit_softcap)
-    return dims
+    return dataclasses.replace(dims, L=L)
 
 
 def check_positive(name: str, value: int | None) -> None:
@@ -59,7 +90,8 @@ def check_positive(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
 
 
-def _check_kv(B, N, H, q_dtype, k_BSKH, v_BSKH, lengths_B, *, T) -> AttentionDims:
+def _check_kv(B, N, H, q_dtype, k_BSKH, v_BSKH, lengths_B, *, T, bits_ok=False
+              ) -> AttentionDims:
     if k_BSKH.ndim != 4:
         raise ValueError(f"k_BSKH must be [B, S, K, H], got shape {k_BSKH.shape}")
     if v_BSKH.shape != k_BSKH.shape:
@@ -72,11 +104,14 @@ def _check_kv(B, N, H, q_dtype, k_BSKH, v_BSKH, lengths_B, *, T) -> AttentionDim
     if K < 1 or N % K:
         raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
     for name, dtype in (("q", q_dtype), ("k", k_BSKH.dtype), ("v", v_BSKH.dtype)):
-        if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
+        if jnp.dtype(dtype) not in SUPPORTED_DTYPES and not (bits_ok and dtype == BITS_DTYPE
+                                                             and name != "q"):
             raise ValueError(f"{name} dtype {dtype} is not one of "
-                             f"{[str(d) for d in SUPPORTED_DTYPES]}")
-    if not (jnp.dtype(q_dtype) == k_BSKH.dtype == v_BSKH.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q_dtype}, {k_BSKH.dtype}, {v_BSKH.dtype}")
+                             f"{[str(d) for d in SUPPORTED_DTYPES]}"
+                             + (" (or uint16: bfloat16 bits, for k and v)" if bits_ok else ""))
+    if not (jnp.dtype(q_dtype) == values_dtype(k_BSKH.dtype) == values_dtype(v_BSKH.dtype)):
+        raise ValueError(f"q, k, v dtypes differ: {q_dtype}, {k_BSKH.dtype}, {v_BSKH.dtype}"
+                         + (" (uint16 caches hold bfloat16 bits)" if bits_ok else ""))
     if jnp.shape(lengths_B) != (B,) or not jnp.issubdtype(jnp.result_type(lengths_B), jnp.integer):
         raise ValueError(f"lengths_B must be integers of shape ({B},), got shape "
                          f"{jnp.shape(lengths_B)} dtype {jnp.result_type(lengths_B)}")
@@ -95,3 +130,25 @@ def _check_options(sliding_window, logit_softcap) -> None:
 def as_lengths(lengths_B) -> jax.Array:
     """lengths as int32, the index type of every kernel."""
     return jnp.asarray(lengths_B).astype(jnp.int32)
+
+
+def as_layer(layer, num_layers: int) -> jax.Array:
+    """The layer to read as int32 [1] (0 for an unstacked cache), as ``lax.dynamic_index_in_dim``
+    reads it: a negative layer counts from the end, then it is clamped to [0, num_layers)."""
+    if layer is None:
+        return jnp.zeros((1,), jnp.int32)
+    layer = jnp.asarray(layer).astype(jnp.int32)
+    layer = jnp.where(layer < 0, layer + num_layers, layer)
+    return jnp.clip(layer, 0, num_layers - 1).reshape(1)
+
+
+def values_dtype(dtype) -> jnp.dtype:
+    """The dtype of the values an array of ``dtype`` holds: bfloat16 for bits (uint16)."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == BITS_DTYPE else jnp.dtype(dtype)
+
+
+def as_values(tile: jax.Array) -> jax.Array:
+    """A loaded tile of a cache as values: bits (uint16) bitcast to bfloat16, in registers."""
+    if tile.dtype == BITS_DTYPE:
+        return lax.bitcast_convert_type(tile, jnp.bfloat16)
+    return tile

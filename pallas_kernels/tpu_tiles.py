@@ -1,19 +1,27 @@
-"""How the TPU kernels tile the [B, S, K, H] attention arrays.
+"""How the TPU kernels tile the [B, S, K, H] attention arrays, and the VMEM their tiles need.
 
 Mosaic DMAs blocks whose last two dims are multiples of (8, 128) or whole, so a [block_s, H] tile
 of one head cannot be cut from [B, S, K, H] directly (the head is the second-to-last dim). With
 H % 128 == 0 the array is viewed as [B, S, K*H] for free and head k is lane block k; otherwise it
-is transposed to [B, K, S, H], which costs one copy of the array per call.
+is transposed to [B, K, S, H], which costs one copy of the array per call. A decode call reading
+layer l of the stacked caches [L, B, S, K, H] views them as [L, B, S, K*H] and fetches from layer
+l in place; otherwise it slices the layer out and transposes it, one copy of that layer as before.
 """
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import online_softmax
+
+# The VMEM a kernel may use unless its compiler params raise the limit: the default scoped limit,
+# 16 MiB on v4 and v5e (32 MiB on v5p and v6e). The kernels' default tiles fit the smallest.
+SCOPED_VMEM_BYTES = 16 * 1024 * 1024
 
 
 def fuses_heads(head_dim: int) -> bool:
@@ -32,6 +40,41 @@ def to_tiled(x_BSKH: jax.Array) -> jax.Array:
 def tiled_shape(shape_BSKH: tuple[int, int, int, int]) -> tuple[int, ...]:
     B, S, K, H = shape_BSKH
     return (B, S, K * H) if fuses_heads(H) else (B, K, S, H)
+
+
+def to_tiled_cache(cache: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
+    """The stacked array a decode kernel reads for ``cache`` and the layer to read in it.
+
+    ``cache`` is [L, B, S, K, H] with an int32 ``layer`` ([1], from ``shapes.as_layer``), or one
+    layer's [B, S, K, H] with ``layer`` None. Returns [L, B, S, K*H] (a free view) and the layer, or
+    the layer sliced out and transposed to [1, B, K, S, H] (a copy of one layer) and layer 0.
+    """
+    if layer is None:
+        cache, layer = cache.reshape(1, *cache.shape), jnp.zeros((1,), jnp.int32)
+    L, B, S, K, H = cache.shape
+    if fuses_heads(H):
+        return cache.reshape(L, B, S, K * H), layer
+    one_layer = lax.dynamic_index_in_dim(cache, layer[0], keepdims=True)
+    return one_layer.transpose(0, 1, 3, 2, 4), jnp.zeros((1,), jnp.int32)
+
+
+def cache_tile_spec(head_dim: int, block_s: int, index: Callable) -> pl.BlockSpec:
+    """BlockSpec of a [block_s, H] tile of a ``to_tiled_cache`` array.
+
+    ``index(*grid_indices, *scalar_prefetch_refs)`` returns (layer, batch, head, s_block).
+    """
+    if fuses_heads(head_dim):
+        def fused_index(*args):
+            layer, b, head, s_block = index(*args)
+            return layer, b, s_block, head
+
+        return pl.BlockSpec((None, None, block_s, head_dim), fused_index)
+
+    def transposed_index(*args):
+        layer, b, head, s_block = index(*args)
+        return layer, b, head, s_block, 0
+
+    return pl.BlockSpec((None, None, None, block_s, head_dim), transposed_index)
 
 
 def from_tiled(x: jax.Array, shape_BSKH: tuple[int, int, int, int]) -> jax.Array:
@@ -102,3 +145,27 @@ def interpreter(interpret: bool, poison_output: bool) -> pltpu.InterpretParams |
     if not interpret:
         return False
     return True if poison_output else pltpu.InterpretParams()
+
+
+def vmem_bytes(blocks: Sequence[tuple[tuple[int, ...], jnp.dtype]],
+               scratch: Sequence[tuple[tuple[int, ...], jnp.dtype]]) -> int:
+    """VMEM a kernel's tiles take: each (shape, dtype) block twice (the pipeline fetches the next
+    block while the kernel reads this one), each scratch array once; every array padded to Mosaic's
+    tiles of (8 x 32-bit packing) sublanes by 128 lanes, e.g. (16, 128) for bfloat16."""
+    def padded_bytes(shape, dtype):
+        itemsize = jnp.dtype(dtype).itemsize
+        sublanes = 8 * max(1, 4 // itemsize)
+        rows, lanes = (1, *shape)[-2:]
+        tiles = pl.cdiv(rows, sublanes) * sublanes * pl.cdiv(lanes, NUM_LANES) * NUM_LANES
+        return math.prod(shape[:-2]) * tiles * itemsize
+
+    return (2 * sum(padded_bytes(*block) for block in blocks)
+            + sum(padded_bytes(*array) for array in scratch))
+
+
+def check_vmem(kernel: str, needed: int, budget: int = SCOPED_VMEM_BYTES, **tiles) -> None:
+    """A ValueError naming the tiles when ``needed`` bytes of VMEM exceed the scoped limit."""
+    if needed > budget:
+        choice = " ".join(f"{name}={value}" for name, value in tiles.items())
+        raise ValueError(f"{kernel} tiles {choice} need {needed} bytes of VMEM, more than the "
+                         f"{budget} of the default scoped limit; choose smaller blocks")

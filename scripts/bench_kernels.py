@@ -104,14 +104,15 @@ DECODE = [Workload(kind=Kind.DECODE, B=B, S=S, N=32, K=8, H=128)
 WORKLOADS = PREFILL + DECODE
 
 
-def attention_fn(impl: Impl, w: Workload) -> Callable:
-    """fn(q, k, v, lengths) -> o for one implementation; inputs as ``Workload.inputs``."""
+def attention_fn(impl: Impl, w: Workload, *, interpret: bool = False) -> Callable:
+    """fn(q, k, v, lengths) -> o for one implementation; inputs as ``Workload.inputs``.
+    ``interpret`` runs our kernels in Pallas' interpreter (for runs without a GPU)."""
     scale = w.sm_scale
     if w.kind is Kind.PREFILL:
         match impl:
             case Impl.OURS:
                 return lambda q, k, v, lengths: flash_attention_gpu(
-                    q, k, v, lengths, sm_scale=scale)
+                    q, k, v, lengths, sm_scale=scale, interpret=interpret)
             case Impl.XLA | Impl.CUDNN:
                 return lambda q, k, v, lengths: jax.nn.dot_product_attention(
                     q, k, v, scale=scale, is_causal=True, implementation=impl.value)
@@ -120,7 +121,8 @@ def attention_fn(impl: Impl, w: Workload) -> Callable:
                     q, k, v, None, sm_scale=scale, causal=True)
     match impl:
         case Impl.OURS:
-            return lambda q, k, v, lengths: decode_attention_gpu(q, k, v, lengths, sm_scale=scale)
+            return lambda q, k, v, lengths: decode_attention_gpu(q, k, v, lengths, sm_scale=scale,
+                                                                 interpret=interpret)
         case Impl.XLA | Impl.CUDNN:
             return lambda q, k, v, lengths: jax.nn.dot_product_attention(
                 q[:, None], k, v, scale=scale, key_value_seq_lengths=lengths,

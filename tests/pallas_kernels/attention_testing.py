@@ -3,14 +3,31 @@
 Cases are drawn hypothesis-style from a seeded generator (so every run tests the same, bounded set
 of shapes, and a failure names its case) next to hand-written cases for each acceptance point.
 Shapes are small and odd: interpret mode runs each grid step on the CPU.
+
+The kernels run in Pallas' interpreter unless ``LLM_JAX_PALLAS_INTERPRET=0``: then a variant whose
+platform is the backend's (the Triton kernels on a GPU, the Mosaic ones on a TPU) is compiled for
+real, and only the other is interpreted (``scripts/gpu_check.sh`` runs the tests so on a GPU).
 """
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def interpret_variant(platform: str) -> bool:
+    """Whether the tests interpret the kernels written for ``platform`` ("gpu" or "tpu")."""
+    compile_native = os.environ.get("LLM_JAX_PALLAS_INTERPRET", "1") == "0"
+    return not (compile_native and jax.default_backend() == platform)
+
+
+GPU_INTERPRET = interpret_variant("gpu")
+TPU_INTERPRET = interpret_variant("tpu")
+# For the public entry points: None lets them compile the native variant, True interprets.
+DISPATCH_INTERPRET = None if os.environ.get("LLM_JAX_PALLAS_INTERPRET", "1") == "0" else True
 
 # Largest allowed max |out - ref| / max |ref| per dtype (the issue's acceptance bounds).
 TOLERANCE = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 2e-2}
@@ -71,6 +88,23 @@ def decode_inputs(case: Case, seed: int = 0):
     return q[:, 0], k, v, lengths
 
 
+def stacked_decode_inputs(case: Case, num_layers: int, seed: int = 0):
+    """q_BNH, k_LBSKH, v_LBSKH, lengths_B: every layer's cache different."""
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(case.dtype)
+    q = jnp.asarray(rng.standard_normal((case.B, case.N, case.H)), dtype)
+    shape = (num_layers, case.B, case.S, case.K, case.H)
+    k = jnp.asarray(rng.standard_normal(shape), dtype)
+    v = jnp.asarray(rng.standard_normal(shape), dtype)
+    return q, k, v, jnp.asarray(case.lengths, jnp.int32)
+
+
+def as_bits(x: jax.Array) -> jax.Array:
+    """bfloat16 values as their bits (uint16), the form of llm_jax's bfloat16 CPU cache."""
+    assert x.dtype == jnp.bfloat16, x.dtype
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)
+
+
 def stale_past_lengths(x_BSKH: jax.Array, lengths_B: jax.Array) -> jax.Array:
     """x with NaN at every cache position at or past its sequence's length (a stale cache)."""
     stale_BS11 = jnp.arange(x_BSKH.shape[1])[None, :, None, None] >= lengths_B[:, None, None, None]
@@ -87,8 +121,14 @@ def lower(attention: Callable, platform: str, q_shape: tuple, kv_shape: tuple, d
     return traced.lower(lowering_platforms=(platform,)).as_text()
 
 
-TRITON_CALL = "@__gpu$xla.gpu.triton"
+# The custom call a Triton kernel lowers to: up to jaxlib 0.10.2 Triton IR for XLA to compile; later
+# the PTX compiled while lowering, called through an FFI handler.
+TRITON_CALLS = ("@__gpu$xla.gpu.triton", "triton_kernel_call_ffi")
 MOSAIC_CALL = "tpu_custom_call"
+
+
+def calls_triton(lowered_text: str) -> bool:
+    return any(call in lowered_text for call in TRITON_CALLS)
 
 
 def relative_error(out: jax.Array, ref: jax.Array) -> float:

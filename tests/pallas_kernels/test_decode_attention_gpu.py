@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from attention_testing import (
-    TRITON_CALL, Case, assert_matches_reference, decode_inputs, lower, random_decode_cases,
-    stale_past_lengths,
+    GPU_INTERPRET, Case, assert_matches_reference, calls_triton, decode_inputs, lower,
+    random_decode_cases, stale_past_lengths,
 )
 from pallas_kernels.decode_attention_gpu import decode_attention_gpu, default_num_splits
 from pallas_kernels.reference import decode_attention_reference
@@ -38,7 +38,8 @@ CASES = NAMED_CASES + random_decode_cases(10, seed=11)
 def test_matches_reference_and_writes_every_element(case: Case):
     q, k, v, lengths = decode_inputs(case)
     out = decode_attention_gpu(q, k, v, lengths, **case.options, block_k=case.block_k,
-                               num_splits=case.num_splits, interpret=True, poison_output=True)
+                               num_splits=case.num_splits, interpret=GPU_INTERPRET,
+                               poison_output=True)
     ref = decode_attention_reference(q, k, v, lengths, **case.options)
     assert_matches_reference(out, ref)
     empty = np.asarray(case.lengths) == 0
@@ -49,7 +50,8 @@ def test_ignores_cache_contents_past_the_length():
     case = Case(B=2, S=64, N=2, K=1, H=16, lengths=(40, 0), block_k=16, num_splits=2)
     q, k, v, lengths = decode_inputs(case)
     out = decode_attention_gpu(q, stale_past_lengths(k, lengths), stale_past_lengths(v, lengths),
-                               lengths, **case.options, block_k=16, num_splits=2, interpret=True)
+                               lengths, **case.options, block_k=16, num_splits=2,
+                               interpret=GPU_INTERPRET)
     assert_matches_reference(out, decode_attention_reference(q, k, v, lengths, **case.options))
 
 
@@ -58,7 +60,7 @@ def test_split_count_does_not_change_the_result():
     case = Case(B=2, S=200, N=4, K=2, H=32, lengths=(200, 77))
     q, k, v, lengths = decode_inputs(case)
     one, five = (decode_attention_gpu(q, k, v, lengths, **case.options, block_k=16, num_splits=p,
-                                      interpret=True) for p in (1, 5))
+                                      interpret=GPU_INTERPRET) for p in (1, 5))
     np.testing.assert_allclose(np.asarray(one), np.asarray(five), atol=2e-6, rtol=0)
 
 
@@ -78,7 +80,7 @@ def test_default_splits_fill_the_gpu_but_never_exceed_the_blocks():
 def test_lowers_to_triton(dtype, B, S, N, K, H, window, softcap):
     attention = functools.partial(decode_attention_gpu, sm_scale=H ** -0.5,
                                   sliding_window=window, logit_softcap=softcap)
-    assert TRITON_CALL in lower(attention, "cuda", (B, N, H), (B, S, K, H), dtype)
+    assert calls_triton(lower(attention, "cuda", (B, N, H), (B, S, K, H), dtype))
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -88,10 +90,11 @@ def test_lowers_to_triton(dtype, B, S, N, K, H, window, softcap):
 def test_rejects_bad_options(kwargs, message):
     q, k, v, lengths = decode_inputs(Case(S=40, N=2, K=1, H=16, lengths=(40,)))
     with pytest.raises(ValueError, match=message):
-        decode_attention_gpu(q, k, v, lengths, sm_scale=0.25, interpret=True, **kwargs)
+        decode_attention_gpu(q, k, v, lengths, sm_scale=0.25, interpret=GPU_INTERPRET, **kwargs)
 
 
 def test_rejects_lengths_of_the_wrong_shape():
     q, k, v, _ = decode_inputs(Case(B=2, S=40, N=2, K=1, H=16, lengths=(40, 40)))
     with pytest.raises(ValueError, match=r"lengths_B must be integers of shape \(2,\), got shape"):
-        decode_attention_gpu(q, k, v, jnp.zeros(3, jnp.int32), sm_scale=0.25, interpret=True)
+        decode_attention_gpu(q, k, v, jnp.zeros(3, jnp.int32), sm_scale=0.25,
+                             interpret=GPU_INTERPRET)

@@ -9,7 +9,9 @@ import functools
 import numpy as np
 import pytest
 
-from attention_testing import MOSAIC_CALL, Case, assert_matches_reference, decode_inputs, lower
+from attention_testing import (
+    MOSAIC_CALL, TPU_INTERPRET, Case, assert_matches_reference, decode_inputs, lower,
+)
 from pallas_kernels.decode_attention_tpu import decode_attention_tpu, default_num_splits
 from pallas_kernels.reference import decode_attention_reference
 
@@ -26,7 +28,7 @@ CASES = [
 def _check(case: Case, *, poison_output: bool) -> None:
     q, k, v, lengths = decode_inputs(case)
     out = decode_attention_tpu(q, k, v, lengths, **case.options, block_k=case.block_k,
-                               num_splits=case.num_splits, interpret=True,
+                               num_splits=case.num_splits, interpret=TPU_INTERPRET,
                                poison_output=poison_output)
     assert_matches_reference(out, decode_attention_reference(q, k, v, lengths, **case.options))
     empty = np.asarray(case.lengths) == 0

@@ -3,7 +3,9 @@
 import jax
 import pytest
 
-from attention_testing import Case, assert_matches_reference, decode_inputs, prefill_inputs
+from attention_testing import (
+    DISPATCH_INTERPRET, Case, assert_matches_reference, decode_inputs, prefill_inputs,
+)
 from pallas_kernels import Platform, decode_attention, dispatch, flash_attention, reference
 
 
@@ -36,7 +38,8 @@ def test_refuses_to_compile_for_a_foreign_backend(monkeypatch):
 def test_flash_attention_entry_point(platform):
     case = Case(B=2, T=24, S=24, N=4, K=2, H=16, lengths=(24, 9), sliding_window=10)
     q, k, v, lengths = prefill_inputs(case)
-    out = flash_attention(q, k, v, lengths, **case.options, platform=platform)
+    out = flash_attention(q, k, v, lengths, **case.options, platform=platform,
+                          interpret=DISPATCH_INTERPRET)
     assert_matches_reference(out, reference.attention_reference(q, k, v, lengths, **case.options))
 
 
@@ -44,6 +47,7 @@ def test_flash_attention_entry_point(platform):
 def test_decode_attention_entry_point(platform):
     case = Case(B=2, S=40, N=4, K=2, H=16, lengths=(40, 9), logit_softcap=20.0)
     q, k, v, lengths = decode_inputs(case)
-    out = decode_attention(q, k, v, lengths, **case.options, num_splits=2, platform=platform)
+    out = decode_attention(q, k, v, lengths, **case.options, num_splits=2, platform=platform,
+                           interpret=DISPATCH_INTERPRET)
     assert_matches_reference(
         out, reference.decode_attention_reference(q, k, v, lengths, **case.options))

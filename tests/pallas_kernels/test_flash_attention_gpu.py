@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from attention_testing import (
-    TRITON_CALL, Case, assert_matches_reference, lower, prefill_inputs, random_prefill_cases,
-    stale_past_lengths,
+    GPU_INTERPRET, Case, assert_matches_reference, calls_triton, lower, prefill_inputs,
+    random_prefill_cases, stale_past_lengths,
 )
 from pallas_kernels.flash_attention_gpu import flash_attention_gpu
 from pallas_kernels.reference import attention_reference
@@ -42,7 +42,7 @@ CASES = NAMED_CASES + random_prefill_cases(12, seed=5)
 def test_matches_reference_and_writes_every_element(case: Case):
     q, k, v, lengths = prefill_inputs(case)
     out = flash_attention_gpu(q, k, v, lengths, **case.options, block_q=case.block_q,
-                              block_k=case.block_k, interpret=True, poison_output=True)
+                              block_k=case.block_k, interpret=GPU_INTERPRET, poison_output=True)
     ref = attention_reference(q, k, v, lengths, **case.options)
     assert_matches_reference(out, ref)
     padding_rows = np.arange(case.T)[None, :] >= np.asarray(case.lengths)[:, None]
@@ -54,7 +54,8 @@ def test_ignores_cache_contents_past_the_length():
     case = Case(B=2, T=20, S=48, N=2, K=1, H=16, lengths=(20, 9), block_q=16, block_k=16)
     q, k, v, lengths = prefill_inputs(case)
     out = flash_attention_gpu(q, stale_past_lengths(k, lengths), stale_past_lengths(v, lengths),
-                              lengths, **case.options, block_q=16, block_k=16, interpret=True)
+                              lengths, **case.options, block_q=16, block_k=16,
+                              interpret=GPU_INTERPRET)
     assert_matches_reference(out, attention_reference(q, k, v, lengths, **case.options))
 
 
@@ -69,7 +70,7 @@ def test_lowers_to_triton(dtype, T, N, K, H, window, softcap):
     """Triton lowering (run here, without a GPU) accepts every tile: power-of-two sizes, ops."""
     attention = functools.partial(flash_attention_gpu, sm_scale=H ** -0.5,
                                   sliding_window=window, logit_softcap=softcap)
-    assert TRITON_CALL in lower(attention, "cuda", (2, T, N, H), (2, T, K, H), dtype)
+    assert calls_triton(lower(attention, "cuda", (2, T, N, H), (2, T, K, H), dtype))
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -81,7 +82,7 @@ def test_lowers_to_triton(dtype, T, N, K, H, window, softcap):
 def test_rejects_bad_options(kwargs, message):
     q, k, v, lengths = prefill_inputs(Case(T=40, S=40, N=2, K=1, H=16, lengths=(40,)))
     with pytest.raises(ValueError, match=message):
-        flash_attention_gpu(q, k, v, lengths, sm_scale=0.25, interpret=True, **kwargs)
+        flash_attention_gpu(q, k, v, lengths, sm_scale=0.25, interpret=GPU_INTERPRET, **kwargs)
 
 
 @pytest.mark.parametrize("shapes,message", [
@@ -95,4 +96,4 @@ def test_rejects_mismatched_shapes(shapes, message):
     q, kv = jnp.zeros(q_shape), jnp.zeros(kv_shape)
     with pytest.raises(ValueError, match=message):
         flash_attention_gpu(q, kv, kv, jnp.zeros(q_shape[0], jnp.int32), sm_scale=0.25,
-                            interpret=True)
+                            interpret=GPU_INTERPRET)

@@ -10,7 +10,9 @@ import functools
 import numpy as np
 import pytest
 
-from attention_testing import MOSAIC_CALL, Case, assert_matches_reference, lower, prefill_inputs
+from attention_testing import (
+    MOSAIC_CALL, TPU_INTERPRET, Case, assert_matches_reference, lower, prefill_inputs,
+)
 from pallas_kernels.flash_attention_tpu import flash_attention_tpu
 from pallas_kernels.reference import attention_reference
 
@@ -30,7 +32,8 @@ CASES = [
 def _check(case: Case, *, poison_output: bool) -> None:
     q, k, v, lengths = prefill_inputs(case)
     out = flash_attention_tpu(q, k, v, lengths, **case.options, block_q=case.block_q,
-                              block_k=case.block_k, interpret=True, poison_output=poison_output)
+                              block_k=case.block_k, interpret=TPU_INTERPRET,
+                              poison_output=poison_output)
     assert_matches_reference(out, attention_reference(q, k, v, lengths, **case.options))
     padding_rows = np.arange(case.T)[None, :] >= np.asarray(case.lengths)[:, None]
     assert not np.asarray(out, np.float32)[padding_rows].any(), "padding rows must be exactly 0"
