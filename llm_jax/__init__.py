@@ -11,8 +11,9 @@ Dimension key, used in array names (``x_BTD``, ``k_cache_LBSKH``) and einsums th
 
 The run path, in pipeline order: ``tokenizer`` → ``prefilling`` → ``decoding`` (``sampling`` and stop
 conditions inside) → ``detokenize``, orchestrated by ``generation``; the model is in ``model/``, its cache
-in ``kv_cache``, and ``backends/`` decides how its operations run (XLA, the CPU kernels, Pallas). The weight path: ``weights/from_hf``, ``weights/from_llama2c`` → ``weights/checkpoint``
-(orbax; ``weights/convert`` writes one) → ``loading``.
+in ``kv_cache``, and ``backends/`` decides how its operations run (XLA, the CPU kernels, Pallas). The
+weight path: ``weights/from_hf``, ``weights/from_llama2c`` → ``weights/checkpoint`` (orbax;
+``weights/convert`` writes one) → ``loading``.
 
 The public names below are imported on first use (PEP 562), so that ``import llm_jax.cli...`` and the
 scripts' ``--help`` answer without starting JAX.
