@@ -14,24 +14,34 @@ either way it reads bfloat16 weights as they are (XLA:CPU has no bfloat16 kernel
 matrices to float32 first); on other platforms, and when the kernels cannot be built (no C++
 compiler), it is XLA's product. Gradients are XLA's.
 
+Instruction paths beyond the float32 vectors are each a keyword option of the calls that can take them,
+on by default (used where the CPU and the build have them, :mod:`cpu_kernels.build`'s probes): ``amx``
+(AMX's tiles) and ``bf16_dot`` (AVX-512's bfloat16 dot products) for bfloat16 products on panels of many
+rows, and ``int8_dot`` (AVX-512 VNNI) for the int8 products in quads of rows. They reach the kernels as
+attributes of each call, never from the environment; the greedy heads take the options of the head's
+product they stand for.
+
     available() -> bool          # the kernels are built and registered for this process
-    matmul(x_RK, w, *, transposed=False, panels=False, layer=None) -> y_RN (float32; x is rounded to w's
-        dtype first, as in XLA; with ``layer``, w is a stack [L, ...] of which that layer is read, in place;
-        int8 panels too, unscaled and x not rounded: the LM head's screen of llm_jax/model/greedy_head.py)
-    matmuls(x_RK, ws, *, transposed=False, panels=False, layer=None) -> (y_RN, ...)  # weights sharing x, one call
+    matmul(x_RK, w, *, transposed=False, panels=False, layer=None, amx=True, bf16_dot=True, int8_dot=True)
+        -> y_RN (float32; x is rounded to w's dtype first, as in XLA; with ``layer``, w is a stack [L, ...] of
+        which that layer is read, in place; int8 panels too, unscaled and x not rounded: the LM head's screen
+        of llm_jax/backends/cpu/greedy_head.py)
+    matmuls(x_RK, ws, *, ...) -> (y_RN, ...)  # weights sharing x, one call; matmul's options
     to_panels(w_KN) -> p [N / 16, K, 16];  from_panels(p) -> w_KN   # leading axes (layers) kept
     to_pairs(p) -> p in pairs of rows;  from_pairs(p) -> p  # what matmuls(..., pairs=True) reads
-    pairs_available() -> bool   # products on pairs run on the kernels (AVX512_BF16), else XLA's
+    pairs_available() -> bool   # products on pairs can run on the kernels (AVX512_BF16), else XLA's
     to_quads(p) -> int8 p in quads of rows;  from_quads(p) -> p  # what matmuls(..., quads=True) reads
-    quads_available() -> bool   # products on quads run on the kernels (AVX512_VNNI), else XLA's
+    quads_available() -> bool   # products on quads can run on the kernels (AVX512_VNNI), else XLA's
     quantize_rows(x_RK) -> (n_RK int8, t_R)  # x per row as the products on quads quantize it
     decode_attention(q_BNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BNH  # one query per row, cache read in place
     decode_attention_append(q_BNH, k_new_BKH, v_new_BKH, k_LBSKH, v_LBSKH, layer, slots_B, ...)
         -> (o_BNH, k_LBSKH, v_LBSKH)  # the step's keys and values written first, the caches in place
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
     argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU
-    screened_argmax(y_BV, x_BD, panels, scales_V, norms_V, c1, c2, errors_V=None) -> i_B  # argmax of x · W
-        from a screen: the token of matmul's product, then argmax
+    screened_argmax(y_BV, x_BD, panels, scales_V, norms_V, c1, c2, errors_V=None, *, amx=True, bf16_dot=True)
+        -> i_B  # argmax of x · W from a screen: the token of matmul's product (with those options), then argmax
+    quads_argmax(x_BD, quads, panels, scales_V, errors_V, norms_V, c1, c2, *, amx=True, bf16_dot=True,
+        int8_dot=True) -> i_B  # the same through the int8 screen in quads, its product in the same call
     glu(y_RE, activation) -> act(gate) · up [R, E / 2]  # the gated MLP's activation on y = [gate | up]
     gated(gate, up, activation) -> act(gate) · up  # the same through XLA, gate and up apart
 """
@@ -124,8 +134,9 @@ def from_quads(p: jax.Array) -> jax.Array:
 
 
 def quads_available() -> bool:
-    """Whether products on int8 panels in quads (``matmuls(..., quads=True)``) run on the kernels: AVX-512
-    VNNI's dot products are built and on (:func:`cpu_kernels.build.int8_dot`)."""
+    """Whether products on int8 panels in quads (``matmuls(..., quads=True)``) can run on the kernels: they
+    are available and built with AVX-512 VNNI's dot products (:func:`cpu_kernels.build.int8_dot`); a call
+    uses them where its ``int8_dot`` option allows."""
     return available() and build.int8_dot()
 
 
@@ -147,8 +158,9 @@ def quantize_rows(x_RK: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def pairs_available() -> bool:
-    """Whether products on panels in pairs (``matmuls(..., pairs=True)``) run on the kernels: the CPU's
-    bfloat16 dot products are built and on (:func:`cpu_kernels.build.bf16_dot`); where AMX runs too, it
+    """Whether products on panels in pairs (``matmuls(..., pairs=True)``) can run on the kernels: they are
+    available and built with the CPU's bfloat16 dot products (:func:`cpu_kernels.build.bf16_dot`); a call
+    uses them where its ``bf16_dot`` option allows, and AMX, where it runs and the call's ``amx`` allows,
     takes those of 32 rows or more, K a multiple of 32 (elsewhere such products run as XLA's)."""
     return available() and build.bf16_dot()
 
@@ -176,31 +188,41 @@ def _xla(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, la
                             preferred_element_type=jnp.float32) for w in ws)
 
 
-def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
+def _kernel(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str, amx: bool,
+            bf16_dot: bool):
     dtype = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.int8): "i8"}.get(jnp.dtype(ws[0].dtype), "f32")
     width = {"kn": lambda w: w.shape[-1], "nk": lambda w: w.shape[-2], "panels": lambda w: w.shape[-3] * PANEL,
              "pairs": lambda w: w.shape[-3] * PANEL, "quads": lambda w: w.shape[-3] * PANEL}
     shapes = [jax.ShapeDtypeStruct((x_RK.shape[0], width[layout](w)), jnp.float32) for w in ws]
     call = jax.ffi.ffi_call(f"llm_jax_matmul_{layout}_{dtype}", shapes, vmap_method="sequential")
+    # Products on panels (and pairs) choose among the instruction paths: the call's options go with it.
+    options = dict(amx=bool(amx), bf16_dot=bool(bf16_dot)) if layout in ("panels", "pairs") else {}
     index = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
     if layout in ("panels", "pairs", "quads") and layer is None:  # the kernel takes stacks [L, N / 16, K, 16]
         ws = tuple(w[None] for w in ws)
     # x rounded to the weights' dtype, as XLA's product (``_xla``) does: both routes compute the same.
     x_RK = x_RK.astype(jnp.float32) if dtype == "i8" else x_RK.astype(ws[0].dtype).astype(jnp.float32)
-    return tuple(call(index, x_RK, *ws))
+    return tuple(call(index, x_RK, *ws, **options))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _matmuls(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str):
-    return jax.lax.platform_dependent(x_RK, ws, layer, cpu=functools.partial(_kernel, layout=layout),
+def _on_cpu(x_RK, ws, layer, layout: str, amx: bool, bf16_dot: bool):
+    """The kernel's product on CPU, XLA's elsewhere."""
+    return jax.lax.platform_dependent(x_RK, ws, layer,
+                                      cpu=functools.partial(_kernel, layout=layout, amx=amx, bf16_dot=bf16_dot),
                                       default=functools.partial(_xla, layout=layout))
 
 
-def _matmuls_fwd(x_RK, ws, layer, layout):
-    return _matmuls(x_RK, ws, layer, layout), (x_RK, ws, layer)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _matmuls(x_RK: jax.Array, ws: tuple[jax.Array, ...], layer: jax.Array | None, layout: str, amx: bool,
+             bf16_dot: bool):
+    return _on_cpu(x_RK, ws, layer, layout, amx, bf16_dot)
 
 
-def _matmuls_bwd(layout, residuals, dys):
+def _matmuls_fwd(x_RK, ws, layer, layout, amx, bf16_dot):
+    return _matmuls(x_RK, ws, layer, layout, amx, bf16_dot), (x_RK, ws, layer)
+
+
+def _matmuls_bwd(layout, amx, bf16_dot, residuals, dys):
     x_RK, ws, layer = residuals
     x32 = x_RK.astype(jnp.float32)
     dx_RK = jnp.zeros(x_RK.shape, jnp.float32)
@@ -219,7 +241,8 @@ _matmuls.defvjp(_matmuls_fwd, _matmuls_bwd)
 
 
 def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = False, pairs: bool = False,
-            quads: bool = False, layer: jax.Array | int | None = None):
+            quads: bool = False, layer: jax.Array | int | None = None, amx: bool = True, bf16_dot: bool = True,
+            int8_dot: bool = True):
     """x [R, K] · W_i → [R, N_i] float32 for each W_i in ``ws`` ([K, N_i]; [N_i, K] when ``transposed``; in
     the panel layout [N_i / 16, K, 16] of :func:`to_panels` when ``panels``; all float32 or all bfloat16,
     or, in panels, all int8: the product with the integers as they are and x not rounded, for a caller
@@ -230,6 +253,13 @@ def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = Fal
     t · (n · W_i) with exact integer sums, on AVX-512 VNNI where :func:`quads_available` (the LM head's
     screen at many rows; no gradient).
     On CPU one kernel call streams every W_i: one fork-join for all.
+
+    ``amx``, ``bf16_dot``, ``int8_dot``: the instruction paths the call may take where the CPU has them.
+    bfloat16 products on panels of 32 rows or more (K a multiple of 32) run on AMX's tiles with ``amx``,
+    those of 8 rows or more on AVX-512's bfloat16 dot products with ``bf16_dot`` (pairs need it, else
+    XLA's product runs), the rest as float32 ones do (streams below 8 rows, register tiles from 8); products
+    on quads need ``int8_dot`` (else XLA's). Each path sums in its own order: the results agree within float32 rounding, not bit for bit.
+    Other layouts and dtypes have one path and ignore them.
 
     With ``layer`` (an int32 scalar, may be traced), every W_i is a stack [L, ...] of such matrices and
     its layer ``layer`` is used: the kernel reads it inside the stack, with no copy.
@@ -256,42 +286,44 @@ def matmuls(x_RK: jax.Array, ws, *, transposed: bool = False, panels: bool = Fal
                              f"and w {w.shape}")
     if layer is not None:
         layer = jnp.asarray(layer, jnp.int32)
+    amx, bf16_dot = bool(amx), bool(bf16_dot)
     dtypes = {w.dtype for w in ws}
-    screen = {"pairs": (jnp.bfloat16, 2, pairs_available), "quads": (jnp.int8, 4, quads_available)}.get(layout)
+    screen = {"pairs": (jnp.bfloat16, 2, bf16_dot and pairs_available()),
+              "quads": (jnp.int8, 4, bool(int8_dot) and quads_available())}.get(layout)
     if screen is not None:  # the LM head's screens: bfloat16 in pairs, int8 in quads; no gradient
         dtype, multiple, runs = screen
         if dtypes != {jnp.dtype(dtype)} or x_RK.shape[1] % multiple:
             what = "even" if multiple == 2 else f"a multiple of {multiple}"
             raise ValueError(f"matmul: {layout} of rows hold {jnp.dtype(dtype).name} weights with K {what}, got "
                              f"{sorted(map(str, dtypes))} and K = {x_RK.shape[1]}")
-        if not runs():
+        if not runs:
             return _xla(x_RK, ws, layer, layout)
-        return jax.lax.platform_dependent(x_RK, ws, layer, cpu=functools.partial(_kernel, layout=layout),
-                                          default=functools.partial(_xla, layout=layout))
+        return _on_cpu(x_RK, ws, layer, layout, amx, bf16_dot)
     if jnp.dtype(jnp.int8) in dtypes:  # the LM head's screen: panels, no gradient
         if len(dtypes) != 1 or layout != "panels":
             raise ValueError("matmul: int8 weights only in the panel layout, not mixed with others")
         if not available():
             return _xla(x_RK, ws, layer, layout)
-        return jax.lax.platform_dependent(x_RK, ws, layer, cpu=functools.partial(_kernel, layout=layout),
-                                          default=functools.partial(_xla, layout=layout))
+        return _on_cpu(x_RK, ws, layer, layout, amx, bf16_dot)
     if len(dtypes) != 1 or dtypes.pop() not in (jnp.float32, jnp.bfloat16) or not available():
         return _xla(x_RK, ws, layer, layout)
-    return _matmuls(x_RK, ws, layer, layout)
+    return _matmuls(x_RK, ws, layer, layout, amx, bf16_dot)
 
 
 def matmul(x_RK: jax.Array, w: jax.Array, *, transposed: bool = False, panels: bool = False, pairs: bool = False,
-           quads: bool = False, layer: jax.Array | int | None = None):
+           quads: bool = False, layer: jax.Array | int | None = None, amx: bool = True, bf16_dot: bool = True,
+           int8_dot: bool = True):
     """x [R, K] · W → [R, N] float32, W [K, N] (or [N, K] when ``transposed``, or panels [N / 16, K, 16],
     bfloat16 ones in pairs of rows when ``pairs``, int8 ones in quads when ``quads``; with ``layer``, a
-    stack [L, ...] of them), float32 or bfloat16."""
-    return matmuls(x_RK, (w,), transposed=transposed, panels=panels, pairs=pairs, quads=quads, layer=layer)[0]
+    stack [L, ...] of them), float32 or bfloat16; the instruction paths it may take as in :func:`matmuls`."""
+    return matmuls(x_RK, (w,), transposed=transposed, panels=panels, pairs=pairs, quads=quads, layer=layer, amx=amx,
+                   bf16_dot=bf16_dot, int8_dot=int8_dot)[0]
 
 
 def argmax(x_BV: jax.Array) -> jax.Array:
     """``jnp.argmax(x_BV, axis=-1)`` as int32 [B] for float32 x [B, V]: the first index of each row's
     maximum (of its first NaN, if any). On CPU a kernel (XLA:CPU reduces (value, index) pairs one element
-    at a time: 1.3 ms for [32, 32000]); XLA's elsewhere and when the kernels are not available."""
+    at a time); XLA's elsewhere and when the kernels are not available."""
     if x_BV.ndim != 2 or x_BV.dtype != jnp.float32:
         raise ValueError(f"argmax needs float32 x [B, V], got {x_BV.dtype} {x_BV.shape}")
     xla = lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)
@@ -302,17 +334,21 @@ def argmax(x_BV: jax.Array) -> jax.Array:
     return jax.lax.platform_dependent(x_BV, cpu=call, default=xla)
 
 
-def _full_argmax(x_BD: jax.Array, panels: jax.Array) -> jax.Array:
+def _full_argmax(x_BD: jax.Array, panels: jax.Array, amx: bool, bf16_dot: bool) -> jax.Array:
     """The unscreened path's tokens [B] (int32) for x [B, D] and W as panels [V / 16, D, 16]: every logit
-    through :func:`matmul` (the kernels' product, or XLA's where they do not run), then :func:`argmax`."""
-    return argmax(matmul(x_BD, panels, panels=True))
+    through :func:`matmul` with these options (the kernels' product, or XLA's where they do not run), then
+    :func:`argmax`."""
+    return argmax(matmul(x_BD, panels, panels=True, amx=amx, bf16_dot=bf16_dot))
 
 
 def screened_argmax(y_BV: jax.Array, x_BD: jax.Array, panels: jax.Array, scales_V: jax.Array | None,
-                    norms_V: jax.Array, c1: float, c2: float, errors_V: jax.Array | None = None) -> jax.Array:
+                    norms_V: jax.Array, c1: float, c2: float, errors_V: jax.Array | None = None, *,
+                    amx: bool = True, bf16_dot: bool = True) -> jax.Array:
     """The greedy token per row [B] (int32) of the logits x [B, D] · W, W [D, V] (float32 or bfloat16) held
-    as panels [V / 16, D, 16]: the unscreened path's token, ``argmax(matmul(x_BD, panels, panels=True))``,
-    the first largest float32 logit of the head's own product of these B rows. Given screened logits a =
+    as panels [V / 16, D, 16]: the unscreened path's token, ``argmax(matmul(x_BD, panels, panels=True,
+    amx=amx, bf16_dot=bf16_dot))``, the first largest float32 logit of the head's own product of these B
+    rows with these options (which choose its instruction path, and so the order of its sums: the kernel
+    computes the candidates' logits on the same path). Given screened logits a =
     ``y_BV`` (times ``scales_V`` [V] when given) that differ from that product's by at most r = c1 · ||x_b||₁
     · scales_V[j] + c2 · ||x_b||₂ · norms_V[j], or, with ``errors_V`` [V] (screened logits of x quantized as
     :func:`quantize_rows` does, δ_b = x_b − t_b n_b; needs ``scales_V``), r = c1 · (||x_b||₂ + ||δ_b||₂) ·
@@ -337,32 +373,37 @@ def screened_argmax(y_BV: jax.Array, x_BD: jax.Array, panels: jax.Array, scales_
                          f"{panels.dtype} {panels.shape}")
 
     def xla(y_BV, x_BD, panels, scales, errors, norms_V):
-        return _full_argmax(x_BD, panels)
+        return _full_argmax(x_BD, panels, amx, bf16_dot)
 
     if not available():
         return xla(y_BV, x_BD, panels, scales, errors, norms_V)
-    return _head_call("llm_jax_screened_argmax", B, c1, c2, (y_BV, x_BD, panels, scales, errors, norms_V), xla)
+    return _head_call("llm_jax_screened_argmax", B, c1, c2, amx, bf16_dot, (y_BV, x_BD, panels, scales, errors,
+                                                                            norms_V), xla)
 
 
-def _head_call(target: str, B: int, c1: float, c2: float, operands: tuple[jax.Array, ...], default) -> jax.Array:
+def _head_call(target: str, B: int, c1: float, c2: float, amx: bool, bf16_dot: bool,
+               operands: tuple[jax.Array, ...], default) -> jax.Array:
     """The greedy head's kernel ``target`` (suffixed by the head's dtype: ``operands[2]``, its panels) on
-    ``operands``, attributes c1 and c2 → tokens [B] int32, on CPU; ``default(*operands)`` elsewhere."""
+    ``operands``, attributes c1 and c2 (the bound) and amx and bf16_dot (the head product's options, whose
+    path its exact check repeats) → tokens [B] int32, on CPU; ``default(*operands)`` elsewhere."""
     dtype = "bf16" if operands[2].dtype == jnp.bfloat16 else "f32"
     call = jax.ffi.ffi_call(f"{target}_{dtype}", jax.ShapeDtypeStruct((B,), jnp.int32), vmap_method="sequential")
-    kernel = lambda *args: call(*args, c1=float(c1), c2=float(c2))
+    kernel = lambda *args: call(*args, c1=float(c1), c2=float(c2), amx=bool(amx), bf16_dot=bool(bf16_dot))
     return jax.lax.platform_dependent(*operands, cpu=kernel, default=default)
 
 
 def quads_argmax(x_BD: jax.Array, quads: jax.Array, panels: jax.Array, scales_V: jax.Array, errors_V: jax.Array,
-                 norms_V: jax.Array, c1: float, c2: float) -> jax.Array:
+                 norms_V: jax.Array, c1: float, c2: float, *, amx: bool = True, bf16_dot: bool = True,
+                 int8_dot: bool = True) -> jax.Array:
     """The greedy token per row [B] (int32) of the logits x [B, D] · W, W held as ``panels`` [V / 16, D, 16]
     (float32 or bfloat16), through its int8 screen in quads of rows (``quads``, :func:`to_quads`; ``scales_V``,
     ``errors_V``, ``norms_V`` and c1, c2 as :func:`screened_argmax` takes them) in one kernel call: the token
     of ``screened_argmax(matmul(x_BD, quads, panels=True, quads=True), x_BD, panels, scales_V, norms_V, c1,
-    c2, errors_V)`` — the unscreened path's token, ``argmax(matmul(x_BD, panels, panels=True))`` — without
-    the screened logits [B, V] going through memory (the kernel bounds each unit of columns as the product
-    finishes it). x is rounded to the head's dtype first, for the screen's product too. Where the quads do
-    not run (:func:`quads_available`), the unscreened path itself."""
+    c2, errors_V, amx=amx, bf16_dot=bf16_dot)`` — the unscreened path's token, ``argmax(matmul(x_BD, panels,
+    panels=True, amx=amx, bf16_dot=bf16_dot))`` — without the screened logits [B, V] going through memory
+    (the kernel bounds each unit of columns as the product finishes it). x is rounded to the head's dtype
+    first, for the screen's product too. Where the quads do not run (:func:`quads_available`, or
+    ``int8_dot`` off), the unscreened path itself."""
     B, D = x_BD.shape
     V = panels.shape[0] * PANEL
     if (quads.shape != panels.shape or quads.dtype != jnp.int8 or panels.shape[1:] != (D, PANEL) or D % 4
@@ -372,10 +413,11 @@ def quads_argmax(x_BD: jax.Array, quads: jax.Array, panels: jax.Array, scales_V:
                          f"and float32 or bfloat16 panels [V / {PANEL}, D, {PANEL}], and float32 scales, errors and "
                          f"norms [V], got x {x_BD.dtype} {x_BD.shape}, quads {quads.dtype} {quads.shape}, panels "
                          f"{panels.dtype} {panels.shape}, {scales_V.shape}, {errors_V.shape}, {norms_V.shape}")
-    full = lambda x_BD, quads, panels, scales_V, errors_V, norms_V: _full_argmax(x_BD, panels)
-    if not quads_available():
+    full = lambda x_BD, quads, panels, scales_V, errors_V, norms_V: _full_argmax(x_BD, panels, amx, bf16_dot)
+    if not (int8_dot and quads_available()):
         return full(x_BD, quads, panels, scales_V, errors_V, norms_V)
-    return _head_call("llm_jax_quads_argmax", B, c1, c2, (x_BD, quads, panels, scales_V, errors_V, norms_V), full)
+    return _head_call("llm_jax_quads_argmax", B, c1, c2, amx, bf16_dot,
+                      (x_BD, quads, panels, scales_V, errors_V, norms_V), full)
 
 
 GLU_ACTIVATIONS = ("silu", "gelu_tanh")  # what glu computes: SwiGLU's act, GeGLU's (tanh-approximated GELU)

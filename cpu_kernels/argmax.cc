@@ -11,13 +11,15 @@
 // rounded to W's dtype): the screen bounds how far each screened logit lies from that product's float32
 // logit (llm_jax/backends/cpu/greedy_head.py), and the columns that can still win have their logits
 // computed by the product's own inner routines for B rows (panel_row_product), bit for bit its values.
+// Both heads take the product's options (attributes `amx` and `bf16_dot`, PanelOptions): the unscreened
+// path they stand for is the product with those options, whose path the exact check repeats.
 //
 // QuadsArgmax{F32,BF16}: the same through the int8 screen in quads, with the screen's product in the same
 // call (matmul.cc's quads_units): its logits are bounded a unit of columns at a time, never written.
 //
-// XLA:CPU computes an argmax as a reduction of (value, index) pairs, one element at a time: 1.3 ms for
-// [32, 32000] float32 logits, 8 % of a 15M decode step at batch 32. Here each row is read once, 32 lanes
-// at a time; rows are shared among the threads.
+// XLA:CPU computes an argmax as a reduction of (value, index) pairs, one element at a time, a noticeable
+// share of a small model's decode step at large batch. Here each row is read once, 32 lanes at a time;
+// rows are shared among the threads.
 
 #include <algorithm>
 #include <atomic>
@@ -99,16 +101,18 @@ auto Binding() {
 }
 
 // The LM head W [D, V] held as panels [V / 16, D, 16] (float32, or bfloat16 bits), its logits as the
-// unscreened path computes them: matmul.cc's product of R rows on `threads` threads (the call's R and pool),
-// a panel of 16 columns of one row at a time (panel_row_product), bit for bit that product's float32 values.
+// unscreened path computes them: matmul.cc's product of R rows on `threads` threads with `options` (the
+// call's R, pool and attributes), a panel of 16 columns of one row at a time (panel_row_product), bit for
+// bit that product's float32 values.
 template <typename H>
 struct Head {
   const H* panels;
   int64_t D, V, R, threads;
+  PanelOptions options;
 
   // logits[0:16] of row x [D] (as_head_rows's) against panel q: columns 16 q … 16 q + 15.
   void panel(const float* x, int64_t q, float* logits) const {
-    panel_row_product(x, panels + q * D * 16, V, R, D, threads, logits);
+    panel_row_product(x, panels + q * D * 16, V, R, D, threads, options, logits);
   }
 };
 
@@ -135,8 +139,8 @@ struct RowBound {
 
 RowBound row_bound(const float* x, int64_t D, bool quads, double c1, double c2) {
   // The sums in double, eight lanes at a time where AVX-512 has them (another order of the same sums:
-  // their rounding is far below the margin added at the end). One row of 288 took 0.45 µs through the
-  // scalar loops' chains of dependent adds; the fused greedy head bounds all its rows before its product.
+  // their rounding is far below the margin added at the end): the scalar loops' chains of dependent adds
+  // are slow, and the fused greedy head bounds all its rows, serially, before its product.
   double l1 = 0.0, l2 = 0.0, d2 = 0.0;
   int64_t d = 0;
 #if defined(__AVX512F__)
@@ -286,8 +290,7 @@ int32_t screened_row(const float* y, const float* x, const Head<H>& head, const 
   const int64_t D = head.D, V = head.V;
   const RowBound bound = row_bound(x, D, errors != nullptr, c1, c2);
   const Screened screened(scales, errors, norms, bound);
-  // kLanes columns at a time, four vectors a step (16 with AVX-512: 0.73–0.81 of the time of 8 at 32 rows
-  // of 32,000 columns, Zen 5, processes taking turns).
+  // kLanes columns at a time (16 with AVX-512, faster than 8), four vectors a step.
   constexpr int64_t kStep = 4 * kLanes;
   const int64_t v_vec = V / kStep * kStep;
   const fvec inf = fvec{} + std::numeric_limits<float>::infinity();
@@ -340,11 +343,13 @@ int32_t screened_row(const float* y, const float* x, const Head<H>& head, const 
 }
 
 // y [B, V] the screen's logits, x [B, D], the head's panels [V / 16, D, 16], scales [V] (or [0]: none),
-// errors [V] (or [0]: none; given, scales are too), norms [V]; attributes c1 and c2 of the bound.
+// errors [V] (or [0]: none; given, scales are too), norms [V]; attributes c1 and c2 of the bound, and the
+// head product's options amx and bf16_dot.
 template <ffi::DataType T, typename H>
 ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> y, ffi::Buffer<ffi::F32, 2> x,
                           ffi::Buffer<T, 3> panels, ffi::Buffer<ffi::F32, 1> scales, ffi::Buffer<ffi::F32, 1> errors,
-                          ffi::Buffer<ffi::F32, 1> norms, double c1, double c2, ffi::ResultBuffer<ffi::S32, 1> out) {
+                          ffi::Buffer<ffi::F32, 1> norms, double c1, double c2, bool amx, bool bf16_dot,
+                          ffi::ResultBuffer<ffi::S32, 1> out) {
   const int64_t B = y.dimensions()[0], V = y.dimensions()[1], D = x.dimensions()[1];
   const auto p = panels.dimensions();
   const int64_t S = scales.dimensions()[0], E = errors.dimensions()[0];
@@ -353,7 +358,8 @@ ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> y, ffi:
     return ffi::Error::InvalidArgument("screened argmax: y [B, V], x [B, D], panels [V / 16, D, 16], scales [V] or "
                                        "[0], errors [V] (with scales) or [0], norms [V]");
   }
-  const Head<H> head{reinterpret_cast<const H*>(panels.untyped_data()), D, V, B, pool.num_threads()};
+  const Head<H> head{reinterpret_cast<const H*>(panels.untyped_data()), D, V, B, pool.num_threads(),
+                     PanelOptions{amx, bf16_dot}};
   const float* scale = S ? scales.typed_data() : nullptr;
   const float* error = E ? errors.typed_data() : nullptr;
   for_each_row(pool, B, V, [&](int64_t b) {
@@ -365,7 +371,8 @@ ffi::Error ScreenedArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> y, ffi:
 }
 
 // The greedy heads' operands: y [B, V] (ScreenedArgmax) or x [B, D] (QuadsArgmax), then x [B, D] or the
-// quads [V / 16, D, 16] (`Second`), the head's panels (of T), scales, errors and norms; attributes c1, c2.
+// quads [V / 16, D, 16] (`Second`), the head's panels (of T), scales, errors and norms; attributes c1, c2
+// (the bound) and amx, bf16_dot (the head product's options, PanelOptions).
 template <typename Second, ffi::DataType T>
 auto HeadBinding() {
   return ffi::Ffi::Bind()
@@ -378,6 +385,8 @@ auto HeadBinding() {
       .template Arg<ffi::Buffer<ffi::F32, 1>>()
       .template Attr<double>("c1")
       .template Attr<double>("c2")
+      .template Attr<bool>("amx")
+      .template Attr<bool>("bf16_dot")
       .template Ret<ffi::Buffer<ffi::S32, 1>>();
 }
 
@@ -388,8 +397,8 @@ auto HeadBinding() {
 // over its sums a unit of columns at a time, and they go straight into the two passes screened_row makes
 // over a row's logits: the unit's largest lower end raises the row's threshold (shared by the threads),
 // then the unit's columns whose upper end reaches the threshold as it now stands are kept. So the
-// screened logits [B, V] are never written to memory and read back (15M at 32 rows: 4 MB a step, which
-// took the product from 0.90 to 1.37 ms, and then the argmax's 0.33–0.49 ms). The threshold only grows,
+// screened logits [B, V] (megabytes at a batch of 32) are never written to memory and read back, which
+// would cost about as much again as the product. The threshold only grows,
 // to the one screened_row finds; the columns kept include every column whose upper end reaches that, and
 // those are computed as the head's product computes them (candidates_argmax), in ascending order: the same
 // token as the product and ScreenedArgmax. x is rounded to the head's dtype first, for all of it.
@@ -405,7 +414,8 @@ struct Kept {
 template <ffi::DataType T, typename H>
 ffi::Error QuadsArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<ffi::S8, 3> quads,
                        ffi::Buffer<T, 3> panels, ffi::Buffer<ffi::F32, 1> scales, ffi::Buffer<ffi::F32, 1> errors,
-                       ffi::Buffer<ffi::F32, 1> norms, double c1, double c2, ffi::ResultBuffer<ffi::S32, 1> out) {
+                       ffi::Buffer<ffi::F32, 1> norms, double c1, double c2, bool amx, bool bf16_dot,
+                       ffi::ResultBuffer<ffi::S32, 1> out) {
   const int64_t B = x.dimensions()[0], D = x.dimensions()[1];
   const auto p = panels.dimensions(), q = quads.dimensions();
   const int64_t V = p[0] * 16;
@@ -415,14 +425,14 @@ ffi::Error QuadsArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Bu
                                        "), quads and panels [V / 16, D, 16], scales, errors and norms [V]");
   }
   if (!quads_ready()) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "quads argmax: needs AVX-512 VNNI (absent, or LLM_JAX_INT8_DOT=off)");
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "quads argmax: needs AVX-512 VNNI (absent from this build)");
   }
   if (D == 0 || V == 0) {  // logits all zero, or none: jnp.argmax's 0
     std::fill(out->typed_data(), out->typed_data() + B, 0);
     return ffi::Error::Success();
   }
-  const Head<H> head{reinterpret_cast<const H*>(panels.untyped_data()), D, V, B, pool.num_threads()};
+  const Head<H> head{reinterpret_cast<const H*>(panels.untyped_data()), D, V, B, pool.num_threads(),
+                     PanelOptions{amx, bf16_dot}};
   thread_local std::vector<float> rounded;  // the caller's; the tasks reach it through `xs`
   const float* xs = as_head_rows(x.typed_data(), B * D, head.panels, rounded);
   const float *scale = scales.typed_data(), *error = errors.typed_data(), *norm = norms.typed_data();
@@ -506,7 +516,7 @@ ffi::Error QuadsArgmax(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Bu
 template <ffi::DataType T, typename H>
 ffi::Error QuadsArgmax(ffi::ThreadPool, ffi::Buffer<ffi::F32, 2>, ffi::Buffer<ffi::S8, 3>, ffi::Buffer<T, 3>,
                        ffi::Buffer<ffi::F32, 1>, ffi::Buffer<ffi::F32, 1>, ffi::Buffer<ffi::F32, 1>, double, double,
-                       ffi::ResultBuffer<ffi::S32, 1>) {
+                       bool, bool, ffi::ResultBuffer<ffi::S32, 1>) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented, "quads argmax: needs AVX-512 VNNI");
 }
 #endif

@@ -147,24 +147,26 @@ def vector_lanes() -> int | None:
     return None if lib is None else int(lib.LlmJaxVectorLanes())
 
 
+# What the CPU and the build can do. Whether a call uses it is that call's option (``amx``, ``bf16_dot``,
+# ``int8_dot`` of ``cpu_kernels.matmul`` and the greedy heads; the fields of llm_jax.backends.CpuKernels).
+
 def amx() -> bool:
-    """Whether bfloat16 products of many rows run on the CPU's AMX tile unit in this process (an Intel CPU
-    with AMX, a build that has it and Linux granting its state; ``LLM_JAX_AMX=off`` turns it off)."""
+    """Whether bfloat16 products of many rows can run on the CPU's AMX tile unit in this process (an Intel
+    CPU with AMX, a build that has it and Linux granting its state)."""
     lib = library()
     return lib is not None and bool(lib.LlmJaxAmx())
 
 
 def bf16_dot() -> bool:
-    """Whether bfloat16 products of many rows run on AVX-512's bfloat16 dot products (vdpbf16ps) in this
-    process, those AMX does not take (a CPU with AVX512_BF16 and a build that has it;
-    ``LLM_JAX_BF16_DOT=off`` turns it off)."""
+    """Whether bfloat16 products of many rows can run on AVX-512's bfloat16 dot products (vdpbf16ps), those
+    AMX does not take (a CPU with AVX512_BF16 and a build that has it)."""
     lib = library()
     return lib is not None and bool(lib.LlmJaxBf16Dot())
 
 
 def int8_dot() -> bool:
-    """Whether the LM head's int8 screen in quads of rows runs on AVX-512 VNNI (vpdpbusd) in this process
-    (a CPU with AVX512_VNNI and a build that has it; ``LLM_JAX_INT8_DOT=off`` turns it off)."""
+    """Whether the LM head's int8 screen in quads of rows can run on AVX-512 VNNI (vpdpbusd) (a CPU with
+    AVX512_VNNI and AVX512BW, and a build that has them)."""
     lib = library()
     return lib is not None and bool(lib.LlmJaxInt8Dot())
 

@@ -47,9 +47,8 @@ inline f32x8 load8(const float* p) { return vload<f32x8>(p); }
 // bfloat16 is the top half of a float32: widen to 32 bits and shift.
 inline f32x8 load8(const uint16_t* p) {
 #if defined(__AVX2__)
-  // One widening load and a shift. GCC 12 (-march=native on Zen 3) compiles the portable form below
-  // into two 4-wide widenings, a byte shift and an insert per 8 values (110M bfloat16 decode step,
-  // alternating runs: 21.1 ms with it, 19.7 ms with this).
+  // One widening load and a shift. GCC compiles the portable form below into two 4-wide widenings, a
+  // byte shift and an insert per 8 values, which slows the bfloat16 streams of decode.
   const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
 #else
   u16x8 h;
@@ -61,7 +60,7 @@ inline f32x8 load8(const uint16_t* p) {
   return v;
 }
 
-// int8 (the LM head's screen, llm_jax/model/greedy_head.py): sign-extended and converted.
+// int8 (the LM head's screen, llm_jax/backends/cpu/greedy_head.py): sign-extended and converted.
 inline f32x8 load8(const int8_t* p) {
 #if defined(__AVX2__)
   const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
@@ -281,8 +280,8 @@ inline float quantize_row(const float* x, int64_t K, int8_t* n) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   // Sixteen at a time, with the same result: the maximum is exact in any order, and the quotient, its
   // rounding to the nearest integer (ties to even, as nearbyint in the default mode) and the clamp are
-  // each the scalar loop's. 15M at 32 rows: the fused greedy head's serial work before its product, 32
-  // rows quantized twice (here and in argmax.cc's bound), 52 → 24 µs with row_bound's sums vectorized.
+  // each the scalar loop's. Vectorized because the fused greedy head quantizes every row twice (here and
+  // in argmax.cc's bound) as serial work before its product.
   const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
   __m512 mv = _mm512_setzero_ps();
   __mmask16 finite_lanes = 0xffff;
@@ -332,7 +331,8 @@ inline __m512 quads_floats(const int32_t* sums, int32_t shift, float t) {
 // as y: done(c0, width, sums [R, width], shift [R], t [R]) for columns [c0, c0 + width), y[r, c0 + c] =
 // float(sums[r, c] − shift[r]) · t[r] (quads_floats); K a multiple of 4 from 4 up to kQuadsMaxK (excluded).
 // Units run on the pool's threads, several at once.
-// quads_ready(): whether it runs here (AVX-512 VNNI built, LLM_JAX_INT8_DOT not off).
+// quads_ready(): whether it can run here (AVX-512 VNNI built); whether a call uses it is its caller's choice
+// (the `int8_dot` option, cpu_kernels.quads_argmax).
 // The longest rows (K) of the quads' products: their int32 sums of K products of at most 127 · 255 cannot
 // overflow.
 constexpr int64_t kQuadsMaxK = 1 << 16;
@@ -342,18 +342,30 @@ bool quads_ready();
 void quads_units(ffi::ThreadPool& pool, const float* x, const int8_t* q, int64_t N, int64_t R, int64_t K,
                  const QuadsUnitFn& done);
 
+// The instruction paths a product on panels may take beyond the float32 register tiles, each where the
+// CPU and the build have it: AMX's tiles (`amx`) and AVX-512's bfloat16 dot products (`bf16_dot`), for
+// bfloat16 products of many rows. The backend's options (llm_jax.backends.CpuKernels), given to each call
+// as FFI attributes of the same names.
+struct PanelOptions {
+  bool amx = true;
+  bool bf16_dot = true;
+};
+
 // matmul.cc's product on panels, one row and one panel: y[0:16] = x [K] · p [K, 16], panel of a matrix
 // [K, N] of float32 or bfloat16 (its bits), each sum bit for bit the float32 value the product of R rows
-// gives that element on `threads` threads (the pool's num_threads()), whatever its other rows: the same
-// path for R, the same inner routines, the same order of sums. x as the product reads it: rounded to W's
-// dtype. The greedy heads' exact logits (argmax.cc).
-void panel_row_product(const float* x, const float* p, int64_t N, int64_t R, int64_t K, int64_t threads, float* y);
-void panel_row_product(const float* x, const uint16_t* p, int64_t N, int64_t R, int64_t K, int64_t threads, float* y);
+// gives that element on `threads` threads (the pool's num_threads()) with the same `options`, whatever its
+// other rows: the same path for R and the options, the same inner routines, the same order of sums. x as
+// the product reads it: rounded to W's dtype. The greedy heads' exact logits (argmax.cc), which must be
+// given the options the head's product ran with, or they could take another path and disagree with it.
+void panel_row_product(const float* x, const float* p, int64_t N, int64_t R, int64_t K, int64_t threads,
+                       const PanelOptions& options, float* y);
+void panel_row_product(const float* x, const uint16_t* p, int64_t N, int64_t R, int64_t K, int64_t threads,
+                       const PanelOptions& options, float* y);
 
 // Whether a prefetch of locality 2 (prefetcht1) fills L2 and not L1 on the CPUs this build targets: so
-// on those with AVX-512 (AMD from Zen 4, Intel from Skylake-SP), where a stream asked for into L2 can run
-// further ahead than L1's few misses in flight allow (decode_attention.cc's rows, matmul.cc's batch-1
-// panels); AMD Zen 3 and older fill L1 whatever the hint.
+// on those with AVX-512 (AMD's and Intel's), where a stream asked for into L2 can run further ahead than
+// L1's few misses in flight allow (decode_attention.cc's rows, matmul.cc's batch-1 panels); AMD's cores
+// without AVX-512 fill L1 whatever the hint.
 #if defined(__AVX512F__)
 constexpr bool kPrefetchT1FillsL2 = true;
 #else

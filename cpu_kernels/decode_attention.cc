@@ -2,11 +2,11 @@
 // stacked KV cache [L, B, S, K, H], read where it lies.
 //
 // In XLA the decode step first slices the layer out of the cache and then, for its dot products,
-// transposes the keys and values to [B, K, S, H]: two copies of the layer's cache per layer and step
-// (15M, batch 32: 20 of 51 ms per step). Here each (row, kv head) reads its keys and values once, in
-// the cache's own layout, for all G query heads that share them.
+// transposes the keys and values to [B, K, S, H]: two copies of the layer's cache per layer and step, a
+// large share of a decode step at large batch. Here each (row, kv head) reads its keys and values once,
+// in the cache's own layout, for all G query heads that share them.
 //
-// Semantics are llm_jax.model.attention.xla_attention's for one query at position p per row: key slot s
+// Semantics are llm_jax.backends.base.xla_attention's for one query at position p per row: key slot s
 // is visible iff s <= p, s < kv_lengths[b] and (no window or p - s < window); scores q·k · scale, then
 // softcap · tanh(score / softcap) when a softcap is given; softmax over the visible slots (a row with
 // none gives zeros); probabilities rounded to the values' dtype; o = Σ p_s · v_s, in float32.
@@ -20,8 +20,7 @@
 //
 // Scores are taken eight slots at a time per query head (eight accumulators, summed together), the
 // softmax runs on eight scores at a time with a vector exp, and p · v loads each value once for up to
-// four query heads sharing it. Long contexts gained most (one layer, batch 1, alternating runs: 110M at
-// 1024 slots 1.15–1.76 → 0.58–0.73 ms; the 1B shape at 2048 slots, bfloat16, 2.39–2.53 → 0.59–0.73 ms).
+// four query heads sharing it.
 
 #include <algorithm>
 #include <cmath>
@@ -121,8 +120,8 @@ void pv_heads(const float* p, int64_t ldp, const float* v, int64_t stride, int64
 }
 
 // o_i[0:H] += Σ_{j < n} p_i[j] · v_j[0:H] for `heads` query heads sharing the values: one at a time with
-// eight accumulators across H, else up to four at a time (values read once per four heads, not per head:
-// the 1B shape at 2048 slots, G = 8, one thread: 12.4 → 8.4 ns per slot and query head).
+// eight accumulators across H, else up to four at a time (values read once per four heads, not per head,
+// which at long contexts is most of the time p · v takes).
 void pv_shared(const float* p, int64_t ldp, int64_t heads, const float* v, int64_t stride, int64_t n, int64_t H,
                float* o) {
   if (heads == 1) return pv(p, v, stride, n, H, o);
@@ -147,26 +146,15 @@ constexpr int64_t kChunkedMinSlots = 256;  // from this many slots on, few rows 
 
 // A thread's rows are read as one stream — a row's keys, its values, the next row's keys, its values —
 // and its lines are asked for a fixed distance ahead of where the unit reads (`to`, called from
-// score_slots and pv_slots as they go): at batch 32 every row's cache comes from memory, the hardware's
-// prefetchers stop at each 4 KiB page (a group of eight slots crosses two or three), and without it a
-// row's arithmetic and its reads take turns. Before, the next row's keys and values were asked for,
-// spread over the current row, up to 192 KiB a row (beyond, they would evict the row being read from
-// L2): nothing from 15M's 85th slot on. Decode steps through JAX, the two taking turns (paired medians
-// of 6–10 runs): 15M float32 at batch 32, prompts of 16 (slots 16–144) 0.934–0.979 of the time, of 112
-// (slots 112–240) 0.85–0.90; bfloat16 0.975 and 0.82; 110M float32 batch 32 0.957, batch 8 0.961 (at
-// 16 slots) and 1.017 (at 200: the noise). Distances of 4–128 KiB tried (into L1): 8–12 KiB were the best.
-// Few rows with long contexts (attend_chunked) ask for each unit's keys, then its values, the same way:
-// 110M at batch 1, slots 900–964, 0.951 of the step's time in float32 and in bfloat16 (before: none).
-// Where prefetcht1 fills L2 and not L1 (kPrefetchT1FillsL2: CPUs with AVX-512) the stream is asked for
-// into L2, 24 KiB ahead: a stream into L2 can run further ahead than L1's few misses in flight allow.
-// The attention calls' own time (time-stamp counter around each call, both ways in one process, decode
-// steps taking turns, medians over 3,000 calls; Zen 4, 2 threads), against prefetcht0 at 8 KiB:
-// 15M float32 at batch 32 and 16 slots on 0.78× (376 → 291 k cycles a call), bfloat16 0.85×, at 112
-// slots on 0.98×; 110M float32 at batch 8 0.71×, at batch 1 and slots 900–964 (attend_chunked) 0.74×.
-// Whole steps, paired medians of 5–8 rounds: 1.037×, 1.027×, 1.025×, 1.037× and 1.080× the speed.
-// Distances of 12–48 KiB did as well (calls 0.77–0.82×, steps 1.043–1.082×), 8 KiB not at all (1.00×),
-// 64 KiB less (0.85×); prefetcht0 at 8 KiB as well, calls 0.90× but steps 0.958×. Elsewhere (AMD Zen 3
-// and older fill L1 whatever the hint) 8 KiB into every level, as before.
+// score_slots and pv_slots as they go): at large batch every row's cache comes from memory, the
+// hardware's prefetchers stop at each 4 KiB page (a group of eight slots crosses two or three), and
+// without it a row's arithmetic and its reads take turns. (Asking for the next row's keys and values
+// while the current row runs stops working for long rows: beyond a few hundred KiB they would evict the
+// row being read from L2.) Few rows with long contexts (attend_chunked) ask for each unit's keys, then
+// its values, the same way. Where prefetcht1 fills L2 and not L1 (kPrefetchT1FillsL2: CPUs with
+// AVX-512) the stream is asked for into L2, further ahead: a stream into L2 can run further ahead than
+// L1's few misses in flight allow. Elsewhere (a prefetch fills L1 whatever the hint) a shorter distance,
+// the best of those tried, into every level.
 constexpr int64_t kAheadBytes = kPrefetchT1FillsL2 ? 24 * 1024 : 8 * 1024;
 constexpr int kAheadLocality = kPrefetchT1FillsL2 ? 2 : 3;  // prefetcht1, else prefetcht0
 
@@ -233,9 +221,8 @@ Span<C> span_of(const float* q, const C* k_cache, const C* v_cache, const Shape&
 
 // Scores of slots [j0, j1) (j0 a multiple of 8), eight slots at a time per query head; slots from n to
 // n_pad score -inf. Where query heads share kv heads (G > 1), bfloat16 keys are widened once per slot for
-// all the heads reading them; with one query head per kv head they are widened as they are read (110M
-// bfloat16, batch 1, the whole kernel: 42–53 → 24–31 µs per layer, benchmark --profile, builds taking
-// turns).
+// all the heads reading them; with one query head per kv head they are widened as they are read (a
+// separate widening pass would cost as much as the scores).
 template <typename C>
 void score_slots(const Span<C>& sp, int64_t j0, int64_t j1, float scale, float softcap) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -339,8 +326,8 @@ inline void visible(int64_t position, int64_t length, int64_t S, int64_t window,
 
 // Row b, kv heads kh0:kh1: for each, the G query heads sharing it, over the slots they see. A slot's
 // heads lie side by side in the cache ([S, K, H] per row), so the unit walks the slots and takes all its
-// heads at each, reading the row's cache as contiguous runs (15M, batch 32: one head at a time, a
-// 192-byte run every 1152 bytes, spent 13 % of a step waiting on memory).
+// heads at each, reading the row's cache as contiguous runs (one head at a time reads a short run per
+// slot, and waits on memory for each).
 template <typename C>
 void attend_unit(const float* q, const C* k_cache, const C* v_cache, float* o, const Shape& d, int64_t b,
                  int64_t kh0, int64_t kh1, int64_t position, int64_t length, float scale, int64_t window,
@@ -365,9 +352,9 @@ void attend_unit(const float* q, const C* k_cache, const C* v_cache, float* o, c
 }
 
 // Few rows and many slots: each row's slots in `chunks` runs of all its heads, so that every thread has
-// work even when the rows have fewer kv heads than there are threads (one kv head of 256 values, 8 query
-// heads, 2048 slots, bfloat16: 0.71 / 0.84 ms per layer on one thread, 0.43 / 0.70 split) and reads
-// whole slots, one contiguous stream. The softmax then spans chunks: scores and each chunk's maximum
+// work even when the rows have fewer kv heads than there are threads (one kv head and a long context
+// would otherwise run on one thread) and reads whole slots, one contiguous stream. The softmax then spans
+// chunks: scores and each chunk's maximum
 // first; the row's maximum, exponentials and each chunk's sum next; the row's sum, probabilities and each
 // chunk's share of o last, added up at the end — three passes over the units.
 template <typename C>
@@ -572,8 +559,8 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_
 // Decode attention that first writes the step's keys and values into the caches: row b's k_new[b] and
 // v_new[b] [K, H] go to slot slots[b] of the layer (none where the slot lies outside [0, S): a finished
 // row), then every row attends as above. The caches are results aliased to the cache operands, so XLA
-// updates them in place; in XLA the two writes were eight small ops per layer and step (index
-// concatenations, bounds checks, select-updates or scatters: 15M at batch 32, 140 µs of an 8 ms step).
+// updates them in place; in XLA the two writes are eight small ops per layer and step (index
+// concatenations, bounds checks, select-updates or scatters), a noticeable share of a small model's step.
 template <ffi::DataType T, typename C>
 ffi::Error DecodeAttentionAppend(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index,
                                  ffi::Buffer<ffi::F32, 3> q, ffi::Buffer<T, 3> k_new, ffi::Buffer<T, 3> v_new,

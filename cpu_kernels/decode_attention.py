@@ -6,7 +6,7 @@
     decode_attention_append(q_BNH, k_new_BKH, v_new_BKH, k_LBSKH, v_LBSKH, layer, slots_B, q_positions_B,
                             kv_lengths_B, *, scale, window, softcap) -> (o_BNH, k_LBSKH, v_LBSKH)
 
-The semantics are ``llm_jax.model.attention.xla_attention`` 's for one query per row at
+The semantics are ``llm_jax.backends.base.xla_attention``'s for one query per row at
 ``q_positions_B``; the caches may be float32, bfloat16, or bfloat16 held as its bits (uint16). The
 ``_append`` form first writes each row's new key and value at its slot of the layer (a decode step's
 cache write) and returns the caches too, updated in place: donate them, or carry them in a loop.

@@ -1,14 +1,13 @@
 // The gated MLP's activation on CPU, as an XLA FFI custom call: out [R, F] = act(g) · u for the fused
-// gate/up projection's output y [R, 2F] = [g | u] (llm_jax/model/fused.py), all float32.
+// gate/up projection's output y [R, 2F] = [g | u] (llm_jax/backends/cpu/forms.py), all float32.
 //
 //   silu:       act(g) = g / (1 + e^-g)                                  (SwiGLU: Llama, Mistral, Qwen)
 //   gelu_tanh:  act(g) = g / 2 · (1 + tanh(√(2/π) (g + 0.044715 g³)))
 //                      = g / (1 + e^-z), z = 2 √(2/π) (g + 0.044715 g³)  (GeGLU: Gemma)
 //
-// XLA:CPU computes the same op as a loop fusion of one element at a time on one thread: 27 µs for a
-// [32, 1536] y (15M's MLP at batch 32; 0.1–0.24 ms of a 15M float32 decode step at 32 rows, its six
-// layers). Here a vector of kLanes values at a time (exp_lanes: within 2 ulp of e^x), rows shared among
-// the threads when there are many.
+// XLA:CPU computes the same op as a loop fusion of one element at a time on one thread, a noticeable
+// share of a small model's decode step at large batch. Here a vector of kLanes values at a time
+// (exp_lanes: within 2 ulp of e^x), rows shared among the threads when there are many.
 
 #include <cmath>
 #include <cstdint>

@@ -30,7 +30,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -38,9 +37,9 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define LLM_JAX_AMX 1
+#define LLM_JAX_HAS_AMX 1
 #else
-#define LLM_JAX_AMX 0
+#define LLM_JAX_HAS_AMX 0
 #endif
 
 #include "common.h"
@@ -55,20 +54,11 @@ namespace {
 
 constexpr int64_t kPrefetchRows = 4;
 // Rows of W taken together: y is loaded and stored once per four rows instead of once per row, which
-// leaves the core's load/store ports to the weights (110M's 12 layers of float32 products, one row:
-// 26 ms instead of 32).
+// leaves the core's load/store ports to the weights.
 constexpr int64_t kRowBlock = 4;
 // One row of x (decode): a column tile spans whole rows of W when they are at most kFullRowBytes long,
-// so that a unit of work (a slice of rows) is one contiguous stretch of memory; longer rows are cut
-// into tiles of kTileBytes. Measured in a standalone harness whose steps take turns between the two
-// choices (120 steps, medians): a [768, 2304] float32 product (9 KiB rows) 4.5 → 3.9 ms per 12 layers,
-// 110M's float32 w1/w3 (8 KiB rows) 7.4 → 6.8 ms, a TinyLlama-sized bfloat16 w1/w3 (11 KiB rows)
-// 15.8 → 12.6 ms per 6 layers; through JAX (alternating runs, medians of 4) the 1B bfloat16 decode step
-// 125 → 108 ms, and 110M float32 no different beyond the noise (25.9 / 26.3 ms). (Measured earlier one
-// run after the other, 4 KiB tiles had looked best for float32.) Tiles of kTileBytes: bfloat16 2048
-// columns were 12 % faster than 1024 (110M step 23.8 → 21.0 ms).
-// llm_jax/model/fused.py fuses q/k/v and gate/up into one matrix only where the fused rows stay within
-// this limit (its FUSED_ROW_BYTES, checked equal by tests/llm_jax/model/test_fused.py).
+// so that a unit of work (a slice of rows) is one contiguous stretch of memory, which streams faster
+// than many short runs; longer rows are cut into tiles of kTileBytes.
 constexpr int64_t kFullRowBytes = 16384;
 constexpr int64_t kTileBytes = 4096;
 
@@ -82,7 +72,7 @@ void kn_unit(const float* x, const W* w, float* y, int64_t R, int64_t K, int64_t
     const W* row[kRowBlock];
     for (int j = 0; j < kRowBlock; ++j) row[j] = w + (k + j) * N;
     // The tile's part of each row is a short contiguous run: the hardware prefetcher has no time to
-    // find it, so ask for the rows ahead (measured: 1.4× faster, at 88% of a streaming read).
+    // find it, so ask for the rows ahead.
     const bool prefetch = k + kRowBlock + kPrefetchRows <= k1;
     for (int64_t n = n0; n < n_vec; n += 16) {
       if (prefetch) {
@@ -136,9 +126,8 @@ void kn_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*
                const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   // Several rows (prefill): a column tile of y for all R rows takes 4 KiB of L1, leaving room for the
   // rows of W streaming through. (The tiling also decides how K is split among threads, and so the
-  // order of float32 sums: a 4 KiB-per-row tile here flipped a near-tied greedy token of the random
-  // 15M bfloat16 model in prefill — 43% of tokens equal to transformers' instead of 100% — for no
-  // measured gain.)
+  // order of float32 sums, which can flip a near-tied greedy token: a wider tile per row changes the
+  // tokens of models that are tested against transformers' for no gain.)
   const int64_t widest = *std::max_element(ns.begin(), ns.end());
   const int64_t tile = R > 1 ? std::max<int64_t>(16, (1024 / R) / 16 * 16)
                        : widest * static_cast<int64_t>(sizeof(W)) <= kFullRowBytes
@@ -195,13 +184,8 @@ void nk_rows(const float* x, const W* wn, float* y, int64_t K, int64_t N, int64_
 }
 
 // Rows of W up to this long are asked for kNkAheadBytes ahead of the row being read: with short rows
-// (15M's LM head: 288 values) the hardware prefetcher alone leaves a core waiting. The batch-1 LM head
-// in a standalone harness (alternating runs): 15M float32 2.3–2.8 → 1.9–2.4 ms, bfloat16 1.3–1.45 →
-// 1.0–1.35 ms; the whole 15M decode step (medians of 8 alternating runs through JAX) float32 5.33 →
-// 4.71 ms, bfloat16 3.08 → 2.41 ms. 110M bfloat16 (1536-byte rows), in a harness whose decode-like steps
-// take turns between the two (160 steps each): LM head 3.36 → 3.17 and 3.31 → 3.09 ms. Longer rows are
-// left to the hardware: 110M float32 (3 KiB rows) 5.77 → 6.19 ms with it. Distances of 640–4608 bytes
-// tried: 2304 was the best or within the noise of the best.
+// (a small model's tied LM head) the hardware prefetcher alone leaves a core waiting. Longer rows are
+// left to the hardware, which streams them faster without the extra requests.
 constexpr int64_t kNkShortRowBytes = 2048;
 constexpr int64_t kNkAheadBytes = 2304;
 
@@ -241,13 +225,10 @@ void nk_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*
 // With many rows (batched decode, prefill) each weight is used R times and the products are bound by
 // arithmetic, not memory. Here a tile of y stays in registers while k runs: with 8-wide vectors (16
 // registers) up to 6 rows × one panel of 16 columns (per k: 2 loads of W, up to 6 broadcasts of x, 12
-// multiply-adds; 80 % of a core's peak for the tile alone); with AVX-512 (32 registers of 16 floats) up
-// to 12 rows × two panels (per k: 2 loads, 12 broadcasts, 24 multiply-adds, each twice as wide). x is
-// packed k-major once per call, so a tile's broadcasts come from one pointer (12 rows of x as they lie
-// need more pointers than there are registers). Xeon with AVX-512, 2 cores, the products of a 15M decode
-// step at 32 rows in a harness whose steps take turns between two builds: 8-wide 6 × 1 tiles 10.6 ms,
-// 16-wide 12 × 1 on packed x 7.8 ms; 12 × 1 → 12 × 2 7.7 → 7.5 and 7.2 → 6.6 ms; all together 8.2 → 5.7
-// ms (119 → 169 GFLOP/s), bfloat16 8.7 → 5.4 ms, 110M float32 65.6 → 43.4 ms. W is first packed, a
+// multiply-adds); with AVX-512 (32 registers of 16 floats) up to 12 rows × two panels (per k: 2 loads,
+// 12 broadcasts, 24 multiply-adds, each twice as wide): the more multiply-adds per load, the nearer the
+// tile runs to the core's peak. x is packed k-major once per call, so a tile's broadcasts come from one
+// pointer (12 rows of x as they lie need more pointers than there are registers). W is first packed, a
 // block at a time, into panels of 16 columns [kc, 16] (nk: 8 × 8 transposes; bfloat16 widened once
 // here, not once per tile), which stay in L2 while every tile of rows of x passes over them. The next
 // block of W is prefetched a few cache lines per tile, so memory and arithmetic overlap: without it a
@@ -256,14 +237,9 @@ void nk_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*
 #if defined(__AVX512F__)
 constexpr int kMR = 12;            // rows of x and y per tile
 constexpr int kTilePanels = 2;     // panels per tile: 24 registers of sums (of 32)
-// Rows per tile on W's stored panels (panel_tiled): tiles of 8 rows × 2 panels run at 99 % of a core's
-// multiply-add peak alone (10–12 rows: 94 %; 1 core, Zen 4, panels in cache), and there, with no packing,
-// that wins over reading each panel fewer times. 15M's products taking turns between the two in one
-// process (paired medians of 8–12 rounds, float32): 32 rows (3 tiles of 10–11 against 4 of 8, three
-// runs) LM head 0.91–0.96 of the time, q/k/v 0.95–0.97, o 0.94, gate/up 0.95–0.97, down 0.91–0.94, the
-// step's products 0.92–0.94; 48 rows 0.91–1.00, 64 rows 0.92–0.99, 1024 rows (prefill) 0.85–1.04, the
-// products' sums lower; 12 rows (1 tile of 12 against 2 of 6) and 24 (2 of 12 against 3 of 8) the same
-// within the noise (sums 1.00 and 1.00).
+// Rows per tile on W's stored panels (panel_tiled): tiles of 8 rows × 2 panels run nearer a core's
+// multiply-add peak than tiles of 10–12, and on panels that need no packing that wins over reading each
+// panel fewer times.
 constexpr int kPanelMR = 8;
 #else
 constexpr int kMR = 6;
@@ -273,20 +249,13 @@ constexpr int kPanelMR = kMR;
 constexpr int64_t kPanel = 16;     // columns of a panel: one 16-wide vector or two 8-wide
 constexpr int64_t kKC = 512;       // rows of K per block: a panel is at most 32 KiB
 constexpr int64_t kBlockBytes = 192 * 1024;  // a unit's packed panels, in L2
-// From this many rows of x on, products use the tiles; fewer rows stream. (15M decode, alternating
-// runs: 4 rows 6.0–7.1 ms per step streaming, 7.8–8.1 tiled; 8 rows the same within the noise, 7.6–9.9
-// ms; 32 rows 23.5 / 22.1 ms streaming, 16.2 / 15.4 tiled.)
+// From this many rows of x on, products use the tiles; fewer rows stream (below it streaming is faster,
+// from it the tiles are, more so the more rows).
 constexpr int64_t kTiledMinRows = 8;
-
-// Whether the environment leaves a path of the kernels on: `name` unset or anything but "off".
-inline bool turned_on(const char* name) {
-  const char* env = std::getenv(name);
-  return env == nullptr || std::string(env) != "off";
-}
 
 // fn(std::integral_constant<int, m>{}) for m = mr, a tile's rows known only at run time (1 to kMax): the
 // register tiles are templates on their rows, so that their sums stay in registers (and not inlined
-// here: GCC 12 spilled sums of bfloat16's dot products to the stack every step where it inlined them).
+// here: where GCC inlines them it spills sums of bfloat16's dot products to the stack every step).
 template <int kMax, typename Fn>
 void with_rows(int64_t mr, const Fn& fn) {
   if constexpr (kMax <= 1) {
@@ -300,14 +269,10 @@ void with_rows(int64_t mr, const Fn& fn) {
 
 // `lines` of a Prefetcher's lines asked for over the `steps` steps of a tile's loop over k, evenly. With
 // one tile of rows (8 float32 rows on stored panels, 8–12 packed or on bfloat16's dot products) the tile
-// over two panels reads two lines of W a step, and the next block it asks for holds as many: two a step
-// then, into L2 only (each is read once, by the one tile). One a step at most, as before, asked for half
-// that block; decode at 8 rows, this way against that (modes in random order per round, one process,
-// paired medians of 8–10 rounds): 110M bfloat16 1.11× and 1.17× the speed, 15M bfloat16 1.17×, 110M
-// float32 1.02–1.04×, 15M float32 1.05–1.07×; into every level of cache instead, float32 0.93×; at 32 rows
-// (several tiles, one a step) into L2 too, 0.93–0.94×. The benchmark, old and new builds' processes taking
-// turns (3 rounds, every round faster): 8 rows 110M bfloat16 1.27× (1.15–1.64), 15M 1.20×, 110M float32
-// 1.06×, 15M 1.16×; 1 and 32 rows unchanged beyond the noise (their paths ask as before).
+// over two panels reads two lines of W a step, and the next block it asks for holds as many: several a
+// step then, into L2 only (each is read once, by the one tile), as one a step would have only half the
+// block arrive in time. Where there are fewer lines than steps (several tiles share the asking), one
+// every few steps, into every level of cache.
 class PrefetchOverK {
  public:
   PrefetchOverK(Prefetcher& pf, int64_t lines, int64_t steps)
@@ -409,10 +374,8 @@ void transpose8(const W* w, int64_t K, float* dst, int64_t ldd = kPanel) {
 }
 
 // xp[k · MR + r] = x[r · ldx + k] for r < MR, k < kc: a tile's rows of x as `tile` reads them, written
-// in order (MR a constant: 8 → 11 GB/s against rows written one after another, 15M at 32 rows); tiles of
-// 8 rows (all of them at 32 rows on stored panels) by 8 × 8 transposes (15M at 32 rows: 6.7 → 4.8 µs a
-// product with K = 288, most of what is left the wait for x's lines, which the op before wrote on the
-// other core).
+// in order (MR a constant, so the copy is unrolled); tiles of 8 rows (all of them at 32 rows on stored
+// panels) by 8 × 8 transposes, faster than a value at a time.
 template <int MR>
 void pack_rows(const float* x, int64_t ldx, int64_t kc, float* xp) {
   int64_t k = 0;
@@ -436,8 +399,8 @@ inline void tile_span(int64_t R, int64_t tiles, int64_t t, int64_t* r0, int64_t*
 }
 
 // x [R, K] packed once per call for every tile of every block of kc_max rows of K: block k0, tile at r0
-// (of mr rows) at k0 · R + r0 · kc, as pack_rows lays it out. Large x (prefill) is packed by all threads
-// (110M, 1024 rows: 0.4–1.6 ms per product on one).
+// (of mr rows) at k0 · R + r0 · kc, as pack_rows lays it out. Large x (prefill) is packed by all threads:
+// on one it would be a serial step of each product.
 constexpr int64_t kParallelPackValues = 1 << 16;
 
 inline void pack_tiles(ffi::ThreadPool& pool, const float* x, int64_t R, int64_t K, int64_t kc_max, int64_t tiles,
@@ -544,9 +507,8 @@ void tiled_unit(const float* xp, const W* w, float* y, int64_t R, int64_t K, int
 // of them at most kBlockBytes), at least four per thread where there are enough panels. The panels of all
 // the y_i, one after another, are cut into a multiple of the threads' number of nearly equal runs (and
 // where a run crosses from one y_i to the next), so that each thread's share of the units holds as many
-// panels as the others': 18 panels (15M's o and down projections) in units of two gave one thread ten and
-// the other eight. (Paired runs taking turns in one process, 32 rows: q/k/v 0.93, down 0.97, o 0.98 of
-// the time; 1024 rows: 0.94–0.99.) `next` is the unit this thread most likely runs next, {j, v0, v1}
+// panels as the others' (units of a fixed size leave one thread with more: 18 panels in units of two give
+// one thread ten and the other eight). `next` is the unit this thread most likely runs next, {j, v0, v1}
 // (j = -1: none), for its first block to be prefetched.
 struct NextUnit {
   int64_t j = -1, v0 = 0, v1 = 0;
@@ -600,13 +562,12 @@ void tiled_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const
 
 // ---- nk, up to 32 rows: W's rows broadcast against x^T -------------------------------------------
 //
-// The tied LM head at batch 8–32 ([32000, 288] for 15M): packing W into panels costs 8 × 8 transposes
-// and a pass over W that waits on memory. Instead y^T[N, R] = W · x^T: a tile takes 6 rows of W as
-// they lie (the broadcast side; they stream from memory, asked for two tiles ahead) against x^T,
+// The tied LM head at batch 8–32 (a small model's [32000, 288]): packing W into panels costs 8 × 8
+// transposes and a pass over W that waits on memory. Instead y^T[N, R] = W · x^T: a tile takes 6 rows of
+// W as they lie (the broadcast side; they stream from memory, asked for two tiles ahead) against x^T,
 // packed once per call into panels of 16 rows of x [kc, 16] (rows beyond R are zeros), and writes y^T
-// into a per-unit buffer that goes to y a row of y at a time. (LM head [32000, 288], 32 rows, alternating
-// runs of a standalone harness: 7.0 → 6.1 ms on 2 threads; [8000, 2048] 11.7 → 8.9 ms; from 40 rows
-// on the packed panels are as fast or faster.)
+// into a per-unit buffer that goes to y a row of y at a time. Past kBroadcastMaxRows rows the packed
+// panels are as fast or faster.
 
 constexpr int64_t kBroadcastMaxRows = 32;
 
@@ -672,8 +633,8 @@ void broadcast_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<c
 
 // ---- panels: W stored as [N / 16, K, 16] -------------------------------------------------------
 //
-// The layout the products above pack W into, kept in memory (llm_jax/model/panels.py stores the layers'
-// projections so where the kernels run): panel q holds columns 16q ... 16q + 15 of W [K, N], row after
+// The layout the products above pack W into, kept in memory (llm_jax/backends/cpu/forms.py stores the
+// layers' projections so for the CPU kernels): panel q holds columns 16q ... 16q + 15 of W [K, N], row after
 // row, one contiguous run of K · 16 values. Many rows then run the register tiles on W as it lies, with
 // no packing (which took a third of a batch-32 layer's time on one core: copying and waiting for
 // memory); one row streams a few panels at a time, each a long contiguous run, with the 16 sums of a
@@ -683,15 +644,9 @@ void broadcast_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<c
 // outputs `ys` values apart.
 //
 // Where prefetcht1 fills L2 and not L1 (kPrefetchT1FillsL2) each panel's stream is also asked for
-// kGemvAheadBytes ahead, into L2: the hardware's prefetchers stop at each 4 KiB page.
-// Measured on Zen 4 (2 threads; the kernels' own time, time-stamp counter around each call, calls taking
-// turns with and without in one decode loop, 20 s): 110M float32 at batch 1, its streamed layer products
-// 0.956 of the time, its LM head's int8 screen 0.968; 110M bfloat16, 0.983 and 0.980. 2 KiB ahead did
-// about as well (0.968, 0.963; 1.001, 0.956), 4 and 8 KiB less (0.95–1.00), and into every level of
-// cache (prefetcht0) 1.08–1.09×: slower. Whole decode steps at batch 1, with and without taking turns
-// (paired medians of 16–20 rounds): 110M float32 1.053× the speed, 15M float32 1.054×, 110M bfloat16
-// 0.987× (the noise), 1B bfloat16 1.044× (6 rounds). Past a matrix's end the stream asks for up to
-// kGemvAheadBytes it never reads: a prefetch cannot fault.
+// kGemvAheadBytes ahead, into L2: the hardware's prefetchers stop at each 4 KiB page, and asking across
+// it keeps the stream near memory speed (into every level of cache, the requests crowd L1 and it slows).
+// Past a matrix's end the stream asks for up to kGemvAheadBytes it never reads: a prefetch cannot fault.
 constexpr int64_t kGemvAheadBytes = kPrefetchT1FillsL2 ? 1024 : 0;
 
 template <int G, typename W>
@@ -731,14 +686,9 @@ void panel_gemv_n(int64_t n, const float* x, const W* p, int64_t ps, int64_t kc,
 // One row against panels of up to kLongStreamPanelBytes (decode at batch 1), when every thread has panels
 // enough: each thread's share of a matrix is cut into quarters, and unit r takes panel r of each quarter,
 // so that the four streams a unit reads at once run on into the next unit's panels, where units of four
-// adjacent panels start four new streams every four panels, each only as long as a panel. Measured (2
-// threads, Zen 4): a C++ harness of 110M's batch-1 products (438 MB a step; rounds taking turns with a
-// two-thread stream read of the same bytes) read 0.87–0.91 of the stream's speed when memory was fast
-// (50–55 GB/s) against 0.81–0.84 before, 0.96–0.99 against 0.95–0.98 when it was slow (33–35 GB/s);
-// through JAX (decode steps taking turns, paired): 15M float32 2.9–7.0 % faster, 110M bfloat16 3.7–5.6 %,
-// 110M float32 0.3 % (median) with slow memory and 0.4–7.2 % with fast. Longer panels stream well as they
-// are: 1B bfloat16 (64 KiB panels and more) read as fast or slower this way (gate/up 0.80–0.86 of the
-// stream against 0.86–0.87, down 0.84–0.90 against 0.87–0.93, LM head 0.91–0.94 against 0.90–0.91).
+// adjacent panels start four new streams every four panels, each only as long as a panel: long streams
+// keep the read nearer memory speed. Longer panels are long streams as they are, and read no faster
+// this way.
 constexpr int64_t kLongStreamPanelBytes = 48 * 1024;
 
 struct GemvUnit {
@@ -840,12 +790,11 @@ Prefetcher panel_block(const W* w, int64_t K, int64_t q0, int64_t q1, int64_t k0
   return pf;
 }
 
-// Outputs of few rows and many columns — the LM head's logits at batch 16 to 32, 2–4 MB — are written
+// Outputs of few rows and many columns — the LM head's logits at batch 16 to 32, megabytes — are written
 // past the caches (non-temporal stores, 64-byte aligned, AVX-512): sampling reads them once, and written
-// through the caches every line is first read from memory while the weights stream in. 15M float32
-// decode steps, the two taking turns (paired medians of 8–12 runs): batch 32 0.964 and 0.964 of the
-// time, batch 16 0.961 and 1.038; not from 64 rows on (1.004, 1.022), nor for the large outputs of
-// prefill, which the next op reads at once (110M, 1000 rows and 4 × 256: 1.07 and 1.12).
+// through the caches every line is first read from memory while the weights stream in. Not from
+// kStreamMaxRows rows on, nor for the large outputs of prefill, which the next op reads at once (from the
+// caches, where they were written).
 constexpr int64_t kStreamMaxRows = 32;
 constexpr int64_t kStreamMinBytes = 2 << 20;
 
@@ -866,8 +815,8 @@ void panel_tiled(ffi::ThreadPool& pool, const float* x, const std::vector<const 
                  const std::vector<int64_t>& ns, int64_t R, int64_t K) {
   const int64_t kc_max = std::min(K, kKC), tiles = (R + kPanelMR - 1) / kPanelMR;
   // x packed: for decode's few rows the caller's buffer, kept between calls (no allocation and zeroing
-  // per product, ≈ 1 µs of 6 at 32 rows), for prefill's many a buffer of this call's own (one kept per
-  // thread would hold the largest prompt's forever). The tasks reach it through `xp`.
+  // per product, a noticeable share of a short one), for prefill's many a buffer of this call's own (one
+  // kept per thread would hold the largest prompt's forever). The tasks reach it through `xp`.
   constexpr int64_t kKeptPackValues = 1 << 18;
   thread_local std::vector<float> kept;
   std::vector<float> own;
@@ -933,17 +882,15 @@ inline uint16_t bf16_bits(float v) {
 // numbers to zero (float32 sums agree within their rounding). W's panels are rearranged, per unit of
 // work, into the pairs of rows the tile unit reads (rows 2k and 2k + 1 of a panel interleaved); x is
 // copied once per call as bfloat16 (by all threads when large), padded with zero rows to a multiple of
-// 32. Tiles: 0–3 the sums of 2 × 2 blocks of 16 × 16,
-// 4 and 5 two blocks of 16 rows of x, 6 and 7 two panels.
+// 32. Tiles: 0–3 the sums of 2 × 2 blocks of 16 × 16, 4 and 5 two blocks of 16 rows of x, 6 and 7 two
+// panels. A call's `amx` option off, these products run on the dot products or the float32 tiles.
 
-#if LLM_JAX_AMX
+#if LLM_JAX_HAS_AMX
 constexpr int64_t kAmxRows = 32;  // rows of y per block: two tiles
 
-// Whether this process may use the tile unit: Linux grants its state on request, once per process.
-// LLM_JAX_AMX=off says no (the AVX-512 products then run).
+// Whether this process can use the tile unit: Linux grants its state on request, once per process.
 bool amx_ready() {
   static const bool ready = [] {
-    if (!turned_on("LLM_JAX_AMX")) return false;
     constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
   }();
@@ -1003,20 +950,18 @@ inline void stream_rows(const float* edge, int64_t cols, float* out, int64_t ldo
 #endif
 }
 
-// Whether the tile unit takes this product: bfloat16 weights, kAmxRows rows or more, K a multiple of 32.
+// Whether the tile unit takes this product: the call allows it, bfloat16 weights, kAmxRows rows or more,
+// K a multiple of 32, and Linux grants the tile state.
 template <typename W>
-bool amx_takes(int64_t R, int64_t K) {
-  return sizeof(W) == 2 && R >= kAmxRows && K % 32 == 0 && amx_ready();
+bool amx_takes(int64_t R, int64_t K, const PanelOptions& options) {
+  return options.amx && sizeof(W) == 2 && R >= kAmxRows && K % 32 == 0 && amx_ready();
 }
 
 // y_i = x · W_i on the tile unit (amx_takes), W_i bfloat16 panels; `paired`: panels already in pairs of
-// rows (to_pairs's layout: the LM head's screen, llm_jax/model/greedy_head.py), read as they lie. Each
-// unit asks for the next one's panels a few lines per step of its tiles, so reading W overlaps the
-// arithmetic, and large outputs of 32 rows (the logits of a batch of 32) are written past the caches.
-// Measured on a Xeon with AMX (2 threads, calls taking turns in one process, paired medians of 40; 32
-// rows of 15M's [32000, 288] screen): in pairs 0.71–0.87× the time of rearranging the panels per unit;
-// without asking ahead and written through the caches 1.12–1.18× the time in pairs (110M's [32000, 768]:
-// 1.04–1.11×), 1.18–1.25× on panels.
+// rows (to_pairs's layout: the LM head's screen, llm_jax/backends/cpu/greedy_head.py), read as they lie,
+// which saves rearranging them per unit. Each unit asks for the next one's panels a few lines per step
+// of its tiles, so reading W overlaps the arithmetic, and large outputs of 32 rows (the logits of a
+// batch of 32) are written past the caches: without either the tile unit waits on memory.
 template <typename W>
 void amx_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
                 const std::vector<int64_t>& ns, int64_t R, int64_t K, bool paired = false) {
@@ -1089,7 +1034,7 @@ void amx_row(const float* x, const uint16_t* p, int64_t K, float* y) {
 }
 #else
 template <typename W>
-bool amx_takes(int64_t, int64_t) {
+bool amx_takes(int64_t, int64_t, const PanelOptions&) {
   return false;
 }
 
@@ -1102,16 +1047,16 @@ void amx_matmul(ffi::ThreadPool&, const float*, const std::vector<const W*>&, co
 
 // ---- AVX-512 bfloat16 dot products ----------------------------------------------------------------
 //
-// Where the CPU has AVX512_BF16 and no AMX to use (AMD Zen 4 and later; Intel Cooper Lake), bfloat16
-// products of many rows run the register tiles of "many rows" on vdpbf16ps: one instruction multiplies
-// 16 pairs of bfloat16 values of W by a broadcast pair of x and adds both products to 16 float32 sums —
-// twice the multiply-adds of a float32 vector instruction (Zen 4, one core: 228 against 111 GFLOP/s).
-// x is already rounded to bfloat16 (as for every bfloat16 product here), so each product is exact in
-// float32 and only the sums differ from the float32 tiles': the instruction adds the odd k's product
-// first, then the even's, each rounded, and flushes subnormal numbers to zero (measured on Zen 4:
-// bit for bit that order). x is packed once per call as pairs of bfloat16 (k-pair-major per tile of
-// rows, as pack_rows lays floats out); W's panels are rearranged into pairs a block of kKC rows at a time
-// per unit of work. LLM_JAX_BF16_DOT=off turns it off (the float32 tiles then run).
+// Where the CPU has AVX512_BF16 and AMX does not take the product (AMD's AVX-512 cores; Intel from Cooper
+// Lake), bfloat16 products of many rows run the register tiles of "many rows" on vdpbf16ps: one
+// instruction multiplies 16 pairs of bfloat16 values of W by a broadcast pair of x and adds both products
+// to 16 float32 sums — twice the multiply-adds of a float32 vector instruction. x is already rounded to
+// bfloat16 (as for every bfloat16 product here), so each product is exact in float32 and only the sums
+// differ from the float32 tiles': the instruction adds the odd k's product first, then the even's, each
+// rounded, and flushes subnormal numbers to zero (its results match that order bit for bit). x is packed
+// once per call as pairs of bfloat16 (k-pair-major per tile of rows, as pack_rows lays floats out); W's
+// panels are rearranged into pairs a block of kKC rows at a time per unit of work. A call's `bf16_dot`
+// option off, the float32 tiles run instead.
 
 #if defined(__AVX512F__)
 // One register tile of y on the CPU's dot products, which add S adjacent products of k (a "step") into
@@ -1149,10 +1094,8 @@ void dot_tile_rows(int64_t mr, const uint32_t* xq, int64_t steps, const typename
 #endif
 
 #if defined(__AVX512BF16__)
-bool bf16_dot_ready() {
-  static const bool ready = turned_on("LLM_JAX_BF16_DOT");
-  return ready;
-}
+// Whether the build has the bfloat16 dot products (built for the host CPU: whether it has them).
+bool bf16_dot_ready() { return true; }
 
 // Pairs of bfloat16 values: 16 lanes of two products each, float32 sums; tiles of up to kMR rows.
 struct Bf16Pairs {
@@ -1169,18 +1112,18 @@ struct Bf16Pairs {
   static Acc dot(Acc acc, W w, __m512i a) { return _mm512_dpbf16_ps(acc, (__m512bh)a, w); }
 };
 
-// Whether the dot products take this product: bfloat16 panels, kTiledMinRows rows or more.
+// Whether the dot products take this product: the call allows them, bfloat16 panels, kTiledMinRows rows
+// or more.
 template <typename W>
-bool bf16_dot_takes(int64_t R) {
-  return sizeof(W) == 2 && R >= kTiledMinRows && bf16_dot_ready();
+bool bf16_dot_takes(int64_t R, const PanelOptions& options) {
+  return options.bf16_dot && sizeof(W) == 2 && R >= kTiledMinRows;
 }
 
 // y_i = x · W_i on vdpbf16ps (bf16_dot_takes), W_i bfloat16 panels; `paired`: panels already in pairs of
-// rows (to_pairs's layout, K even: the LM head's screen, llm_jax/model/greedy_head.py), read as they lie.
-// Each unit asks for the next one's panels (or its own next block's) a few lines per tile, so reading W
-// overlaps the arithmetic; without, to_pairs waited on memory for every unit in turn (15M's screen
-// [32000, 288] at 32 rows, calls taking turns, paired medians of 30: 1.16× the time without asking,
-// 110M's [32000, 768] 1.37×; in pairs, 1.46× and 1.34×).
+// rows (to_pairs's layout, K even: the LM head's screen, llm_jax/backends/cpu/greedy_head.py), read as they
+// lie. Each unit asks for the next one's panels (or its own next block's) a few lines per tile, so reading
+// W overlaps the arithmetic; without, to_pairs (or, in pairs, the tiles) wait on memory for every unit in
+// turn.
 template <typename W>
 void bf16_dot_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws,
                      const std::vector<float*>& ys, const std::vector<int64_t>& ns, int64_t R, int64_t K,
@@ -1268,7 +1211,7 @@ void bf16_dot_row(const float* x, const uint16_t* p, int64_t K, float* y) {
 bool bf16_dot_ready() { return false; }
 
 template <typename W>
-bool bf16_dot_takes(int64_t) {
+bool bf16_dot_takes(int64_t, const PanelOptions&) {
   return false;
 }
 
@@ -1281,26 +1224,25 @@ void bf16_dot_matmul(ffi::ThreadPool&, const float*, const std::vector<const W*>
 
 // ---- int8 in quads of rows: the LM head's screen on AVX-512 VNNI ------------------------------------
 //
-// Greedy steps of many rows read the LM head through a screen (llm_jax/model/greedy_head.py) whose
+// Greedy steps of many rows read the LM head through a screen (llm_jax/backends/cpu/greedy_head.py) whose
 // product is bound by arithmetic. AVX-512 VNNI's vpdpbusd multiplies 64 pairs of bytes (unsigned by
 // signed) and adds each four to a 32-bit sum: twice the multiply-adds of vdpbf16ps, four times those of a
-// float32 multiply-add (one Zen 4 core: 460 against 228 and 114 G/s). So x is quantized too, per row
+// float32 multiply-add. So x is quantized too, per row
 // (quantize_row: int8 n, step t), and the int8 screen q is stored in quads of rows (rows 4k … 4k + 3 of
 // a panel interleaved, [N / 16, K / 4, 16, 4]: one 64-byte line per quad of k). The sums are exact in
 // int32 (|n q| ≤ 127 · 127 per product and K < 2^16 here); q is read as q + 128 (its top bit flipped,
 // unsigned) and 128 Σ n taken off at the end. y = float(Σ_k n_k q_kj) · t: the caller applies the
-// columns' scales, and argmax.cc bounds what quantizing x changed (from the same n and t).
+// columns' scales, and argmax.cc bounds what quantizing x changed (from the same n and t). The products
+// on quads run only where the build has VNNI; whether a call uses them (the `int8_dot` option) is decided
+// by its caller, which otherwise runs XLA's product (cpu_kernels.matmuls) or the unscreened head.
 
-// Rows per tile: 8 × 2 panels, 16 registers of sums. GCC 12 (-O3) keeps at most 18 of vpdpbusd's sums in
-// registers and spills the rest to the stack every step (12 rows: 21 spills a step), where it keeps
-// vdpbf16ps's 24.
+// Rows per tile: 8 × 2 panels, 16 registers of sums. GCC keeps fewer of vpdpbusd's sums in registers than
+// of vdpbf16ps's (about 18 against 24) and spills the rest to the stack every step: 12 rows would spill.
 constexpr int kQuadMR = 8;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-bool int8_dot_ready() {
-  static const bool ready = turned_on("LLM_JAX_INT8_DOT");
-  return ready;
-}
+// Whether the build has AVX-512 VNNI (built for the host CPU: whether it has it).
+bool int8_dot_ready() { return true; }
 
 // Quads of int8 values: 16 lanes of four products each, int32 sums; W's bytes read as q + 128 (its top
 // bit flipped: vpdpbusd's unsigned operand), x's as they are.
@@ -1315,12 +1257,9 @@ struct Int8Quads {
   static Acc load(const int32_t* y) { return _mm512_loadu_si512(y); }
   static void store(int32_t* y, Acc a) { _mm512_storeu_si512(y, a); }
   static W weights(const int8_t* p) { return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(-128)); }
-  // In place, as the instruction adds (acc += w · a): through the intrinsic GCC 12 copied every sum to
-  // another register and back each step, and kept two on the stack (8 × 2 tiles: 28 register moves and 7
-  // stack accesses a step of 16 vpdpbusd; now 2 and 1). The LM head's screen at 32 rows of 32,000 × 288,
-  // a harness whose calls take turns between the two in one process (paired medians of 20 rounds): the
-  // product 1.15× the speed, the fused head (quads_argmax) 1.12×; 15M float32 decode at 32 rows, 1.01×
-  // and 1.03× (16 rounds each). vdpbf16ps's intrinsic compiles without the copies, and stays.
+  // In place, as the instruction adds (acc += w · a): through the intrinsic GCC copies every sum to
+  // another register and back each step, and keeps some on the stack, which slows the product and the
+  // fused head. vdpbf16ps's intrinsic compiles without the copies, and stays.
   static Acc dot(Acc acc, W w, __m512i a) {
     asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(a));
     return acc;
@@ -1369,9 +1308,8 @@ void int8_dot_units(ffi::ThreadPool& pool, const float* x, const std::vector<con
   for_panel_units(pool, ns, K, [&](size_t i, int64_t q0, int64_t q1, NextUnit nu) {
     const Prefetcher next = nu.j >= 0 ? panel_block(ws[nu.j], K, nu.v0, nu.v1, 0, kc_max) : Prefetcher{};
     const int64_t panels = q1 - q0, calls = tiles * ((panels + 1) / 2), width = panels * kPanel;
-    // The unit's int32 sums [R, width], in this thread's buffer (in L1 or L2), until they are done. (Summed
-    // in y's own memory instead, or y written past the caches at the end: the same speed, and 0.97× the
-    // speed; 15M decode at 32 rows, paired, one process.)
+    // The unit's int32 sums [R, width], in this thread's buffer (in L1 or L2), until they are done (summed
+    // in y's own memory they are no faster, and y written past the caches at the end is slower).
     thread_local std::vector<int32_t> sums_buffer;
     sums_buffer.resize(static_cast<size_t>(R * width));
     int32_t* const sums = sums_buffer.data();
@@ -1422,23 +1360,23 @@ void int8_dot_matmul(ffi::ThreadPool&, const float*, const std::vector<const int
 #endif
 
 // The path of a product on panels of R rows: the tile unit, bfloat16 dot products, register tiles or
-// streams, by rows and dtype (and, for the tile unit, K). One choice for the product and for
-// panel_row_product, which repeats one row's share of it (a change to what a path sums, or in what order,
-// belongs in panel_row too: tests/cpu_kernels/test_greedy_ties.py tells).
+// streams, by rows, dtype and the call's options (and, for the tile unit, K). One choice for the product
+// and for panel_row_product, which repeats one row's share of it given the same options (a change to what
+// a path sums, or in what order, belongs in panel_row too: tests/cpu_kernels/test_greedy_ties.py tells).
 enum class PanelPath { kAmx, kBf16Dot, kTiled, kRows };
 
 template <typename W>
-PanelPath panel_path(int64_t R, int64_t K) {
-  if (amx_takes<W>(R, K)) return PanelPath::kAmx;
-  if (bf16_dot_takes<W>(R)) return PanelPath::kBf16Dot;
+PanelPath panel_path(int64_t R, int64_t K, const PanelOptions& options) {
+  if (amx_takes<W>(R, K, options)) return PanelPath::kAmx;
+  if (bf16_dot_takes<W>(R, options)) return PanelPath::kBf16Dot;
   return R >= kTiledMinRows ? PanelPath::kTiled : PanelPath::kRows;
 }
 
 // Every product on panels.
 template <typename W>
 void panel_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
-                  const std::vector<int64_t>& ns, int64_t R, int64_t K) {
-  switch (panel_path<W>(R, K)) {
+                  const std::vector<int64_t>& ns, int64_t R, int64_t K, const PanelOptions& options) {
+  switch (panel_path<W>(R, K, options)) {
     case PanelPath::kAmx: return amx_matmul(pool, x, ws, ys, ns, R, K);
     case PanelPath::kBf16Dot: return bf16_dot_matmul(pool, x, ws, ys, ns, R, K);
     case PanelPath::kTiled: return panel_tiled(pool, x, ws, ys, ns, R, K);
@@ -1447,20 +1385,22 @@ void panel_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const
 }
 
 // y[0:16] = one row x [K] · panel p [K, 16] of a matrix [K, N] (float32 or bfloat16), each sum with the
-// arithmetic panel_matmul uses for that element in a product of R rows on `threads` threads, through the
-// same inner routines on one row and one panel: the tile unit's and the dot products' instructions, whose
-// sums run over pairs of k in their own order; a register tile's multiply-adds over k in order, from zero
-// and on from block to block of kKC; below kTiledMinRows the same over each slice of K (gemv_slices), the
-// slices' sums added in order. Which other rows and columns share a tile, a unit or a thread leaves each
-// sum as it is. x as the product reads it: rounded to W's dtype.
+// arithmetic panel_matmul uses for that element in a product of R rows on `threads` threads with the same
+// options, through the same inner routines on one row and one panel: the tile unit's and the dot
+// products' instructions, whose sums run over pairs of k in their own order; a register tile's
+// multiply-adds over k in order, from zero and on from block to block of kKC; below kTiledMinRows the
+// same over each slice of K (gemv_slices), the slices' sums added in order. Which other rows and columns
+// share a tile, a unit or a thread leaves each sum as it is. x as the product reads it: rounded to W's
+// dtype.
 template <typename W>
-void panel_row(const float* x, const W* p, int64_t N, int64_t R, int64_t K, int64_t threads, float* y) {
+void panel_row(const float* x, const W* p, int64_t N, int64_t R, int64_t K, int64_t threads,
+               const PanelOptions& options, float* y) {
   if (K == 0) {  // an empty sum, as MatmulPanels gives it
     std::fill(y, y + kPanel, 0.f);
     return;
   }
   Prefetcher none;
-  switch (panel_path<W>(R, K)) {
+  switch (panel_path<W>(R, K, options)) {
     case PanelPath::kAmx: return amx_row(x, reinterpret_cast<const uint16_t*>(p), K, y);
     case PanelPath::kBf16Dot: return bf16_dot_row(x, reinterpret_cast<const uint16_t*>(p), K, y);
     case PanelPath::kTiled: {  // panel_tiled: x packed for a tile of one row is x itself
@@ -1567,12 +1507,14 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Ma
 }
 
 // Weights in the panel layout: stacks [L, N_i / 16, K, 16]. kPairs: bfloat16 panels each in pairs of rows
-// (to_pairs's layout; K even): the LM head's screen (llm_jax/model/greedy_head.py), on the tile unit where
-// it takes the product, else on the dot products, both reading them as they lie.
+// (to_pairs's layout; K even): the LM head's screen (llm_jax/backends/cpu/greedy_head.py), on the tile unit
+// where it takes the product, else on the dot products, both reading them as they lie. Attributes `amx`
+// and `bf16_dot`: the instruction paths the call may take (PanelOptions).
 template <ffi::DataType T, typename W, bool kPairs = false>
 ffi::Error MatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Matrix<ffi::F32> x,
-                        ffi::RemainingArgs weights, ffi::RemainingRets outs) {
+                        ffi::RemainingArgs weights, ffi::RemainingRets outs, bool amx, bool bf16_dot) {
   const int64_t R = x.dimensions()[0], K = x.dimensions()[1];
+  const PanelOptions options{amx, bf16_dot};
   Operands<W> ops;
   auto shape = [](auto wd, int64_t* L, int64_t* N, int64_t* k) {
     if (wd.size() != 4 || wd[3] != kPanel) return false;
@@ -1586,20 +1528,21 @@ ffi::Error MatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_ind
   if (kPairs && K % 2 != 0) {
     return ffi::Error::InvalidArgument("cpu_kernels matmul (pairs): K must be even, got " + std::to_string(K));
   }
-  if (kPairs && !bf16_dot_ready()) {
+  if (kPairs && !(bf16_dot && bf16_dot_ready())) {
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "cpu_kernels matmul (pairs): needs AVX512_BF16 dot products (absent, or LLM_JAX_BF16_DOT=off)");
+                      "cpu_kernels matmul (pairs): needs AVX512_BF16 dot products (absent from this build, or the "
+                      "call's bf16_dot option off)");
   }
   if (K == 0) {  // an empty sum: zeros
     for (size_t i = 0; i < ops.ys.size(); ++i) std::fill(ops.ys[i], ops.ys[i] + R * ops.ns[i], 0.f);
   } else if constexpr (kPairs) {
-    if (amx_takes<W>(R, K)) {
+    if (amx_takes<W>(R, K, options)) {
       amx_matmul(pool, x.typed_data(), ops.ws, ops.ys, ops.ns, R, K, true);
     } else {
       bf16_dot_matmul(pool, x.typed_data(), ops.ws, ops.ys, ops.ns, R, K, true);
     }
   } else {
-    panel_matmul(pool, x.typed_data(), ops.ws, ops.ys, ops.ns, R, K);
+    panel_matmul(pool, x.typed_data(), ops.ws, ops.ys, ops.ns, R, K, options);
   }
   return ffi::Error::Success();
 }
@@ -1623,8 +1566,8 @@ ffi::Error MatmulQuads(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_inde
                                        std::to_string(kQuadsMaxK) + ", got " + std::to_string(K));
   }
   if (!int8_dot_ready()) {
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "cpu_kernels matmul (quads): needs AVX-512 VNNI (absent, or LLM_JAX_INT8_DOT=off)");
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "cpu_kernels matmul (quads): needs AVX-512 VNNI (absent from "
+                                                      "this build)");
   }
   if (K == 0 || R == 0) {
     for (size_t i = 0; i < ops.ys.size(); ++i) std::fill(ops.ys[i], ops.ys[i] + R * ops.ns[i], 0.f);
@@ -1643,6 +1586,9 @@ auto Binding() {
       .RemainingRets();
 }
 
+// Products on panels: Binding's, and the call's options.
+auto PanelBinding() { return Binding().Attr<bool>("amx").Attr<bool>("bf16_dot"); }
+
 }  // namespace
 
 namespace llm_jax_kernels {
@@ -1657,13 +1603,14 @@ void quads_units(ffi::ThreadPool& pool, const float* x, const int8_t* w, int64_t
                  });
 }
 
-void panel_row_product(const float* x, const float* p, int64_t N, int64_t R, int64_t K, int64_t threads, float* y) {
-  panel_row(x, p, N, R, K, threads, y);
+void panel_row_product(const float* x, const float* p, int64_t N, int64_t R, int64_t K, int64_t threads,
+                       const PanelOptions& options, float* y) {
+  panel_row(x, p, N, R, K, threads, options, y);
 }
 
 void panel_row_product(const float* x, const uint16_t* p, int64_t N, int64_t R, int64_t K, int64_t threads,
-                       float* y) {
-  panel_row(x, p, N, R, K, threads, y);
+                       const PanelOptions& options, float* y) {
+  panel_row(x, p, N, R, K, threads, options, y);
 }
 
 }  // namespace llm_jax_kernels
@@ -1672,34 +1619,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnF32, (Matmul<false, ffi::F32, float>), Bin
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulKnBF16, (Matmul<false, ffi::BF16, uint16_t>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkF32, (Matmul<true, ffi::F32, float>), Binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulNkBF16, (Matmul<true, ffi::BF16, uint16_t>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsF32, (MatmulPanels<ffi::F32, float>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsBF16, (MatmulPanels<ffi::BF16, uint16_t>), Binding());
-// int8 panels: only the LM head's screen (llm_jax/model/greedy_head.py), whose scales the caller applies.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsI8, (MatmulPanels<ffi::S8, int8_t>), Binding());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPairsBF16, (MatmulPanels<ffi::BF16, uint16_t, true>), Binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsF32, (MatmulPanels<ffi::F32, float>), PanelBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsBF16, (MatmulPanels<ffi::BF16, uint16_t>), PanelBinding());
+// int8 panels: only the LM head's screen (llm_jax/backends/cpu/greedy_head.py), whose scales the caller
+// applies.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPanelsI8, (MatmulPanels<ffi::S8, int8_t>), PanelBinding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPairsBF16, (MatmulPanels<ffi::BF16, uint16_t, true>), PanelBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulQuadsI8, MatmulQuads, Binding());
 
 // Floats per vector of the products above (build.vector_lanes): what the library was built for.
 extern "C" int LlmJaxVectorLanes() { return kLanes; }
 
-// Whether bfloat16 products with many rows run on AMX tiles in this process (build.amx).
+// Whether bfloat16 products with many rows can run on AMX tiles in this process: the build has AMX and
+// Linux grants its state (build.amx; a call uses them where its `amx` option allows).
 extern "C" int LlmJaxAmx() {
-#if LLM_JAX_AMX
+#if LLM_JAX_HAS_AMX
   return amx_ready() ? 1 : 0;
 #else
   return 0;
 #endif
 }
 
-// Whether bfloat16 products with many rows run on AVX-512's bfloat16 dot products in this process (those
-// AMX does not take, where there is AMX: build.bf16_dot).
-extern "C" int LlmJaxBf16Dot() {
-#if defined(__AVX512BF16__)
-  return bf16_dot_ready() ? 1 : 0;
-#else
-  return 0;
-#endif
-}
+// Whether bfloat16 products with many rows can run on AVX-512's bfloat16 dot products (build.bf16_dot; a
+// call uses them where its `bf16_dot` option allows and AMX does not take the product).
+extern "C" int LlmJaxBf16Dot() { return bf16_dot_ready() ? 1 : 0; }
 
-// Whether the LM head's int8 screen in quads of rows runs on AVX-512 VNNI in this process (build.int8_dot).
+// Whether the LM head's int8 screen in quads of rows can run on AVX-512 VNNI (build.int8_dot; whether a
+// call uses it is its caller's `int8_dot` option).
 extern "C" int LlmJaxInt8Dot() { return int8_dot_ready() ? 1 : 0; }

@@ -1,13 +1,11 @@
-// The arithmetic peak of a core, for the compute roofline of the benchmark (llm_jax.benchmark.machine):
+// The arithmetic peak of a core, for the compute roofline of the benchmark (scripts/benchmarking/machine.py):
 // independent chains of multiply-adds on the kernels' widest float32 vectors (fvec), and, where the
 // products of many bfloat16 rows use them, chains of AVX-512's bfloat16 dot products, and where the LM
-// head's int8 screen in quads runs, of AVX-512 VNNI's int8 dot products. Twelve chains: a
-// multiply-add's latency (4 cycles) times the two a core starts per cycle, and some to spare, so the loop
-// waits on neither. Not XLA handlers: called through ctypes, one call per thread; each returns the
-// floating-point operations it did (0 where the instructions are missing).
-//
-// Decode at batch 32 and prefill are bound by this, not by memory: the matrix products of a 15M step at
-// 32 rows are 0.97 GFLOP, 4.2–4.5 ms at the two cores' 215–229 GFLOP/s (Zen 4, AVX-512).
+// head's int8 screen in quads runs, of AVX-512 VNNI's int8 dot products. Twelve chains: a multiply-add's
+// latency (4 cycles) times the two a core starts per cycle, and some to spare, so the loop waits on
+// neither. Not XLA handlers: called through ctypes, one call per thread; each returns the floating-point
+// operations it did (0 where the instructions are missing). Decode at large batch and prefill are bound
+// by this, not by memory.
 
 #include <cstdint>
 

@@ -4,13 +4,13 @@
 //
 // XLA computes every score of the [T, S] square (half of them masked away by causality), in a
 // separate product, then a mask, softmax and second product, each a pass over [B, N, T, S] in memory,
-// with the keys and values transposed first (110M, 1000 tokens: 1.8 of 3.5 s of prefill). Here a unit
+// with the keys and values transposed first: half of a long prompt's prefill. Here a unit
 // of work is 16 query rows — (position, head) pairs of one row of the batch and one kv head — and the
 // keys they see: only those, as register tiles (q·k: 6 keys × 16 queries, 8 × 16 with AVX-512; p·v: 6
 // queries × 16 values' columns, × 64 with AVX-512), with the 16 rows' scores side by side so softmax
 // runs 8 of them at a time.
 //
-// Semantics are llm_jax.model.attention.xla_attention's: the query at t sits at q_positions[b, t]; key
+// Semantics are llm_jax.backends.base.xla_attention's: the query at t sits at q_positions[b, t]; key
 // slot s is visible iff s <= position, s < kv_lengths[b] and (no window or position - s < window);
 // scores q·k · scale, then softcap · tanh(score / softcap) when a softcap is given; softmax over the
 // visible slots (a row with none gives zeros); probabilities rounded to the values' dtype; o = Σ p_s ·
@@ -178,8 +178,8 @@ void attend_unit(const float* q, const float* k_layer, const float* v_layer, con
 }
 
 // A layer of keys or values [B, S, K, H] as float32 (slots below `slots` of each row): bfloat16 ones are
-// widened once per call into `buffer`, not once by each unit of 16 queries that reads them (110M in
-// bfloat16, 1000 tokens: a fifth of prefill went to widening the same keys and values again).
+// widened once per call into `buffer`, not once by each unit of 16 queries that reads them (which, for a
+// long prompt, would widen the same keys and values again for every unit).
 const float* as_f32_layer(ffi::ThreadPool&, const float* layer, int64_t, int64_t, int64_t, int64_t,
                           std::vector<float>&) {
   return layer;

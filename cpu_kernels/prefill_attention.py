@@ -6,7 +6,7 @@ and a prompt continuing a long cache reads its filled slots only.
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, q_positions_BT, kv_lengths_B, *, scale, window,
                       softcap) -> o_BTNH float32
 
-The semantics are ``llm_jax.model.attention.xla_attention`` 's; keys and values may be float32,
+The semantics are ``llm_jax.backends.base.xla_attention``'s; keys and values may be float32,
 bfloat16, or bfloat16 held as its bits (uint16). Forward only (the model gives it XLA's gradient).
 Callers check :func:`cpu_kernels.available` first.
 """

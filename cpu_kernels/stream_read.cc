@@ -1,12 +1,11 @@
-// A plain streaming read, for measuring memory bandwidth (llm_jax.benchmark.machine): the sum of n
+// A plain streaming read, for measuring memory bandwidth (scripts/benchmarking/machine.py): the sum of n
 // float32 values, read once, in order, into four 8-wide accumulators, so the loop waits on memory and
 // not on a chain of additions. Not an XLA handler: called through ctypes, one call per thread.
 //
-// NumPy's reductions, the only readers before, read up to 30 % slower on the development machine (2
-// threads, 1 GiB, the readers taking turns, best of 5 in each of four runs: NumPy's faster reduction
-// 16.9–20.5 GB/s, this 20.3–23.4), and every roofline fraction measured against them was that much too
-// flattering. A single stream read this way was the fastest of the patterns tried (four interleaved
-// streams per thread, or software prefetch ahead of the stream, were 5–15 % slower).
+// NumPy's reductions read slower than this on some machines, which makes every roofline fraction
+// measured against them too flattering (the benchmark takes the fastest reader). A single stream read
+// this way was the fastest of the patterns tried (several interleaved streams per thread, or software
+// prefetch ahead of the stream, were slower).
 
 #include <cstdint>
 #include <cstring>

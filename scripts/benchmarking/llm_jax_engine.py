@@ -98,7 +98,7 @@ class LlmJaxEngine:
         # Greedy, nothing read from the logits but their argmax: the LM head through its screen, where the
         # prepared weights hold one (the CPU kernels') and one serves B rows.
         screen = weights.get(SCREEN) if argmax_only(self.controls) else None
-        self.screen = None if screen is None else screen_for(screen, B)
+        self.screen = None if screen is None else screen_for(screen, B, int8_dot=getattr(backend, "int8_dot", True))
 
     def compile(self) -> Compiled:
         t0 = time.perf_counter()

@@ -1,12 +1,15 @@
 """cpu_kernels.argmax against jnp.argmax: first index of the maximum, NaN first, ties, infinities, rows
 shorter than a vector and longer than one thread's share."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import cpu_kernels
+from tests.cpu_kernels.paths import ON, paths
 
 NAN, INF = float("nan"), float("inf")
 
@@ -65,24 +68,31 @@ def test_runs_the_kernel_on_cpu():
 
 # cpu_kernels.screened_argmax: the argmax of x · W from logits screened through a narrower copy of W, the
 # token of the unscreened path (the head's own float32 product, then argmax); test_greedy_ties.py holds the
-# cases where that differs from the exact (float64) argmax.
+# cases where that differs from the exact (float64) argmax. The head's options (amx, bf16_dot) choose its
+# product's path: the screened heads take them too (``options``: all of them, as tests/cpu_kernels/paths.py
+# gives them).
 
-def _unscreened(x, panels) -> np.ndarray:
-    """The unscreened path's tokens: the first largest of the head's float32 product x · W, row by row."""
-    return np.asarray(cpu_kernels.argmax(cpu_kernels.matmul(x, panels, panels=True)))
+def _head_paths(options) -> dict:
+    return dict(amx=options["amx"], bf16_dot=options["bf16_dot"])
 
 
-def _screened_case(D, V, B, seed, screen="bfloat16", head_dtype=jnp.float32):
+def _unscreened(x, panels, options=ON) -> np.ndarray:
+    """The unscreened path's tokens: the first largest of the head's float32 product x · W with ``options``,
+    row by row."""
+    return np.asarray(cpu_kernels.argmax(cpu_kernels.matmul(x, panels, panels=True, **options)))
+
+
+def _screened_case(D, V, B, seed, screen="bfloat16", head_dtype=jnp.float32, options=ON):
     """x [B, D] (rounded as W's product rounds it), W [D, V] as panels, the screen's logits, the arguments
-    that go with them, and the unscreened path's tokens (here also the exact float64 argmax: these rows have
-    no float32 near-ties, which is checked). The int8 screen in quads needs D a multiple of 4 (D is rounded
-    up to one) and AVX-512 VNNI (where the kernels quantize x as the bound assumes)."""
+    that go with them, and the unscreened path's tokens with ``options`` (here also the exact float64 argmax:
+    these rows have no float32 near-ties, which is checked). The int8 screen in quads needs D a multiple of
+    4 (D is rounded up to one) and AVX-512 VNNI (where the kernels quantize x as the bound assumes)."""
     from llm_jax.backends.cpu import greedy_head
 
     quads = screen == "int8_quads"
     if quads:
-        if not cpu_kernels.quads_available():
-            pytest.skip("the int8 screen in quads runs on AVX-512 VNNI, which this CPU lacks")
+        if not (options["int8_dot"] and cpu_kernels.quads_available()):
+            pytest.skip("the int8 screen in quads runs on AVX-512 VNNI, which this CPU lacks (or is off)")
         D += -D % 4
     rng = np.random.default_rng(seed)
     W = rng.normal(0, 0.02, (D, V)).astype(np.float32)
@@ -94,15 +104,15 @@ def _screened_case(D, V, B, seed, screen="bfloat16", head_dtype=jnp.float32):
     W[:, 11] = W[:, 7] * np.float32(1 + (1e-5 if head_dtype == jnp.float32 else 1 / 64))
     x[0] = 40 * W[:, 7]
     panels = cpu_kernels.to_panels(jnp.asarray(W)).astype(head_dtype)
-    screens = greedy_head._screens(panels, quads)
+    screens = greedy_head._screens(panels, quads, options["bf16_dot"] and cpu_kernels.pairs_available())
     x = jnp.asarray(x).astype(head_dtype).astype(jnp.float32)
     if screen == "bfloat16" and screens.bfloat16_pairs is not None:  # stored in pairs of rows (AVX512_BF16)
-        y = cpu_kernels.matmul(x, screens.bfloat16_pairs, panels=True, pairs=True)
+        y = cpu_kernels.matmul(x, screens.bfloat16_pairs, panels=True, pairs=True, **options)
     else:
-        y = cpu_kernels.matmul(x, getattr(screens, screen), panels=True, quads=quads)
+        y = cpu_kernels.matmul(x, getattr(screens, screen), panels=True, quads=quads, **options)
     scales = screens.scales_V if screen in ("int8", "int8_quads") else None
     errors = screens.errors_V if quads else None
-    expected = _unscreened(x, panels)
+    expected = _unscreened(x, panels, options)
     exact = np.argmax(np.asarray(x, np.float64) @ np.asarray(cpu_kernels.from_panels(panels), np.float64), axis=-1)
     np.testing.assert_array_equal(expected, exact)
     return (y, x, panels, scales, screens.norms_V, *greedy_head.bounds(D, screen), errors), expected
@@ -113,11 +123,13 @@ SCREENS = [("bfloat16", jnp.float32), ("int8", jnp.float32), ("int8", jnp.bfloat
 IDS = ["bf16-of-f32", "int8-of-f32", "int8-of-bf16", "quads-of-f32", "quads-of-bf16"]
 
 
+@pytest.mark.parametrize("options", paths())
 @pytest.mark.parametrize("screen,head_dtype", SCREENS, ids=IDS)
 @pytest.mark.parametrize("D,V,B", [(288, 32000, 32), (37, 160, 9), (64, 48, 3), (768, 4096, 5)])
-def test_screened_argmax_is_the_unscreened_argmax(D, V, B, screen, head_dtype):
-    args, expected = _screened_case(D, V, B, D + V, screen, head_dtype)
-    ours = np.asarray(jax.jit(cpu_kernels.screened_argmax, static_argnums=(5, 6))(*args))
+def test_screened_argmax_is_the_unscreened_argmax(D, V, B, screen, head_dtype, options):
+    args, expected = _screened_case(D, V, B, D + V, screen, head_dtype, options)
+    screened = jax.jit(functools.partial(cpu_kernels.screened_argmax, **_head_paths(options)), static_argnums=(5, 6))
+    ours = np.asarray(screened(*args))
     np.testing.assert_array_equal(ours, expected)  # the head's own product's argmax, and the exact one
     assert ours[0] == 11  # the raised copy, not the first of the two equal columns before it
 
@@ -168,37 +180,44 @@ def test_screened_argmax_checks_its_operands():
 
 @pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16])
 def test_screened_argmax_runs_the_kernel_on_cpu(head_dtype):
+    """The kernel, with the head product's options as its attributes (the path its exact check repeats)."""
     args, _ = _screened_case(37, 160, 2, 0, "int8", head_dtype)
-    lowered = jax.jit(cpu_kernels.screened_argmax, static_argnums=(5, 6)).lower(*args).as_text()
     name = "llm_jax_screened_argmax_" + ("f32" if head_dtype == jnp.float32 else "bf16")
-    assert (name in lowered) == cpu_kernels.available()
+    for amx, bf16_dot in [(True, True), (False, True), (True, False)]:
+        screened = functools.partial(cpu_kernels.screened_argmax, amx=amx, bf16_dot=bf16_dot)
+        lowered = jax.jit(screened, static_argnums=(5, 6)).lower(*args).as_text()
+        calls = [line for line in lowered.splitlines() if name in line]
+        assert len(calls) == cpu_kernels.available(), lowered
+        assert all(f"amx = {str(amx).lower()}, bf16_dot = {str(bf16_dot).lower()}" in c for c in calls), calls
 
 
 # cpu_kernels.quads_argmax: the int8 screen's product in quads and the screened argmax in one call.
 
-def _quads_case(D, V, B, seed, head_dtype):
+def _quads_case(D, V, B, seed, head_dtype, options=ON):
     """_screened_case's data through the quads, as quads_argmax takes it (x, quads, panels, scales, errors,
     norms, c1, c2), the screened logits and the unscreened path's tokens."""
     from llm_jax.backends.cpu import greedy_head
 
-    (y, x, panels, scales, norms, c1, c2, errors), expected = _screened_case(D, V, B, seed, "int8_quads", head_dtype)
+    (y, x, panels, scales, norms, c1, c2, errors), expected = _screened_case(D, V, B, seed, "int8_quads", head_dtype,
+                                                                             options)
     quads = greedy_head._screens(panels, True).int8_quads
     return (x, quads, panels, scales, errors, norms, c1, c2), y, expected
 
 
-QUADS_ARGMAX = jax.jit(cpu_kernels.quads_argmax, static_argnums=(6, 7))
+QUADS_ARGMAX = jax.jit(cpu_kernels.quads_argmax, static_argnums=(6, 7), static_argnames=("amx", "bf16_dot"))
 
 
+@pytest.mark.parametrize("options", paths())
 @pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("D,V,B", [(288, 32000, 32), (37, 160, 9), (64, 48, 3), (768, 4096, 5), (96, 5008, 33)])
-def test_quads_argmax_is_the_two_calls_and_the_unscreened_argmax(D, V, B, head_dtype):
-    args, y, expected = _quads_case(D, V, B, D + V, head_dtype)
-    ours = np.asarray(QUADS_ARGMAX(*args))
+def test_quads_argmax_is_the_two_calls_and_the_unscreened_argmax(D, V, B, head_dtype, options):
+    args, y, expected = _quads_case(D, V, B, D + V, head_dtype, options)
+    ours = np.asarray(QUADS_ARGMAX(*args, **_head_paths(options)))
     assert ours.dtype == np.int32 and ours.shape == (B,)
     np.testing.assert_array_equal(ours, expected)
     assert ours[0] == 11  # the raised copy, not the first of the two equal columns before it
     x, quads, panels, scales, errors, norms, c1, c2 = args
-    two_calls = cpu_kernels.screened_argmax(y, x, panels, scales, norms, c1, c2, errors)
+    two_calls = cpu_kernels.screened_argmax(y, x, panels, scales, norms, c1, c2, errors, **_head_paths(options))
     np.testing.assert_array_equal(ours, np.asarray(two_calls))
 
 
@@ -225,12 +244,15 @@ def test_quads_argmax_of_rows_with_nans_infinities_and_zeros(V):
     assert ours[1] == 0 and ours[3] == 0  # every logit NaN, every logit 0: the first
 
 
-def test_quads_argmax_without_the_quads_is_the_unscreened_argmax(monkeypatch):
-    """Where the quads do not run (no VNNI, LLM_JAX_INT8_DOT=off), every logit through the head's own product
-    and argmax: the unscreened path itself (and here the exact token)."""
+@pytest.mark.parametrize("quads_here", [True, False], ids=["option-off", "no-vnni"])
+def test_quads_argmax_without_the_quads_is_the_unscreened_argmax(monkeypatch, quads_here):
+    """Where the quads do not run (``int8_dot`` off, or a CPU without VNNI), every logit through the head's
+    own product and argmax: the unscreened path itself (and here the exact token)."""
     from llm_jax.backends.cpu import greedy_head
 
-    monkeypatch.setattr(cpu_kernels, "quads_available", lambda: False)
+    if not quads_here:
+        monkeypatch.setattr(cpu_kernels, "quads_available", lambda: False)
+    options = dict(int8_dot=False) if quads_here else {}
     rng = np.random.default_rng(7)
     W = rng.normal(0, 0.02, (40, 160)).astype(np.float32)
     x = jnp.asarray(rng.normal(0, 1, (9, 40)).astype(np.float32))
@@ -238,9 +260,9 @@ def test_quads_argmax_without_the_quads_is_the_unscreened_argmax(monkeypatch):
     screens = greedy_head._screens(panels, True)
     args = (x, screens.int8_quads, panels, screens.scales_V, screens.errors_V, screens.norms_V,
             *greedy_head.bounds(40, "int8_quads"))
-    lowered = jax.jit(lambda *a: cpu_kernels.quads_argmax(*a, *args[6:])).lower(*args[:6]).as_text()  # traced anew
+    lowered = jax.jit(lambda *a: cpu_kernels.quads_argmax(*a, *args[6:], **options)).lower(*args[:6]).as_text()
     assert "llm_jax_quads_argmax" not in lowered
-    ours = np.asarray(cpu_kernels.quads_argmax(*args))
+    ours = np.asarray(cpu_kernels.quads_argmax(*args, **options))
     np.testing.assert_array_equal(ours, _unscreened(x, panels))
     np.testing.assert_array_equal(ours, np.argmax(np.asarray(x, np.float64) @ W.astype(np.float64), axis=-1))
 
@@ -265,6 +287,10 @@ def test_quads_argmax_checks_its_operands():
 
 @pytest.mark.parametrize("head_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_quads_argmax_runs_the_kernel_on_cpu(head_dtype):
+    """The kernel, with the head product's options as its attributes (the path its exact check repeats)."""
     args, _, _ = _quads_case(36, 160, 9, 0, head_dtype)
-    lowered = QUADS_ARGMAX.lower(*args).as_text()
-    assert "llm_jax_quads_argmax_" + ("f32" if head_dtype == jnp.float32 else "bf16") in lowered
+    name = "llm_jax_quads_argmax_" + ("f32" if head_dtype == jnp.float32 else "bf16")
+    for amx, bf16_dot in [(True, True), (False, True), (True, False)]:
+        calls = [line for line in QUADS_ARGMAX.lower(*args, amx=amx, bf16_dot=bf16_dot).as_text().splitlines()
+                 if name in line]
+        assert len(calls) == 1 and f"amx = {str(amx).lower()}, bf16_dot = {str(bf16_dot).lower()}" in calls[0], calls

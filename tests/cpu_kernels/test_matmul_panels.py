@@ -1,4 +1,5 @@
-"""cpu_kernels.matmul on the panel layout [N / 16, K, 16] against NumPy in float64."""
+"""cpu_kernels.matmul on the panel layout [N / 16, K, 16] against NumPy in float64, bfloat16 on every
+instruction path this CPU has (tests/cpu_kernels/paths.py)."""
 
 import functools
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
+from tests.cpu_kernels.paths import int8_paths, panel_dtypes, paths
 from tests.cpu_kernels.stacks import assert_one_call_on_whole_stacks
 
 RTOL, ATOL = 1e-5, 1e-4  # float32 sums of K products of standard normals, in another order than NumPy's
@@ -34,7 +36,7 @@ def test_to_panels_and_back():
         cpu_kernels.to_panels(jnp.ones((4, 40)))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,options", panel_dtypes())
 @pytest.mark.parametrize("R,K,N", [
     # one row, panels of up to 48 KiB: each thread's share in four long streams (54 panels: 27 a thread,
     # quarters of 7, the last 6; 13: 6 and 7 a thread, quarters of 2); longer panels (float32 K = 800):
@@ -54,23 +56,23 @@ def test_to_panels_and_back():
     # 32 rows, the last one part padding; pairs of panels and an odd one; 32 rows of 2 MiB written past
     # the caches)
     (33, 64, 48), (64, 96, 32), (70, 320, 112), (32, 96, 16400)])
-def test_matches_numpy(R, K, N, dtype):
+def test_matches_numpy(R, K, N, dtype, options):
     x, w = case(R, K, N, dtype, seed=R * K + N)
-    ours = jax.jit(functools.partial(cpu_kernels.matmul, panels=True))(x, cpu_kernels.to_panels(w))
+    ours = jax.jit(functools.partial(cpu_kernels.matmul, panels=True, **options))(x, cpu_kernels.to_panels(w))
     assert ours.dtype == jnp.float32 and ours.shape == (R, N)
     np.testing.assert_allclose(np.asarray(ours), reference(x, w), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype,options", panel_dtypes())
 @pytest.mark.parametrize("R", [1, 3, 9])
-def test_a_layer_of_stacked_panels_several_weights(dtype, R):
+def test_a_layer_of_stacked_panels_several_weights(dtype, options, R):
     """Every layer of stacks [L, N / 16, K, 16], several weights in one call: each product equals its
     own, the stacks are the kernel's operands (no slice), and the result is the plain layout's."""
     L, K = 4, 41  # L unlike any R: the stacks are the operands whose shapes start with it
     x, _ = case(R, K, 16, dtype, seed=7)
     ws = [case(R, K, n, dtype, L=L, seed=n)[1] for n in (48, 16, 1040)]
     ps = [cpu_kernels.to_panels(w) for w in ws]
-    f = jax.jit(lambda x, ps, layer: cpu_kernels.matmuls(x, ps, panels=True, layer=layer))
+    f = jax.jit(lambda x, ps, layer: cpu_kernels.matmuls(x, ps, panels=True, layer=layer, **options))
     for layer in range(L):
         for w, y in zip(ws, f(x, ps, layer)):
             np.testing.assert_allclose(np.asarray(y), reference(x, w[layer]), rtol=RTOL, atol=ATOL)
@@ -108,7 +110,8 @@ def test_falls_back_to_xla_off_the_kernels(monkeypatch):
     np.testing.assert_allclose(np.asarray(ours), reference(x, w), rtol=RTOL, atol=ATOL)
 
 
-# int8 panels (the LM head's screen, llm_jax/model/greedy_head.py): the integers as they are, x not rounded.
+# int8 panels (the LM head's screen, llm_jax/backends/cpu/greedy_head.py): the integers as they are, x not
+# rounded.
 
 @pytest.mark.parametrize("R,K,N", [(1, 288, 32000), (1, 37, 80), (1, 800, 208), (3, 33, 48), (7, 129, 112),
                                    (9, 40, 80), (32, 288, 768)])
@@ -138,9 +141,9 @@ def test_int8_panels_of_a_stack_and_only_in_panels():
     assert ("llm_jax_matmul_panels_i8" in lowered) == cpu_kernels.available()
 
 
-# bfloat16 panels in pairs of rows (the LM head's bfloat16 screen, llm_jax/model/greedy_head.py): the CPU's
-# bfloat16 dot products, or AMX's tiles (32 rows or more, K a multiple of 32), read them as they lie, where
-# they run; elsewhere XLA's product on the panels.
+# bfloat16 panels in pairs of rows (the LM head's bfloat16 screen, llm_jax/backends/cpu/greedy_head.py): the
+# CPU's bfloat16 dot products, or AMX's tiles (32 rows or more, K a multiple of 32), read them as they lie,
+# where they run and the call's options allow them; elsewhere XLA's product on the panels.
 
 def test_to_pairs_and_back():
     p = cpu_kernels.to_panels(jnp.arange(2 * 6 * 32.0).reshape(2, 6, 32))  # [2, 2, 6, 16]
@@ -154,37 +157,46 @@ def test_to_pairs_and_back():
         cpu_kernels.to_pairs(jnp.ones((2, 5, 16)))
 
 
+def pairs_run(options) -> bool:
+    """Whether products on pairs run on the kernels with these options here (else XLA's)."""
+    return options["bf16_dot"] and cpu_kernels.pairs_available()
+
+
+@pytest.mark.parametrize("options", paths())
 @pytest.mark.parametrize("R,K,N", [(1, 10, 32), (5, 48, 80), (8, 20, 4112), (13, 1030, 48), (32, 288, 768),
                                    (21, 600, 25008), (33, 64, 48), (70, 320, 112),
                                    # 32 rows of 2 MiB and more (written past the caches), an odd panel
                                    (32, 96, 16400)])
-def test_bf16_pairs_match_numpy_and_the_panels(R, K, N):
-    """The product on pairs equals NumPy's within float32 sums, and, where the dot products run it, the
-    same product on the panels as they are (which rearranges them into pairs per call) bit for bit."""
+def test_bf16_pairs_match_numpy_and_the_panels(R, K, N, options):
+    """The product on pairs equals NumPy's within float32 sums, and, where the kernels run it, the same
+    product on the panels as they are (which rearranges them into pairs per call) with the same options,
+    bit for bit."""
     x, w = case(R, K, N, jnp.bfloat16, seed=R + K + N)
     p = cpu_kernels.to_panels(w)
-    ours = jax.jit(functools.partial(cpu_kernels.matmul, panels=True, pairs=True))(x, cpu_kernels.to_pairs(p))
+    ours = jax.jit(functools.partial(cpu_kernels.matmul, panels=True, pairs=True, **options))(
+        x, cpu_kernels.to_pairs(p))
     assert ours.dtype == jnp.float32 and ours.shape == (R, N)
     np.testing.assert_allclose(np.asarray(ours), reference(x, w), rtol=RTOL, atol=ATOL)
-    if cpu_kernels.pairs_available() and R >= 8:
-        np.testing.assert_array_equal(np.asarray(ours), np.asarray(cpu_kernels.matmul(x, p, panels=True)))
+    if pairs_run(options) and R >= 8:
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(cpu_kernels.matmul(x, p, panels=True, **options)))
 
 
+@pytest.mark.parametrize("options", paths())
 @pytest.mark.parametrize("R,K", [(2, 40), (9, 40), (40, 64)])
-def test_bf16_pairs_of_a_stack_several_weights(R, K):
+def test_bf16_pairs_of_a_stack_several_weights(R, K, options):
     L = 3
     x, _ = case(R, K, 16, jnp.bfloat16, seed=3)
     ws = [case(R, K, n, jnp.bfloat16, L=L, seed=n)[1] for n in (48, 1040)]
     ps = [cpu_kernels.to_pairs(cpu_kernels.to_panels(w)) for w in ws]
-    f = jax.jit(lambda x, ps, layer: cpu_kernels.matmuls(x, ps, panels=True, pairs=True, layer=layer))
+    f = jax.jit(lambda x, ps, layer: cpu_kernels.matmuls(x, ps, panels=True, pairs=True, layer=layer, **options))
     for layer in range(L):
         for w, y in zip(ws, f(x, ps, layer)):
             np.testing.assert_allclose(np.asarray(y), reference(x, w[layer]), rtol=RTOL, atol=ATOL)
-    if cpu_kernels.pairs_available():
+    if pairs_run(options):
         assert_one_call_on_whole_stacks(f.lower(x, ps, 0), "llm_jax_matmul_pairs", jnp.bfloat16, L, stacks=2)
 
 
-def test_bf16_pairs_errors_and_fallback(monkeypatch):
+def test_bf16_pairs_errors_and_fallback():
     x, w = case(9, 10, 32, jnp.bfloat16)
     p = cpu_kernels.to_pairs(cpu_kernels.to_panels(w))
     with pytest.raises(ValueError, match="panel layout"):
@@ -195,14 +207,17 @@ def test_bf16_pairs_errors_and_fallback(monkeypatch):
         cpu_kernels.matmul(x[:, :9], jnp.ones((2, 9, 16), jnp.bfloat16), panels=True, pairs=True)
     empty = cpu_kernels.matmul(x[:, :0], jnp.ones((2, 0, 16), jnp.bfloat16), panels=True, pairs=True)
     np.testing.assert_array_equal(np.asarray(empty), np.zeros((9, 32), np.float32))  # K = 0: an empty sum
-    monkeypatch.setattr(cpu_kernels, "pairs_available", lambda: False)
-    np.testing.assert_allclose(np.asarray(cpu_kernels.matmul(x, p, panels=True, pairs=True)), reference(x, w),
-                               rtol=RTOL, atol=ATOL)
+    lowered = jax.jit(functools.partial(cpu_kernels.matmul, panels=True, pairs=True)).lower(x, p).as_text()
+    assert ("llm_jax_matmul_pairs_bf16" in lowered) == cpu_kernels.pairs_available()
+    # without the dot products (the option off, as on a CPU without them): XLA's product on the panels
+    off = jax.jit(functools.partial(cpu_kernels.matmul, panels=True, pairs=True, bf16_dot=False))
+    assert "llm_jax_matmul_pairs" not in off.lower(x, p).as_text()
+    np.testing.assert_allclose(np.asarray(off(x, p)), reference(x, w), rtol=RTOL, atol=ATOL)
 
 
-# int8 panels in quads of rows (the LM head's int8 screen at many rows, llm_jax/model/greedy_head.py): x
-# quantized per row (common.h's quantize_row), exact integer sums, then the row's step; AVX-512 VNNI's dot
-# products read the quads as they lie, where they run; elsewhere XLA's product.
+# int8 panels in quads of rows (the LM head's int8 screen at many rows, llm_jax/backends/cpu/greedy_head.py):
+# x quantized per row (common.h's quantize_row), exact integer sums, then the row's step; AVX-512 VNNI's dot
+# products read the quads as they lie, where they run and the call's int8_dot allows; elsewhere XLA's product.
 
 def quantized(x):
     """x [R, K] as the kernel quantizes it, in NumPy (whose float32 division is correctly rounded, as the
@@ -244,16 +259,22 @@ def test_to_quads_and_back():
         cpu_kernels.to_quads(jnp.ones((2, 8, 16), jnp.float32))
 
 
+def quads_run(options) -> bool:
+    """Whether products on quads run on the kernels with these options here (else XLA's)."""
+    return options["int8_dot"] and cpu_kernels.quads_available()
+
+
+@pytest.mark.parametrize("options", int8_paths())
 @pytest.mark.parametrize("R,K,N", [(1, 4, 16), (5, 36, 48), (8, 288, 4112), (9, 516, 80), (13, 1028, 48),
                                    (32, 288, 32000), (33, 64, 112), (70, 120, 32)])
-def test_int8_quads_are_exact(R, K, N):
+def test_int8_quads_are_exact(R, K, N, options):
     """Where VNNI runs them: float32(n · q) · t bit for bit (K across blocks of 512 rows, tiles of up to 8
     rows, pairs of panels and an odd one); and within the quantization's bound of x · q either way."""
     x, q = quads_case(R, K, N, seed=R + K + N)
-    ours = np.asarray(jax.jit(functools.partial(cpu_kernels.matmul, panels=True, quads=True))(
+    ours = np.asarray(jax.jit(functools.partial(cpu_kernels.matmul, panels=True, quads=True, **options))(
         x, cpu_kernels.to_quads(cpu_kernels.to_panels(q))))
     assert ours.dtype == np.float32 and ours.shape == (R, N)
-    if cpu_kernels.quads_available():
+    if quads_run(options):
         np.testing.assert_array_equal(ours, quads_reference(x, q))
     _, t = quantized(x)
     exact = np.asarray(x, np.float64) @ np.asarray(q, np.float64)
@@ -271,25 +292,26 @@ def test_int8_quads_of_rows_of_zeros_nans_and_infinities():
     assert t[1] == 0 and np.isnan(t[2:]).all() and not n[1:].any()
 
 
+@pytest.mark.parametrize("options", int8_paths())
 @pytest.mark.parametrize("R", [3, 17])
-def test_int8_quads_of_a_stack_several_weights(R):
+def test_int8_quads_of_a_stack_several_weights(R, options):
     L, K = 3, 96
     x, _ = quads_case(R, K, 16, seed=5)
     qs = [quads_case(R, K, n, L=L, seed=n)[1] for n in (48, 1040)]
     ps = [cpu_kernels.to_quads(cpu_kernels.to_panels(q)) for q in qs]
-    f = jax.jit(lambda x, ps, layer: cpu_kernels.matmuls(x, ps, panels=True, quads=True, layer=layer))
+    f = jax.jit(lambda x, ps, layer: cpu_kernels.matmuls(x, ps, panels=True, quads=True, layer=layer, **options))
     for layer in range(L):
         for q, y in zip(qs, f(x, ps, layer)):
             expected = quads_reference(x, q[layer])
-            if cpu_kernels.quads_available():
+            if quads_run(options):
                 np.testing.assert_array_equal(np.asarray(y), expected)
             else:
                 np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
-    if cpu_kernels.quads_available():
+    if quads_run(options):
         assert_one_call_on_whole_stacks(f.lower(x, ps, 0), "llm_jax_matmul_quads", jnp.int8, L, stacks=2)
 
 
-def test_int8_quads_errors_and_fallback(monkeypatch):
+def test_int8_quads_errors_and_fallback():
     x, q = quads_case(9, 40, 32)
     p = cpu_kernels.to_quads(cpu_kernels.to_panels(q))
     with pytest.raises(ValueError, match="panel layout"):
@@ -302,9 +324,9 @@ def test_int8_quads_errors_and_fallback(monkeypatch):
         cpu_kernels.matmul(x[:, :38], jnp.ones((2, 38, 16), jnp.int8), panels=True, quads=True)
     lowered = jax.jit(functools.partial(cpu_kernels.matmul, panels=True, quads=True)).lower(x, p).as_text()
     assert ("llm_jax_matmul_quads_i8" in lowered) == cpu_kernels.quads_available()
-    # XLA's product on the quads: its division is not correctly rounded on CPU, so t (and rarely an n)
-    # may differ in the last place from the kernel's
-    monkeypatch.setattr(cpu_kernels, "quads_available", lambda: False)
+    # Without VNNI (the option off, as on a CPU without it), XLA's product on the quads: its division is not
+    # correctly rounded on CPU, so t (and rarely an n) may differ in the last place from the kernel's
+    off = jax.jit(functools.partial(cpu_kernels.matmul, panels=True, quads=True, int8_dot=False))
+    assert "llm_jax_matmul_quads" not in off.lower(x, p).as_text()
     expected = quads_reference(x, q)
-    np.testing.assert_allclose(np.asarray(cpu_kernels.matmul(x, p, panels=True, quads=True)), expected,
-                               rtol=1e-5, atol=2e-3 * np.abs(expected).max())
+    np.testing.assert_allclose(np.asarray(off(x, p)), expected, rtol=1e-5, atol=2e-3 * np.abs(expected).max())

@@ -40,10 +40,25 @@ _KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.uin
 @dataclasses.dataclass(frozen=True)
 class CpuKernels(Backend):
     """The C++ kernels of ``cpu_kernels`` on one CPU device. ``greedy_screen``: prepared weights hold the
-    LM head's screens for greedy steps (False saves their memory: 0.5 to 1 of the head)."""
+    LM head's screens for greedy steps (False saves their memory: 0.5 to 1 of the head).
+
+    The instruction paths the kernels may take, each where the CPU and the build have it
+    (``cpu_kernels.build``'s probes): ``amx``, AMX's tiles, and ``bf16_dot``, AVX-512's bfloat16 dot
+    products, for bfloat16 products of many rows (off: float32 register tiles); ``int8_dot``, AVX-512
+    VNNI, for the LM head's int8 screen in quads at many rows (off: the bfloat16 screen or every logit).
+    Every kernel call follows them, and so do the screens :meth:`prepare` builds: prepare the weights
+    with the backend that runs them."""
 
     greedy_screen: bool = True
+    amx: bool = True
+    bf16_dot: bool = True
+    int8_dot: bool = True
     name = "cpu"
+
+    @property
+    def instructions(self) -> dict[str, bool]:
+        """The instruction options as the ``cpu_kernels`` functions take them (keyword arguments)."""
+        return dict(amx=self.amx, bf16_dot=self.bf16_dot, int8_dot=self.int8_dot)
 
     def prepare(self, params: Params, config: ModelConfig) -> Params:
         if config.param_jnp_dtype not in _KERNEL_DTYPES:
@@ -51,7 +66,7 @@ class CpuKernels(Backend):
         weights = forms.prepare(params, config)
         head = forms.head_panels(weights, config)
         if self.greedy_screen and head is not None and greedy_head.applies(config):
-            weights[greedy_head.SCREEN] = greedy_head.build(head)
+            weights[greedy_head.SCREEN] = greedy_head.build(head, **self.instructions)
         return weights
 
     # Matrix products.
@@ -60,7 +75,7 @@ class CpuKernels(Backend):
         products = _plan(equations, x, ws, layer)
         if products is None:
             return _xla_many(equations, x, ws, out_dtype, layer)
-        ys = _run(x, products, layer)
+        ys = _run(x, products, layer, self.instructions)
         out = [None] * len(ws)
         for product, y_RN in zip(products, ys):
             for index, start, width, shape in product.parts:
@@ -73,7 +88,7 @@ class CpuKernels(Backend):
         rows = math.prod(x_BTD.shape[:-1])
         if products is None or len(products) != 1 or rows < GLU_KERNEL_MIN_ROWS:
             return super().gate_up(x_BTD, gate_DF, up_DF, activation, layer)
-        (y_RE,) = _run(x_BTD, products, layer)  # [gate | up]: one fused product
+        (y_RE,) = _run(x_BTD, products, layer, self.instructions)  # [gate | up]: one fused product
         F = y_RE.shape[1] // 2
         return cpu_kernels.glu(y_RE, activation.value).reshape(*x_BTD.shape[:-1], F)
 
@@ -118,7 +133,7 @@ class CpuKernels(Backend):
         return cpu_kernels.argmax(scores_BV)
 
     def greedy_tokens(self, weights: Params, config: ModelConfig, x_BD: jax.Array) -> jax.Array | None:
-        return greedy_head.greedy_tokens(weights, config, x_BD)
+        return greedy_head.greedy_tokens(weights, config, x_BD, **self.instructions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +202,9 @@ def _plan(equations: Sequence[str], x: jax.Array, ws: Sequence[Any], layer) -> l
     return products
 
 
-def _run(x: jax.Array, products: list[_Product], layer) -> list[jax.Array]:
-    """The products' outputs [R, N] float32, one kernel call per layout."""
+def _run(x: jax.Array, products: list[_Product], layer, instructions: dict[str, bool]) -> list[jax.Array]:
+    """The products' outputs [R, N] float32, one kernel call per layout, on the instruction paths
+    ``instructions`` allow (:attr:`CpuKernels.instructions`)."""
     K = products[0].K
     x_RK = x.reshape(x.size // K, K)
     ys = [None] * len(products)
@@ -196,7 +212,7 @@ def _run(x: jax.Array, products: list[_Product], layer) -> list[jax.Array]:
         which = [i for i, p in enumerate(products) if p.layout == layout]
         if which:
             outs = cpu_kernels.matmuls(x_RK, [products[i].matrix for i in which], transposed=layout == "nk",
-                                       panels=layout == "panels", layer=layer)
+                                       panels=layout == "panels", layer=layer, **instructions)
             for i, y in zip(which, outs):
                 ys[i] = y
     return ys

@@ -17,6 +17,11 @@ Screens, by the rows of a step:
 - **bfloat16** (many rows elsewhere, float32 heads only): ã = bf16(x) · bf16(W), stored in pairs of rows
   where the CPU's bfloat16 dot products read them (``cpu_kernels.to_pairs``).
 
+Which instructions run is the backend's choice, as for every product: its options ``amx``, ``bf16_dot`` and
+``int8_dot`` (:class:`llm_jax.backends.CpuKernels`, each used where the CPU has it). The screens are built,
+chosen and read with them, and the exact check computes the head's logits on the path the head's product
+takes with them.
+
 The bounds (u = 2⁻⁸, u₃₂ = 2⁻²⁴, γ_D = D u₃₂ / (1 − D u₃₂): float32 summation of D terms in any order;
 ℓ = x · w exactly):
 
@@ -92,19 +97,29 @@ def applies(config: ModelConfig) -> bool:
     return config.param_jnp_dtype in (jnp.float32, jnp.bfloat16) and config.final_logit_softcap is None
 
 
-def quads_apply(d_model: int) -> bool:
-    """Whether many-row steps read the int8 screen in quads for rows of ``d_model`` values."""
-    return (cpu_kernels.quads_available() and not cpu_kernels.build.amx() and d_model % 4 == 0
-            and d_model <= QUADS_MAX_D)
+def quads_apply(d_model: int, *, int8_dot: bool = True, amx: bool = True) -> bool:
+    """Whether many-row steps read the int8 screen in quads for rows of ``d_model`` values: where VNNI runs
+    (``int8_dot`` and the CPU's) and AMX does not (its bfloat16 tiles read the pairs instead)."""
+    return (int8_dot and cpu_kernels.quads_available() and not (amx and cpu_kernels.build.amx())
+            and d_model % 4 == 0 and d_model <= QUADS_MAX_D)
 
 
-def build(head: Panels) -> Screen:
-    """The screens of an LM head held as panels [V / 16, D, 16]."""
-    return _screens(head.data, quads_apply(head.data.shape[1]))
+def build(head: Panels, *, amx: bool = True, bf16_dot: bool = True, int8_dot: bool = True) -> Screen:
+    """The screens of an LM head held as panels [V / 16, D, 16], for the instruction paths the options
+    allow: in quads where :func:`quads_apply`, the bfloat16 one in pairs where the dot products run."""
+    return _screens(head.data, quads_apply(head.data.shape[1], int8_dot=int8_dot, amx=amx),
+                    bf16_dot and cpu_kernels.pairs_available())
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _screens(head: jax.Array, quads: bool) -> Screen:
+def _screens(head: jax.Array, quads: bool, pairs: bool | None = None) -> Screen:
+    """The screens of panels ``head``: with the int8 screen in quads when ``quads``, else (a float32 head)
+    with the bfloat16 one, in pairs of rows when ``pairs`` (None: where the CPU's dot products run)."""
+    pairs = cpu_kernels.pairs_available() if pairs is None else pairs
+    return _built_screens(head, quads, pairs and head.shape[1] % 2 == 0)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _built_screens(head: jax.Array, quads: bool, pairs: bool) -> Screen:
     # Norms are summed in float32 (relative error ≤ D · 2⁻²⁴) and raised by 0.1 % to stay above the exact
     # ones; so are the errors ‖w − s q‖₂, raised by 4 units of float32's roundoff of ‖w‖₂ for the
     # roundings of w − s q.
@@ -121,42 +136,47 @@ def _screens(head: jax.Array, quads: bool) -> Screen:
                                    errors_V=errors_V + jnp.float32(2.0 ** -22) * norms_V)
     if head.dtype == jnp.float32:
         bf16 = head.astype(jnp.bfloat16)
-        if cpu_kernels.pairs_available() and head.shape[1] % 2 == 0:
+        if pairs:
             return dataclasses.replace(screen, bfloat16_pairs=cpu_kernels.to_pairs(bf16))
         return dataclasses.replace(screen, bfloat16=bf16)
     return screen
 
 
-def screen_for(screen: Screen, rows: int) -> str | None:
-    """Which screen a greedy step of ``rows`` rows reads, or None where it computes every logit."""
+def screen_for(screen: Screen, rows: int, *, int8_dot: bool = True) -> str | None:
+    """Which screen a greedy step of ``rows`` rows reads (the quads where ``int8_dot`` and the CPU run
+    them), or None where it computes every logit."""
     if rows <= INT8_MAX_ROWS:
         return "int8"
-    if screen.int8_quads is not None and cpu_kernels.quads_available():
+    if screen.int8_quads is not None and int8_dot and cpu_kernels.quads_available():
         return "int8_quads"
     if screen.bfloat16_pairs is not None or screen.bfloat16 is not None:
         return "bfloat16"
     return None
 
 
-def greedy_tokens(weights: dict, config: ModelConfig, x_BD: jax.Array) -> jax.Array | None:
+def greedy_tokens(weights: dict, config: ModelConfig, x_BD: jax.Array, *, amx: bool = True, bf16_dot: bool = True,
+                  int8_dot: bool = True) -> jax.Array | None:
     """The greedy token [B] (int32) of final-normed hidden states ``x_BD`` through the screen of the
-    prepared ``weights``; None where there is no screen or none serves B rows."""
+    prepared ``weights``, the token of the head's product on the instruction paths the options allow;
+    None where there is no screen or none serves B rows."""
     screen, head = weights.get(SCREEN), head_panels(weights, config)
     if screen is None or head is None or not applies(config):
         return None
-    which = screen_for(screen, x_BD.shape[0])
+    which = screen_for(screen, x_BD.shape[0], int8_dot=int8_dot)
     if which is None:
         return None
     x_BD = x_BD.astype(head.dtype).astype(jnp.float32)  # as the head's product rounds it
     c1, c2 = bounds(config.d_model, which)
+    paths = dict(amx=amx, bf16_dot=bf16_dot)
     with jax.named_scope("greedy_head"):
         if which == "int8_quads":
             return cpu_kernels.quads_argmax(x_BD, screen.int8_quads, head.data, screen.scales_V, screen.errors_V,
-                                            screen.norms_V, c1, c2)
+                                            screen.norms_V, c1, c2, int8_dot=int8_dot, **paths)
         if which == "int8":
-            screened_BV = cpu_kernels.matmul(x_BD, screen.int8, panels=True)
-            return cpu_kernels.screened_argmax(screened_BV, x_BD, head.data, screen.scales_V, screen.norms_V, c1, c2)
+            screened_BV = cpu_kernels.matmul(x_BD, screen.int8, panels=True, **paths)
+            return cpu_kernels.screened_argmax(screened_BV, x_BD, head.data, screen.scales_V, screen.norms_V, c1, c2,
+                                               **paths)
         paired = screen.bfloat16_pairs is not None
         screened_BV = cpu_kernels.matmul(x_BD, screen.bfloat16_pairs if paired else screen.bfloat16, panels=True,
-                                         pairs=paired)
-        return cpu_kernels.screened_argmax(screened_BV, x_BD, head.data, None, screen.norms_V, c1, c2)
+                                         pairs=paired, **paths)
+        return cpu_kernels.screened_argmax(screened_BV, x_BD, head.data, None, screen.norms_V, c1, c2, **paths)
