@@ -182,9 +182,10 @@ def argmax_only(controls: DecodeControls) -> bool:
     return not s.sampled and controls.logprobs is None and all(p is None for p in processors)
 
 
-def _choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls,
-            backend: Backend) -> tuple[jax.Array, Emitted]:
-    """Process the logits, pick each row's next token, and its log-probabilities when asked."""
+def choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls,
+           backend: Backend) -> tuple[jax.Array, Emitted]:
+    """Process the logits, pick each row's next token, and its log-probabilities when asked (emitted as
+    [B] arrays): every way of decoding — ``start``, ``decode``, the serving engine's step — chooses here."""
     minimum = controls.min_new_tokens_B
     scores_BV = process_logits(logits_BV, controls.sampling, state.history, num_generated_B=state.num_generated_B,
                                end_ids_BE=None if minimum is None else controls.end_ids_BE, min_new_tokens_B=minimum)
@@ -236,7 +237,7 @@ def start(last_logits_BV: jax.Array, prompts_BT: jax.Array, cache: KVCache, cont
     window_BP = None if controls.stop_table is None else stop_matching.empty_window(B, controls.stop_table)
     state = DecodeState(tokens_B=zeros_B, num_generated_B=zeros_B, finish_reason_B=zeros_B, history=history,
                         stop_window_BP=window_BP)
-    token_B, emitted = _choose(last_logits_BV, state, controls, backend)
+    token_B, emitted = choose(last_logits_BV, state, controls, backend)
     state = _advance(token_B, jnp.ones((B,), bool), state, controls, cache.lengths_B, cache.max_len)
     emitted = dataclasses.replace(emitted, tokens_BS=state.tokens_B)
     return constrain_replicated((state, jax.tree.map(lambda a: a[:, None], emitted)), mesh)
@@ -268,7 +269,7 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
             # Only the argmax wanted: without every logit where the backend can (None: it cannot).
             token_B = greedy_tokens(params, config, x_B1D[:, 0], backend) if screenable else None
             if token_B is None:
-                token_B, emitted = _choose(unembed(params, config, x_B1D, backend)[:, 0], state, controls, backend)
+                token_B, emitted = choose(unembed(params, config, x_B1D, backend)[:, 0], state, controls, backend)
             else:
                 emitted = Emitted(tokens_BS=token_B)
             state = _advance(token_B, running_B, state, controls, cache.lengths_B, cache.max_len)

@@ -22,13 +22,12 @@ from llm_jax import buckets, executable_cache, sharding
 from llm_jax.beams import BeamSearch, EarlyStopping, beam_search
 from llm_jax.compile_stats import measure_compilation
 from llm_jax.decoding import PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, decode, start, take_cache_rows
-from llm_jax.detokenize import IncrementalDetokenizer
 from llm_jax.kv_cache import KVCache, init_cache
 from llm_jax.loading import Model
 from llm_jax.model import LayerHooks
 from llm_jax.prefilling import PrefillExtras, pad_prompts, prefill, prefill_with_extras
 from llm_jax.sampling import GREEDY, Sampling
-from llm_jax.stop_strings import StopStringMatcher
+from llm_jax.stop_strings import SequenceText
 
 # The jitted programs, run from llm_jax.executable_cache's files when it is enabled (the CLI enables it
 # with the persistent compilation cache), so that a second process neither traces nor lowers them.
@@ -153,50 +152,6 @@ def _top_dicts(ids_SN: np.ndarray, logprobs_SN: np.ndarray) -> list[dict[int, fl
     return [dict(zip(map(int, ids), map(float, lps))) for ids, lps in zip(ids_SN, logprobs_SN)]
 
 
-class _RowText:
-    """Host-side text of one sequence: incremental detokenization, then stop-string matching in the text
-    after its first ``min_new_tokens`` tokens (as on device)."""
-
-    def __init__(self, tokenizer, prompt_ids: list[int], stop_strings: Sequence[str], min_new_tokens: int = 0):
-        self.ids: list[int] = []
-        self.pieces: list[str] = []
-        self.detok = IncrementalDetokenizer(tokenizer, context_ids=prompt_ids) if tokenizer else None
-        self.matcher = StopStringMatcher(stop_strings) if stop_strings else None
-        self.unmatched = min_new_tokens  # leading tokens whose text is never part of a stop string
-
-    def push(self, new_ids: list[int], last: bool) -> tuple[list[int], str, bool]:
-        """Add ids one by one; return the ids kept, the text now safe to show, and whether a stop string
-        ended the sequence (then the ids after the one completing it are dropped)."""
-        if self.detok is None:
-            self.ids.extend(new_ids)
-            return new_ids, "", False
-        # Each id's text, then (on the last push) what the detokenizer still holds.
-        pieces = [(i + 1, self.detok.push([token])) for i, token in enumerate(new_ids)]
-        if last:
-            pieces.append((len(new_ids), self.detok.finish()))
-        shown = []
-        for kept, text in pieces:
-            if self.matcher is not None and len(self.ids) + kept > self.unmatched:
-                released = self.matcher.push(text)
-                shown.append(released.text)
-                if released.stop is not None:
-                    return self._keep(new_ids[:kept], shown, stopped=True)
-            else:
-                shown.append(text)
-        if last and self.matcher is not None:
-            shown.append(self.matcher.finish())
-        return self._keep(new_ids, shown, stopped=False)
-
-    def _keep(self, ids: list[int], shown: list[str], stopped: bool) -> tuple[list[int], str, bool]:
-        self.ids.extend(ids)
-        self.pieces.extend(shown)
-        return ids, "".join(shown), stopped
-
-    @property
-    def text(self) -> str | None:
-        return "".join(self.pieces) if self.detok is not None else None
-
-
 class GenerationStream:
     """Iterate to receive :class:`StreamEvent` s as decode chunks complete; afterwards ``results`` holds
     one :class:`GenerationResult` per completion — prompt-major, ``n`` (or ``num_return_sequences``) per
@@ -310,7 +265,7 @@ class GenerationStream:
                                     backend=model.backend)
             emitted = jax.device_get(emitted)
             t_first, compile_before_decode = time.perf_counter(), compiled.seconds
-            texts = [_RowText(model.tokenizer, self.prompt_ids[p], stops, minimum)
+            texts = [SequenceText(model.tokenizer, self.prompt_ids[p], stops, minimum)
                      for p, stops, minimum in zip(self.rows, self.stops, self.min_new_tokens)]
             outputs = _RowOutputs(len(self.rows))
             reasons: list[str | None] = [None] * len(self.rows)
@@ -410,7 +365,7 @@ class GenerationStream:
             for rank in range(search.num_return_sequences):
                 output = beams.tokens_BWM[p, rank, : beams.lengths_BW[p, rank]].tolist()
                 reason = "eos" if output and output[-1] in end_ids else "length"
-                text = _RowText(tok, ids, ())  # detokenized after the prompt, as streamed text is
+                text = SequenceText(tok, ids, ())  # detokenized after the prompt, as streamed text is
                 text.push(output, last=True)
                 self.results.append(GenerationResult(
                     prompt=self.prompts[p] if isinstance(self.prompts[p], str) else None, prompt_ids=ids,

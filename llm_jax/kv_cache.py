@@ -116,3 +116,84 @@ def read_layer(cache_LBSKH: jax.Array, layer: jax.Array) -> jax.Array:
     """The keys or values of layer ``layer``: [B, S, K, H] (bfloat16 for a cache of bits)."""
     layer_BSKH = jax.lax.dynamic_index_in_dim(bits.as_bits(cache_LBSKH), layer, keepdims=False)
     return bits.from_bits(layer_BSKH, _values(cache_LBSKH))
+
+
+# The paged KV cache of the serving engine (``llm_jax.serving``): a pool of P pages of Z tokens per layer,
+# shared by every sequence through its block table (page b of a sequence holds its positions
+# [b·Z, (b + 1)·Z)). Page 0 is never handed out (``llm_jax.serving.NULL_BLOCK``): block tables are padded
+# with it, and padding tokens write there.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    k_LPZKH: jax.Array
+    v_LPZKH: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_LPZKH.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_LPZKH.shape[2]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of the keys and values (bfloat16 for a cache that holds their bits)."""
+        return _values(self.k_LPZKH)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_LPZKH.nbytes + self.v_LPZKH.nbytes
+
+
+def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None, *,
+                     sharding: PagedKVCache | None = None) -> PagedKVCache:
+    """An empty pool of ``num_pages`` pages of ``page_size`` tokens (default dtype: compute; bfloat16 held
+    as its bits, as :func:`init_cache` does). ``sharding``: a :class:`PagedKVCache` of shardings."""
+    if num_pages < 2 or page_size < 1:
+        raise ValueError(f"a paged cache needs at least 2 pages (page 0 is padding) of at least 1 token, got "
+                         f"{num_pages=} {page_size=}")
+    dtype = jnp.dtype(dtype or config.compute_dtype)
+    stored_dtype = jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
+    shape = (config.n_layers, num_pages, page_size, config.n_kv_heads, config.head_dim)
+    on = sharding or PagedKVCache(k_LPZKH=None, v_LPZKH=None)
+    return PagedKVCache(k_LPZKH=jnp.zeros(shape, stored_dtype, device=on.k_LPZKH),
+                        v_LPZKH=jnp.zeros(shape, stored_dtype, device=on.v_LPZKH))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedBatch:
+    """Where a serving step's flat, ragged batch of T tokens lives on the pages, for B sequences.
+
+    Sequence b owns tokens ``query_start_B[b]`` ... ``query_start_B[b] + num_tokens_B[b] - 1``: the last
+    ``num_tokens_B[b]`` of its ``seq_lens_B[b]`` tokens, so its token i sits at position
+    ``seq_lens_B[b] - num_tokens_B[b] + i``. Its position s is row s % Z of page ``block_tables_BX[b, s // Z]``.
+    Token t's key and value go to slot ``slots_T[t]`` (page · Z + row). Padding sequences have no tokens;
+    padding tokens write to page 0. ``max_query_len`` (static) bounds ``num_tokens_B``.
+    """
+
+    slots_T: jax.Array  # int32
+    block_tables_BX: jax.Array  # int32
+    query_start_B: jax.Array  # int32
+    num_tokens_B: jax.Array  # int32
+    seq_lens_B: jax.Array  # int32
+    max_query_len: int = dataclasses.field(metadata=dict(static=True))
+
+
+def write_slots(pages_LPZKH: jax.Array, layer: jax.Array, slots_T: jax.Array, new_TKH: jax.Array) -> jax.Array:
+    """Write token t at slot ``slots_T[t]`` (page · Z + row) of layer ``layer``; slots past the pool are
+    dropped."""
+    P, Z = pages_LPZKH.shape[1:3]
+    slots_T = jnp.where((slots_T >= 0) & (slots_T < P * Z), slots_T, P * Z)
+    return pages_LPZKH.at[layer, slots_T // Z, slots_T % Z].set(stored(pages_LPZKH, new_TKH), mode="drop")
+
+
+def read_pages(pages_LPZKH: jax.Array, layer: jax.Array, block_tables_BX: jax.Array) -> jax.Array:
+    """The keys or values of every sequence, position by position: [B, X·Z, K, H] (bfloat16 for bits)."""
+    layer_PZKH = jax.lax.dynamic_index_in_dim(bits.as_bits(pages_LPZKH), layer, keepdims=False)
+    B, X = block_tables_BX.shape
+    seq_BSKH = layer_PZKH[block_tables_BX].reshape(B, X * layer_PZKH.shape[1], *layer_PZKH.shape[2:])
+    return bits.from_bits(seq_BSKH, _values(pages_LPZKH))

@@ -168,6 +168,34 @@ class SamplingParams:
                    no_repeat_ngram_B=ngram, max_ngram_size=0 if ngram is None else int(ngram.max()),
                    sampled=any(r.temperature > 0 for r in rows))
 
+    @classmethod
+    def stack_fixed(cls, rows: Sequence[Sampling], *, bias_width: int, vocab_size: int | None = None,
+                    samples: Sequence[int] | None = None) -> "SamplingParams":
+        """:meth:`stack` with every field of the serving engine's settings present whatever the rows use
+        (temperature, top-k/p, min-p, seed, the penalties, ``logit_bias`` in ``bias_width`` columns), so
+        that any mix of rows shares one program. Settings whose tables have no fixed shape (typical-p,
+        banned tokens and words, no-repeat n-grams) are refused."""
+        for i, r in enumerate(rows):
+            unsupported = [name for name, off in (("typical_p", 1.0), ("suppress_tokens", ()), ("bad_words_ids", ()),
+                                                  ("no_repeat_ngram_size", 0)) if getattr(r, name) != off]
+            if unsupported:
+                raise ValueError(f"sampling settings of row {i}: {', '.join(unsupported)} not supported here")
+            if len(r.logit_bias) > bias_width:
+                raise ValueError(f"sampling settings of row {i}: {len(r.logit_bias)} logit_bias entries, at most "
+                                 f"{bias_width}")
+        params = cls.stack(rows, vocab_size=vocab_size, samples=samples)
+        B = len(rows)
+        bias_ids = np.full((B, bias_width), PAD_ID, np.int32)
+        bias_values = np.zeros((B, bias_width), np.float32)
+        for i, r in enumerate(rows):
+            bias_ids[i, :len(r.logit_bias)] = list(r.logit_bias)
+            bias_values[i, :len(r.logit_bias)] = list(r.logit_bias.values())
+        return dataclasses.replace(
+            params, repetition_penalty_B=np.array([r.repetition_penalty for r in rows], np.float32),
+            presence_penalty_B=np.array([r.presence_penalty for r in rows], np.float32),
+            frequency_penalty_B=np.array([r.frequency_penalty for r in rows], np.float32),
+            bias_ids_BX=bias_ids, bias_values_BX=bias_values, sampled=True)
+
     @property
     def needs_token_history(self) -> bool:
         """Whether a processor reads past tokens in order (n-grams, multi-token banned sequences)."""

@@ -17,7 +17,9 @@ first, so the result does not depend on how the text was split into pieces.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+from llm_jax.detokenize import IncrementalDetokenizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,3 +77,48 @@ class StopStringMatcher:
             if buffer[-length:] in self._prefixes:
                 return length
         return 0
+
+
+class SequenceText:
+    """Host-side text of one generated sequence: incremental detokenization after its prompt, then
+    stop-string matching in the text after its first ``min_new_tokens`` tokens. Shared by ``generate``
+    and the serving engine, so both end a sequence on the same token."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop_strings: Sequence[str], min_new_tokens: int = 0):
+        self.ids: list[int] = []
+        self.pieces: list[str] = []
+        self.detok = IncrementalDetokenizer(tokenizer, context_ids=prompt_ids) if tokenizer else None
+        self.matcher = StopStringMatcher(stop_strings) if stop_strings else None
+        self.unmatched = min_new_tokens  # leading tokens whose text is never part of a stop string
+
+    def push(self, new_ids: list[int], last: bool) -> tuple[list[int], str, bool]:
+        """Add ids one by one; return the ids kept, the text now safe to show, and whether a stop string
+        ended the sequence (then the ids after the one completing it are dropped)."""
+        if self.detok is None:
+            self.ids.extend(new_ids)
+            return new_ids, "", False
+        # Each id's text, then (on the last push) what the detokenizer still holds.
+        pieces = [(i + 1, self.detok.push([token])) for i, token in enumerate(new_ids)]
+        if last:
+            pieces.append((len(new_ids), self.detok.finish()))
+        shown = []
+        for kept, text in pieces:
+            if self.matcher is not None and len(self.ids) + kept > self.unmatched:
+                released = self.matcher.push(text)
+                shown.append(released.text)
+                if released.stop is not None:
+                    return self._keep(new_ids[:kept], shown, stopped=True)
+            else:
+                shown.append(text)
+        if last and self.matcher is not None:
+            shown.append(self.matcher.finish())
+        return self._keep(new_ids, shown, stopped=False)
+
+    def _keep(self, ids: list[int], shown: list[str], stopped: bool) -> tuple[list[int], str, bool]:
+        self.ids.extend(ids)
+        self.pieces.extend(shown)
+        return ids, "".join(shown), stopped
+
+    @property
+    def text(self) -> str | None:
+        return "".join(self.pieces) if self.detok is not None else None

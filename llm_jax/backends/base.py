@@ -85,6 +85,27 @@ class Backend:
                                softcap=config.attn_logit_softcap)
         return o_BTNH, k_LBSKH, v_LBSKH
 
+    def paged_attention(self, q_TNH, k_TKH, v_TKH, k_LPZKH, v_LPZKH, layer, batch: kvc.PagedBatch, *,
+                        config: ModelConfig, window: int | None, mesh: Mesh | None = None):
+        """A serving step's attention over the paged cache: write the T new keys and values [T, K, H] at
+        ``batch.slots_T`` of layer ``layer``, then attend from each token over its sequence's positions up
+        to its own (``kv_cache.PagedBatch``): (o_TNH, k_LPZKH, v_LPZKH). Here the reference: each sequence's
+        pages gathered, its queries padded to ``batch.max_query_len``."""
+        k_LPZKH = kvc.write_slots(k_LPZKH, layer, batch.slots_T, k_TKH)
+        v_LPZKH = kvc.write_slots(v_LPZKH, layer, batch.slots_T, v_TKH)
+        T = q_TNH.shape[0]
+        i_Q = jnp.arange(batch.max_query_len, dtype=jnp.int32)
+        rows_BQ = batch.query_start_B[:, None] + i_Q
+        valid_BQ = i_Q < batch.num_tokens_B[:, None]
+        positions_BQ = batch.seq_lens_B[:, None] - batch.num_tokens_B[:, None] + i_Q
+        o_BQNH = xla_attention(q_TNH[jnp.where(valid_BQ, rows_BQ, 0)],
+                               kvc.read_pages(k_LPZKH, layer, batch.block_tables_BX),
+                               kvc.read_pages(v_LPZKH, layer, batch.block_tables_BX), positions_BQ,
+                               batch.seq_lens_B, scale=config.attn_scale, window=window,
+                               softcap=config.attn_logit_softcap)
+        o_TNH = jnp.zeros_like(q_TNH).at[jnp.where(valid_BQ, rows_BQ, T)].set(o_BQNH, mode="drop")
+        return o_TNH, k_LPZKH, v_LPZKH
+
     # Choosing tokens.
     def argmax(self, scores_BV: jax.Array) -> jax.Array:
         """The first index of each row's largest score (of its first NaN), int32 [B]: ``jnp.argmax``."""

@@ -27,7 +27,7 @@ from llm_jax import backends
 from llm_jax import kv_cache as kvc
 from llm_jax.backends import Backend
 from llm_jax.config import ModelConfig
-from llm_jax.kv_cache import KVCache
+from llm_jax.kv_cache import KVCache, PagedBatch, PagedKVCache
 from llm_jax.model.attention import Attention
 from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, final_norm
 
@@ -313,3 +313,21 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
     x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT, backend), positions_BT,
                                             attend, cache, hooks, backend)
     return (x_BTD, dataclasses.replace(cache, lengths_B=new_lengths_B), *recorded)
+
+
+def forward_paged(params: Params, config: ModelConfig, tokens_T: jax.Array, positions_T: jax.Array,
+                  cache: PagedKVCache, batch: PagedBatch, mesh: Mesh | None = None, *, backend: BackendArg = None):
+    """A serving step: T tokens of many sequences, flat and ragged (``kv_cache.PagedBatch`` says whose each
+    is), at ``positions_T``, over the paged cache: hidden states [T, D] (before the final norm) and the
+    cache holding the tokens' keys and values."""
+    backend = resolve_backend(backend)
+
+    def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
+        o_TNH, k_LPZKH, v_LPZKH = backend.paged_attention(q_BTNH[0], k_BTKH[0], v_BTKH[0], cache.k_LPZKH,
+                                                          cache.v_LPZKH, layer, batch, config=config, window=window,
+                                                          mesh=mesh)
+        return o_TNH[None], PagedKVCache(k_LPZKH=k_LPZKH, v_LPZKH=v_LPZKH)
+
+    x_1TD, cache = decoder_stack(params, config, embed(params, config, tokens_T[None], backend), positions_T[None],
+                                 attend, cache, None, backend)
+    return x_1TD[0], cache

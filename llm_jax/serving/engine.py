@@ -1,0 +1,281 @@
+"""The serving engine: requests arrive at any time and run together, step by step, over a paged KV cache.
+
+    engine = Engine(model, max_num_seqs=8, max_num_batched_tokens=256)
+    engine.add_request("a", "Once upon a time", max_new_tokens=64)
+    while engine.has_unfinished:
+        for out in engine.step():       # each request's new tokens and text, and its finish reason
+            ...
+
+Each step the scheduler (host, :mod:`llm_jax.serving.scheduler`) plans which tokens run — one for every
+decoding sequence, chunks of prompts while the token budget lasts — and the device step
+(:mod:`llm_jax.serving.step`) runs them and picks each sequence's next token with the same processors and
+sampling as ``generate``. End-of-sequence ids, stop ids and stop strings are checked here, on the host, as
+``generate`` checks its text. Steps are padded to a few shapes, compiled once by :meth:`Engine.warm_up`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from llm_jax.decoding import PAD_ID
+from llm_jax.generation import Prompt, encode_prompts
+from llm_jax.kv_cache import PagedBatch, cache_bytes_per_token, init_paged_cache
+from llm_jax.loading import Model
+from llm_jax.sampling import GREEDY, Sampling
+from llm_jax.serving.blocks import NULL_BLOCK
+from llm_jax.serving.scheduler import FinishReason, Request, Scheduler, SchedulerStats, StepPlan
+from llm_jax.serving.step import Shape, StepInputs, abstract_inputs, step, step_controls
+from llm_jax.stop_strings import SequenceText
+
+BIAS_WIDTH = 300  # logit_bias entries per request at most (the OpenAI API's limit)
+END_WIDTH = 32  # end-of-sequence and stop ids per request at most
+MIN_TOKEN_BUCKET = 16  # the smallest token count a step with prefill chunks is padded to
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # new tokens (none for a prompt chunk that does not end the prompt)
+    text: str  # new text, safe to show (held back where it could be the start of a stop string)
+    finish_reason: str | None = None  # "eos", "stop", "length" when the request ended with this step
+    logprobs: tuple[float, ...] | None = None  # the new tokens' log-probabilities, when asked for
+    top_logprobs: tuple[dict[int, float], ...] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # after this step
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """Host state of one request beside the scheduler's."""
+
+    request: Request
+    sampling: Sampling
+    end_ids: tuple[int, ...]  # EOS then stop ids, banned before min_new_tokens
+    eos_ids: frozenset[int]
+    stop_ids: frozenset[int]
+    min_new_tokens: int
+    logprobs: int | None
+    sample_index: int
+    text: SequenceText
+
+    @property
+    def kind(self) -> str:
+        if self.logprobs is not None:
+            return "logprobs"
+        greedy = dataclasses.replace(self.sampling, seed=0) == GREEDY
+        return "greedy" if greedy and self.min_new_tokens == 0 else "sample"
+
+
+def _buckets(limit: int, smallest: int = 1) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` below ``limit``, then ``limit``."""
+    sizes = [s for s in (2 ** i for i in range(32)) if smallest <= s < limit]
+    return (*sizes, limit)
+
+
+class Engine:
+    """Continuous batching over a paged KV cache for ``model`` (its backend and weights).
+
+    ``max_num_seqs`` sequences run at once; a step computes at most ``max_num_batched_tokens`` tokens (a
+    token for each decoding sequence, chunks of prompts with the rest). The cache holds ``num_blocks``
+    blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes hold, or by default enough for
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens (the model's context unless given).
+    ``enable_prefix_caching`` keeps full blocks of finished requests for later ones with the same prefix.
+    ``max_logprobs``: the most top log-probabilities a request may ask for.
+    """
+
+    def __init__(self, model: Model, *, max_num_seqs: int = 8, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_memory: int | None = None, max_num_batched_tokens: int = 256,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, max_logprobs: int = 20):
+        config = model.config
+        self.model, self.config = model, config
+        self.max_model_len = min(max_model_len or config.max_seq_len, config.max_seq_len)
+        if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"need max_num_seqs >= 1 and max_num_batched_tokens >= max_num_seqs, got "
+                             f"{max_num_seqs=} {max_num_batched_tokens=}")
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.block_size, self.max_logprobs = block_size, max_logprobs
+        num_blocks = self._num_blocks(num_blocks, kv_cache_memory)
+        self.cache = init_paged_cache(config, num_blocks, block_size)
+        self.scheduler = Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                                   enable_prefix_caching=enable_prefix_caching)
+        self.X = math.ceil(self.max_model_len / block_size)
+        self.seq_buckets = _buckets(max_num_seqs)
+        self.token_buckets = _buckets(max_num_batched_tokens, min(MIN_TOKEN_BUCKET, max_num_batched_tokens))
+        self._live: dict[str, _Live] = {}
+
+    def _num_blocks(self, num_blocks: int | None, memory: int | None) -> int:
+        per_block = cache_bytes_per_token(self.config) * self.block_size
+        if num_blocks is None and memory is not None:
+            num_blocks = memory // per_block
+        if num_blocks is None:
+            num_blocks = self.max_num_seqs * math.ceil(self.max_model_len / self.block_size) + 1
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks of {self.block_size} tokens ({per_block} bytes "
+                             f"each); got {num_blocks}")
+        return int(num_blocks)
+
+    # Requests.
+    def add_request(self, request_id: str, prompt: Prompt, *, sampling: Sampling = GREEDY,
+                    max_new_tokens: int | None = None, min_new_tokens: int = 0, stop: Sequence[str] = (),
+                    stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
+                    sample_index: int = 0) -> None:
+        """Queue a request (a string, or token ids used as given). ``max_new_tokens`` None: until the
+        context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own).
+        ``sample_index`` tells apart the samples of one prompt drawn with one seed, as ``generate``'s ``n``."""
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already running")
+        (ids,) = encode_prompts(self.model, [prompt])
+        if logprobs is not None and not 0 <= logprobs <= self.max_logprobs:
+            raise ValueError(f"logprobs must be in [0, {self.max_logprobs}], got {logprobs}")
+        if min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {min_new_tokens}")
+        eos_ids = () if ignore_eos else tuple(self.model.eos_ids)
+        stop_ids = tuple(int(t) for t in stop_token_ids) + tuple(self.model.stop_ids)
+        end_ids = tuple(dict.fromkeys(eos_ids + stop_ids))
+        if len(end_ids) > END_WIDTH:
+            raise ValueError(f"at most {END_WIDTH} end-of-sequence and stop token ids, got {len(end_ids)}")
+        V = self.config.vocab_size
+        if bad := [t for t in (*end_ids, *sampling.token_ids()) if not 0 <= t < V]:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
+        step_controls(Shape(T=1, B=1, X=1, Q=1, kind="sample"), [sampling], np.zeros((1, 0), np.int32),
+                      np.zeros((1,), np.int32), bias_width=BIAS_WIDTH)  # refuses what the step cannot run
+        request = Request(request_id=request_id, prompt_token_ids=ids, max_new_tokens=max_new_tokens)
+        self.scheduler.add(request)  # refuses requests that can never fit
+        self._live[request_id] = _Live(
+            request=request, sampling=sampling, end_ids=end_ids, eos_ids=frozenset(eos_ids),
+            stop_ids=frozenset(stop_ids), min_new_tokens=min_new_tokens, logprobs=logprobs, sample_index=sample_index,
+            text=SequenceText(self.model.tokenizer, list(ids), tuple(stop), min_new_tokens))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False when it is unknown or already finished."""
+        self._live.pop(request_id, None)
+        return self.scheduler.abort(request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # Steps.
+    def shapes(self) -> list[Shape]:
+        """Every step program this engine can run: decode-only steps by sequences, mixed steps by tokens."""
+        kinds = [("greedy", 0), ("sample", 0), ("logprobs", self.max_logprobs)]
+        decode = [(B, B, 1) for B in self.seq_buckets]
+        mixed = [(T, self.max_num_seqs, T) for T in self.token_buckets]
+        return [Shape(T=T, B=B, X=self.X, Q=Q, kind=kind, top_n=top_n)
+                for (kind, top_n), (T, B, Q) in itertools.product(kinds, decode + mixed)]
+
+    def warm_up(self) -> int:
+        """Compile every step program (:meth:`shapes`) by running it on padding; returns how many."""
+        shapes = self.shapes()
+        for shape in shapes:
+            inputs = abstract_inputs(shape, self.config, bias_width=BIAS_WIDTH, end_width=END_WIDTH,
+                                     max_model_len=self.max_model_len)
+            self.cache, emitted = self._run(inputs)
+        jax.block_until_ready(self.cache)
+        return len(shapes)
+
+    def _run(self, inputs: StepInputs):
+        return step(self.model.weights, self.config, self.cache, inputs, backend=self.model.backend,
+                    mesh=self.model.mesh)
+
+    def _shape(self, plan: StepPlan, kind: str) -> Shape:
+        top_n = self.max_logprobs if kind == "logprobs" else 0
+        if (plan.num_tokens_B == 1).all():
+            B = next(b for b in self.seq_buckets if b >= plan.num_seqs)
+            return Shape(T=B, B=B, X=self.X, Q=1, kind=kind, top_n=top_n)
+        T = next(t for t in self.token_buckets if t >= plan.num_tokens)
+        return Shape(T=T, B=self.max_num_seqs, X=self.X, Q=T, kind=kind, top_n=top_n)
+
+    def _inputs(self, plan: StepPlan, shape: Shape, lives: list[_Live]) -> StepInputs:
+        n, T, B = plan.num_seqs, plan.num_tokens, shape.B
+
+        def padded(a: np.ndarray, size: int, fill=0) -> np.ndarray:
+            out = np.full((size, *a.shape[1:]), fill, a.dtype)
+            out[:len(a)] = a
+            return out
+
+        tables = np.full((B, self.X), NULL_BLOCK, np.int32)
+        tables[:n, :plan.block_tables_BX.shape[1]] = plan.block_tables_BX
+        query_start_B = padded(plan.query_start_B, B, T)  # padding sequences: no tokens, after the real ones
+        batch = PagedBatch(slots_T=padded(plan.slots_T, shape.T, NULL_BLOCK), block_tables_BX=tables,
+                           query_start_B=query_start_B, num_tokens_B=padded(plan.num_tokens_B, B),
+                           seq_lens_B=padded(plan.seq_lens_B, B), max_query_len=shape.Q)
+        sampling = [live.sampling for live in lives] + [GREEDY] * (B - n)
+        end_ids_BE = np.full((B, END_WIDTH), PAD_ID, np.int32)
+        for b, live in enumerate(lives):
+            end_ids_BE[b, :len(live.end_ids)] = live.end_ids
+        min_new_B = padded(np.array([live.min_new_tokens for live in lives], np.int32), B)
+        controls = step_controls(shape, sampling, end_ids_BE, min_new_B, bias_width=BIAS_WIDTH)
+        samples = np.array([live.sample_index for live in lives] + [0] * (B - n), np.int32)
+        controls = dataclasses.replace(controls, sampling=dataclasses.replace(controls.sampling, sample_B=samples))
+        generated_B = padded(np.array([live.request.num_output_tokens for live in lives], np.int32), B)
+        extra = {}
+        if shape.kind != "greedy":
+            tokens_BS = np.zeros((B, self.max_model_len), np.int32)
+            for b, live in enumerate(lives):
+                tokens_BS[b, :live.request.num_tokens] = live.request.token_ids
+            extra = dict(tokens_BS=tokens_BS,
+                         prompt_lens_B=padded(np.array([len(l.request.prompt_token_ids) for l in lives], np.int32), B),
+                         lengths_B=padded(np.array([l.request.num_tokens for l in lives], np.int32), B))
+        return StepInputs(tokens_T=padded(plan.token_ids_T, shape.T), positions_T=padded(plan.positions_T, shape.T),
+                          batch=batch, controls=controls, num_generated_B=generated_B, **extra)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step: each request that produced something gets a :class:`RequestOutput`."""
+        plan = self.scheduler.schedule()
+        if plan.num_seqs == 0:
+            return []
+        lives = [self._live[rid] for rid in plan.request_ids]
+        kinds = {live.kind for live in lives}
+        kind = "logprobs" if "logprobs" in kinds else "sample" if "sample" in kinds else "greedy"
+        shape = self._shape(plan, kind)
+        self.cache, emitted = self._run(self._inputs(plan, shape, lives))
+        emitted = jax.device_get(emitted)
+        sampled_B = np.asarray(emitted.tokens_BS)[:plan.num_seqs]
+        outputs, stopped = [], {}
+        for b, live in enumerate(lives):
+            if not plan.samples_B[b]:
+                continue
+            request, token = live.request, int(sampled_B[b])
+            reason = None
+            if token in live.eos_ids:
+                reason = FinishReason.EOS
+            elif token in live.stop_ids:
+                reason = FinishReason.STOP
+            length = (request.num_output_tokens + 1 >= request.max_new_tokens
+                      or request.num_tokens + 1 >= self.max_model_len)
+            kept, text, hit_stop = live.text.push([token], last=reason is not None or length)
+            if hit_stop:
+                reason = FinishReason.STOP
+            if reason is not None:
+                stopped[request.request_id] = reason
+            logprobs = top = None
+            if live.logprobs is not None:
+                logprobs = (float(emitted.logprobs_BS[b]),)
+                n = live.logprobs
+                top = ({int(i): float(p) for i, p in zip(emitted.top_ids_BSN[b, :n], emitted.top_logprobs_BSN[b, :n])},)
+            outputs.append(RequestOutput(
+                request_id=request.request_id, token_ids=tuple(kept), text=text, logprobs=logprobs,
+                top_logprobs=top, num_prompt_tokens=len(request.prompt_token_ids),
+                num_output_tokens=request.num_output_tokens + 1))
+        finished = {r.request_id: r for r in self.scheduler.update(plan, sampled_B, stopped)}
+        result = []
+        for out in outputs:
+            request = finished.get(out.request_id)
+            if request is not None:
+                self._live.pop(out.request_id, None)
+                out = dataclasses.replace(out, finish_reason=request.finish_reason.value)
+            result.append(out)
+        return result

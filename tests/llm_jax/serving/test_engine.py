@@ -1,0 +1,145 @@
+"""The serving engine against ``generate``: each request's tokens are those ``generate`` gives it alone,
+whatever else runs beside it (arrivals at random steps, chunked prompts, shared prefixes, preemptions,
+aborts), with greedy and seeded sampling, on stories260K and on random models of the families whose
+attention differs (sliding windows across block boundaries, soft-capping); and no step compiles after
+warm-up."""
+
+import random
+
+import jax
+import numpy as np
+import pytest
+
+import llm_jax
+from llm_jax.config import ModelConfig
+from llm_jax.model import init_params
+from llm_jax.serving.engine import Engine
+from llm_jax.serving.step import step
+
+SAMPLINGS = [llm_jax.GREEDY, llm_jax.Sampling(temperature=0.9, top_p=0.9, seed=7),
+             llm_jax.Sampling(temperature=1.2, top_k=20, seed=3, repetition_penalty=1.3),
+             llm_jax.Sampling(temperature=0.7, min_p=0.1, seed=11, presence_penalty=0.5, frequency_penalty=0.3,
+                              logit_bias={5: 2.0, 9: -100.0})]
+
+
+def run_all(engine: Engine, arrivals: dict[int, list[tuple]], aborts: dict[int, list[str]] = {},
+            max_steps: int = 10_000) -> dict[str, list]:
+    """Drive ``engine``: requests (id, prompt, kwargs) arrive at their step; returns each request's
+    outputs in order."""
+    outputs: dict[str, list] = {}
+    for n in range(max_steps):
+        for rid, prompt, kwargs in arrivals.get(n, []):
+            engine.add_request(rid, prompt, **kwargs)
+            outputs[rid] = []
+        for rid in aborts.get(n, []):
+            engine.abort(rid)
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+        if not engine.has_unfinished and n >= max(arrivals):
+            return outputs
+    raise AssertionError("the engine did not finish")
+
+
+def alone(model, prompt, **kwargs) -> llm_jax.GenerationResult:
+    return llm_jax.generate(model, [prompt], **kwargs)[0]
+
+
+@pytest.fixture(scope="module")
+def stories(stories260k_dir):
+    return llm_jax.load(stories260k_dir / "stories260K.bin")
+
+
+def test_a_random_workload_gives_each_request_its_own_tokens(stories):
+    rng = random.Random(0)
+    shared = [1] + [rng.randrange(3, 512) for _ in range(40)]
+    arrivals, expected = {}, {}
+    for i in range(14):
+        if i % 3 == 0:  # a shared prefix (the prefix cache), then its own tail
+            prompt = shared + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))]
+        else:
+            prompt = [1] + [rng.randrange(3, 512) for _ in range(rng.randrange(0, 120))]
+        kwargs = dict(sampling=SAMPLINGS[i % len(SAMPLINGS)], max_new_tokens=rng.randrange(1, 40), ignore_eos=True)
+        arrivals.setdefault(rng.randrange(0, 30), []).append((f"r{i}", prompt, kwargs))
+        expected[f"r{i}"] = alone(stories, prompt, **kwargs).output_ids
+    # A small pool (preemptions) and a small budget (chunked prompts).
+    engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, num_blocks=24,
+                    max_model_len=256)
+    outputs = run_all(engine, arrivals, aborts={12: ["r1"]})
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
+    for rid, outs in outputs.items():
+        tokens = [t for o in outs for t in o.token_ids]
+        if rid == "r1" and (not outs or outs[-1].finish_reason is None):  # aborted: a prefix of its tokens
+            assert tokens == expected[rid][:len(tokens)]
+            continue
+        assert tokens == expected[rid], rid
+        assert outs[-1].finish_reason == "length" and all(o.finish_reason is None for o in outs[:-1])
+    assert stats.blocks_in_use == 0 and not engine.has_unfinished
+
+
+def test_text_stops_and_logprobs_are_generates(stories):
+    prompt = "Once upon a time, there was a little"
+    cases = [dict(max_new_tokens=60), dict(max_new_tokens=60, stop=["."]), dict(max_new_tokens=60, stop_token_ids=[13]),
+             dict(max_new_tokens=30, logprobs=3, sampling=llm_jax.Sampling(temperature=0.8, seed=5)),
+             dict(max_new_tokens=20, min_new_tokens=15, sampling=llm_jax.Sampling(temperature=1.0, seed=2))]
+    engine = Engine(stories, max_num_seqs=8, max_num_batched_tokens=64, block_size=16, max_model_len=256)
+    outputs = run_all(engine, {0: [(f"c{i}", prompt, kw) for i, kw in enumerate(cases)]})
+    for i, kw in enumerate(cases):
+        ours, theirs = outputs[f"c{i}"], alone(stories, prompt, **kw)
+        assert [t for o in ours for t in o.token_ids] == theirs.output_ids, kw
+        assert "".join(o.text for o in ours) == theirs.text, kw
+        assert ours[-1].finish_reason == theirs.finish_reason, kw
+        if "logprobs" in kw:
+            np.testing.assert_allclose([p for o in ours for p in o.logprobs], theirs.logprobs, atol=1e-5)
+            assert [o.top_logprobs[0].keys() for o in ours] == [d.keys() for d in theirs.top_logprobs]
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_families_with_windows_and_soft_caps(family):
+    base = dict(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                max_seq_len=128)
+    config = {"mistral": ModelConfig(**base, sliding_window=6),  # windows that cross blocks of 4
+              "gemma2": ModelConfig(**base, sliding_window=5, sliding_layers=(True, False), attn_logit_softcap=20.0,
+                                    final_logit_softcap=15.0, sandwich_norm=True, norm_weight_offset=1.0,
+                                    embed_scale=True, query_pre_attn_scalar=8.0)}[family]
+    params = jax.tree.map(lambda a: a * 6 if a.ndim > 1 else a, init_params(config, seed=1))
+    model = llm_jax.Model(config=config, params=params, tokenizer=None, eos_ids=())
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 96, n).tolist() for n in (3, 17, 9)]
+    engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=8, block_size=4, max_model_len=64)
+    kwargs = dict(max_new_tokens=25)
+    outputs = run_all(engine, {0: [("a", prompts[0], kwargs), ("b", prompts[1], kwargs)], 3: [("c", prompts[2], kwargs)]})
+    for rid, prompt in zip("abc", prompts):
+        assert [t for o in outputs[rid] for t in o.token_ids] == alone(model, prompt, **kwargs).output_ids, rid
+
+
+def test_no_step_compiles_after_warm_up(stories):
+    engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128)
+    compiled = engine.warm_up()
+    assert compiled == len(engine.shapes())
+    programs = step._cache_size()
+    rng = random.Random(1)
+    arrivals = {}
+    for i in range(10):
+        prompt = [1] + [rng.randrange(3, 512) for _ in range(rng.randrange(0, 60))]
+        kwargs = dict(sampling=SAMPLINGS[i % len(SAMPLINGS)], max_new_tokens=rng.randrange(1, 30), ignore_eos=True,
+                      logprobs=2 if i % 4 == 3 else None)
+        arrivals.setdefault(rng.randrange(0, 20), []).append((f"r{i}", prompt, kwargs))
+    run_all(engine, arrivals)
+    assert step._cache_size() == programs
+
+
+def test_requests_that_cannot_run_are_refused_with_the_reason(stories):
+    engine = Engine(stories, max_num_seqs=2, max_num_batched_tokens=16, block_size=8, num_blocks=4, max_model_len=256)
+    with pytest.raises(ValueError):  # more blocks than the pool holds
+        engine.add_request("long", [1] * 100, max_new_tokens=10)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", [1, 2], stop_token_ids=[9999])
+    with pytest.raises(ValueError, match="typical_p"):
+        engine.add_request("typ", [1, 2], sampling=llm_jax.Sampling(temperature=1.0, typical_p=0.5))
+    with pytest.raises(ValueError, match="logprobs must be in"):
+        engine.add_request("lp", [1, 2], logprobs=50)
+    engine.add_request("ok", [1, 2, 3], max_new_tokens=3)
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("ok", [1, 2, 3], max_new_tokens=3)
+    assert engine.abort("ok") and not engine.abort("ok") and not engine.has_unfinished
