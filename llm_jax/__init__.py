@@ -2,12 +2,13 @@
 
 Dimension key, used in array names (``x_BTD``, ``k_cache_LBSKH``) and einsums throughout:
 
-    B  batch                         T  query tokens (this call)
+    B  batch (sequences)             T  query tokens (this call; flat over sequences in a serving step)
     S  key / cache positions         D  model width (hidden size)
     F  MLP hidden width              V  vocabulary
     N  query heads                   K  key/value heads
     G  query heads per kv head (N/K) H  head dim
-    L  layers
+    L  layers                        P  pages of the paged KV cache
+    Z  tokens per page               X  a padded table's width (stop ids, logit bias, a block table)
 
 The run path, in pipeline order: ``tokenizer`` → ``prefilling`` → ``decoding`` (``sampling`` and stop
 conditions inside) → ``detokenize``, orchestrated by ``generation``; the model is in ``model/``, its cache

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one go, one table at the end: see scripts/gpu_check.py and docs/gpu_check.md.
+# Every GPU check in one go, one table at the end: see scripts/gpu_check.py and docs/benchmarks.md ("On a GPU").
 #
 #   scripts/gpu_check.sh              # on a GPU machine (well under 10 minutes on an H200)
 #   scripts/gpu_check.sh --dry-run    # anywhere, on the CPU, in under a minute
