@@ -152,6 +152,12 @@ class BlockPool:
         self._hashes[block] = block_hash
         return True
 
+    def forget_cached(self) -> None:
+        """Empties the prefix cache (the pages' contents were lost): no block is findable any more."""
+        for block in self._cached.values():
+            self._hashes[block] = None
+        self._cached.clear()
+
     def find_cached_prefix(self, token_ids: Sequence[int],
                            block_hashes: Sequence[BlockHash] | None = None) -> list[int]:
         """The blocks holding the longest cached prefix of ``token_ids`` in whole blocks.

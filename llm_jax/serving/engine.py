@@ -52,6 +52,14 @@ class RequestOutput:
     num_output_tokens: int = 0  # after this step
 
 
+class StepError(RuntimeError):
+    """A step failed; the requests it ran (``request_ids``) were ended, the others go on."""
+
+    def __init__(self, request_ids: Sequence[str], error: BaseException):
+        super().__init__(f"a step of requests {list(request_ids)} failed: {error}")
+        self.request_ids = tuple(request_ids)
+
+
 @dataclasses.dataclass(eq=False)
 class _Live:
     """Host state of one request beside the scheduler's."""
@@ -232,6 +240,18 @@ class Engine:
         return StepInputs(tokens_T=padded(plan.token_ids_T, shape.T), positions_T=padded(plan.positions_T, shape.T),
                           batch=batch, controls=controls, num_generated_B=generated_B, **extra)
 
+    def _fail(self, plan: StepPlan) -> None:
+        """After a step failed: its requests end; if the cache went with it (donated to the failed
+        program), every running request ends too and the prefix cache is emptied."""
+        for request_id in plan.request_ids:
+            self.abort(request_id)
+        self.scheduler.update(plan, np.zeros((plan.num_seqs,), np.int32))
+        if self.cache.k_LPZKH.is_deleted():
+            for request in self.scheduler.running:
+                self.abort(request.request_id)
+            self.scheduler.pool.forget_cached()
+            self.cache = init_paged_cache(self.config, self.cache.num_pages, self.block_size)
+
     def step(self) -> list[RequestOutput]:
         """Run one step: each request that produced something gets a :class:`RequestOutput`."""
         plan = self.scheduler.schedule()
@@ -241,8 +261,12 @@ class Engine:
         kinds = {live.kind for live in lives}
         kind = "logprobs" if "logprobs" in kinds else "sample" if "sample" in kinds else "greedy"
         shape = self._shape(plan, kind)
-        self.cache, emitted = self._run(self._inputs(plan, shape, lives))
-        emitted = jax.device_get(emitted)
+        try:
+            self.cache, emitted = self._run(self._inputs(plan, shape, lives))
+            emitted = jax.device_get(emitted)
+        except Exception as error:
+            self._fail(plan)
+            raise StepError(plan.request_ids, error) from error
         sampled_B = np.asarray(emitted.tokens_BS)[:plan.num_seqs]
         outputs, stopped = [], {}
         for b, live in enumerate(lives):
