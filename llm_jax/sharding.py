@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from llm_jax.config import ModelConfig
-from llm_jax.kv_cache import KVCache
+from llm_jax.kv_cache import KVCache, PagedKVCache
 
 DATA = "data"
 MODEL = "model"
@@ -79,7 +79,8 @@ PARAM_DIMS: Mapping[str, str] = {
     "layers/mlp/down_proj": "LFD",
 }
 # The KV cache, by field.
-CACHE_DIMS: Mapping[str, str] = {"k_LBSKH": "LBSKH", "v_LBSKH": "LBSKH", "lengths_B": "B"}
+CACHE_DIMS: Mapping[str, str] = {"k_LBSKH": "LBSKH", "v_LBSKH": "LBSKH", "lengths_B": "B",
+                                  "k_LPZKH": "LPZKH", "v_LPZKH": "LPZKH"}  # the paged cache: P, Z whole
 
 
 class MeshError(ValueError):
@@ -223,6 +224,14 @@ def cache_shardings(config: ModelConfig, batch_size: int, max_len: int, mesh: Me
     return _named(cache_specs(config, batch_size, max_len, mesh), mesh)
 
 
+def paged_cache_shardings(config: ModelConfig, num_pages: int, page_size: int, mesh: Mesh) -> PagedKVCache:
+    """A :class:`PagedKVCache` holding the ``NamedSharding`` of each of its fields (pass to
+    ``init_paged_cache``): K/V heads split over ``model``, as the params' and the other cache's."""
+    shape = jax.ShapeDtypeStruct((config.n_layers, num_pages, page_size, config.n_kv_heads, config.head_dim),
+                                 jnp.float32)
+    return _named(_specs(PagedKVCache(k_LPZKH=shape, v_LPZKH=shape), CACHE_DIMS, "CACHE_DIMS", mesh), mesh)
+
+
 # Constraints inside jitted stages: declare what an input or output looks like. No-ops without a mesh.
 def constrain(x: jax.Array, dims: str, mesh: Mesh | None) -> jax.Array:
     """``x`` (dimensions ``dims``) laid out by the table on ``mesh``."""
@@ -231,7 +240,7 @@ def constrain(x: jax.Array, dims: str, mesh: Mesh | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, named(dims, x.shape, mesh))
 
 
-def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
+def constrain_cache(cache: KVCache | PagedKVCache, mesh: Mesh | None) -> KVCache | PagedKVCache:
     if mesh is None:
         return cache
     return jax.lax.with_sharding_constraint(cache, _named(_specs(cache, CACHE_DIMS, "CACHE_DIMS", mesh), mesh))

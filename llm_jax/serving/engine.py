@@ -31,6 +31,7 @@ from llm_jax.sampling import GREEDY, Sampling
 from llm_jax.serving.blocks import NULL_BLOCK
 from llm_jax.serving.scheduler import FinishReason, Request, Scheduler, SchedulerStats, StepPlan
 from llm_jax.serving.step import Shape, StepInputs, abstract_inputs, step, step_controls
+from llm_jax.sharding import paged_cache_shardings
 from llm_jax.stop_strings import SequenceText
 
 BIAS_WIDTH = 300  # logit_bias entries per request at most (the OpenAI API's limit)
@@ -111,7 +112,7 @@ class Engine:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.block_size, self.max_logprobs = block_size, max_logprobs
         num_blocks = self._num_blocks(num_blocks, kv_cache_memory)
-        self.cache = init_paged_cache(config, num_blocks, block_size)
+        self.cache = self._new_cache(num_blocks)
         self.scheduler = Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    enable_prefix_caching=enable_prefix_caching)
@@ -119,6 +120,11 @@ class Engine:
         self.seq_buckets = _buckets(max_num_seqs)
         self.token_buckets = _buckets(max_num_batched_tokens, min(MIN_TOKEN_BUCKET, max_num_batched_tokens))
         self._live: dict[str, _Live] = {}
+
+    def _new_cache(self, num_blocks: int):
+        mesh = self.model.mesh  # with a mesh, pages split by K/V head as the params are
+        sharding = None if mesh is None else paged_cache_shardings(self.config, num_blocks, self.block_size, mesh)
+        return init_paged_cache(self.config, num_blocks, self.block_size, sharding=sharding)
 
     def _num_blocks(self, num_blocks: int | None, memory: int | None) -> int:
         per_block = cache_bytes_per_token(self.config) * self.block_size
@@ -250,7 +256,7 @@ class Engine:
             for request in self.scheduler.running:
                 self.abort(request.request_id)
             self.scheduler.pool.forget_cached()
-            self.cache = init_paged_cache(self.config, self.cache.num_pages, self.block_size)
+            self.cache = self._new_cache(self.cache.num_pages)
 
     def step(self) -> list[RequestOutput]:
         """Run one step: each request that produced something gets a :class:`RequestOutput`."""

@@ -24,6 +24,7 @@ from llm_jax.decoding import DecodeControls, DecodeState, Emitted, Logprobs, arg
 from llm_jax.kv_cache import PagedBatch, PagedKVCache
 from llm_jax.logits_processors import History
 from llm_jax.model import Params, forward_paged, greedy_tokens, unembed
+from llm_jax.sharding import constrain_cache, constrain_replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +79,15 @@ def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: Step
     emitted ([B] arrays; rows of padding sequences and of chunks that do not end their prompt are
     meaningless). ``cache`` is donated."""
     batch = inputs.batch
-    x_TD, cache = forward_paged(weights, config, inputs.tokens_T, inputs.positions_T, cache, batch, mesh,
-                                backend=backend)
+    x_TD, cache = forward_paged(weights, config, inputs.tokens_T, inputs.positions_T, constrain_cache(cache, mesh),
+                                batch, mesh, backend=backend)
+    cache = constrain_cache(cache, mesh)
     x_BD = x_TD[batch.query_start_B + jnp.maximum(batch.num_tokens_B - 1, 0)]  # each sequence's last token
     controls = inputs.controls
     if argmax_only(controls):
         token_B = greedy_tokens(weights, config, x_BD, backend)
         if token_B is not None:
-            return cache, Emitted(tokens_BS=token_B)
+            return cache, constrain_replicated(Emitted(tokens_BS=token_B), mesh)
     logits_BV = unembed(weights, config, x_BD[:, None], backend)[:, 0]
     B, V = logits_BV.shape
     past = (None if inputs.tokens_BS is None else
@@ -94,7 +96,7 @@ def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: Step
     state = DecodeState(tokens_B=zeros_B, num_generated_B=inputs.num_generated_B, finish_reason_B=zeros_B,
                         history=past or History(length_B=zeros_B))
     _, emitted = choose(logits_BV, state, controls, backend)
-    return cache, emitted
+    return cache, constrain_replicated(emitted, mesh)
 
 
 def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_width: int,

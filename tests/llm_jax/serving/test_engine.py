@@ -143,3 +143,42 @@ def test_requests_that_cannot_run_are_refused_with_the_reason(stories):
     with pytest.raises(ValueError, match="already running"):
         engine.add_request("ok", [1, 2, 3], max_new_tokens=3)
     assert engine.abort("ok") and not engine.abort("ok") and not engine.has_unfinished
+
+
+SHARDED = """
+import json, sys, llm_jax
+from llm_jax.serving.engine import Engine
+model = llm_jax.load(sys.argv[1], mesh=sys.argv[2])
+engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128)
+prompts = json.loads(sys.argv[3])
+for i, p in enumerate(prompts):
+    engine.add_request(str(i), p, max_new_tokens=24, ignore_eos=True,
+                       sampling=llm_jax.Sampling(temperature=0.8, seed=i) if i % 2 else llm_jax.GREEDY)
+tokens = {str(i): [] for i in range(len(prompts))}
+while engine.has_unfinished:
+    for out in engine.step():
+        tokens[out.request_id] += out.token_ids
+print(json.dumps([tokens[str(i)] for i in range(len(prompts))]))
+print(engine.cache.k_LPZKH.sharding.spec)
+"""
+
+
+def test_a_sharded_engine_gives_the_same_tokens(stories260k_dir):
+    """On 8 simulated devices, the params and pages split by K/V head: the tokens of one device."""
+    import json
+    import subprocess
+
+    from multi_device import PYTHON, REPO, cpu_devices_env
+
+    path = stories260k_dir / "stories260K.bin"
+    prompts = [[1, 403, 407, 9], [1, 29, 80, 123, 77, 5, 301], [1, 88]]
+    done = subprocess.run([PYTHON, "-c", SHARDED, str(path), "data=2,model=4", json.dumps(prompts)],
+                          env=cpu_devices_env(8), capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokens, spec = done.stdout.strip().splitlines()[-2:]
+    model = llm_jax.load(path)
+    expected = [alone(model, p, max_new_tokens=24, ignore_eos=True,
+                      sampling=llm_jax.Sampling(temperature=0.8, seed=i) if i % 2 else llm_jax.GREEDY).output_ids
+                for i, p in enumerate(prompts)]
+    assert json.loads(tokens) == expected
+    assert "model" in spec
