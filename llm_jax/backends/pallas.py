@@ -12,7 +12,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import pallas_kernels

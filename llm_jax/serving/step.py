@@ -5,7 +5,7 @@ One jitted, pure function of (weights, paged cache, step inputs): the model runs
 gives its logits, and :func:`llm_jax.decoding.choose` — the same processors and sampling as ``generate`` —
 picks its next token. The cache is donated. Inputs are padded to a few shapes (:class:`Shape`), and the
 settings of every request travel as arrays of fixed shape, so any mix of requests runs one of a few
-programs, compiled once (:func:`compile_step`).
+programs, compiled once (``Engine.warm_up``).
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: Step
 
 def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_width: int,
                     max_model_len: int) -> StepInputs:
-    """Zero :class:`StepInputs` of ``shape`` (what :func:`compile_step` compiles for)."""
-    from llm_jax.sampling import GREEDY, SamplingParams
+    """Zero :class:`StepInputs` of ``shape``: a step of padding only, which compiles its program."""
+    from llm_jax.sampling import GREEDY
 
     T, B, X = shape.T, shape.B, shape.X
     zeros_T, zeros_B = np.zeros((T,), np.int32), np.zeros((B,), np.int32)
