@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from llm_jax.config import ModelConfig
-from llm_jax.kv_cache import KVCache, PagedKVCache
+from llm_jax.kv_cache import KVCache, PagedBatch, PagedKVCache
 
 DATA = "data"
 MODEL = "model"
@@ -290,6 +290,23 @@ def stacked_attention_on_shards(kernel: Callable, mesh: Mesh | None, q_BNH: jax.
                               in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(rows), PartitionSpec()),
                               out_specs=q_spec, check_vma=False)
     return on_shards(q_BNH, k_LBSKH, v_LBSKH, lengths_B, layer)
+
+
+def paged_attention_on_shards(kernel: Callable, mesh: Mesh | None, q_TNH: jax.Array, k_LPZKH: jax.Array,
+                              v_LPZKH: jax.Array, layer: jax.Array, batch: PagedBatch) -> jax.Array:
+    """``kernel(q, k, v, block_tables, query_start, num_tokens, seq_lens, layer=layer)`` — a ragged paged
+    attention kernel — on every device's shard: query and K/V heads over ``model`` (together or not at
+    all), tokens, pages and the batch's tables whole. Without a mesh, one plain call."""
+    tables = (batch.block_tables_BX, batch.query_start_B, batch.num_tokens_B, batch.seq_lens_B)
+    if mesh is None:
+        return kernel(q_TNH, k_LPZKH, v_LPZKH, *tables, layer=layer)
+    heads_split = (MODEL in spec("TNH", q_TNH.shape, mesh)) and (MODEL in spec("LPZKH", k_LPZKH.shape, mesh))
+    heads = MODEL if heads_split else None
+    q_spec, kv_spec = PartitionSpec(None, heads, None), PartitionSpec(None, None, None, heads, None)
+    on_shards = jax.shard_map(lambda q, k, v, l, *t: kernel(q, k, v, *t, layer=l), mesh=mesh,
+                              in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(), *[PartitionSpec()] * 4),
+                              out_specs=q_spec, check_vma=False)
+    return on_shards(q_TNH, k_LPZKH, v_LPZKH, layer, *tables)
 
 # Placing params.
 _KV_HEAD_PARAMS = ("layers/attn/k_proj", "layers/attn/v_proj", "layers/attn/k_bias", "layers/attn/v_bias")

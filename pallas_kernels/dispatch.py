@@ -14,6 +14,8 @@ from pallas_kernels.decode_attention_gpu import decode_attention_gpu
 from pallas_kernels.decode_attention_tpu import decode_attention_tpu
 from pallas_kernels.flash_attention_gpu import flash_attention_gpu
 from pallas_kernels.flash_attention_tpu import flash_attention_tpu
+from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
+from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 
 
 class Platform(enum.Enum):
@@ -107,3 +109,42 @@ def decode_attention(
             return decode_attention_gpu(q_BNH, k_cache, v_cache, lengths_B, **kwargs)
         case Platform.TPU:
             return decode_attention_tpu(q_BNH, k_cache, v_cache, lengths_B, **kwargs)
+
+
+def ragged_paged_attention(
+    q_TNH: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    block_tables_BX: jax.Array,
+    query_start_B: jax.Array,
+    num_tokens_B: jax.Array,
+    seq_lens_B: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    layer: jax.Array | int | None = None,
+    interpret: bool | None = None,
+    platform: Platform | None = None,
+) -> jax.Array:
+    """Attention of one serving step over a paged KV cache (PagedAttention): o_TNH in q's dtype.
+
+    The T query rows are a flat, ragged batch: sequence b owns q_TNH[query_start_B[b] :
+    query_start_B[b] + num_tokens_B[b]], the last num_tokens_B[b] of its seq_lens_B[b] tokens
+    (decode tokens and prefill chunks mix freely); rows no sequence owns are padding and give 0.
+    Its key at position s is row s % Z of page block_tables_BX[b, s // Z] of ``k_pages``
+    [P, Z, K, H], or with ``layer`` (an int32 scalar, may be traced) of the stacked pages
+    [L, P, Z, K, H], read in place; pages may hold bfloat16 as uint16 bits. Causal within each
+    sequence, with the optional sliding window and logit soft-cap: semantics are
+    ``reference.ragged_paged_attention_reference``. Tiles default per variant; see
+    ``ragged_paged_attention_gpu`` and ``ragged_paged_attention_tpu``.
+    """
+    platform, interpret = choose_variant(platform, interpret)
+    args = (q_TNH, k_pages, v_pages, block_tables_BX, query_start_B, num_tokens_B, seq_lens_B)
+    kwargs = dict(sm_scale=sm_scale, layer=layer, sliding_window=sliding_window,
+                  logit_softcap=logit_softcap, interpret=interpret)
+    match platform:
+        case Platform.GPU:
+            return ragged_paged_attention_gpu(*args, **kwargs)
+        case Platform.TPU:
+            return ragged_paged_attention_tpu(*args, **kwargs)

@@ -5,9 +5,10 @@ caused it. ``lengths_B`` and a decode call's ``layer`` are traced, so their valu
 here: each length must be in [0, S]; the layer is read as ``lax.dynamic_index_in_dim`` reads it
 (negative counts from the end, then clamped to [0, L)), so no value can read outside the cache.
 
-A decode cache may hold bfloat16 values as their bits (uint16), the form in which llm_jax's CPU
-path keeps a bfloat16 cache. The kernels load such tiles as they are and bitcast them to bfloat16 in
-registers: a bitcast of the whole cache outside the kernel is an XLA op, which can copy the cache.
+A decode cache, or a paged one, may hold bfloat16 values as their bits (uint16), the form in which
+llm_jax's CPU path keeps a bfloat16 cache. The kernels load such tiles as they are and bitcast them
+to bfloat16 in registers: a bitcast of the whole cache outside the kernel is an XLA op, which can
+copy the cache.
 """
 
 import dataclasses
@@ -67,9 +68,7 @@ def check_decode(q_BNH, k_cache, v_cache, lengths_B, *, layer, sliding_window, l
                              f"the layer to read as `layer`")
         L, k_BSKH, v_BSKH = 1, k_cache, v_cache
     else:
-        if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
-            raise ValueError(f"layer must be an integer scalar (the layer of the stacked cache to "
-                             f"read), got shape {jnp.shape(layer)} dtype {jnp.result_type(layer)}")
+        _check_layer(layer)
         for name, cache in (("k", k_cache), ("v", v_cache)):
             if cache.ndim != 5:
                 raise ValueError(f"with layer, {name}_cache must be the stacked cache "
@@ -83,6 +82,77 @@ def check_decode(q_BNH, k_cache, v_cache, lengths_B, *, layer, sliding_window, l
                      k_BSKH, v_BSKH, lengths_B, T=1, bits_ok=True)
     _check_options(sliding_window, logit_softcap)
     return dataclasses.replace(dims, L=L)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedDims:
+    """The sizes of one ragged paged attention call (see ``check_ragged_paged``)."""
+
+    T: int  # query tokens of the step, all sequences together
+    N: int  # query heads
+    K: int  # kv heads
+    H: int  # head dim
+    B: int  # sequences (padding ones included)
+    X: int  # pages per sequence: the block tables' width
+    P: int  # pages in the pool (of one layer)
+    Z: int  # tokens per page
+    L: int = 1  # layers of stacked pages (1 for one layer's pages)
+
+    @property
+    def G(self) -> int:
+        """Query heads per kv head."""
+        return self.N // self.K
+
+
+def check_ragged_paged(q_TNH, k_pages, v_pages, block_tables_BX, query_start_B, num_tokens_B,
+                       seq_lens_B, *, layer, sliding_window, logit_softcap) -> PagedDims:
+    """Dimensions of a ragged paged attention call, or a ValueError naming the offending values.
+
+    The pages are [P, Z, K, H], or [L, P, Z, K, H] when ``layer`` is given; they may hold bfloat16
+    as bits (uint16) when q is bfloat16. The traced values cannot be checked here; the kernels read
+    only in-bounds memory whatever they are (page ids and the layer are clamped), but their results
+    are the reference's only when each sequence's queries lie in [0, T), no two sequences share a
+    query row, 0 <= num_tokens_B[b] <= seq_lens_B[b] <= X * Z and the page ids are in [0, P).
+    """
+    if q_TNH.ndim != 3:
+        raise ValueError(f"q_TNH must be [T, N, H], got shape {q_TNH.shape}")
+    pages_ndim = 4 if layer is None else 5
+    if layer is None and k_pages.ndim == 5:
+        raise ValueError(f"k_pages {k_pages.shape} are stacked pages [L, P, Z, K, H]: pass the "
+                         f"layer to read as `layer`")
+    if layer is not None:
+        _check_layer(layer)
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if pages.ndim != pages_ndim:
+            expected = (f"{name} must be [P, Z, K, H]" if layer is None else
+                        f"with layer, {name} must be the stacked pages [L, P, Z, K, H]")
+            raise ValueError(f"{expected}, got shape {pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"v_pages shape {v_pages.shape} != k_pages shape {k_pages.shape}")
+    T, N, H = q_TNH.shape
+    L = 1 if layer is None else k_pages.shape[0]
+    P, Z, K, kH = k_pages.shape[-4:]
+    if kH != H:
+        raise ValueError(f"head dim of k_pages {k_pages.shape} ({kH}) != head dim of q_TNH "
+                         f"{q_TNH.shape} ({H})")
+    if K < 1 or N % K:
+        raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
+    _check_dtypes(q_TNH.dtype, k_pages.dtype, v_pages.dtype, bits_ok=True)
+    if block_tables_BX.ndim != 2 or not jnp.issubdtype(block_tables_BX.dtype, jnp.integer):
+        raise ValueError(f"block_tables_BX must be integers of shape [B, X], got shape "
+                         f"{block_tables_BX.shape} dtype {block_tables_BX.dtype}")
+    B, X = block_tables_BX.shape
+    for name, array in (("query_start_B", query_start_B), ("num_tokens_B", num_tokens_B),
+                        ("seq_lens_B", seq_lens_B)):
+        if jnp.shape(array) != (B,) or not jnp.issubdtype(jnp.result_type(array), jnp.integer):
+            raise ValueError(f"{name} must be integers of shape ({B},) (one per row of "
+                             f"block_tables_BX), got shape {jnp.shape(array)} dtype "
+                             f"{jnp.result_type(array)}")
+    if min(T, N, H, B, X, P, Z, L) < 1:
+        raise ValueError(f"empty attention: T={T}, N={N}, H={H}, B={B}, X={X}, P={P}, Z={Z}, "
+                         f"L={L}")
+    _check_options(sliding_window, logit_softcap)
+    return PagedDims(T=T, N=N, K=K, H=H, B=B, X=X, P=P, Z=Z, L=L)
 
 
 def check_positive(name: str, value: int | None) -> None:
@@ -103,21 +173,31 @@ def _check_kv(B, N, H, q_dtype, k_BSKH, v_BSKH, lengths_B, *, T, bits_ok=False
         raise ValueError(f"head dim of k_BSKH ({kH}) != head dim of the queries ({H})")
     if K < 1 or N % K:
         raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
-    for name, dtype in (("q", q_dtype), ("k", k_BSKH.dtype), ("v", v_BSKH.dtype)):
-        if jnp.dtype(dtype) not in SUPPORTED_DTYPES and not (bits_ok and dtype == BITS_DTYPE
-                                                             and name != "q"):
-            raise ValueError(f"{name} dtype {dtype} is not one of "
-                             f"{[str(d) for d in SUPPORTED_DTYPES]}"
-                             + (" (or uint16: bfloat16 bits, for k and v)" if bits_ok else ""))
-    if not (jnp.dtype(q_dtype) == values_dtype(k_BSKH.dtype) == values_dtype(v_BSKH.dtype)):
-        raise ValueError(f"q, k, v dtypes differ: {q_dtype}, {k_BSKH.dtype}, {v_BSKH.dtype}"
-                         + (" (uint16 caches hold bfloat16 bits)" if bits_ok else ""))
+    _check_dtypes(q_dtype, k_BSKH.dtype, v_BSKH.dtype, bits_ok=bits_ok)
     if jnp.shape(lengths_B) != (B,) or not jnp.issubdtype(jnp.result_type(lengths_B), jnp.integer):
         raise ValueError(f"lengths_B must be integers of shape ({B},), got shape "
                          f"{jnp.shape(lengths_B)} dtype {jnp.result_type(lengths_B)}")
     if min(B, T, S, N, H) < 1:
         raise ValueError(f"empty attention: B={B}, T={T}, S={S}, N={N}, H={H}")
     return AttentionDims(B=B, T=T, S=S, N=N, K=K, H=H)
+
+
+def _check_layer(layer) -> None:
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"layer must be an integer scalar (the layer of the stacked cache to "
+                         f"read), got shape {jnp.shape(layer)} dtype {jnp.result_type(layer)}")
+
+
+def _check_dtypes(q_dtype, k_dtype, v_dtype, *, bits_ok: bool) -> None:
+    for name, dtype in (("q", q_dtype), ("k", k_dtype), ("v", v_dtype)):
+        if jnp.dtype(dtype) not in SUPPORTED_DTYPES and not (bits_ok and dtype == BITS_DTYPE
+                                                             and name != "q"):
+            raise ValueError(f"{name} dtype {dtype} is not one of "
+                             f"{[str(d) for d in SUPPORTED_DTYPES]}"
+                             + (" (or uint16: bfloat16 bits, for k and v)" if bits_ok else ""))
+    if not (jnp.dtype(q_dtype) == values_dtype(k_dtype) == values_dtype(v_dtype)):
+        raise ValueError(f"q, k, v dtypes differ: {q_dtype}, {k_dtype}, {v_dtype}"
+                         + (" (uint16 caches hold bfloat16 bits)" if bits_ok else ""))
 
 
 def _check_options(sliding_window, logit_softcap) -> None:

@@ -1,7 +1,8 @@
 """The Pallas backend: the fused attention kernels of ``pallas_kernels`` on GPU (Triton) and TPU (Mosaic).
 
 Prefill attention is the causal flash-attention kernel; a decode step's attention is the split-K
-(flash-decoding) kernel reading layer ``layer`` of the stacked cache where it lies. Under a mesh each
+(flash-decoding) kernel reading layer ``layer`` of the stacked cache where it lies; a serving step's is the
+ragged paged kernel, over the pages of every sequence in the step. Under a mesh each
 runs on every device's shard (``llm_jax.sharding.attention_on_shards``). Products and the rest are
 XLA's. Off an accelerator the kernels run in Pallas' interpreter (``interpret``: tests).
 """
@@ -18,7 +19,7 @@ import pallas_kernels
 from llm_jax import kv_cache as kvc
 from llm_jax.backends.base import Backend
 from llm_jax.config import ModelConfig
-from llm_jax.sharding import attention_on_shards, stacked_attention_on_shards
+from llm_jax.sharding import attention_on_shards, paged_attention_on_shards, stacked_attention_on_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,3 +49,11 @@ class Pallas(Backend):
         o_BNH = stacked_attention_on_shards(kernel, mesh, q_BTNH[:, 0], k_LBSKH, v_LBSKH, layer,
                                             positions_BT[:, 0] + 1)
         return o_BNH[:, None].astype(q_BTNH.dtype), k_LBSKH, v_LBSKH
+
+    def paged_attention(self, q_TNH, k_TKH, v_TKH, k_LPZKH, v_LPZKH, layer, batch: kvc.PagedBatch, *,
+                        config: ModelConfig, window: int | None, mesh: Mesh | None = None):
+        k_LPZKH = kvc.write_slots(k_LPZKH, layer, batch.slots_T, k_TKH)
+        v_LPZKH = kvc.write_slots(v_LPZKH, layer, batch.slots_T, v_TKH)
+        kernel = functools.partial(pallas_kernels.ragged_paged_attention, **self._common(config, window))
+        o_TNH = paged_attention_on_shards(kernel, mesh, q_TNH, k_LPZKH, v_LPZKH, layer, batch)
+        return o_TNH.astype(q_TNH.dtype), k_LPZKH, v_LPZKH
