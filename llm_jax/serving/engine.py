@@ -124,7 +124,9 @@ class Engine:
     def _new_cache(self, num_blocks: int):
         mesh = self.model.mesh  # with a mesh, pages split by K/V head as the params are
         sharding = None if mesh is None else paged_cache_shardings(self.config, num_blocks, self.block_size, mesh)
-        return init_paged_cache(self.config, num_blocks, self.block_size, sharding=sharding)
+        cache = init_paged_cache(self.config, num_blocks, self.block_size, sharding=sharding)
+        # Committed to its device, as every step's result is: the first step compiles what the others run.
+        return cache if mesh is not None else jax.device_put(cache, jax.devices()[0])
 
     def _num_blocks(self, num_blocks: int | None, memory: int | None) -> int:
         per_block = cache_bytes_per_token(self.config) * self.block_size

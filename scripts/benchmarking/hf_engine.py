@@ -40,17 +40,25 @@ def save_random_hf_model(config: ModelConfig, folder: pathlib.Path, *, seed: int
     model.save_pretrained(folder)
 
 
+def load_hf_model(folder: pathlib.Path, dtype: str, *, threads: int):
+    """The causal LM saved in ``folder`` (``LlamaForCausalLM`` for the named shapes), in ``dtype`` ("float32"
+    or "bfloat16"), for inference on ``threads`` torch threads."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    transformers.utils.logging.disable_progress_bar()
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
+
+
 class HfEngine:
     name = "transformers"
 
     def __init__(self, folder: pathlib.Path, config: ModelConfig, workload: Workload, *, threads: int):
         import torch
-        import transformers
 
-        torch.set_num_threads(threads)
-        transformers.utils.logging.disable_progress_bar()
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.param_dtype]
-        self.model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        self.model = load_hf_model(folder, config.param_dtype, threads=threads)
         self.workload = workload
         self.prompts = torch.from_numpy(workload.prompts(config.vocab_size).astype(np.int64))
 

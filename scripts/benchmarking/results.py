@@ -237,7 +237,6 @@ COLUMNS = ("engine", "shape", "dtype", "B", "prompt", "new", "compile s", "ttft 
 
 def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
     """Rows as a fixed-width table; ``ratios[i]`` (llm_jax ÷ transformers decode rate) adds a column."""
-    lines = []
     header = COLUMNS + (("× hf",) if ratios else ())
     cells = []
     for i, r in enumerate(rows):
@@ -254,9 +253,15 @@ def table(rows: Sequence[Row], ratios: dict[int, float] | None = None) -> str:
         if ratios:
             row += (f"{ratios[i]:.2f}" if i in ratios else "",)
         cells.append(row)
-    widths = [max(len(h), *(len(c[j]) for c in cells)) for j, h in enumerate(header)]
-    for line in (header, *cells):
-        lines.append("  ".join(c.rjust(w) if j >= 3 else c.ljust(w) for j, (c, w) in enumerate(zip(line, widths))))
+    return format_table(header, cells, left=3)
+
+
+def format_table(header: Sequence[str], cells: Sequence[Sequence[str]], *, left: int = 1) -> str:
+    """Fixed-width columns under a rule: the first ``left`` columns aligned left (names), the rest right
+    (numbers)."""
+    widths = [max([len(h), *(len(c[j]) for c in cells)]) for j, h in enumerate(header)]
+    lines = ["  ".join(c.ljust(w) if j < left else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths)))
+             for line in (header, *cells)]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
 

@@ -20,6 +20,7 @@ import llm_jax
 from llm_jax.backends import Backend, default
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import cache_bytes_per_token
+from llm_jax.loading import Model
 from llm_jax.model import Params, init_params
 
 from benchmarking import machine as machine_lib
@@ -94,13 +95,17 @@ class ModelSource:
     def load(self, dtype: str, backends: Sequence[Backend]) -> tuple[ModelConfig, list[Params]]:
         """The config in ``dtype`` and the weights each of ``backends`` reads (``Backend.prepare``). The
         canonical params are not kept: only what the prepared forms share with them stays in memory."""
+        loaded = self.load_model(dtype)
+        return loaded.config, [backend.prepare(loaded.params, loaded.config) for backend in backends]
+
+    def load_model(self, dtype: str, backend: Backend | str = "auto") -> Model:
+        """The model in ``dtype``, run by ``backend``: the Hugging Face copy or the checkpoint as
+        ``llm_jax.load`` gives it, or a named shape's random weights (no tokenizer, no end-of-sequence id)."""
         if self.hf_folder is not None or not self.named:
-            loaded = llm_jax.load(self.hf_folder or self.model, dtype=dtype)
-            config, params = loaded.config, loaded.params
-        else:
-            config = shape_config(self.model, dtype=dtype)
-            params = init_params(config)
-        return config, [backend.prepare(params, config) for backend in backends]
+            return llm_jax.load(self.hf_folder or self.model, dtype=dtype, backend=backend)
+        config = shape_config(self.model, dtype=dtype)
+        return Model(config=config, params=init_params(config), tokenizer=None, eos_ids=(), path=self.model,
+                     backend=backend)
 
 
 def engines_of(options: Options) -> tuple[tuple[str, Backend], ...]:
