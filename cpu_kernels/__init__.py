@@ -1,7 +1,7 @@
 """Matrix products, attention and greedy argmax for LLM inference on CPU: XLA FFI custom calls written
-in C++ (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``, ``glu.cc``); and
-``stream_read.cc`` and ``peak_flops.cc``, the benchmark's probes of memory bandwidth and arithmetic peak
-(``build.stream_read()``, ``build.arithmetic_probe()``).
+in C++ (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``paged_attention.cc``,
+``argmax.cc``, ``glu.cc``); and ``stream_read.cc`` and ``peak_flops.cc``, the benchmark's probes of memory
+bandwidth and arithmetic peak (``build.stream_read()``, ``build.arithmetic_probe()``).
 
 Depends on jax only. ``matmul(x_RK, w)`` computes x [R, K] · W in float32 for W [K, N] or, with
 ``transposed=True``, W [N, K], or, with ``panels=True``, W held as panels of 16 columns [N / 16, K, 16]
@@ -37,6 +37,10 @@ product they stand for.
     decode_attention_append(q_BNH, k_new_BKH, v_new_BKH, k_LBSKH, v_LBSKH, layer, slots_B, ...)
         -> (o_BNH, k_LBSKH, v_LBSKH)  # the step's keys and values written first, the caches in place
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
+    paged_attention(q_TNH, k_LPZKH, v_LPZKH, layer, block_tables_BX, query_start_B, num_tokens_B, seq_lens_B, ...)
+        -> o_TNH  # a serving step's ragged tokens over the pages of a paged cache, read in place
+    paged_attention_append(q_TNH, k_new_TKH, v_new_TKH, k_LPZKH, v_LPZKH, layer, slots_T, block_tables_BX, ...)
+        -> (o_TNH, k_LPZKH, v_LPZKH)  # the step's keys and values written at their slots first, pages in place
     argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU
     screened_argmax(y_BV, x_BD, panels, scales_V, norms_V, c1, c2, errors_V=None, *, amx=True, bf16_dot=True)
         -> i_B  # argmax of x · W from a screen: the token of matmul's product (with those options), then argmax
@@ -55,12 +59,13 @@ import jax.numpy as jnp
 
 from cpu_kernels import build
 from cpu_kernels.decode_attention import decode_attention, decode_attention_append
+from cpu_kernels.paged_attention import paged_attention, paged_attention_append
 from cpu_kernels.prefill_attention import prefill_attention
 
 __all__ = ["GLU_ACTIVATIONS", "PANEL", "argmax", "available", "decode_attention", "decode_attention_append",
-           "from_pairs", "from_panels", "from_quads", "gated", "glu", "matmul", "matmuls", "pairs_available",
-           "prefill_attention", "quads_argmax", "quads_available", "quantize_rows", "screened_argmax", "to_pairs",
-           "to_panels", "to_quads"]
+           "from_pairs", "from_panels", "from_quads", "gated", "glu", "matmul", "matmuls", "paged_attention",
+           "paged_attention_append", "pairs_available", "prefill_attention", "quads_argmax", "quads_available",
+           "quantize_rows", "screened_argmax", "to_pairs", "to_panels", "to_quads"]
 
 
 def available() -> bool:

@@ -1,7 +1,7 @@
-"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``, ``argmax.cc``,
-``glu.cc``) once per machine and registering their handlers with XLA; ``stream_read.cc`` and
-``peak_flops.cc`` (the benchmark's bandwidth and arithmetic probes) are built into the same library and
-called through ctypes.
+"""Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``,
+``paged_attention.cc``, ``argmax.cc``, ``glu.cc``) once per machine and registering their handlers with
+XLA; ``stream_read.cc`` and ``peak_flops.cc`` (the benchmark's bandwidth and arithmetic probes) are built
+into the same library and called through ctypes.
 
 The library is built on first use with the system C++ compiler (``$CXX``, else ``c++``) against the
 XLA FFI headers that ship with jaxlib, for the host CPU (``-march=native``: 16-wide vectors where it has
@@ -28,8 +28,8 @@ import warnings
 import jax
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc", HERE / "argmax.cc",
-           HERE / "glu.cc", HERE / "stream_read.cc", HERE / "peak_flops.cc")
+SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc", HERE / "paged_attention.cc",
+           HERE / "argmax.cc", HERE / "glu.cc", HERE / "stream_read.cc", HERE / "peak_flops.cc")
 HEADERS = (HERE / "common.h",)
 ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
 CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
@@ -53,6 +53,12 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_prefill_attention_f32": "PrefillAttentionF32",
     "llm_jax_prefill_attention_bf16": "PrefillAttentionBF16",
     "llm_jax_prefill_attention_u16": "PrefillAttentionBits",
+    "llm_jax_paged_attention_f32": "PagedAttentionF32",
+    "llm_jax_paged_attention_bf16": "PagedAttentionBF16",
+    "llm_jax_paged_attention_u16": "PagedAttentionBits",
+    "llm_jax_paged_attention_append_f32": "PagedAttentionAppendF32",
+    "llm_jax_paged_attention_append_bf16": "PagedAttentionAppendBF16",
+    "llm_jax_paged_attention_append_u16": "PagedAttentionAppendBits",
     "llm_jax_argmax_f32": "ArgmaxF32",
     "llm_jax_screened_argmax_f32": "ScreenedArgmaxF32",
     "llm_jax_screened_argmax_bf16": "ScreenedArgmaxBF16",

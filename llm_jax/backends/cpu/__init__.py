@@ -126,6 +126,19 @@ class CpuKernels(Backend):
         o_BTNH = cpu_kernels.prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, positions_BT, kv_lengths_B, **common)
         return o_BTNH.astype(q_BTNH.dtype), k_LBSKH, v_LBSKH
 
+    def paged_attention(self, q_TNH, k_TKH, v_TKH, k_LPZKH, v_LPZKH, layer, batch: kvc.PagedBatch, *,
+                        config: ModelConfig, window: int | None, mesh: Mesh | None = None):
+        if jnp.dtype(k_LPZKH.dtype) not in _KV_DTYPES:
+            return super().paged_attention(q_TNH, k_TKH, v_TKH, k_LPZKH, v_LPZKH, layer, batch, config=config,
+                                           window=window)
+        # One kernel writes the step's keys and values into the pages (in place) and attends, reading each
+        # sequence's pages where they lie and scoring only the keys each token sees.
+        o_TNH, k_LPZKH, v_LPZKH = cpu_kernels.paged_attention_append(
+            q_TNH, kvc.stored(k_LPZKH, k_TKH), kvc.stored(v_LPZKH, v_TKH), k_LPZKH, v_LPZKH, layer, batch.slots_T,
+            batch.block_tables_BX, batch.query_start_B, batch.num_tokens_B, batch.seq_lens_B,
+            scale=config.attn_scale, window=window, softcap=config.attn_logit_softcap)
+        return o_TNH.astype(q_TNH.dtype), k_LPZKH, v_LPZKH
+
     # Choosing tokens.
     def argmax(self, scores_BV: jax.Array) -> jax.Array:
         if scores_BV.dtype != jnp.float32 or scores_BV.ndim != 2:

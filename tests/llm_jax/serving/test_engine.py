@@ -199,3 +199,20 @@ def test_every_backend_attends_over_pages_alike(backend):
     outputs = run_all(engine, {0: [("a", prompts[0], kwargs)], 1: [("b", prompts[1], kwargs)]})
     for rid, prompt in zip("ab", prompts):
         assert [t for o in outputs[rid] for t in o.token_ids] == alone(model, prompt, **kwargs).output_ids, rid
+
+
+def test_the_cpu_step_reads_pages_through_the_kernel(stories):
+    """On the CPU backend a step's attention is the paged kernel, writing the pages in place: no XLA
+    gather of pages and no scatter into them."""
+    import cpu_kernels
+    from llm_jax.serving.step import Shape, abstract_inputs
+
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels did not build here")
+    engine = Engine(stories, max_num_seqs=2, max_num_batched_tokens=16, block_size=8, max_model_len=64)
+    inputs = abstract_inputs(Shape(T=16, B=2, X=engine.X, Q=16), stories.config, bias_width=300, end_width=32,
+                             max_model_len=64)
+    hlo = step.lower(stories.weights, stories.config, engine.cache, inputs, backend=stories.backend).compile().as_text()
+    assert "llm_jax_paged_attention_append" in hlo
+    pages = f"f32[{stories.config.n_layers},{engine.cache.num_pages},8,"  # the pages' shape, as HLO prints it
+    assert not [line for line in hlo.splitlines() if pages in line and (" scatter(" in line or " copy(" in line)]

@@ -1,0 +1,627 @@
+// Paged attention on CPU, as XLA FFI custom calls: one serving step's flat, ragged batch of T query tokens
+// from many sequences (decode tokens and prefill chunks together) against one layer of a KV cache held in
+// pages [L, P, Z, K, H] (P pages of Z tokens), read where the pages lie.
+//
+// Sequence b owns q rows query_start[b] ... query_start[b] + num_tokens[b] - 1, the last num_tokens[b] of
+// its seq_lens[b] tokens: its query i sits at position p = seq_lens[b] - num_tokens[b] + i. Its key
+// position s lies at row s % Z of page block_tables[b, s / Z] (a page index outside [0, P) is clamped,
+// as XLA's gathers clamp). The query sees keys s <= p, and p - s < window when a window is given; scores
+// q·k · scale, then softcap · tanh(score / softcap) when a softcap is given; softmax in float32 over the
+// visible keys (a query with none, and every q row no sequence owns, gives zeros); o = Σ p_s · v_s in
+// float32. Keys and values are float32 or bfloat16 (also as its bits, uint16), widened exactly, and the
+// probabilities stay float32. q is float32 [T, N, H] with N = K · G, query head n = k · G + g.
+//
+// A unit of work is up to 16 query rows of one sequence — (query, head) pairs sharing a kv head, row
+// r = i · G + g, as in prefill_attention.cc — for a group of kv heads, against the keys those rows see,
+// page by page: each page's keys, then its values, are read once for all the unit's rows and kv heads (a
+// slot's kv heads lie side by side, so a group of them is one contiguous run per slot), bfloat16 widened
+// into a page-sized scratch (one row, a decode token with one query head per kv head, reads it in place).
+// A decode token is a unit of G rows; a prefill chunk is many units of 16 rows, each seeing its cached
+// prefix and its triangle of the chunk. Units of few rows score row by row with vectors along H, their
+// scores [rows, keys] softmaxed over each row's visible keys only (as decode_attention.cc); units of many
+// rows as register tiles of keys × 16 rows, their scores [keys, 16] softmaxed down the columns, masked (as
+// prefill_attention.cc). p · v is common.h's pv_columns on either layout (pv_row for a row read in place).
+//
+// Two handlers: PagedAttention reads the pages; PagedAttentionAppend (what a serving step runs) first
+// writes the step's keys and values [T, K, H] at slots[t] = page · Z + row of the layer (nothing for a
+// slot outside [0, P · Z): a padding token; where tokens share a slot the later one's row stays), into
+// pages that are also its results, aliased to its operands (XLA updates them in place), then attends the
+// same way.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using namespace llm_jax_kernels;
+
+namespace {
+
+constexpr int64_t kRows = 16;       // query rows per unit at most: one column of 16 per key in the tiles
+constexpr int64_t kRowWiseMax = 8;  // units of up to this many rows score row by row, larger ones as tiles
+#if defined(__AVX512F__)
+constexpr int kKeys = 8;  // keys per q·k register tile (8 accumulators of 16)
+#else
+constexpr int kKeys = 6;  // keys per q·k register tile (12 accumulators of 8)
+#endif
+constexpr int kOutRows = 6;  // query rows per p·v register tile
+// Scores a unit holds at most ([kv heads, rows, keys], floats): how many kv heads a unit takes is bounded
+// by it, so that its scores stay in L2.
+constexpr int64_t kScoreFloats = 1 << 15;
+
+// The sums of eight vectors: {Σ a[0], ..., Σ a[7]}.
+inline f32x8 sums8(const f32x8 a[8]) {
+#if defined(__AVX__)
+  auto m = [](f32x8 v) { __m256 r; std::memcpy(&r, &v, sizeof r); return r; };
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(m(a[0]), m(a[1])), _mm256_hadd_ps(m(a[2]), m(a[3])));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(m(a[4]), m(a[5])), _mm256_hadd_ps(m(a[6]), m(a[7])));
+  const __m256 r = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  f32x8 v;
+  std::memcpy(&v, &r, sizeof v);
+  return v;
+#else
+  f32x8 v;
+  for (int j = 0; j < 8; ++j) v[j] = hsum(a[j]);
+  return v;
+#endif
+}
+
+// {⟨q, k_0⟩, ..., ⟨q, k_{nk-1}⟩, ...} for nk <= 8 keys `stride` apart, over H values (float32, or bfloat16
+// widened as it is read).
+template <typename C>
+inline f32x8 dots8(const float* q, const C* k, int64_t stride, int64_t H, int nk) {
+  f32x8 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = splat(0.f);
+  const int64_t h_vec = H / 8 * 8;
+  if (nk == 8) {
+    for (int64_t h = 0; h < h_vec; h += 8) {
+      const f32x8 qv = load8(q + h);
+      for (int j = 0; j < 8; ++j) acc[j] += qv * load8(k + j * stride + h);
+    }
+  } else {
+    for (int64_t h = 0; h < h_vec; h += 8) {
+      const f32x8 qv = load8(q + h);
+      for (int j = 0; j < nk; ++j) acc[j] += qv * load8(k + j * stride + h);
+    }
+  }
+  f32x8 s = sums8(acc);
+  for (int j = 0; j < nk; ++j) {
+    for (int64_t h = h_vec; h < H; ++h) s[j] += q[h] * load1(k + j * stride + h);
+  }
+  return s;
+}
+
+// s[j, 0:16] = ⟨k_j, q_r⟩ for NJ keys k_j (rows `stride` apart) and 16 query rows packed as qt [H, 16].
+template <int NJ>
+void qk_tile(const float* k, int64_t stride, const float* qt, int64_t H, float* s) {
+  constexpr int V = kRows / kLanes;
+  fvec acc[NJ][V] = {};
+  for (int64_t h = 0; h < H; ++h) {
+    fvec b[V];
+    for (int c = 0; c < V; ++c) b[c] = loadv(qt + h * kRows + c * kLanes);
+    for (int j = 0; j < NJ; ++j) {
+      const float a = k[j * stride + h];
+      for (int c = 0; c < V; ++c) acc[j][c] += a * b[c];
+    }
+  }
+  for (int j = 0; j < NJ; ++j) {
+    for (int c = 0; c < V; ++c) storev(s + j * kRows + c * kLanes, acc[j][c]);
+  }
+}
+
+__attribute__((noinline)) void qk_tiles(int n, const float* k, int64_t stride, const float* qt, int64_t H, float* s) {
+  switch (n) {
+#if defined(__AVX512F__)
+    case 8: return qk_tile<8>(k, stride, qt, H, s);
+    case 7: return qk_tile<7>(k, stride, qt, H, s);
+#endif
+    case 6: return qk_tile<6>(k, stride, qt, H, s);
+    case 5: return qk_tile<5>(k, stride, qt, H, s);
+    case 4: return qk_tile<4>(k, stride, qt, H, s);
+    case 3: return qk_tile<3>(k, stride, qt, H, s);
+    case 2: return qk_tile<2>(k, stride, qt, H, s);
+    default: return qk_tile<1>(k, stride, qt, H, s);
+  }
+}
+
+// Scores of m keys (rows `ld_k` apart) for `rows` query rows q_rows[r] [H]: sc[r · ld + j], eight keys at a
+// time per row with vectors along H (each key is read from L1 again for each row).
+template <typename C>
+void score_rows(const float* const* q_rows, int64_t rows, const C* k, int64_t ld_k, int64_t m, int64_t H, float* sc,
+                int64_t ld) {
+  for (int64_t j = 0; j < m; j += 8) {
+    const int nk = static_cast<int>(std::min<int64_t>(8, m - j));
+    for (int64_t r = 0; r < rows; ++r) {
+      const f32x8 s = dots8(q_rows[r], k + j * ld_k, ld_k, H, nk);
+      for (int e = 0; e < nk; ++e) sc[r * ld + j + e] = s[e];
+    }
+  }
+}
+
+// The same for 16 rows packed as qt [H, 16] (zeros past the unit's rows), as register tiles of kKeys keys
+// × 16 rows: sc[j · 16 + r], the 16 rows' scores of a key side by side.
+void score_tiles(const float* qt, const float* k, int64_t ld_k, int64_t m, int64_t H, float* sc) {
+  for (int64_t j = 0; j < m; j += kKeys) {
+    qk_tiles(static_cast<int>(std::min<int64_t>(kKeys, m - j)), k + j * ld_k, ld_k, qt, H, sc + j * kRows);
+  }
+}
+
+// A score after scale and softcap.
+inline f32x8 scaled(f32x8 x, float scale, float softcap) {
+  x *= splat(scale);
+  if (softcap > 0.f) {
+    for (int l = 0; l < 8; ++l) x[l] = softcap * std::tanh(x[l] / softcap);
+  }
+  return x;
+}
+
+// A row's scores → its probabilities, in place: [a, e) scaled, soft-capped and softmaxed in float32 eight
+// at a time, the rest of [0, n) zero (all of it when a >= e).
+void softmax_row(float* s, int64_t n, int64_t a, int64_t e, float scale, float softcap) {
+  if (a >= e) {
+    std::fill(s, s + n, 0.f);
+    return;
+  }
+  std::fill(s, s + a, 0.f);
+  std::fill(s + e, s + n, 0.f);
+  const f32x8 neg_inf = splat(-std::numeric_limits<float>::infinity());
+  // s[j:j+8] = fn(s[j:j+8]) over [a, e); the last scores through a copy padded with -inf.
+  auto each = [&](auto&& fn) {
+    int64_t j = a;
+    for (; j + 8 <= e; j += 8) store8(s + j, fn(load8(s + j), 8));
+    if (j < e) {
+      alignas(32) float tail[8];
+      store8(tail, neg_inf);
+      std::copy(s + j, s + e, tail);
+      store8(tail, fn(load8(tail), static_cast<int>(e - j)));
+      std::copy(tail, tail + (e - j), s + j);
+    }
+  };
+  f32x8 top = neg_inf;
+  each([&](f32x8 x, int live) {
+    x = scaled(x, scale, softcap);
+    for (int l = live; l < 8; ++l) x[l] = neg_inf[0];
+    top = x > top ? x : top;
+    return x;
+  });
+  float m = top[0];
+  for (int l = 1; l < 8; ++l) m = std::max(m, top[l]);
+  f32x8 total = splat(0.f);
+  each([&](f32x8 x, int) {
+    const f32x8 p = x == neg_inf ? splat(0.f) : exp8(x - splat(m));
+    total += p;
+    return p;
+  });
+  const f32x8 denom = splat(std::max(hsum(total), std::numeric_limits<float>::min()));
+  each([&](f32x8 x, int) { return x / denom; });
+}
+
+// The scores of 16 rows side by side, sc [n, 16] (rows past the unit's have lo = hi), → their
+// probabilities, in place, eight rows at a time down the keys (as prefill_attention.cc): key j counts for
+// row r iff lo[r] <= j < hi[r].
+void softmax_columns(float* sc, int64_t n, int64_t rows, const int32_t* lo, const int32_t* hi, float scale,
+                     float softcap) {
+  const f32x8 neg_inf = splat(-std::numeric_limits<float>::infinity());
+  for (int c = 0; c < rows; c += 8) {
+    i32x8 l8, h8;
+    std::memcpy(&l8, lo + c, sizeof l8);
+    std::memcpy(&h8, hi + c, sizeof h8);
+    f32x8 top = neg_inf;
+    for (int64_t j = 0; j < n; ++j) {
+      const i32x8 key = splat_i32(static_cast<int32_t>(j));
+      const f32x8 x = (key >= l8) & (key < h8) ? scaled(load8(sc + j * kRows + c), scale, softcap) : neg_inf;
+      top = x > top ? x : top;
+      store8(sc + j * kRows + c, x);
+    }
+    f32x8 total = splat(0.f);
+    for (int64_t j = 0; j < n; ++j) {
+      const f32x8 x = load8(sc + j * kRows + c);
+      const f32x8 p = x == neg_inf ? splat(0.f) : exp8(x - top);
+      total += p;
+      store8(sc + j * kRows + c, p);
+    }
+    const f32x8 denom = total > splat(std::numeric_limits<float>::min()) ? total
+                                                                         : splat(std::numeric_limits<float>::min());
+    for (int64_t j = 0; j < n; ++j) store8(sc + j * kRows + c, load8(sc + j * kRows + c) / denom);
+  }
+}
+
+// o[r, 0:H] += Σ_{j < m} p[r · p_row + j · p_key] · v_j for mr <= 6 query rows sharing the values v_j
+// (`stride` apart).
+__attribute__((noinline)) void pv_rows(int mr, const float* p, int64_t p_row, int64_t p_key, const float* v,
+                                       int64_t stride, int64_t m, float* o, int64_t H) {
+  switch (mr) {
+    case 6: return pv_columns<6>(p, p_row, p_key, v, stride, m, o, H, H);
+    case 5: return pv_columns<5>(p, p_row, p_key, v, stride, m, o, H, H);
+    case 4: return pv_columns<4>(p, p_row, p_key, v, stride, m, o, H, H);
+    case 3: return pv_columns<3>(p, p_row, p_key, v, stride, m, o, H, H);
+    case 2: return pv_columns<2>(p, p_row, p_key, v, stride, m, o, H, H);
+    default: return pv_columns<1>(p, p_row, p_key, v, stride, m, o, H, H);
+  }
+}
+
+// o[0:8·NV] += Σ_{j < n} p[j] · v_j[0:8·NV], values v_j `stride` apart (float32 or bfloat16).
+template <int NV, typename C>
+inline void pv_run(const float* p, const C* v, int64_t stride, int64_t n, float* o) {
+  f32x8 acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = load8(o + 8 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const f32x8 pj = splat(p[j]);
+    for (int c = 0; c < NV; ++c) acc[c] += pj * load8(v + j * stride + 8 * c);
+  }
+  for (int c = 0; c < NV; ++c) store8(o + 8 * c, acc[c]);
+}
+
+// o[0:H] += Σ_{j < n} p[j] · v_j[0:H] for one query row, the values (bfloat16) widened as they are read.
+template <typename C>
+void pv_row(const float* p, const C* v, int64_t stride, int64_t n, int64_t H, float* o) {
+  int64_t h = 0;
+  for (; h + 64 <= H; h += 64) pv_run<8>(p, v + h, stride, n, o + h);
+  if (h + 32 <= H) pv_run<4>(p, v + h, stride, n, o + h), h += 32;
+  if (h + 16 <= H) pv_run<2>(p, v + h, stride, n, o + h), h += 16;
+  if (h + 8 <= H) pv_run<1>(p, v + h, stride, n, o + h), h += 8;
+  for (; h < H; ++h) {
+    float acc = o[h];
+    for (int64_t j = 0; j < n; ++j) acc += p[j] * load1(v + j * stride + h);
+    o[h] = acc;
+  }
+}
+
+// What every unit of a step reads.
+struct Step {
+  const float* q;         // [T, N, H]
+  float* o;               // [T, N, H]
+  const int32_t* tables;  // [B, X]
+  int64_t T, P, Z, K, G, H, X;
+  float scale, softcap;
+  int64_t window;
+};
+
+// Rows [first, first + rows) of sequence b's (query, head) rows for kv heads [kh0, kh1): row r of the
+// sequence is its query i_lo + r / G (q row t0 + i, at position p0 + i), head g = r % G; `keys` its
+// block sees at most, `cost` an estimate of its work.
+struct Unit {
+  int64_t b, t0, p0, i_lo, first, rows, keys, kh0, kh1, cost;
+};
+
+// One unit: scores page by page, the softmax, p · v page by page; then its rows of o. Units of few rows
+// hold their scores row by row, [rows, keys] (each row's softmax over its visible keys only); units scored
+// as tiles key by key, [keys, 16] (the softmax down the columns, masked).
+template <typename C>
+void attend_unit(const Step& st, const C* k_layer, const C* v_layer, const Unit& u) {
+  const int64_t G = st.G, H = st.H, K = st.K, Z = st.Z, N = K * G, R = u.rows, heads = u.kh1 - u.kh0;
+  const int64_t span = st.X * Z;  // positions the block table can name
+  alignas(32) int32_t lo[kRows] = {}, hi[kRows] = {};  // row r's visible keys, of the unit's n from s_lo
+  int64_t from[kRows], to[kRows], query[kRows], head[kRows];  // row r sees positions [from, to)
+  int64_t s_lo = span, s_hi = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = u.i_lo + (u.first + r) / G, p = u.p0 + i;
+    query[r] = u.t0 + i, head[r] = (u.first + r) % G;
+    from[r] = st.window > 0 ? std::max<int64_t>(0, p - st.window + 1) : 0, to[r] = std::min(p + 1, span);
+    if (to[r] > from[r]) s_lo = std::min(s_lo, from[r]), s_hi = std::max(s_hi, to[r]);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (to[r] > from[r]) lo[r] = static_cast<int32_t>(from[r] - s_lo), hi[r] = static_cast<int32_t>(to[r] - s_lo);
+  }
+  // The calling thread's buffers, kept between units and calls.
+  thread_local std::vector<float> out, scores, qt, k_wide, v_wide;
+  out.assign(static_cast<size_t>(heads * R * H), 0.f);
+  const int64_t n = s_hi - s_lo;
+  if (n > 0) {
+    const bool tiles = R > kRowWiseMax;
+    // Rows of scores n rounded up to 8 and 16 more apart, so that they do not all fall in one set of L1.
+    const int64_t ld = (n + 7) / 8 * 8 + 16;
+    const int64_t p_row = tiles ? 1 : ld, p_key = tiles ? kRows : 1, per_head = tiles ? n * kRows : R * ld;
+    const int64_t slot = K * H, width = heads * H;
+    scores.resize(static_cast<size_t>(heads * per_head));
+    auto q_row = [&](int64_t kh, int64_t r) { return st.q + (query[r] * N + (u.kh0 + kh) * G + head[r]) * H; };
+    if (tiles) {  // each kv head's rows side by side, [H, 16]
+      qt.assign(static_cast<size_t>(heads * H * kRows), 0.f);
+      for (int64_t kh = 0; kh < heads; ++kh) {
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qr = q_row(kh, r);
+          for (int64_t h = 0; h < H; ++h) qt[(kh * H + h) * kRows + r] = qr[h];
+        }
+      }
+    }
+    // fn(j, m, offset) for each page the unit reads: its keys [j, j + m) of the unit's n, at element
+    // `offset` of the layer (the first of them, kv head kh0).
+    auto pages = [&](auto&& fn) {
+      for (int64_t x = s_lo / Z; x * Z < s_hi; ++x) {
+        const int64_t j_a = std::max(s_lo, x * Z), j_b = std::min(s_hi, x * Z + Z);
+        const int64_t page = std::clamp<int64_t>(st.tables[u.b * st.X + x], 0, st.P - 1);
+        fn(j_a - s_lo, j_b - j_a, ((page * Z + j_a - x * Z) * K + u.kh0) * H);
+      }
+    };
+    // One row of bfloat16 (a decode token, one query head per kv head) reads it in place, widened as it
+    // is read: a separate widening pass would cost as much as the row's arithmetic.
+    const bool in_place = R == 1 && !std::is_same<C, float>::value;
+    pages([&](int64_t j, int64_t m, int64_t offset) {
+      if (in_place) {
+        for (int64_t kh = 0; kh < heads; ++kh) {
+          const float* q_rows[1] = {q_row(kh, 0)};
+          score_rows(q_rows, 1, k_layer + offset + kh * H, slot, m, H, scores.data() + kh * per_head + j, ld);
+        }
+        return;
+      }
+      int64_t ld_k;
+      const float* k = as_f32_rows(k_layer + offset, slot, m, width, k_wide, &ld_k);
+      for (int64_t kh = 0; kh < heads; ++kh) {
+        float* sc = scores.data() + kh * per_head + j * p_key;
+        if (tiles) {
+          score_tiles(qt.data() + kh * H * kRows, k + kh * H, ld_k, m, H, sc);
+        } else {
+          const float* q_rows[kRows];
+          for (int64_t r = 0; r < R; ++r) q_rows[r] = q_row(kh, r);
+          score_rows(q_rows, R, k + kh * H, ld_k, m, H, sc, ld);
+        }
+      }
+    });
+    for (int64_t kh = 0; kh < heads; ++kh) {
+      float* sc = scores.data() + kh * per_head;
+      if (tiles) {
+        softmax_columns(sc, n, R, lo, hi, st.scale, st.softcap);
+      } else {
+        for (int64_t r = 0; r < R; ++r) softmax_row(sc + r * ld, n, lo[r], hi[r], st.scale, st.softcap);
+      }
+    }
+    pages([&](int64_t j, int64_t m, int64_t offset) {
+      if (in_place) {
+        for (int64_t kh = 0; kh < heads; ++kh) {
+          pv_row(scores.data() + kh * per_head + j, v_layer + offset + kh * H, slot, m, H, out.data() + kh * H);
+        }
+        return;
+      }
+      int64_t ld_v;
+      const float* v = as_f32_rows(v_layer + offset, slot, m, width, v_wide, &ld_v);
+      for (int64_t kh = 0; kh < heads; ++kh) {
+        const float* p = scores.data() + kh * per_head + j * p_key;
+        for (int64_t r0 = 0; r0 < R; r0 += kOutRows) {
+          pv_rows(static_cast<int>(std::min<int64_t>(kOutRows, R - r0)), p + r0 * p_row, p_row, p_key, v + kh * H,
+                  ld_v, m, out.data() + (kh * R + r0) * H, H);
+        }
+      }
+    });
+  }
+  for (int64_t kh = 0; kh < heads; ++kh) {
+    for (int64_t r = 0; r < R; ++r) {
+      std::copy_n(out.data() + (kh * R + r) * H, H, st.o + (query[r] * N + (u.kh0 + kh) * G + head[r]) * H);
+    }
+  }
+}
+
+// The step's keys and values to write before attending: row t of k_new, v_new [T, K, H] at slot slots[t]
+// of the layer's pages (none where it lies outside [0, P · Z)).
+template <typename C>
+struct Append {
+  C* k_layer = nullptr;  // the layer's pages [P, Z, K, H], written
+  C* v_layer = nullptr;
+  const C* k_new = nullptr;
+  const C* v_new = nullptr;
+  const int32_t* slots = nullptr;  // [T]
+};
+
+// Every sequence's attention over one layer of the pages (k_layer, v_layer: [P, Z, K, H]), after the
+// append's writes. Units: each sequence's rows in blocks of 16, each block's kv heads in as few groups as
+// give every thread two units and keep a unit's scores within kScoreFloats; the costliest first, so that
+// the cheap ones even out the end.
+template <typename C>
+void attend_step(ffi::ThreadPool& pool, const Step& st, const C* k_layer, const C* v_layer, const int32_t* query_start,
+                 const int32_t* num_tokens, const int32_t* seq_lens, int64_t B, const Append<C>& append) {
+  const int64_t T = st.T, K = st.K, G = st.G, H = st.H, N = K * G, span = st.X * st.Z, slot = K * H;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (append.k_layer != nullptr && T > 0) {
+    // Writers own slots by residue, each in token order: no two write one slot, the later token's row stays.
+    const int64_t writers = std::min(threads, T), slots = st.P * st.Z;
+    parallel_for(pool, writers, [&](int64_t w) {
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t s = append.slots[t];
+        if (s < 0 || s >= slots || s % writers != w) continue;
+        std::copy_n(append.k_new + t * slot, slot, append.k_layer + s * slot);
+        std::copy_n(append.v_new + t * slot, slot, append.v_layer + s * slot);
+      }
+    });
+  }
+  // The caller's buffers, kept between calls; the lambda below reaches them through these references (a
+  // thread_local named in a lambda is the running thread's own).
+  thread_local std::vector<Unit> blocks_buf, units_buf;
+  thread_local std::vector<char> covered_buf;
+  std::vector<Unit>& blocks = blocks_buf;
+  std::vector<Unit>& units = units_buf;
+  std::vector<char>& covered = covered_buf;
+  blocks.clear();
+  units.clear();
+  covered.assign(static_cast<size_t>(T), 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = num_tokens[b], t0 = query_start[b];
+    if (n <= 0) continue;
+    const int64_t i_lo = std::max<int64_t>(0, -t0), i_hi = std::min<int64_t>(n, T - t0);  // q rows within [0, T)
+    if (i_hi <= i_lo) continue;
+    std::fill(covered.begin() + (t0 + i_lo), covered.begin() + (t0 + i_hi), 1);
+    const int64_t p0 = seq_lens[b] - n, rows = (i_hi - i_lo) * G;
+    for (int64_t first = 0; first < rows; first += kRows) {
+      Unit u{b, t0, p0, i_lo, first, std::min(kRows, rows - first), 0, 0, K, 0};
+      // Its first query sees the lowest key, its last query the highest.
+      const int64_t p_first = p0 + i_lo + first / G, p_last = p0 + i_lo + (first + u.rows - 1) / G;
+      const int64_t l = st.window > 0 ? std::max<int64_t>(0, p_first - st.window + 1) : 0;
+      u.keys = std::max<int64_t>(0, std::min(p_last + 1, span) - l);
+      blocks.push_back(u);
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    if (!covered[t]) std::fill(st.o + t * N * H, st.o + (t + 1) * N * H, 0.f);
+  }
+  if (blocks.empty()) return;
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+  const int64_t parts_min = std::clamp<int64_t>((2 * threads + nb - 1) / nb, 1, K);
+  for (const Unit& block : blocks) {
+    // Scores per kv head: [keys, 16] as tiles, else [rows, ld].
+    const int64_t scores = std::max<int64_t>(
+        1, block.rows > kRowWiseMax ? kRows * block.keys : block.rows * (block.keys + 24));
+    const int64_t group = std::max<int64_t>(1, std::min((K + parts_min - 1) / parts_min, kScoreFloats / scores));
+    const int64_t parts = (K + group - 1) / group;
+    // Rows scored as tiles cost all 16 columns.
+    const int64_t per_head = block.keys * (block.rows > kRowWiseMax ? kRows : block.rows) + 1;
+    for (int64_t part = 0; part < parts; ++part) {
+      Unit u = block;
+      u.kh0 = part * K / parts, u.kh1 = (part + 1) * K / parts;
+      u.cost = per_head * (u.kh1 - u.kh0);
+      units.push_back(u);
+    }
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+  parallel_for(pool, static_cast<int64_t>(units.size()),
+               [&](int64_t i) { attend_unit(st, k_layer, v_layer, units[i]); });
+}
+
+// The checks both handlers make — q [T, N, H], pages [L, P, Z, K, H] alike, block tables [B, X], the
+// sequences' arrays [B], the layer within the stack — and, when they pass, the layer index, the number
+// of sequences and the step's shape in *st.
+template <ffi::DataType DT>
+ffi::Error check_shapes(const char* name, const ffi::Buffer<ffi::S32, 0>& layer_index, const ffi::Buffer<ffi::F32, 3>& q,
+                        const ffi::Buffer<DT, 5>& k_pages, const ffi::Buffer<DT, 5>& v_pages,
+                        const ffi::Buffer<ffi::S32, 2>& tables, const ffi::Buffer<ffi::S32, 1>& query_start,
+                        const ffi::Buffer<ffi::S32, 1>& num_tokens, const ffi::Buffer<ffi::S32, 1>& seq_lens,
+                        int64_t* layer, int64_t* B, Step* st) {
+  const auto kd = k_pages.dimensions(), vd = v_pages.dimensions(), qd = q.dimensions(), td = tables.dimensions();
+  const int64_t P = kd[1], Z = kd[2], K = kd[3], H = kd[4];
+  *B = td[0];
+  if (!std::equal(kd.begin(), kd.end(), vd.begin()) || K < 1 || qd[2] != H || qd[1] % K != 0 ||
+      query_start.dimensions()[0] != *B || num_tokens.dimensions()[0] != *B || seq_lens.dimensions()[0] != *B) {
+    return ffi::Error::InvalidArgument(std::string("cpu_kernels ") + name +
+                                       ": shapes of q, pages, block tables and sequences do not match");
+  }
+  *layer = *layer_index.typed_data();
+  if (*layer < 0 || *layer >= kd[0]) {
+    return ffi::Error::InvalidArgument(std::string("cpu_kernels ") + name + ": layer index outside the cache");
+  }
+  *st = Step{q.typed_data(), nullptr, tables.typed_data(), qd[0], P, Z, K, qd[1] / K, H, td[1], 0.f, 0.f, 0};
+  return ffi::Error::Success();
+}
+
+// layer (int32 scalar), q [T, N, H] float32, k and v pages [L, P, Z, K, H], block_tables [B, X],
+// query_start, num_tokens, seq_lens [B] int32 → o [T, N, H] float32.
+template <ffi::DataType DT, typename C>
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, ffi::Buffer<ffi::F32, 3> q,
+                          ffi::Buffer<DT, 5> k_pages, ffi::Buffer<DT, 5> v_pages, ffi::Buffer<ffi::S32, 2> tables,
+                          ffi::Buffer<ffi::S32, 1> query_start, ffi::Buffer<ffi::S32, 1> num_tokens,
+                          ffi::Buffer<ffi::S32, 1> seq_lens, ffi::ResultBuffer<ffi::F32, 3> o, float scale,
+                          int64_t window, float softcap) {
+  int64_t layer, B;
+  Step st;
+  const ffi::Error checked = check_shapes("paged_attention", layer_index, q, k_pages, v_pages, tables, query_start,
+                                          num_tokens, seq_lens, &layer, &B, &st);
+  if (checked.failure()) return checked;
+  st.o = o->typed_data(), st.scale = scale, st.softcap = softcap, st.window = window;
+  const size_t layer_size = static_cast<size_t>(st.P * st.Z * st.K * st.H);
+  attend_step(pool, st, reinterpret_cast<const C*>(k_pages.untyped_data()) + layer * layer_size,
+              reinterpret_cast<const C*>(v_pages.untyped_data()) + layer * layer_size, query_start.typed_data(),
+              num_tokens.typed_data(), seq_lens.typed_data(), B, Append<C>{});
+  return ffi::Error::Success();
+}
+
+// Paged attention that first writes the step's keys and values: row t of k_new and v_new [T, K, H] at slot
+// slots[t] of the layer (none outside [0, P · Z)), then attends as above. The pages are results aliased to
+// the page operands, so XLA updates them in place.
+template <ffi::DataType DT, typename C>
+ffi::Error PagedAttentionAppend(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index,
+                                ffi::Buffer<ffi::F32, 3> q, ffi::Buffer<DT, 3> k_new, ffi::Buffer<DT, 3> v_new,
+                                ffi::Buffer<DT, 5> k_pages, ffi::Buffer<DT, 5> v_pages, ffi::Buffer<ffi::S32, 1> slots,
+                                ffi::Buffer<ffi::S32, 2> tables, ffi::Buffer<ffi::S32, 1> query_start,
+                                ffi::Buffer<ffi::S32, 1> num_tokens, ffi::Buffer<ffi::S32, 1> seq_lens,
+                                ffi::ResultBuffer<ffi::F32, 3> o, ffi::ResultBuffer<DT, 5> k_out,
+                                ffi::ResultBuffer<DT, 5> v_out, float scale, int64_t window, float softcap) {
+  int64_t layer, B;
+  Step st;
+  const ffi::Error checked = check_shapes("paged_attention_append", layer_index, q, k_pages, v_pages, tables,
+                                          query_start, num_tokens, seq_lens, &layer, &B, &st);
+  if (checked.failure()) return checked;
+  const auto nd = k_new.dimensions(), vnd = v_new.dimensions();
+  if (nd[0] != st.T || nd[1] != st.K || nd[2] != st.H || !std::equal(nd.begin(), nd.end(), vnd.begin()) ||
+      slots.dimensions()[0] != st.T) {
+    return ffi::Error::InvalidArgument(
+        "cpu_kernels paged_attention_append: new keys and values must be [T, K, H] and slots [T]");
+  }
+  st.o = o->typed_data(), st.scale = scale, st.softcap = softcap, st.window = window;
+  const size_t layer_size = static_cast<size_t>(st.P * st.Z * st.K * st.H);
+  const size_t cache_size = layer_size * static_cast<size_t>(k_pages.dimensions()[0]);
+  C* k_pages_out = reinterpret_cast<C*>(k_out->untyped_data());
+  C* v_pages_out = reinterpret_cast<C*>(v_out->untyped_data());
+  // XLA hands the operands' own buffers back as results (they are aliased); were they not, the results
+  // start as copies.
+  if (k_pages_out != k_pages.untyped_data()) {
+    std::copy_n(reinterpret_cast<const C*>(k_pages.untyped_data()), cache_size, k_pages_out);
+  }
+  if (v_pages_out != v_pages.untyped_data()) {
+    std::copy_n(reinterpret_cast<const C*>(v_pages.untyped_data()), cache_size, v_pages_out);
+  }
+  Append<C> append;
+  append.k_layer = k_pages_out + layer * layer_size;
+  append.v_layer = v_pages_out + layer * layer_size;
+  append.k_new = reinterpret_cast<const C*>(k_new.untyped_data());
+  append.v_new = reinterpret_cast<const C*>(v_new.untyped_data());
+  append.slots = slots.typed_data();
+  attend_step<C>(pool, st, append.k_layer, append.v_layer, query_start.typed_data(), num_tokens.typed_data(),
+                 seq_lens.typed_data(), B, append);
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType DT>
+auto paged_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32, 0>>()           // layer
+      .template Arg<ffi::Buffer<ffi::F32, 3>>()  // q [T, N, H]
+      .template Arg<ffi::Buffer<DT, 5>>()        // k pages [L, P, Z, K, H]
+      .template Arg<ffi::Buffer<DT, 5>>()        // v pages
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()  // block tables [B, X]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()  // query_start [B]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()  // num_tokens [B]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()  // seq_lens [B]
+      .template Ret<ffi::Buffer<ffi::F32, 3>>()  // o [T, N, H]
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window")
+      .template Attr<float>("softcap");
+}
+
+template <ffi::DataType DT>
+auto paged_append_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32, 0>>()           // layer
+      .template Arg<ffi::Buffer<ffi::F32, 3>>()  // q [T, N, H]
+      .template Arg<ffi::Buffer<DT, 3>>()        // k_new [T, K, H]
+      .template Arg<ffi::Buffer<DT, 3>>()        // v_new
+      .template Arg<ffi::Buffer<DT, 5>>()        // k pages [L, P, Z, K, H], aliased to k_out
+      .template Arg<ffi::Buffer<DT, 5>>()        // v pages, aliased to v_out
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()  // slots [T]
+      .template Arg<ffi::Buffer<ffi::S32, 2>>()  // block tables [B, X]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()  // query_start [B]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()  // num_tokens [B]
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()  // seq_lens [B]
+      .template Ret<ffi::Buffer<ffi::F32, 3>>()  // o [T, N, H]
+      .template Ret<ffi::Buffer<DT, 5>>()        // k pages
+      .template Ret<ffi::Buffer<DT, 5>>()        // v pages
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window")
+      .template Attr<float>("softcap");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionF32, (PagedAttention<ffi::F32, float>), paged_binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionBF16, (PagedAttention<ffi::BF16, uint16_t>), paged_binding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionBits, (PagedAttention<ffi::U16, uint16_t>), paged_binding<ffi::U16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionAppendF32, (PagedAttentionAppend<ffi::F32, float>),
+                              paged_append_binding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionAppendBF16, (PagedAttentionAppend<ffi::BF16, uint16_t>),
+                              paged_append_binding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionAppendBits, (PagedAttentionAppend<ffi::U16, uint16_t>),
+                              paged_append_binding<ffi::U16>());
