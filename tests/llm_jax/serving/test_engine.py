@@ -94,17 +94,28 @@ def test_text_stops_and_logprobs_are_generates(stories):
             assert [o.top_logprobs[0].keys() for o in ours] == [d.keys() for d in theirs.top_logprobs]
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
-def test_families_with_windows_and_soft_caps(family):
-    base = dict(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-                max_seq_len=128)
-    config = {"mistral": ModelConfig(**base, sliding_window=6),  # windows that cross blocks of 4
-              "gemma2": ModelConfig(**base, sliding_window=5, sliding_layers=(True, False), attn_logit_softcap=20.0,
-                                    final_logit_softcap=15.0, sandwich_norm=True, norm_weight_offset=1.0,
-                                    embed_scale=True, query_pre_attn_scalar=8.0)}[family]
-    params = jax.tree.map(lambda a: a * 6 if a.ndim > 1 else a, init_params(config, seed=1))
+FAMILIES = {
+    "llama": dict(),
+    "mistral": dict(sliding_window=6),  # windows that cross blocks of 4
+    "qwen2": dict(qkv_bias=True, tie_embeddings=True),
+    "qwen3": dict(qk_norm=True),
+    "gemma": dict(activation="gelu_tanh", norm_weight_offset=1.0, embed_scale=True, tie_embeddings=True),
+    "gemma2": dict(sliding_window=5, sliding_layers=(True, False), attn_logit_softcap=20.0, final_logit_softcap=15.0,
+                   sandwich_norm=True, norm_weight_offset=1.0, embed_scale=True, query_pre_attn_scalar=8.0,
+                   activation="gelu_tanh"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family(family):
+    """Random models of every family's switches (biases, q/k norms, GeGLU, windows across blocks,
+    soft-capping): the engine gives each request ``generate``'s tokens."""
+    config = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                         max_seq_len=128, **FAMILIES[family])
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda a: a * 6 if a.ndim > 1 else a + 0.1 * rng.normal(size=a.shape).astype(a.dtype),
+                          init_params(config, seed=1))
     model = llm_jax.Model(config=config, params=params, tokenizer=None, eos_ids=())
-    rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 96, n).tolist() for n in (3, 17, 9)]
     engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=8, block_size=4, max_model_len=64)
     kwargs = dict(max_new_tokens=25)
