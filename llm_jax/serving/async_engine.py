@@ -48,11 +48,13 @@ class AsyncEngine:
             raise RuntimeError("the engine is shutting down")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop=loop, outputs=asyncio.Queue())
+        if not self.is_running:
+            raise RuntimeError("the engine's loop has stopped")
         added: Future = Future()
         self._commands.put(("add", request_id, prompt, kwargs, stream, added))
-        await asyncio.wrap_future(added)  # the engine's refusal (ValueError) raises here
         finished = False
         try:
+            await asyncio.wrap_future(added)  # the engine's refusal (ValueError) raises here
             while True:
                 item = await stream.outputs.get()
                 if item is None:
@@ -65,13 +67,21 @@ class AsyncEngine:
                 if item.finish_reason is not None:
                     finished = True
                     return
+        except ValueError:
+            finished = True  # refused: nothing to abort
+            raise
         finally:
-            if not finished:
+            if not finished:  # a consumer gone (closed or cancelled), even while the request was being added
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request between steps and free its blocks; its stream ends."""
         self._commands.put(("abort", request_id))
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine's loop is alive (it ends at shutdown, or if the loop itself failed)."""
+        return self._thread.is_alive()
 
     @property
     def num_requests(self) -> int:
@@ -82,18 +92,24 @@ class AsyncEngine:
         """Stop taking requests, let the running ones finish (or abort them after ``timeout`` seconds),
         and stop the thread."""
         self._stopping.set()
-        self._commands.put(("wake",))
-        if timeout is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, timeout)
+        self._commands.put(("exit",))  # the loop ends once nothing is left to run
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._thread.join, timeout)
+        if self._thread.is_alive():
             for request_id in list(self._streams):
                 self.abort(request_id)
-            self._commands.put(("exit",))
-        else:
-            self._commands.put(("exit",))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            await loop.run_in_executor(None, self._thread.join)
 
     # The engine's thread.
     def _loop(self) -> None:
+        try:
+            self._run_loop()
+        except BaseException as error:  # the loop itself failed: no stream may wait forever
+            for request_id in list(self._streams):
+                self._deliver(request_id, RuntimeError(f"the engine's loop failed: {error!r}"))
+            raise
+
+    def _run_loop(self) -> None:
         exiting = False
         while True:
             idle = not self.engine.has_unfinished

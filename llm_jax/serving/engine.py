@@ -47,6 +47,7 @@ class RequestOutput:
     token_ids: tuple[int, ...]  # new tokens (none for a prompt chunk that does not end the prompt)
     text: str  # new text, safe to show (held back where it could be the start of a stop string)
     finish_reason: str | None = None  # "eos", "stop", "length" when the request ended with this step
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: tuple[float, ...] | None = None  # the new tokens' log-probabilities, when asked for
     top_logprobs: tuple[dict[int, float], ...] | None = None
     num_prompt_tokens: int = 0
@@ -281,16 +282,16 @@ class Engine:
             if not plan.samples_B[b]:
                 continue
             request, token = live.request, int(sampled_B[b])
-            reason = None
+            reason = stop_reason = None
             if token in live.eos_ids:
                 reason = FinishReason.EOS
             elif token in live.stop_ids:
-                reason = FinishReason.STOP
+                reason, stop_reason = FinishReason.STOP, token
             length = (request.num_output_tokens + 1 >= request.max_new_tokens
                       or request.num_tokens + 1 >= self.max_model_len)
             kept, text, hit_stop = live.text.push([token], last=reason is not None or length)
             if hit_stop:
-                reason = FinishReason.STOP
+                reason, stop_reason = FinishReason.STOP, live.text.matcher.stop
             if reason is not None:
                 stopped[request.request_id] = reason
             logprobs = top = None
@@ -299,8 +300,8 @@ class Engine:
                 n = live.logprobs
                 top = ({int(i): float(p) for i, p in zip(emitted.top_ids_BSN[b, :n], emitted.top_logprobs_BSN[b, :n])},)
             outputs.append(RequestOutput(
-                request_id=request.request_id, token_ids=tuple(kept), text=text, logprobs=logprobs,
-                top_logprobs=top, num_prompt_tokens=len(request.prompt_token_ids),
+                request_id=request.request_id, token_ids=tuple(kept), text=text, stop_reason=stop_reason,
+                logprobs=logprobs, top_logprobs=top, num_prompt_tokens=len(request.prompt_token_ids),
                 num_output_tokens=request.num_output_tokens + 1))
         finished = {r.request_id: r for r in self.scheduler.update(plan, sampled_B, stopped)}
         result = []

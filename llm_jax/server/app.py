@@ -1,0 +1,179 @@
+"""The ASGI app (Starlette): the routes, the error handlers and the lifespan.
+
+    POST /v1/completions        POST /v1/chat/completions     GET /v1/models
+    POST /tokenize              POST /detokenize
+    GET  /health                GET  /version                 GET /metrics
+
+``build_app(engine, config)`` takes an :class:`~llm_jax.serving.async_engine.AsyncEngine` whose engine
+is already compiled (``Engine.warm_up``): the server is ready the moment it listens. At shutdown (the
+lifespan's end, after the HTTP server's grace period) the requests still in flight are aborted and the
+engine's thread stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from llm_jax.server import protocol
+from llm_jax.server.fields import ApiError
+from llm_jax.server.metrics import CONTENT_TYPE
+from llm_jax.server.responses import ChatShape, CompletionShape
+from llm_jax.server.service import ServerConfig, Service, error_response, request_id
+from llm_jax.server.sse import CLIENT_CLOSED
+from llm_jax.serving.async_engine import AsyncEngine
+
+log = logging.getLogger("llm_jax.server")
+
+Handler = Callable[[Service, Request], Awaitable[Response]]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("llm_jax")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def completions(service: Service, request: Request) -> Response:
+    rid, arrival = request_id(request, "cmpl"), time.monotonic()
+    try:
+        parsed = protocol.parse_completion(await service.body(request), service.limits)
+        service.check_model(parsed.model)
+        g = parsed.generation
+        prompts = [service.budget(service.encode(p, "prompt"), g, "prompt") for p in parsed.prompts]
+        echoes = [_echo(service, p, ids) if parsed.echo else "" for p, (ids, _) in zip(parsed.prompts, prompts)]
+        run = service.admit(g, prompts, rid, arrival)
+    except ApiError as error:
+        service.log_refusal(rid, error)
+        raise
+    return await service.respond(request, run, CompletionShape(rid, int(time.time()), service.name, run, echoes), rid)
+
+
+def _echo(service: Service, prompt: protocol.Prompt, ids: tuple[int, ...]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return service.tokenizer.decode(list(ids)) if service.tokenizer is not None else ""
+
+
+async def chat_completions(service: Service, request: Request) -> Response:
+    rid, arrival = request_id(request, "chatcmpl"), time.monotonic()
+    try:
+        parsed = protocol.parse_chat(await service.body(request), service.limits)
+        service.check_model(parsed.model)
+        ids = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
+                                  continue_final_message=parsed.continue_final_message,
+                                  template_kwargs=parsed.template_kwargs)
+        run = service.admit(parsed.generation, [service.budget(ids, parsed.generation, "messages")], rid, arrival)
+    except ApiError as error:
+        service.log_refusal(rid, error)
+        raise
+    return await service.respond(request, run, ChatShape(rid, int(time.time()), service.name, run), rid)
+
+
+async def models(service: Service, request: Request) -> Response:
+    data = [{"id": name, "object": "model", "created": service.created, "owned_by": "llm_jax",
+             "root": service.model.path, "parent": None, "max_model_len": service.max_model_len}
+            for name in service.config.model_names]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def tokenize(service: Service, request: Request) -> Response:
+    parsed = protocol.parse_tokenize(await service.body(request))
+    service.check_model(parsed.model)
+    if parsed.messages is not None:
+        ids = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt)
+    elif service.tokenizer is None:
+        raise ApiError("the model has no tokenizer", param="prompt", code="no_tokenizer")
+    else:
+        try:
+            ids = service.tokenizer.encode(parsed.prompt, add_bos=None if parsed.add_special_tokens else False)
+        except Exception as error:
+            raise ApiError(f"prompt could not be tokenized: {error}", param="prompt") from None
+    return JSONResponse({"count": len(ids), "max_model_len": service.max_model_len, "tokens": list(ids),
+                         "token_strs": None})
+
+
+async def detokenize(service: Service, request: Request) -> Response:
+    parsed = protocol.parse_detokenize(await service.body(request), service.limits)
+    service.check_model(parsed.model)
+    if service.tokenizer is None:
+        raise ApiError("the model has no tokenizer", param="tokens", code="no_tokenizer")
+    return JSONResponse({"prompt": service.tokenizer.decode(list(parsed.tokens))})
+
+
+async def health(service: Service, request: Request) -> Response:
+    return Response(status_code=200 if service.healthy else 503)
+
+
+async def version(service: Service, request: Request) -> Response:
+    return JSONResponse({"version": _version()})
+
+
+async def metrics(service: Service, request: Request) -> Response:
+    return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+
+ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("/v1/completions", "POST", completions),
+    ("/v1/chat/completions", "POST", chat_completions),
+    ("/v1/models", "GET", models),
+    ("/tokenize", "POST", tokenize),
+    ("/detokenize", "POST", detokenize),
+    ("/health", "GET", health),
+    ("/version", "GET", version),
+    ("/metrics", "GET", metrics),
+)
+
+
+def _endpoint(service: Service, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            service.authorize(request)
+            return await handler(service, request)
+        except ApiError as error:
+            return error_response(error)
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            return Response(status_code=CLIENT_CLOSED)
+
+    return endpoint
+
+
+async def _http_error(request: Request, error: HTTPException) -> Response:
+    """Starlette's own refusals (no such route, a method the route does not take), in the API's format."""
+    not_found = error.status_code == 404
+    return error_response(ApiError(f"{request.method} {request.url.path}: {error.detail}", status=error.status_code,
+                                   type="not_found_error" if not_found else "invalid_request_error",
+                                   code="not_found" if not_found else None, headers=error.headers))
+
+
+async def _internal_error(request: Request, error: Exception) -> Response:
+    """A bug: the client hears it was the server's fault; the traceback goes to the log."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    return error_response(ApiError(f"internal server error: {type(error).__name__}", status=500,
+                                   type="internal_error"))
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
+    """The server's ASGI app over ``engine`` (compiled already); ``app.state.service`` holds its state."""
+    service = Service(engine, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        await service.shutdown()
+
+    app = Starlette(routes=[Route(path, _endpoint(service, handler), methods=[method])
+                            for path, method, handler in ROUTES],
+                    exception_handlers={HTTPException: _http_error, Exception: _internal_error}, lifespan=lifespan)
+    app.state.service = service
+    return app

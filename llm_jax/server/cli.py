@@ -1,0 +1,238 @@
+"""``scripts/serve.py`` / ``python -m llm_jax.serve``: flags, then load → engine → compile → listen.
+
+Flags are checked and the chat template file read before JAX starts, so ``--help`` and most mistakes
+answer at once (one line, as every llm_jax command: ``llm_jax.cli.common``). The server listens only once
+every step program is compiled (``Engine.warm_up``): a client that can connect gets no compilation
+pause. SIGTERM (or Ctrl-C) stops it gracefully: no new connections, in-flight requests get
+``--shutdown-timeout`` seconds to finish before they are aborted, then the process exits 0 (130 after
+Ctrl-C). SIGTERM during start-up exits 0 at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import pathlib
+import re
+import signal
+import socket
+import sys
+import time
+
+import uvicorn
+
+from llm_jax.cli.common import (
+    CliError,
+    CliParser,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    run_main,
+)
+from llm_jax.cli.generate import DEFAULT_MODEL
+
+API_KEY_ENV = "LLM_JAX_API_KEY"
+DESCRIPTION = "Serve a model over HTTP with an OpenAI-compatible API (continuous batching, SSE streaming)."
+EPILOG = f"""\
+endpoints:
+  POST /v1/completions, /v1/chat/completions (stream: true for Server-Sent Events); GET /v1/models;
+  POST /tokenize, /detokenize; GET /health (200 once ready), /version, /metrics (Prometheus).
+
+api key:
+  --api-key or ${API_KEY_ENV}: /v1/*, /tokenize and /detokenize then need 'Authorization: Bearer KEY'.
+
+examples:
+  serve.py                                              # the story model shipped in checkpoints/, port 8000
+  serve.py --model path/to/hf-model --served-model-name my-model --max-num-seqs 16 --port 8080
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{{"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0}}'
+"""
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+         "tb": 10**12, "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40,
+         "tib": 2**40}
+log = logging.getLogger("llm_jax.server")
+
+
+def byte_size(text: str) -> int:
+    """``2GiB``, ``512MB``, ``1e9``-free plain bytes → bytes."""
+    match = SIZE.match(text)
+    if match is None or (match.group(2) or "").lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size such as 4GiB, 512MB or 1000000, got {text!r}")
+    return int(float(match.group(1)) * UNITS[(match.group(2) or "").lower()])
+
+
+def build_parser() -> CliParser:
+    parser = CliParser(description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=str(DEFAULT_MODEL), metavar="PATH",
+                       help="llama2.c .bin file, Hugging Face model folder, or llm_jax checkpoint folder "
+                            "(default: the story model shipped in checkpoints/)")
+    model.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                       help="the name(s) requests give as 'model' (default: --model as given); the first is reported")
+    model.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter and compute dtype")
+    model.add_argument("--backend", choices=["auto", "xla", "cpu", "pallas"], default="auto",
+                       help="how the model runs (default: %(default)s, by platform)")
+    model.add_argument("--mesh", metavar="SPEC", help="shard over devices: 'model=8', ... (default: one device)")
+    model.add_argument("--chat-template", metavar="FILE",
+                       help="a Jinja chat template for /v1/chat/completions (default: the model's own)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-num-seqs", type=positive_int, default=8, metavar="N",
+                        help="sequences in the running batch at most (default: %(default)s)")
+    engine.add_argument("--max-num-batched-tokens", type=positive_int, default=256, metavar="N",
+                        help="tokens one step computes at most (default: %(default)s)")
+    engine.add_argument("--max-model-len", type=positive_int, metavar="N",
+                        help="prompt plus completion tokens at most (default: the model's context)")
+    engine.add_argument("--block-size", type=positive_int, default=16, metavar="N",
+                        help="tokens per KV-cache block (default: %(default)s)")
+    cache = engine.add_mutually_exclusive_group()
+    cache.add_argument("--num-blocks", type=positive_int, metavar="N",
+                       help="KV-cache blocks (default: enough for --max-num-seqs full-length sequences)")
+    cache.add_argument("--kv-cache-memory", type=byte_size, metavar="SIZE",
+                       help="KV-cache size in bytes, or with a unit: 2GiB, 512MB")
+    engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    engine.add_argument("--max-logprobs", type=non_negative_int, default=20, metavar="N",
+                        help="top log-probabilities a request may ask for (default: %(default)s)")
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    http.add_argument("--port", type=non_negative_int, default=8000,
+                      help="port (default: %(default)s; 0: any free one)")
+    http.add_argument("--api-key", metavar="KEY", help=f"require this key (default: ${API_KEY_ENV}, else none)")
+    http.add_argument("--max-waiting", type=non_negative_int, default=64, metavar="N",
+                      help="completions queued beyond the running batch before 503s (default: %(default)s)")
+    http.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
+                      help="after SIGTERM, how long in-flight requests may run before they are aborted "
+                           "(default: %(default)s)")
+    http.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    return parser
+
+
+class _Terminated(Exception):
+    """SIGTERM arrived before the server was listening."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated
+
+
+def _read_template(args: argparse.Namespace):
+    """The chat template: --chat-template's file, else the model's own, else None (chat requests 400)."""
+    from llm_jax.chat_template import ChatTemplate, load_chat_template
+
+    try:
+        own = load_chat_template(args.model)
+    except (ValueError, OSError):  # none, or none that loads: chat requests are refused
+        own = None
+    if args.chat_template is None:
+        return own
+    path = pathlib.Path(args.chat_template)
+    if not path.is_file():
+        raise CliError(f"chat template file {path} does not exist")
+    special = own.special_tokens if own is not None else {}
+    return ChatTemplate(templates={"default": path.read_text(encoding="utf-8")}, special_tokens=special,
+                        source=str(path))
+
+
+def _with_special_tokens(template, model):
+    """The tokenizer's BOS / EOS text for templates that use ``bos_token`` when the model folder names none."""
+    if template is None or model.tokenizer is None or template.special_tokens:
+        return template
+    tok, special = model.tokenizer, {}
+    if tok.bos_id is not None:
+        special["bos_token"] = tok.id_to_piece(tok.bos_id)
+    if tok.eos_ids:
+        special["eos_token"] = tok.id_to_piece(tok.eos_ids[0])
+    return dataclasses.replace(template, special_tokens=special)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    for name in ("llm_jax", "uvicorn"):  # not JAX's and orbax's chatter
+        logging.getLogger(name).setLevel(args.log_level.upper())
+    if not pathlib.Path(args.model).exists():
+        raise CliError(f"model path {args.model} does not exist")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    sock = _bind(args.host, args.port)  # a busy port fails now, not after the compilation
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        template = _read_template(args)
+        engine = _start_engine(args)
+    except _Terminated:
+        log.info("terminated while starting")
+        return 0
+    return _serve(args, engine, template, api_key, sock)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound but not listening: until the server is ready, connections are refused."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise CliError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+def _start_engine(args: argparse.Namespace):
+    """Load the model, build the engine and compile every step program it can run."""
+    from llm_jax.compilation import enable_persistent_cache
+    from llm_jax.loading import load
+    from llm_jax.serving.engine import Engine
+
+    enable_persistent_cache()  # a restart loads its step programs instead of compiling them
+    t0 = time.perf_counter()
+    model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=args.mesh)
+    engine = Engine(model, max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
+                    kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                    max_logprobs=args.max_logprobs)
+    log.info("loaded %s in %.1f s; compiling the engine's step programs", args.model, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    count = engine.warm_up()
+    log.info("compiled %d step programs in %.1f s (KV cache: %d blocks of %d tokens, max_model_len %d)", count,
+             time.perf_counter() - t0, engine.scheduler.pool.num_blocks, engine.block_size, engine.max_model_len)
+    return engine
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying when it listens (it says nothing when handed a socket)."""
+
+    def __init__(self, config: uvicorn.Config, ready: str):
+        super().__init__(config)
+        self.ready = ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        log.info(self.ready)
+
+
+def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock: socket.socket) -> int:
+    from llm_jax.server.app import build_app
+    from llm_jax.server.service import ServerConfig
+    from llm_jax.serving.async_engine import AsyncEngine
+
+    names = tuple(args.served_model_name or (args.model,))
+    config = ServerConfig(model_names=names, api_key=api_key, max_waiting=args.max_waiting,
+                          chat_template=_with_special_tokens(template, engine.model))
+    app = build_app(AsyncEngine(engine), config)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
+                                    timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"),
+                     ready=f"ready: serving {names[0]!r} on {url}")
+    # uvicorn handles SIGTERM itself (graceful shutdown), then raises it again under the handler it found:
+    # this one, so that a graceful stop exits 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run(sockets=[sock])
+    log.info("stopped")
+    return 0
+
+
+def entry() -> int:
+    return run_main(main)

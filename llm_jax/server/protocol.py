@@ -1,0 +1,303 @@
+"""Requests in: a JSON body checked field by field (:mod:`llm_jax.server.fields`) into a typed request.
+
+Fields follow OpenAI's API, with vLLM's extras under vLLM's names (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``add_generation_prompt``, …).
+A field this server does not know is refused (as OpenAI does), as is a known one set to something the
+engine cannot do (``suffix``, ``best_of`` other than ``n``, ``typical_p``, tools, …); fields OpenAI
+accepts without effect on generation (``user``, ``metadata``, …) are ignored. Every error names its
+field in ``param``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from llm_jax.sampling import Sampling
+from llm_jax.server.fields import ApiError, Fields, check, check_kind, integer, kind_of, number, show, token_ids
+from llm_jax.serving.engine import BIAS_WIDTH as MAX_LOGIT_BIAS  # logit_bias entries (OpenAI's limit too)
+
+MAX_N = 128  # choices per prompt (OpenAI's limit)
+MAX_STOP = 32  # stop strings per request
+MAX_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+SAMPLING_EPS = 1e-5  # a temperature below this is greedy (as vLLM)
+MAX_SEED = 2**63  # seeds are int64, as vLLM's; the engine draws with seed mod 2**32
+DEFAULT_COMPLETION_TOKENS = 16  # /v1/completions' max_tokens default (OpenAI's); chat: the rest of the context
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Limits:
+    """What the served model and engine allow, for checks that need them."""
+
+    vocab_size: int
+    max_logprobs: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Generation:
+    """What a completion or chat request asks of each of its choices."""
+
+    max_tokens: int | None  # None: until the context is full
+    min_tokens: int
+    n: int
+    sampling: Sampling  # its seed is ``seed`` (or a random one) when the request runs
+    seed: int | None  # None: a fresh random seed per request
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int | None  # top alternatives reported per token (0: the token's own); None: no logprobs
+    stream: bool
+    include_usage: bool  # a usage chunk before [DONE]
+    continuous_usage: bool  # usage on every chunk (vLLM's continuous_usage_stats)
+
+
+Prompt = str | tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompletionRequest:
+    model: str | None
+    prompts: tuple[Prompt, ...]
+    echo: bool
+    generation: Generation
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChatRequest:
+    model: str | None
+    messages: tuple[dict[str, Any], ...]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    template_kwargs: dict[str, Any]
+    generation: Generation
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizeRequest:
+    model: str | None
+    prompt: str | None  # or messages, rendered through the chat template
+    messages: tuple[dict[str, Any], ...] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DetokenizeRequest:
+    model: str | None
+    tokens: tuple[int, ...]
+
+
+# --- generation settings ------------------------------------------------------------------------------
+
+
+def _stop(fields: Fields) -> tuple[str, ...]:
+    stop = fields.take("stop", "string", "array", default=[])
+    stop = [stop] if isinstance(stop, str) else stop
+    check(len(stop) <= MAX_STOP, "stop", f"may hold at most {MAX_STOP} strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        check_kind(s, f"stop[{i}]", "string")
+        check(s != "", "stop", "must not hold an empty string")
+    return tuple(stop)
+
+
+def _logit_bias(fields: Fields, vocab_size: int) -> dict[int, float]:
+    bias = fields.take("logit_bias", "object", default={})
+    check(len(bias) <= MAX_LOGIT_BIAS, "logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(f"logit_bias keys must be token ids, got {show(key)}", param="logit_bias",
+                           code="invalid_value") from None
+        check(0 <= token < vocab_size, "logit_bias",
+              f"names token id {token}, outside the vocabulary [0, {vocab_size})")
+        check_kind(value, f"logit_bias[{key}]", "number")
+        check(-MAX_BIAS <= value <= MAX_BIAS, "logit_bias", f"values must be in [-100, 100], got {value}")
+        out[token] = float(value)
+    return out
+
+
+def _sampling(fields: Fields, limits: Limits) -> Sampling:
+    temperature = number(fields, "temperature", 1.0, lambda t: 0 <= t <= 2, "in [0, 2]")
+    top_k = fields.take("top_k", "integer", default=0)
+    check(top_k >= -1, "top_k", f"must be -1 or 0 (off) or positive, got {top_k}")
+    penalties = {name: number(fields, name, 0.0, lambda p: -MAX_PENALTY <= p <= MAX_PENALTY, "in [-2, 2]")
+                 for name in ("presence_penalty", "frequency_penalty")}
+    return Sampling(
+        temperature=0.0 if temperature < SAMPLING_EPS else temperature,
+        top_k=min(max(top_k, 0), limits.vocab_size),  # beyond the vocabulary: all of it
+        top_p=number(fields, "top_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]"),
+        min_p=number(fields, "min_p", 0.0, lambda p: 0 <= p <= 1, "in [0, 1]"),
+        repetition_penalty=number(fields, "repetition_penalty", 1.0, lambda p: 0 < p <= 2, "in (0, 2]"),
+        logit_bias=_logit_bias(fields, limits.vocab_size), **penalties)
+
+
+def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logprobs: int | None) -> Generation:
+    """The fields completions and chat share; ``max_tokens`` and ``logprobs`` are read by the caller."""
+    n = integer(fields, "n", 1, MAX_N, default=1)
+    fields.unsupported("best_of", accepted=n, why="is not supported: only best_of = n")
+    fields.unsupported("use_beam_search", accepted=False)
+    fields.unsupported("typical_p", accepted=1, why="is not supported by the engine")
+    fields.unsupported("bad_words", accepted=[], why="is not supported by the engine")
+    fields.unsupported("include_stop_str_in_output", accepted=False)
+    fields.unsupported("skip_special_tokens", accepted=True)
+    fields.unsupported("prompt_logprobs", why="is not supported: the engine computes no prompt log-probabilities")
+    min_tokens = integer(fields, "min_tokens", 0, 2**31 - 1, default=0)
+    if max_tokens is not None:
+        check(min_tokens <= max_tokens, "min_tokens", f"({min_tokens}) must not exceed max_tokens ({max_tokens})")
+    seed = integer(fields, "seed", -MAX_SEED, MAX_SEED - 1)
+    stop = _stop(fields)
+    stop_ids = fields.take("stop_token_ids", "array", default=[])
+    stop_ids = token_ids(stop_ids, "stop_token_ids", limits.vocab_size) if stop_ids else ()
+    stream = fields.take("stream", "boolean", default=False)
+    options = fields.take("stream_options", "object", default=None)
+    if options is not None and not stream:
+        raise ApiError("stream_options can only be given with stream=true", param="stream_options",
+                       code="invalid_value")
+    options = Fields(options or {})
+    include_usage = options.take("include_usage", "boolean", default=False)
+    continuous = options.take("continuous_usage_stats", "boolean", default=False)
+    try:
+        options.finish()
+    except ApiError as error:
+        raise ApiError(f"stream_options: {error.message}", param="stream_options", code=error.code) from None
+    return Generation(max_tokens=max_tokens, min_tokens=min_tokens, n=n, sampling=_sampling(fields, limits),
+                      seed=seed, stop=stop, stop_token_ids=stop_ids,
+                      ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
+                      stream=stream, include_usage=include_usage, continuous_usage=continuous)
+
+
+# --- the requests -------------------------------------------------------------------------------------
+
+
+def _prompts(value: Any, vocab_size: int) -> tuple[Prompt, ...]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    expected = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, list):
+        raise ApiError(f"prompt must be {expected}, got {show(value)}", param="prompt", code="invalid_type")
+    check(len(value) > 0, "prompt", "must not be empty")
+    kinds = {kind_of(item) for item in value}
+    if kinds == {"string"}:
+        return tuple(value)
+    if kinds == {"integer"}:
+        return (token_ids(value, "prompt", vocab_size),)
+    if kinds == {"array"}:
+        return tuple(token_ids(ids, f"prompt[{i}]", vocab_size) for i, ids in enumerate(value))
+    raise ApiError(f"prompt must be {expected}, got {show(value)}", param="prompt", code="invalid_type")
+
+
+def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
+    fields = Fields(body)
+    model = fields.take("model", "string")
+    prompts = _prompts(fields.required("prompt", "string", "array"), limits.vocab_size)
+    max_tokens = integer(fields, "max_tokens", 1, 2**31 - 1, default=DEFAULT_COMPLETION_TOKENS)
+    logprobs = integer(fields, "logprobs", 0, limits.max_logprobs)
+    echo = fields.take("echo", "boolean", default=False)
+    if echo and logprobs is not None:
+        raise ApiError("echo with logprobs is not supported: the engine computes no prompt log-probabilities",
+                       param="echo", code="unsupported")
+    fields.unsupported("suffix", why="is not supported: the served model does not fill in the middle")
+    generation = _generation(fields, limits, max_tokens=max_tokens, logprobs=logprobs)
+    fields.finish()
+    return CompletionRequest(model=model, prompts=prompts, echo=echo, generation=generation)
+
+
+def _content(value: Any, param: str) -> str | None:
+    """A message's content: a string, null, or a list of text parts (joined by newlines, as vLLM)."""
+    if value is None or isinstance(value, str):
+        return value
+    check_kind(value, param, "string", "array")
+    texts = []
+    for i, part in enumerate(value):
+        part_param = f"{param}[{i}]"
+        check_kind(part, part_param, "object")
+        check(part.get("type") == "text", part_param, f"must be a text part (only text is supported), got type "
+                                                      f"{show(part.get('type'))}")
+        texts.append(check_kind(part.get("text"), f"{part_param}.text", "string"))
+    return "\n".join(texts)
+
+
+def messages(value: Any, param: str = "messages") -> tuple[dict[str, Any], ...]:
+    """A non-empty list of ``{"role", "content", …}`` objects; other message fields pass to the template."""
+    check_kind(value, param, "array")
+    check(len(value) > 0, param, "must not be empty")
+    out = []
+    for i, message in enumerate(value):
+        check_kind(message, f"{param}[{i}]", "object")
+        role = check_kind(message.get("role"), f"{param}[{i}].role", "string")
+        check(role in ROLES, f"{param}[{i}].role", f"must be one of {sorted(ROLES)}, got {show(role)}")
+        out.append({**message, "content": _content(message.get("content"), f"{param}[{i}].content")})
+    return tuple(out)
+
+
+def parse_chat(body: Any, limits: Limits) -> ChatRequest:
+    fields = Fields(body)
+    model = fields.take("model", "string")
+    chat = messages(fields.required("messages", "array"))
+    completion_tokens = integer(fields, "max_completion_tokens", 1, 2**31 - 1)
+    max_tokens = integer(fields, "max_tokens", 1, 2**31 - 1)
+    max_tokens = completion_tokens if completion_tokens is not None else max_tokens
+    wants_logprobs = fields.take("logprobs", "boolean", default=False)
+    top = integer(fields, "top_logprobs", 0, limits.max_logprobs)
+    if top is not None and not wants_logprobs:
+        raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+    fields.unsupported("tools", accepted=[], why="is not supported: this server does not call tools")
+    fields.unsupported("tool_choice", accepted="none", why="is not supported: this server does not call tools")
+    fields.unsupported("functions", accepted=[], why="is not supported: this server does not call functions")
+    fields.unsupported("function_call", accepted="none", why="is not supported: this server does not call functions")
+    fields.unsupported("response_format", accepted={"type": "text"}, why="is not supported: only text")
+    fields.take("parallel_tool_calls", "boolean")  # meaningless without tools
+    add_generation_prompt = fields.take("add_generation_prompt", "boolean", default=True)
+    continue_final = fields.take("continue_final_message", "boolean", default=False)
+    if add_generation_prompt and continue_final:
+        raise ApiError("continue_final_message needs add_generation_prompt=false", param="continue_final_message",
+                       code="invalid_value")
+    kwargs = fields.take("chat_template_kwargs", "object", default={})
+    generation = _generation(fields, limits, max_tokens=max_tokens, logprobs=(top or 0) if wants_logprobs else None)
+    fields.finish()
+    return ChatRequest(model=model, messages=chat, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final, template_kwargs=kwargs, generation=generation)
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    fields = Fields(body)
+    model = fields.take("model", "string")
+    prompt = fields.take("prompt", "string")
+    chat = fields.take("messages", "array")
+    if (prompt is None) == (chat is None):
+        raise ApiError("give either prompt or messages", param="prompt", code="missing_field")
+    add_special = fields.take("add_special_tokens", "boolean", default=chat is None)
+    add_generation_prompt = fields.take("add_generation_prompt", "boolean", default=True)
+    fields.finish()
+    return TokenizeRequest(model=model, prompt=prompt, messages=None if chat is None else messages(chat),
+                           add_special_tokens=add_special, add_generation_prompt=add_generation_prompt)
+
+
+def parse_detokenize(body: Any, limits: Limits) -> DetokenizeRequest:
+    fields = Fields(body)
+    model = fields.take("model", "string")
+    tokens = token_ids(fields.required("tokens", "array"), "tokens", limits.vocab_size)
+    fields.finish()
+    return DetokenizeRequest(model=model, tokens=tokens)
+
+
+def check_context(num_prompt: int, max_tokens: int | None, max_model_len: int, *, param: str) -> int:
+    """The completion's token budget for a prompt of ``num_prompt`` tokens, or an error when it does not
+    fit the context (``param``: the prompt's field)."""
+    if max_tokens is None:
+        if num_prompt >= max_model_len:
+            raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                           f"has {num_prompt} tokens, which leaves no room for a completion. Please shorten it.",
+                           param=param, code="context_length_exceeded")
+        return max_model_len - num_prompt
+    if num_prompt + max_tokens > max_model_len:
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} in the "
+                       "completion). Please reduce the prompt or the completion length.",
+                       param="max_tokens", code="context_length_exceeded")
+    return max_tokens

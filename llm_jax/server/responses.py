@@ -1,0 +1,134 @@
+"""Responses out: a run's choices as OpenAI objects, whole or as Server-Sent Events.
+
+``/v1/completions`` answers a ``text_completion`` (streamed: one per event), ``/v1/chat/completions`` a
+``chat.completion`` (streamed: ``chat.completion.chunk`` s, the first of each choice carrying the role).
+Each choice has OpenAI's ``finish_reason`` and vLLM's ``stop_reason`` (the stop string or token id that
+ended it, null for end-of-sequence). Log-probabilities come in each API's own shape: completions'
+``{tokens, token_logprobs, top_logprobs, text_offset}`` (``top_logprobs`` maps token text to
+log-probability and includes the chosen token), chat's ``{content: [{token, logprob, bytes,
+top_logprobs}]}``. A stream ends with the usage chunk when asked (``stream_options.include_usage``), then
+``data: [DONE]``; an error inside it is an ``{"error": ...}`` event before ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from llm_jax.server.choices import Choice, Delta, Run, TokenLogprob
+from llm_jax.server.fields import ApiError
+
+DONE = "data: [DONE]\n\n"
+
+
+def event(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_event(error: ApiError) -> str:
+    return event(error.body())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class _Shape:
+    """What every response and chunk of one request shares."""
+
+    object_name: str
+    chunk_name: str
+
+    def __init__(self, request_id: str, created: int, model: str, run: Run):
+        self.request_id, self.created, self.model, self.run = request_id, created, model, run
+
+    def _head(self, name: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": name, "created": self.created, "model": self.model}
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.run.prompt_tokens, self.run.completion_tokens)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> str:
+        g = self.run.generation
+        chunk = {**self._head(self.chunk_name), "choices": choices}
+        if g.include_usage or g.continuous_usage:
+            chunk["usage"] = self.usage() if g.continuous_usage else None
+        return event(chunk)
+
+    def usage_chunk(self) -> str:
+        return event({**self._head(self.chunk_name), "choices": [], "usage": self.usage()})
+
+
+class CompletionShape(_Shape):
+    """``/v1/completions``; ``echoes[i]``: the text echoed before prompt ``i``'s choices ("" without echo)."""
+
+    object_name = chunk_name = "text_completion"
+
+    def __init__(self, request_id: str, created: int, model: str, run: Run, echoes: Sequence[str]):
+        super().__init__(request_id, created, model, run)
+        self.echoes = echoes
+        self._offsets = {c.index: len(echoes[c.prompt_index]) for c in run.choices}  # next token's text offset
+        self._echoed: set[int] = set()
+
+    def _logprobs(self, choice: Choice, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.run.generation.logprobs is None:
+            return None
+        offsets = []
+        for entry in entries:
+            offsets.append(self._offsets[choice.index])
+            self._offsets[choice.index] += len(entry.token)
+        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{**dict(e.top), e.token: e.logprob} for e in entries], "text_offset": offsets}
+
+    def response(self) -> dict[str, Any]:
+        choices = [{"index": c.index, "text": self.echoes[c.prompt_index] + c.text,
+                    "logprobs": self._logprobs(c, c.logprobs), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in self.run.choices]
+        return {**self._head(self.object_name), "choices": choices, "usage": self.usage()}
+
+    def chunk(self, delta: Delta) -> str | None:
+        choice = delta.choice
+        text = delta.text
+        if choice.index not in self._echoed:
+            self._echoed.add(choice.index)
+            text = self.echoes[choice.prompt_index] + text
+        if not text and delta.finish_reason is None and not delta.logprobs:
+            return None  # nothing to show yet (text held back)
+        return self._chunk([{"index": choice.index, "text": text, "logprobs": self._logprobs(choice, delta.logprobs),
+                             "finish_reason": delta.finish_reason, "stop_reason": choice.stop_reason}])
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+class ChatShape(_Shape):
+    """``/v1/chat/completions``."""
+
+    object_name, chunk_name = "chat.completion", "chat.completion.chunk"
+
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.run.generation.logprobs is None:
+            return None
+        return {"content": [{**_chat_entry(e.token, e.logprob), "top_logprobs": [_chat_entry(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+
+    def response(self) -> dict[str, Any]:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in self.run.choices]
+        return {**self._head(self.object_name), "choices": choices, "usage": self.usage()}
+
+    def opening(self) -> list[str]:
+        """The first chunk of each choice: the assistant's role."""
+        return [self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for c in self.run.choices]
+
+    def chunk(self, delta: Delta) -> str | None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return None
+        return self._chunk([{"index": delta.choice.index, "delta": {"content": delta.text},
+                             "logprobs": self._logprobs(delta.logprobs), "finish_reason": delta.finish_reason,
+                             "stop_reason": delta.choice.stop_reason}])

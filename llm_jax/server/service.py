@@ -1,0 +1,257 @@
+"""What the routes share: the engine, the model's limits, the API key, the requests in flight.
+
+Requests run on an :class:`~llm_jax.serving.async_engine.AsyncEngine`, whose thread steps the engine
+while the event loop parses, streams and answers. With an API key, ``/v1/*``, ``/tokenize`` and
+``/detokenize`` need ``Authorization: Bearer <key>`` (the probes and the scraper need none). The server
+takes at most ``max_num_seqs + max_waiting`` engine requests (choices) at once; past that it answers 503
+with ``Retry-After`` rather than queueing without bound. Every refusal is a 4xx (5xx only for the
+server's own failures) with ``{"error": {"message", "type", "param", "code"}}``. Each completion or chat
+request is logged on one line: its id, status, tokens in and out, time to first token, total time and
+finish reasons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import math
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from llm_jax.chat_template import ChatTemplate, encode_chat
+from llm_jax.server import protocol
+from llm_jax.server.choices import Run
+from llm_jax.server.fields import ApiError, parse_json
+from llm_jax.server.metrics import ServerMetrics
+from llm_jax.server.protocol import Generation, Limits, check_context
+from llm_jax.server.responses import DONE, ChatShape, CompletionShape, error_event
+from llm_jax.server.sse import CLIENT_CLOSED, Disconnected, EventStream, unless_disconnected
+from llm_jax.serving.async_engine import AsyncEngine
+from llm_jax.serving.engine import END_WIDTH
+
+log = logging.getLogger("llm_jax.server")
+
+MAX_BODY_BYTES = 32 * 2**20
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+STOPPED = ApiError("the server stopped before this request finished", status=503, type="service_unavailable_error",
+                   code="shutting_down")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    model_names: tuple[str, ...]  # what requests may name in "model"; the first is the one reported
+    api_key: str | None = None
+    max_waiting: int = 64  # engine requests queued beyond the running batch before 503s
+    chat_template: ChatTemplate | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+class Service:
+    """The routes' state: the engine, the model's tokenizer and limits, the requests in flight."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig):
+        inner = engine.engine
+        self.engine, self.config, self.model = engine, config, inner.model
+        self.tokenizer = inner.model.tokenizer
+        self.name = config.model_names[0]
+        self.limits = Limits(vocab_size=inner.config.vocab_size, max_logprobs=inner.max_logprobs)
+        self.max_model_len, self.block_size = inner.max_model_len, inner.block_size
+        self.num_block_slots = inner.scheduler.pool.capacity  # blocks a request may hold at most
+        self.capacity = inner.max_num_seqs + config.max_waiting
+        self.metrics = ServerMetrics(inner.stats, self.name)
+        self.created = int(time.time())
+        self.shutting_down = False
+        self._runs: dict[Run, str] = {}  # in flight → request id
+
+    @property
+    def healthy(self) -> bool:
+        """Taking requests, with the engine's loop alive."""
+        return not self.shutting_down and self.engine.is_running
+
+    async def shutdown(self) -> None:
+        """Refuse new requests, abort those still in flight (the HTTP server's grace period is over), and
+        stop the engine's thread."""
+        self.shutting_down = True
+        for run in list(self._runs):
+            for choice in run.choices:
+                self.engine.abort(choice.engine_id)
+        await self.engine.shutdown()
+
+    @property
+    def in_flight(self) -> int:
+        """Engine requests (choices) admitted and not yet finished."""
+        return sum(len(run.choices) for run in self._runs)
+
+    # --- the request's edges: key, body, model, admission, logging -----------------------------------
+
+    def authorize(self, request: Request) -> None:
+        if self.config.api_key is None or not request.url.path.startswith(PROTECTED):
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), self.config.api_key.encode()):
+            raise ApiError("Incorrect or missing API key: send it as 'Authorization: Bearer <key>'", status=401,
+                           type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def body(self, request: Request) -> Any:
+        limit, chunks, size = self.config.max_body_bytes, [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
+            chunks.append(chunk)
+        return parse_json(b"".join(chunks))
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.config.model_names:
+            raise ApiError(f"The model `{model}` does not exist; this server serves {list(self.config.model_names)}",
+                           status=404, type="not_found_error", param="model", code="model_not_found")
+
+    def encode(self, prompt: protocol.Prompt, param: str) -> tuple[int, ...]:
+        if isinstance(prompt, tuple):
+            return prompt
+        if self.tokenizer is None:
+            raise ApiError("the model has no tokenizer: send prompts as token ids", param=param, code="invalid_type")
+        try:
+            ids = self.tokenizer.encode(prompt)
+        except Exception as error:  # text the tokenizer cannot take is the request's fault
+            raise ApiError(f"{param} could not be tokenized: {_first_line(error)}", param=param) from None
+        if not ids:
+            raise ApiError(f"{param} encodes to no tokens", param=param, code="invalid_value")
+        return tuple(ids)
+
+    def budget(self, ids: tuple[int, ...], generation: Generation, param: str) -> tuple[tuple[int, ...], int]:
+        """The prompt and its completion's token budget, checked against the context and the KV cache."""
+        budget = check_context(len(ids), generation.max_tokens, self.max_model_len, param=param)
+        blocks = math.ceil((len(ids) + budget - 1) / self.block_size)
+        if blocks > self.num_block_slots:
+            raise ApiError(f"the prompt ({len(ids)} tokens) and max_tokens ({budget}) need {blocks} KV-cache blocks; "
+                           f"the server has {self.num_block_slots}", param="max_tokens", code="context_length_exceeded")
+        return ids, budget
+
+    def admit(self, generation: Generation, prompts: list[tuple[tuple[int, ...], int]], request_id: str,
+              arrival: float) -> Run:
+        """A run for the request, or a refusal: too many stop ids, shutting down, too many choices, full."""
+        eos_ids = () if generation.ignore_eos else self.model.eos_ids
+        end_ids = {*generation.stop_token_ids, *self.model.stop_ids, *eos_ids}
+        if len(end_ids) > END_WIDTH:
+            raise ApiError(f"at most {END_WIDTH} stop and end-of-sequence token ids in all, got {len(end_ids)}",
+                           param="stop_token_ids", code="invalid_value")
+        wanted = len(prompts) * generation.n
+        if self.shutting_down:
+            raise ApiError("the server is shutting down", status=503, type="service_unavailable_error",
+                           code="shutting_down")
+        if wanted > self.capacity:
+            raise ApiError(f"the request asks for {wanted} completions (prompts × n); this server runs or queues at "
+                           f"most {self.capacity} at once", param="n", code="too_many_completions")
+        if self.in_flight + wanted > self.capacity:
+            self.metrics.rejected("queue_full")
+            raise ApiError(f"the server is full ({self.in_flight} completions running or queued); retry later",
+                           status=503, type="service_unavailable_error", code="queue_full",
+                           headers={"Retry-After": "1"})
+        run = Run(self.engine, self.tokenizer, generation, prompts, stop_ids=self.model.stop_ids,
+                  metrics=self.metrics, arrival=arrival)
+        self._runs[run] = request_id
+        return run
+
+    def finish(self, run: Run, status: int, error: ApiError | None = None) -> None:
+        """The run is over (once): it leaves the server's count, and its log line is written."""
+        request_id = self._runs.pop(run, None)
+        if request_id is None:
+            return
+        if error is not None:
+            self.log_refusal(request_id, error)
+            return
+        ttft = f"{run.first_token_at - run.arrival:.3f}s" if run.first_token_at is not None else "-"
+        reasons = ",".join(c.finish_reason or "abort" for c in run.choices)
+        log.info("%s %d prompt_tokens=%d completion_tokens=%d ttft=%s total=%.3fs finish=%s", request_id, status,
+                 run.prompt_tokens, run.completion_tokens, ttft, time.monotonic() - run.arrival, reasons)
+
+    def log_refusal(self, request_id: str, error: ApiError) -> None:
+        log.info("%s %d %s param=%s: %s", request_id, error.status, error.code or error.type, error.param,
+                 error.message)
+
+    # --- running a request --------------------------------------------------------------------------
+
+    async def respond(self, request: Request, run: Run, shape: CompletionShape | ChatShape,
+                      request_id: str) -> Response:
+        headers = {"x-request-id": request_id}
+        if run.generation.stream:
+            return EventStream(self._events(run, shape), headers=headers, cut_events=error_event(STOPPED) + DONE,
+                               on_close=lambda status: self.finish(run, status))
+
+        async def collect() -> dict[str, Any]:
+            async with contextlib.aclosing(run.deltas()) as deltas:
+                async for _ in deltas:
+                    pass
+            return shape.response()
+
+        try:
+            body = await unless_disconnected(request.receive, collect())
+        except asyncio.CancelledError:  # the server is stopping and its grace period is over
+            self.finish(run, STOPPED.status)
+            return error_response(STOPPED)
+        except ApiError as error:
+            self.finish(run, error.status, error)
+            return error_response(error)
+        except Disconnected:
+            self.finish(run, CLIENT_CLOSED)
+            return Response(status_code=CLIENT_CLOSED)
+        self.finish(run, 200)
+        return JSONResponse(body, headers=headers)
+
+    async def _events(self, run: Run, shape: CompletionShape | ChatShape) -> AsyncIterator[str]:
+        try:
+            for chunk in shape.opening() if isinstance(shape, ChatShape) else ():
+                yield chunk
+            async with contextlib.aclosing(run.deltas()) as deltas:
+                async for delta in deltas:
+                    if (chunk := shape.chunk(delta)) is not None:
+                        yield chunk
+            if run.generation.include_usage:
+                yield shape.usage_chunk()
+        except ApiError as error:  # the response has begun: the error is its last event
+            self.finish(run, error.status, error)
+            yield error_event(error)
+        yield DONE
+
+    def render_chat(self, messages, *, add_generation_prompt: bool, continue_final_message: bool = False,
+                    template_kwargs: dict | None = None) -> tuple[int, ...]:
+        template = self.config.chat_template
+        if template is None or self.tokenizer is None:
+            raise ApiError("this model has no chat template: start the server with --chat-template FILE",
+                           param="messages", code="no_chat_template")
+        try:
+            text = template.render(list(messages), add_generation_prompt=add_generation_prompt,
+                                   continue_final_message=continue_final_message, **(template_kwargs or {}))
+            ids = encode_chat(self.tokenizer, text)
+        except Exception as error:  # the template refused these messages (raise_exception, a type error, …)
+            raise ApiError(f"the chat template cannot render these messages: {_first_line(error)}",
+                           param="messages", code="invalid_messages") from None
+        if not ids:
+            raise ApiError("the chat template renders these messages as no tokens", param="messages")
+        return tuple(ids)
+
+
+def request_id(request: Request, prefix: str) -> str:
+    """The client's ``X-Request-Id`` when it gives a usable one, else a new id."""
+    given = request.headers.get("x-request-id", "")
+    if given and len(given) <= 128 and given.isprintable():
+        return given
+    return f"{prefix}-{uuid.uuid4().hex}"

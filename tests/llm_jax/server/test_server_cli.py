@@ -1,0 +1,48 @@
+"""``python -m llm_jax.serve`` before it loads anything: help and mistakes answer at once, in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from server_process import REPO_ROOT
+
+from llm_jax.server.cli import byte_size
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llm_jax.serve", *args], capture_output=True, text=True, timeout=120,
+                          cwd=REPO_ROOT)
+
+
+def _one_error_line(proc: subprocess.CompletedProcess, status: int, fragment: str) -> None:
+    assert proc.returncode == status, proc.stderr
+    assert "Traceback" not in proc.stderr
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert fragment in line
+
+
+def test_help_lists_the_flags_without_starting_jax():
+    proc = _serve("--help")
+    assert proc.returncode == 0
+    for flag in ("--served-model-name", "--max-num-seqs", "--kv-cache-memory", "--chat-template", "--api-key",
+                 "--max-waiting", "--shutdown-timeout", "--no-prefix-caching"):
+        assert flag in proc.stdout
+    check = subprocess.run([sys.executable, "-c", "import sys, llm_jax.server.cli, llm_jax.serve; "
+                            "print('jax' in sys.modules)"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
+    assert check.stdout.strip() == "False", check.stderr
+
+
+def test_mistakes_are_one_line():
+    _one_error_line(_serve("--max-num-seqs", "0"), 2, "--max-num-seqs")
+    _one_error_line(_serve("--kv-cache-memory", "lots"), 2, "--kv-cache-memory")
+    _one_error_line(_serve("--num-blocks", "8", "--kv-cache-memory", "1GiB"), 2, "not allowed with")
+    _one_error_line(_serve("--model", "no/such/model"), 1, "no/such/model does not exist")
+    _one_error_line(_serve("--chat-template", "no/such/template.jinja"), 1, "template.jinja does not exist")
+
+
+@pytest.mark.parametrize("text, expected", [("2GiB", 2 * 2**30), ("512MB", 512 * 10**6), ("100", 100),
+                                            ("1.5 KiB", 1536)])
+def test_byte_sizes(text, expected):
+    assert byte_size(text) == expected
