@@ -71,7 +71,8 @@ def build_parser() -> CliParser:
                        help="llama2.c .bin file, Hugging Face model folder, or llm_jax checkpoint folder "
                             "(default: the story model shipped in checkpoints/)")
     model.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                       help="the name(s) requests give as 'model' (default: --model as given); the first is reported")
+                       help="the name(s) requests give as 'model' (default: --model as given, or 'stories-1m' for "
+                            "the shipped model); the first is reported")
     model.add_argument("--dtype", choices=["float32", "bfloat16"], help="parameter and compute dtype")
     model.add_argument("--backend", choices=["auto", "xla", "cpu", "pallas"], default="auto",
                        help="how the model runs (default: %(default)s, by platform)")
@@ -217,7 +218,9 @@ def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock
     from llm_jax.server.service import ServerConfig
     from llm_jax.serving.async_engine import AsyncEngine
 
-    names = tuple(args.served_model_name or (args.model,))
+    # Default name: --model as given, or the shipped model's folder name when none was.
+    default_name = DEFAULT_MODEL.name if args.model == str(DEFAULT_MODEL) else args.model
+    names = tuple(args.served_model_name or (default_name,))
     config = ServerConfig(model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                           chat_template=_with_special_tokens(template, engine.model))
     app = build_app(AsyncEngine(engine), config)
