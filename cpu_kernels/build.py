@@ -30,7 +30,7 @@ import jax
 HERE = pathlib.Path(__file__).parent
 SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc", HERE / "paged_attention.cc",
            HERE / "argmax.cc", HERE / "glu.cc", HERE / "stream_read.cc", HERE / "peak_flops.cc")
-HEADERS = (HERE / "common.h",)
+HEADERS = (HERE / "common.h", HERE / "attention_tiles.h")
 ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
 CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
 FLAGS_ENV = "LLM_JAX_KERNEL_FLAGS"  # extra compiler flags, after FLAGS

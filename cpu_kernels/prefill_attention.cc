@@ -23,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_tiles.h"
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,7 +32,7 @@ using namespace llm_jax_kernels;
 
 namespace {
 
-constexpr int64_t kRows = 16;  // query rows per unit: one column of 16 per key (one vector, or two 8-wide)
+constexpr int64_t kRows = kTileRows;  // query rows per unit: one column of 16 per key (one vector, or two 8-wide)
 #if defined(__AVX512F__)
 constexpr int kKeys = 8;       // keys per q·k register tile (8 accumulators of 16)
 #else
@@ -43,41 +44,6 @@ constexpr int64_t kValueBlock = 256;  // keys per pass of p·v
 struct Dims {
   int64_t B, T, S, K, G, H;
 };
-
-// s[j, 0:16] = ⟨k_j, q_i⟩ for NJ keys k_j (rows `stride` apart) and the unit's 16 queries, packed as
-// qt [H, 16].
-template <int NJ>
-void qk_tile(const float* k, int64_t stride, const float* qt, int64_t H, float* s) {
-  constexpr int V = kRows / kLanes;
-  fvec acc[NJ][V] = {};
-  for (int64_t h = 0; h < H; ++h) {
-    fvec b[V];
-    for (int c = 0; c < V; ++c) b[c] = loadv(qt + h * kRows + c * kLanes);
-    for (int j = 0; j < NJ; ++j) {
-      const float a = k[j * stride + h];
-      for (int c = 0; c < V; ++c) acc[j][c] += a * b[c];
-    }
-  }
-  for (int j = 0; j < NJ; ++j) {
-    for (int c = 0; c < V; ++c) storev(s + j * kRows + c * kLanes, acc[j][c]);
-  }
-}
-
-// Not inlined: inside attend_unit the tile's eight key pointers no longer fit in registers.
-__attribute__((noinline)) void qk_tiles(int n, const float* k, int64_t stride, const float* qt, int64_t H, float* s) {
-  switch (n) {
-#if defined(__AVX512F__)
-    case 8: return qk_tile<8>(k, stride, qt, H, s);
-    case 7: return qk_tile<7>(k, stride, qt, H, s);
-#endif
-    case 6: return qk_tile<6>(k, stride, qt, H, s);
-    case 5: return qk_tile<5>(k, stride, qt, H, s);
-    case 4: return qk_tile<4>(k, stride, qt, H, s);
-    case 3: return qk_tile<3>(k, stride, qt, H, s);
-    case 2: return qk_tile<2>(k, stride, qt, H, s);
-    default: return qk_tile<1>(k, stride, qt, H, s);
-  }
-}
 
 // o[r, 0:H] += Σ_j p[j, r] · v_j for mr query rows; p is [n, 16].
 __attribute__((noinline)) void pv_tiles(int mr, const float* p, const float* v, int64_t stride, int64_t n, float* o,
