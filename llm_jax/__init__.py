@@ -25,7 +25,9 @@ import importlib
 # The public surface, grouped: submodule → the names it contributes.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # Configuration.
-    "config": ("Activation", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig"),
+    "config": ("Activation", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig", "Quantization"),
+    # Integer weights.
+    "quantization": ("QuantizedArray", "quantize", "quantize_params"),
     # How the model runs: the backend seam.
     "backends": ("Backend", "BackendError", "CpuKernels", "Pallas", "Xla"),
     # Loading models.

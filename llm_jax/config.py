@@ -48,6 +48,25 @@ class Llama3Rope:
 
 RopeScaling = DefaultRope | LinearRope | Llama3Rope
 
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Quantization:
+    """Weights stored as integers with a float32 scale per group of inputs (``llm_jax.quantization``).
+
+    ``bits`` 8 or 4; ``group_size`` inputs share a scale (None: one scale per output channel, the group
+    spanning all inputs); ``embedding``: the embedding table and an untied LM head too (int8, per row).
+    """
+
+    bits: int
+    group_size: int | None = None
+    embedding: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in (8, 4):
+            raise ConfigError(f"quantization bits must be 8 or 4, got {self.bits!r}")
+        if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
+            raise ConfigError(f"quantization group_size must be a positive integer or None, got {self.group_size!r}")
+
 # Runtime choices that configs saved by earlier versions hold; how a model runs is its backend's
 # (``llm_jax.backends``), not the model's, and reading such a config ignores them.
 _RUNTIME_FIELDS = ("attention_impl", "matmul_impl")
@@ -94,6 +113,8 @@ class ModelConfig:
     # Per layer: True where the layer uses ``sliding_window``. None means every layer does (when a
     # window is set). Gemma 2 alternates local and global layers.
     sliding_layers: tuple[bool, ...] | None = None
+    # Integer weights (``llm_jax.quantization``): how the stored projections are quantized; None: floats.
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
@@ -197,6 +218,10 @@ class ModelConfig:
                 value = {"type": type(value).__name__, **dataclasses.asdict(value)}
             elif isinstance(value, tuple):
                 value = list(value)
+            elif field.name == "quantization":
+                if value is None:
+                    continue  # float weights: configs read the same as before quantization existed
+                value = dataclasses.asdict(value)
             out[field.name] = value
         return out
 
@@ -217,4 +242,9 @@ class ModelConfig:
             data["rope_scaling"] = kinds[kind](**rope)
         if data.get("sliding_layers") is not None:
             data["sliding_layers"] = tuple(data["sliding_layers"])
+        if data.get("quantization") is not None:
+            try:
+                data["quantization"] = Quantization(**data["quantization"])
+            except TypeError as e:
+                raise ConfigError(f"invalid quantization {data['quantization']!r}: {e}") from None
         return cls(**data)

@@ -1,0 +1,262 @@
+"""Quantized weights: integers plus a float32 scale per group, one typed leaf of the params pytree.
+
+A projection W [*in, *out] (K = prod(in) inputs, N = prod(out) outputs) is held as a
+:class:`QuantizedArray`: integer values ``q`` and scales ``s``, groups of ``group_size`` consecutive
+inputs (along K, row-major over the input axes) sharing one scale per output column:
+
+    W[k, n] = s[k // group_size, n] * q[k, n]
+
+Per output channel is one group spanning all of K (``group_size == K``). The last group may be shorter
+(K not a multiple of the group size: stories260K's MLP width of 172). Symmetric: no zero point.
+
+Storage (``values``, with the leaf's leading axes first, e.g. [L] for stacked layers):
+
+- **8 bits**: int8 [*lead, K, N], ``q`` itself (-127 ... 127 when made by :func:`quantize`).
+- **4 bits**: uint8 [*lead, ceil(K / 2), N], two inputs per byte: input 2j in the low nibble, input
+  2j + 1 in the high nibble, each stored offset by 8 (nibble ``u`` in 0 ... 15 means ``q = u - 8``, so
+  -8 ... 7; an odd K's last high nibble is 8, a zero).
+- ``scales``: float32 [*lead, ceil(K / group_size), N].
+- ``transposed``: the leaf stands for a matrix stored as [*out, *in] (the embedding table E [V, D], whose
+  input, as the tied LM head, is D): ``values`` [*lead, N, K] (or [*lead, N, ceil(K / 2)]) and ``scales``
+  [*lead, N, ceil(K / group_size)], the same rules along the last axis.
+
+llama.cpp's GGUF blocks map onto this exactly (GGUF stores a Linear weight as rows of outputs, each row
+running along the input: blocks run along K, as our groups do; its float16 scales are exact in float32):
+
+- **Q8_0**: blocks of 32 inputs, ``d`` (float16) and 32 int8 ``qs``, value ``d * qs[i]``: 8 bits,
+  ``group_size=32``, ``q = qs``, ``s = float32(d)``.
+- **Q4_0**: blocks of 32 inputs, ``d`` (float16) and 16 bytes ``qs``, value ``d * (u - 8)`` where ``u`` is
+  the low nibble of ``qs[i]`` for input i < 16 and the high nibble of ``qs[i - 16]`` for input i >= 16:
+  4 bits, ``group_size=32``, ``s = float32(d)``, and the same nibbles ``u`` reordered into our pairs (input
+  2j low, 2j + 1 high); the offset of 8 is the same as ours.
+
+:meth:`QuantizedArray.dequantize` is the one definition of what a leaf stands for; the XLA products
+dequantize then multiply (:mod:`llm_jax.backends.base`), the CPU kernels dequantize in registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llm_jax.config import ModelConfig, Quantization
+
+Params = dict[str, Any]
+
+BITS = (8, 4)
+# The largest |q| quantize() makes: symmetric, so -QMAX ... QMAX.
+QMAX = {8: 127, 4: 7}
+# The projections of every family, by module: W [*in, *out] stacked over layers.
+PROJECTIONS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _static(**kwargs):
+    return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArray:
+    """A weight [*lead, *in, *out] (``transposed``: [*lead, *out, *in]) held as integer ``values`` and
+    float32 ``scales`` per group of ``group_size`` inputs (the module docstring gives the layout)."""
+
+    values: jax.Array
+    scales: jax.Array
+    in_shape: tuple[int, ...] = _static()
+    out_shape: tuple[int, ...] = _static()
+    bits: int = _static()
+    group_size: int = _static()
+    transposed: bool = _static(default=False)
+
+    @property
+    def K(self) -> int:
+        return math.prod(self.in_shape)
+
+    @property
+    def N(self) -> int:
+        return math.prod(self.out_shape)
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        return tuple(self.values.shape[:-2])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the array it stands for."""
+        inner = (*self.out_shape, *self.in_shape) if self.transposed else (*self.in_shape, *self.out_shape)
+        return (*self.lead, *inner)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        """The stored integers' dtype (int8, or uint8 for packed 4 bits)."""
+        return self.values.dtype
+
+    @property
+    def n_groups(self) -> int:
+        return -(-self.K // self.group_size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scales.nbytes
+
+    def layer(self, index: jax.Array | int) -> QuantizedArray:
+        """Entry ``index`` of the leading axis (a layer of a stack; a traced index is fine)."""
+        take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
+        return dataclasses.replace(self, values=take(self.values), scales=take(self.scales))
+
+    def ints(self) -> jax.Array:
+        """``q`` as int8 [*lead, K, N] (``transposed``: [*lead, N, K]), 4-bit values unpacked."""
+        if self.bits == 8:
+            return self.values
+        k_axis = -1 if self.transposed else -2
+        low = (self.values & 0xF).astype(jnp.int8) - 8
+        high = (self.values >> 4).astype(jnp.int8) - 8
+        if self.transposed:  # [..., N, K / 2, 2] → [..., N, K]: inputs 2j, 2j + 1
+            q = jnp.stack([low, high], axis=-1).reshape(*self.values.shape[:-1], -1)
+        else:  # [..., K / 2, 2, N] → [..., K, N]
+            q = jnp.stack([low, high], axis=-2).reshape(*self.lead, -1, self.N)
+        return jax.lax.slice_in_dim(q, 0, self.K, axis=k_axis)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The array it stands for, ``s * q`` computed in float32 then cast to ``dtype``."""
+        q = self.ints()
+        g, G, K = self.group_size, self.n_groups, self.K
+        k_axis = q.ndim - 1 if self.transposed else q.ndim - 2
+        pad = [(0, 0)] * q.ndim
+        pad[k_axis] = (0, G * g - K)
+        q = jnp.pad(q, pad).astype(jnp.float32)
+        if self.transposed:
+            w = (q.reshape(*q.shape[:-1], G, g) * self.scales[..., None]).reshape(*q.shape[:-1], G * g)
+        else:
+            w = (q.reshape(*self.lead, G, g, self.N) * self.scales[..., None, :]).reshape(*self.lead, G * g, self.N)
+        w = jax.lax.slice_in_dim(w, 0, K, axis=k_axis)
+        return w.reshape(self.shape).astype(dtype)
+
+
+def is_quantized(leaf: Any) -> bool:
+    return isinstance(leaf, QuantizedArray)
+
+
+def quantize(w: jax.Array, bits: int = 8, group_size: int | None = None, *, in_shape: tuple[int, ...] | None = None,
+             out_shape: tuple[int, ...] | None = None, transposed: bool = False) -> QuantizedArray:
+    """``w`` [*lead, *in, *out] (``transposed``: [*lead, *out, *in]) quantized symmetrically, rounding to
+    nearest: per group, ``s = max|w| / QMAX[bits]`` and ``q = round(w / s)``. ``group_size`` None: one
+    group per output column. ``in_shape`` / ``out_shape`` default to w's last two axes."""
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    if in_shape is None or out_shape is None:
+        if w.ndim < 2:
+            raise ValueError(f"quantize takes a matrix, got shape {tuple(w.shape)}")
+        a, b = (w.shape[-1],), (w.shape[-2],)
+        in_shape, out_shape = (a, b) if transposed else (b, a)
+    in_shape, out_shape = tuple(in_shape), tuple(out_shape)
+    inner = (*out_shape, *in_shape) if transposed else (*in_shape, *out_shape)
+    lead = w.ndim - len(inner)
+    if lead < 0 or tuple(w.shape[lead:]) != inner:
+        raise ValueError(f"a weight of shape {tuple(w.shape)} is not [..., {', '.join(map(str, inner))}] "
+                         f"(inputs {in_shape}, outputs {out_shape}{', transposed' if transposed else ''})")
+    K = math.prod(in_shape)
+    group_size = K if group_size is None else int(group_size)
+    if group_size <= 0:
+        raise ValueError(f"group_size must be positive, got {group_size}")
+    values, scales = _quantize(w, bits, group_size, K, math.prod(out_shape), lead, transposed)
+    return QuantizedArray(values, scales, in_shape, out_shape, bits, group_size, transposed)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
+def _quantize(w, bits: int, g: int, K: int, N: int, lead: int, transposed: bool):
+    lead_shape = w.shape[:lead]
+    w = w.astype(jnp.float32).reshape(*lead_shape, *((N, K) if transposed else (K, N)))
+    if not transposed:
+        w = jnp.swapaxes(w, -1, -2)  # [*lead, N, K]: groups along the last axis from here on
+    G = -(-K // g)
+    w_NGg = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, G * g - K)]).reshape(*w.shape[:-1], G, g)
+    s_NG = jnp.max(jnp.abs(w_NGg), axis=-1) / QMAX[bits]
+    q_NGg = jnp.round(jnp.where(s_NG[..., None] > 0, w_NGg / jnp.where(s_NG > 0, s_NG, 1)[..., None], 0))
+    q_NK = jnp.clip(q_NGg, -QMAX[bits], QMAX[bits]).astype(jnp.int8).reshape(*w.shape[:-1], G * g)[..., :K]
+    values = q_NK if bits == 8 else pack_int4(q_NK)
+    if transposed:
+        return values, s_NG
+    return jnp.swapaxes(values, -1, -2), jnp.swapaxes(s_NG, -1, -2)
+
+
+def pack_int4(q: jax.Array) -> jax.Array:
+    """int8 ``q`` [..., K] in -8 ... 7 → uint8 [..., ceil(K / 2)]: input 2j in the low nibble, 2j + 1 in the
+    high one, each offset by 8 (an odd K's missing last input is a zero: nibble 8)."""
+    K = q.shape[-1]
+    u = (jnp.pad(q, [(0, 0)] * (q.ndim - 1) + [(0, K % 2)]).astype(jnp.int32) + 8).astype(jnp.uint8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def quantize_params(params: Params, config: ModelConfig, quantization: Quantization) -> tuple[ModelConfig, Params]:
+    """Every projection of ``params`` (canonical; stacked over layers) quantized as ``quantization`` says,
+    and with ``quantization.embedding`` the embedding table (int8 per row) and an untied LM head (int8 per
+    output channel): ``(config recording it, params)``. Other leaves (norms, biases) are kept as they are."""
+    if config.quantization is not None:
+        raise ValueError(f"the params are already quantized ({config.quantization})")
+    layers = dict(params["layers"])
+    for module, names in PROJECTIONS.items():
+        group = dict(layers[module])
+        for name in names:
+            ins, outs = projection_dims(name, config)
+            group[name] = quantize(_checked(group.get(name), f"layers/{module}/{name}", (config.n_layers, *ins, *outs)),
+                                   quantization.bits, quantization.group_size, in_shape=ins, out_shape=outs)
+        layers[module] = group
+    out = {**params, "layers": layers}
+    if quantization.embedding:
+        V, D = config.vocab_size, config.d_model
+        table = _checked(params["embedder"].get("embedding"), "embedder/embedding", (V, D))
+        out["embedder"] = {**params["embedder"], "embedding": quantize(table, 8, in_shape=(D,), out_shape=(V,),
+                                                                       transposed=True)}
+        if "lm_head" in params:
+            out["lm_head"] = quantize(_checked(params["lm_head"], "lm_head", (D, V)), 8)
+    return config.replace(quantization=quantization), out
+
+
+def projection_dims(name: str, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(input axes, output axes) of the projection ``name``: W [*in, *out] (per layer)."""
+    D, N, K, H, F = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
+    return {"q_proj": ((D,), (N, H)), "k_proj": ((D,), (K, H)), "v_proj": ((D,), (K, H)), "o_proj": ((N, H), (D,)),
+            "gate_proj": ((D,), (F,)), "up_proj": ((D,), (F,)), "down_proj": ((F,), (D,))}[name]
+
+
+def _checked(w: Any, name: str, shape: tuple[int, ...]) -> jax.Array:
+    if is_quantized(w):
+        raise ValueError(f"params/{name} is already quantized")
+    found = "missing" if w is None else tuple(getattr(w, "shape", ()))
+    if w is None or found != shape:
+        raise ValueError(f"params/{name} is {found}; the config says {list(shape)}")
+    return w
+
+
+def quantized_shapes(shapes: Params, config: ModelConfig) -> Params:
+    """The float params' shapes (``jax.ShapeDtypeStruct`` s, as ``llm_jax.model.param_shapes`` gives them)
+    as the params quantized by ``config.quantization`` have them."""
+    if config.quantization is None:
+        return shapes
+    plain = config.replace(quantization=None)
+    return jax.eval_shape(lambda p: quantize_params(p, plain, config.quantization)[1], shapes)
+
+
+def from_gguf_blocks(q: np.ndarray, d: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Helper for GGUF readers: blocks of 32 inputs, ``q`` int [R, K] (8 bits: ``qs``; 4 bits: the nibbles
+    ``u`` in 0 ... 15, in input order) and ``d`` [R, K / 32], R output rows → (values, scales) of a
+    ``transposed`` leaf of ``group_size=32`` ([R, K] int8 or [R, K / 2] uint8, and [R, K / 32] float32).
+    Transpose both for a leaf of a [*in, *out] weight."""
+    d = np.asarray(d).astype(np.float32)
+    if bits == 8:
+        return np.asarray(q).astype(np.int8), d
+    u = np.asarray(q).astype(np.uint8)
+    if u.shape[-1] % 2:
+        u = np.concatenate([u, np.full((*u.shape[:-1], 1), 8, np.uint8)], axis=-1)
+    return (u[..., 0::2] | (u[..., 1::2] << 4)).astype(np.uint8), d
