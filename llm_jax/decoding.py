@@ -200,7 +200,7 @@ def choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls,
                             top_logprobs_BSN=top_logprobs_BN)
 
 
-def _advance(token_B: jax.Array, running_B: jax.Array, state: DecodeState, controls: DecodeControls,
+def advance(token_B: jax.Array, running_B: jax.Array, state: DecodeState, controls: DecodeControls,
              cache_lengths_B: jax.Array, cache_len: int) -> DecodeState:
     """The state after ``running_B`` rows produced ``token_B``: record it, check the stop conditions."""
     num_generated_B = state.num_generated_B + running_B.astype(jnp.int32)
@@ -238,9 +238,27 @@ def start(last_logits_BV: jax.Array, prompts_BT: jax.Array, cache: KVCache, cont
     state = DecodeState(tokens_B=zeros_B, num_generated_B=zeros_B, finish_reason_B=zeros_B, history=history,
                         stop_window_BP=window_BP)
     token_B, emitted = choose(last_logits_BV, state, controls, backend)
-    state = _advance(token_B, jnp.ones((B,), bool), state, controls, cache.lengths_B, cache.max_len)
+    state = advance(token_B, jnp.ones((B,), bool), state, controls, cache.lengths_B, cache.max_len)
     emitted = dataclasses.replace(emitted, tokens_BS=state.tokens_B)
     return constrain_replicated((state, jax.tree.map(lambda a: a[:, None], emitted)), mesh)
+
+
+def decode_step(params: Params, config: ModelConfig, cache: KVCache, state: DecodeState, controls: DecodeControls,
+                *, mesh: Mesh | None, backend: Backend) -> tuple[KVCache, DecodeState, Emitted]:
+    """One decode step of the running rows (traced inside a loop): feed each its latest token, choose the
+    next. What each row emitted is [B] (``PAD_ID`` for finished rows)."""
+    running_B = ~state.done_B
+    x_B1D, cache, *hidden = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh,
+                                           hooks=controls.hooks, backend=backend)
+    # Only the argmax wanted: without every logit where the backend can (None: it cannot).
+    token_B = greedy_tokens(params, config, x_B1D[:, 0], backend) if argmax_only(controls) else None
+    if token_B is None:
+        token_B, emitted = choose(unembed(params, config, x_B1D, backend)[:, 0], state, controls, backend)
+    else:
+        emitted = Emitted(tokens_BS=token_B)
+    state = advance(token_B, running_B, state, controls, cache.lengths_B, cache.max_len)
+    hidden_BRD = hidden[0][:, 0] if hidden and hidden[0] is not None else None
+    return cache, state, dataclasses.replace(emitted, tokens_BS=state.tokens_B, hidden_BSRD=hidden_BRD)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "num_steps", "mesh", "backend"),
@@ -256,25 +274,12 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
     to step; the state and what was emitted come back whole on every device, for the host to read.
     """
     backend = resolve_backend(backend)
-    hooks = controls.hooks
-    screenable = argmax_only(controls)
     cache, state = constrain_cache(cache, mesh), constrain_replicated(state, mesh)
     def step(carry, _):
         cache, state = carry
 
         def run(cache, state):
-            running_B = ~state.done_B
-            x_B1D, cache, *hidden = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh,
-                                                   hooks=hooks, backend=backend)
-            # Only the argmax wanted: without every logit where the backend can (None: it cannot).
-            token_B = greedy_tokens(params, config, x_B1D[:, 0], backend) if screenable else None
-            if token_B is None:
-                token_B, emitted = choose(unembed(params, config, x_B1D, backend)[:, 0], state, controls, backend)
-            else:
-                emitted = Emitted(tokens_BS=token_B)
-            state = _advance(token_B, running_B, state, controls, cache.lengths_B, cache.max_len)
-            hidden_BRD = hidden[0][:, 0] if hidden and hidden[0] is not None else None
-            return cache, state, dataclasses.replace(emitted, tokens_BS=state.tokens_B, hidden_BSRD=hidden_BRD)
+            return decode_step(params, config, cache, state, controls, mesh=mesh, backend=backend)
 
         def idle(cache, state):
             state = dataclasses.replace(state, tokens_B=jnp.full_like(state.tokens_B, PAD_ID))

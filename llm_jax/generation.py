@@ -27,6 +27,7 @@ from llm_jax.loading import Model
 from llm_jax.model import LayerHooks
 from llm_jax.prefilling import PrefillExtras, pad_prompts, prefill, prefill_with_extras
 from llm_jax.sampling import GREEDY, Sampling
+from llm_jax.speculative import SpecState, Speculative, init_state, speculative_decode
 from llm_jax.stop_strings import SequenceText
 
 # The jitted programs, run from llm_jax.executable_cache's files when it is enabled (the CLI enables it
@@ -36,6 +37,7 @@ _prefill_with_extras = executable_cache.cached(prefill_with_extras)
 _start = executable_cache.cached(start)
 _decode = executable_cache.cached(decode)
 _beam_search = executable_cache.cached(beam_search)
+_speculative_decode = executable_cache.cached(speculative_decode)
 
 Prompt = str | Sequence[int]
 
@@ -66,9 +68,25 @@ class GenerationMetrics:
     prompt_tokens: int
     generated_tokens: int
     host_syncs: int = 0  # device → host transfers of generated tokens (the first token, then one per chunk)
+    # Speculative decoding (0 without): proposals verified, proposals accepted, verification steps.
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    speculative_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted proposals per verified proposal (0 without speculation)."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted proposals plus the target's own token."""
+        return (self.accepted_tokens + self.speculative_steps) / self.speculative_steps if self.speculative_steps \
+            else 0.0
 
     def to_dict(self) -> dict[str, float | int]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "acceptance_rate": self.acceptance_rate,
+                "mean_accepted_length": self.mean_accepted_length}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,7 +180,8 @@ class GenerationStream:
                  min_new_tokens: int | Sequence[int] = 0, n: int = 1, logprobs: int | None = None,
                  raw_logprobs: bool = False, prompt_logprobs: int | None = None, hidden_layers: Sequence[int] = (),
                  steering: np.ndarray | None = None, return_kv_cache: bool = False,
-                 beams: BeamSearch | None = None, mesh: Mesh | str | None = None):
+                 beams: BeamSearch | None = None, mesh: Mesh | str | None = None,
+                 speculative: Speculative | None = None):
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
         if chunk_steps < 1:
@@ -216,6 +235,9 @@ class GenerationStream:
                                        record_layers=tuple(hidden_layers))
         self.prompt_logprobs, self.return_kv_cache = prompt_logprobs, return_kv_cache
         self.max_new_tokens = max(budgets)
+        self.speculative = speculative
+        if speculative is not None:
+            self._check_speculative(speculative, logprobs, hidden_layers, steering, return_kv_cache)
         self.results: list[GenerationResult] | None = None
         self.metrics: GenerationMetrics | None = None
         self.kv_cache: KVCache | None = None
@@ -231,6 +253,28 @@ class GenerationStream:
         named = [name for name, used in unsupported.items() if used]
         if named:
             raise ValueError(f"beam search does not support {', '.join(named)}")
+
+    def _check_speculative(self, speculative: Speculative, logprobs, hidden_layers, steering,
+                           return_kv_cache) -> None:
+        if not isinstance(speculative, Speculative):
+            raise TypeError(f"speculative must be an llm_jax.Speculative, got {type(speculative).__name__}")
+        unsupported = {"beam search": self.beams is not None, "logprobs": logprobs is not None,
+                       "hidden_layers": bool(hidden_layers), "steering": steering is not None,
+                       "return_kv_cache": return_kv_cache, "a mesh (it runs on one device)": self.model.mesh is not None}
+        named = [name for name, used in unsupported.items() if used]
+        if named:
+            raise ValueError(f"speculative decoding does not support {', '.join(named)}")
+        draft = speculative.draft_model
+        if draft is not None:
+            if draft.config.vocab_size != self.model.config.vocab_size:
+                raise ValueError(f"the draft model {draft.path or '(in memory)'} has a vocabulary of "
+                                 f"{draft.config.vocab_size} tokens, the target {self.model.config.vocab_size}; "
+                                 "they must share the tokenizer")
+            if draft.config.max_seq_len < self.cache_len:
+                raise ValueError(f"the draft model's context of {draft.config.max_seq_len} tokens is shorter than "
+                                 f"this generation's cache of {self.cache_len} slots")
+            if draft.mesh is not None:
+                raise ValueError("the draft model must be on one device (load it without a mesh)")
 
     def __iter__(self) -> Iterator[StreamEvent]:
         if self._started:
@@ -263,6 +307,7 @@ class GenerationStream:
                 logits_BV, cache = logits_BV[rows], take_cache_rows(cache, rows)
             state, emitted = _start(logits_BV, tokens_BT[self.rows], cache, self.controls, mesh=mesh,
                                     backend=model.backend)
+            spec = None if self.speculative is None else self._start_speculation(tokens_BT, lengths_B, state)
             emitted = jax.device_get(emitted)
             t_first, compile_before_decode = time.perf_counter(), compiled.seconds
             texts = [SequenceText(model.tokenizer, self.prompt_ids[p], stops, minimum)
@@ -297,8 +342,16 @@ class GenerationStream:
                     finish_B[stopped_by_text] = FinishReason.STOP
                     state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
                 t_chunk, compile_before_chunk = time.perf_counter(), compiled.seconds
-                cache, state, emitted = _decode(model.weights, config, cache, state, self.controls,
-                                               num_steps=self.chunk_steps, mesh=mesh, backend=model.backend)
+                if spec is None:
+                    cache, state, emitted = _decode(model.weights, config, cache, state, self.controls,
+                                                   num_steps=self.chunk_steps, mesh=mesh, backend=model.backend)
+                else:
+                    draft = self.speculative.draft_model
+                    cache, state, spec, emitted = _speculative_decode(
+                        model.weights, config, cache, state, spec, self.controls,
+                        None if draft is None else draft.weights, plan=self.speculative.plan,
+                        draft_config=None if draft is None else draft.config, num_steps=self.chunk_steps,
+                        backend=model.backend, draft_backend=None if draft is None else draft.backend)
                 emitted = jax.device_get(emitted)
                 host_syncs += 1
                 # A chunk that compiled decode says nothing about step time: take the compilation out.
@@ -315,7 +368,7 @@ class GenerationStream:
             itl_p90_s=float(np.percentile(steps, 90)), decode_s=decode_s,
             decode_tokens_per_s=decode_tokens / decode_run_s if decode_tokens and decode_run_s > 0 else 0.0,
             prompt_tokens=int(lengths_B.sum()), generated_tokens=sum(len(t.ids) for t in texts),
-            host_syncs=host_syncs)
+            host_syncs=host_syncs, **self._speculation_counts(spec))
         self.kv_cache = cache if self.return_kv_cache else None
         prompt_extras = self._prompt_extras(extras)
         self.results = []
@@ -331,6 +384,25 @@ class GenerationStream:
                 output_ids=text.ids, text=text.text, finish_reason=reason, metrics=self.metrics,
                 sample=row % self.n, **outputs.logprobs(row, kept), hidden_states=hidden,
                 **prompt_extras["logprobs"][p]))
+
+    def _start_speculation(self, tokens_BT: np.ndarray, lengths_B: np.ndarray, state) -> SpecState:
+        """Speculation's state after the first token: the sequences so far and the draft's prefilled cache."""
+        draft, rows = self.speculative.draft_model, jnp.asarray(self.rows)
+        draft_cache = None
+        if draft is not None:
+            empty = init_cache(draft.config, len(self.prompt_ids), self.cache_len)
+            _, draft_cache = _prefill(draft.weights, draft.config, tokens_BT, lengths_B, empty, backend=draft.backend)
+            draft_cache = take_cache_rows(draft_cache, rows) if self.n > 1 else draft_cache
+        return init_state(tokens_BT[self.rows], lengths_B[self.rows], state.tokens_B,
+                                   capacity=self.cache_len + self.speculative.num_tokens + 2, draft_cache=draft_cache)
+
+    @staticmethod
+    def _speculation_counts(spec: SpecState | None) -> dict[str, int]:
+        if spec is None:
+            return {}
+        proposed, accepted, steps = jax.device_get((spec.proposed_B, spec.accepted_B, spec.steps_B))
+        return dict(proposed_tokens=int(proposed.sum()), accepted_tokens=int(accepted.sum()),
+                    speculative_steps=int(steps.sum()))
 
     def _prompt_extras(self, extras: PrefillExtras | None) -> dict:
         """Per prompt: recorded hidden states [prompt length, layers, D] and the prompt logprob fields."""
@@ -423,7 +495,8 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                     hidden_layers: Sequence[int] = (), steering: np.ndarray | None = None,
                     return_kv_cache: bool = False, num_beams: int = 1, length_penalty: float = 1.0,
                     early_stopping: bool | str = False, num_return_sequences: int = 1,
-                    chunk_steps: int = DEFAULT_CHUNK_STEPS, mesh: Mesh | str | None = None) -> GenerationStream:
+                    chunk_steps: int = DEFAULT_CHUNK_STEPS, mesh: Mesh | str | None = None,
+                    speculative: Speculative | None = None) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     Per prompt (one value for all, or a list with one per prompt): ``sampling`` (a :class:`Sampling`:
@@ -446,6 +519,11 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
 
     ``mesh`` (a ``Mesh`` or a spec like ``"data=2,model=4"``) runs sharded over devices; a model loaded
     on another mesh (or none) is laid out on it first — load with ``mesh=`` to avoid that copy.
+
+    ``speculative`` (an :class:`llm_jax.Speculative`) proposes tokens by prompt lookup or with a draft
+    model and verifies them with one target pass per step (:mod:`llm_jax.speculative`): greedy output is
+    plain decoding's, sampled output has the target's distribution; the metrics count what was proposed
+    and accepted.
     """
     beams = None
     if num_beams > 1 or num_return_sequences > 1:
@@ -456,7 +534,7 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                             stop_token_ids=stop_token_ids, stop=stop, ignore_eos=ignore_eos, chunk_steps=chunk_steps,
                             min_new_tokens=min_new_tokens, n=n, logprobs=logprobs, raw_logprobs=raw_logprobs,
                             prompt_logprobs=prompt_logprobs, hidden_layers=hidden_layers, steering=steering,
-                            return_kv_cache=return_kv_cache, beams=beams, mesh=mesh)
+                            return_kv_cache=return_kv_cache, beams=beams, mesh=mesh, speculative=speculative)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:

@@ -1,0 +1,427 @@
+"""Speculative decoding: propose k tokens cheaply, verify them with one target pass, keep what is exact.
+
+A step, for every running row, entirely on device inside ``lax.scan`` (no host round trip per step):
+
+1. **Propose** k tokens. :attr:`Method.NGRAM` (prompt lookup): the last n tokens (n from
+   ``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked for earlier in the sequence, and the
+   tokens that followed the most recent match are proposed (periodically continued when the match is
+   closer than k tokens). :attr:`Method.DRAFT`: a smaller model sharing the vocabulary runs k decode steps
+   over its own KV cache.
+2. **Verify**: the target scores the latest token and the k proposals in one ``forward_extend`` call
+   (T = k + 1 over the cache). Position by position, with the logits processors applied to the history
+   as it stands there (exactly as plain decoding applies them): a greedy row accepts while the proposal
+   is the argmax and then adds the argmax; a sampling row accepts proposal x with probability
+   min(1, p(x) / q(x)) and at the first rejection draws from norm(max(0, p - q)) (Leviathan et al. 2023,
+   §2.3; Chen et al. 2023, Algorithm 2) — the n-gram proposer's q is one-hot — and a position with no
+   proposal (the bonus after k acceptances) draws from p. Every emitted token goes through the same stop
+   checks as in plain decoding (``decoding.advance``), so EOS, stop ids and stop strings end a row at
+   exactly the accepted token that completes them.
+3. **Roll back** by setting each row's cache length to what it accepted: the slots of rejected tokens
+   are masked as stale and overwritten by the next step.
+
+Speculation backs off when it does not pay: a step with no proposal anywhere (no n-gram match) is a
+plain decode step, and after a step that accepts less than half a token per row, the next 1, 2, 4, ...
+(up to ``max_backoff``) steps decode plainly; an accepting step resets that.
+
+:func:`verify` is the pure acceptance rule on target scores [B, k + 1, V] for callers with their own
+loop (the serving engine).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from llm_jax import kv_cache as kvc
+from llm_jax.backends import Backend
+from llm_jax.config import ModelConfig
+from llm_jax.decoding import (PAD_ID, DecodeControls, DecodeState, Emitted, advance, argmax_only, decode_step)
+from llm_jax.kv_cache import KVCache
+from llm_jax.model import Params, forward_extend, greedy_tokens, resolve_backend, unembed
+from llm_jax.sampling import SamplingParams, filter_logits, process_logits, row_keys, sample
+
+
+class Method(enum.Enum):
+    NGRAM = "ngram"  # prompt lookup in the sequence so far
+    DRAFT = "draft"  # a smaller model with the same vocabulary
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Speculative:
+    """Speculative decoding settings for :func:`llm_jax.generate`: ``method`` (a :class:`Method` or its
+    name), ``num_tokens`` proposed per step (k), the ``draft_model`` (an :class:`llm_jax.Model` with the
+    target's vocabulary; method "draft"), the n-gram sizes the prompt lookup tries
+    (``prompt_lookup_max`` down to ``prompt_lookup_min``; method "ngram"), and ``max_backoff``, the
+    most plain steps taken after speculation fails before it is tried again."""
+
+    method: Method | str = Method.NGRAM
+    num_tokens: int = 4
+    draft_model: object | None = None  # llm_jax.Model (not imported here: loading imports the backends)
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    max_backoff: int = 16
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "method", Method(self.method))
+        except ValueError:
+            raise ValueError(f"unknown speculative method {self.method!r}; choose one of "
+                             f"{', '.join(repr(m.value) for m in Method)}") from None
+        if not 1 <= self.num_tokens <= 64:
+            raise ValueError(f"num_tokens (k) must be in [1, 64], got {self.num_tokens}")
+        if self.method is Method.DRAFT and self.draft_model is None:
+            raise ValueError("speculative method 'draft' needs a draft_model")
+        if self.method is Method.NGRAM and self.draft_model is not None:
+            raise ValueError("a draft_model is given but the speculative method is 'ngram'; use method='draft'")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")
+        if self.max_backoff < 0:
+            raise ValueError(f"max_backoff must be >= 0, got {self.max_backoff}")
+
+    @property
+    def plan(self) -> "Plan":
+        return Plan(method=self.method, k=self.num_tokens, lookup_min=self.prompt_lookup_min,
+                    lookup_max=self.prompt_lookup_max, max_backoff=self.max_backoff)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The static part of :class:`Speculative` (what the compiled program depends on)."""
+
+    method: Method
+    k: int
+    lookup_min: int
+    lookup_max: int
+    max_backoff: int
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpecState:
+    """What speculation carries from step to step besides the decode state."""
+
+    seq_BS: jax.Array  # int32: prompt and output tokens at slot = position, the latest token included
+    draft_cache: KVCache | None  # the draft's cache; valid at least up to the target's length - 1
+    skip: jax.Array  # int32 scalar: plain steps left before speculating again
+    backoff: jax.Array  # int32 scalar: plain steps the next failure costs
+    proposed_B: jax.Array  # int32: proposals verified per row
+    accepted_B: jax.Array  # int32: proposals accepted per row
+    steps_B: jax.Array  # int32: verification steps per row
+
+
+def init_state(prompts_BT: jax.Array, lengths_B: jax.Array, first_B: jax.Array, *, capacity: int,
+               draft_cache: KVCache | None = None) -> SpecState:
+    """The state after prefill: right-padded ``prompts_BT`` of ``lengths_B`` tokens, then each row's first
+    generated token; ``capacity`` slots (the cache's, plus room for a step's proposals)."""
+    B, T = prompts_BT.shape
+    seq_BS = jnp.zeros((B, capacity), jnp.int32).at[:, :T].set(jnp.asarray(prompts_BT, jnp.int32))
+    seq_BS = seq_BS.at[jnp.arange(B), jnp.asarray(lengths_B)].set(jnp.asarray(first_B, jnp.int32))
+    def zeros(*shape):  # one buffer each: they are donated
+        return jnp.zeros(shape, jnp.int32)
+
+    return SpecState(seq_BS=seq_BS, draft_cache=draft_cache, skip=zeros(), backoff=zeros(), proposed_B=zeros(B),
+                     accepted_B=zeros(B), steps_B=zeros(B))
+
+
+# Proposers.
+
+def propose_ngram(seq_BS: jax.Array, length_B: jax.Array, *, k: int, lookup_min: int,
+                  lookup_max: int) -> tuple[jax.Array, jax.Array]:
+    """Prompt lookup: proposals [B, k] and whether each is one [B, k] (a row with no match has none).
+
+    ``seq_BS[b, :length_B[b]]`` is the sequence so far. The longest suffix of n tokens (``lookup_max``
+    down to ``lookup_min``) that occurs earlier is matched at its most recent earlier occurrence, and the
+    k tokens after that occurrence are proposed; when they would run past the sequence's end, the span
+    between the occurrence and the end repeats (a loop continues).
+    """
+    B, S = seq_BS.shape
+    i_S = jnp.arange(S)
+    found_B = jnp.zeros((B,), bool)
+    start_B = jnp.zeros((B,), jnp.int32)  # where the continuation starts
+    for n in range(lookup_max, lookup_min - 1, -1):
+        suffix_Bn = jnp.take_along_axis(seq_BS, jnp.clip(length_B[:, None] - n + jnp.arange(n), 0, S - 1), axis=1)
+        match_BS = (i_S + n < length_B[:, None]) & (length_B[:, None] >= n)  # an earlier window, followed by a token
+        for t in range(n):
+            match_BS &= jnp.roll(seq_BS, -t, axis=1) == suffix_Bn[:, t:t + 1]
+        any_B = jnp.any(match_BS, axis=1)
+        last_B = S - 1 - jnp.argmax(match_BS[:, ::-1], axis=1)  # the most recent window
+        take_B = any_B & ~found_B
+        start_B = jnp.where(take_B, last_B + n, start_B).astype(jnp.int32)
+        found_B |= any_B
+    period_B = jnp.maximum(length_B - start_B, 1)
+    index_BK = start_B[:, None] + jnp.arange(k) % period_B[:, None]
+    proposals_BK = jnp.take_along_axis(seq_BS, jnp.clip(index_BK, 0, S - 1), axis=1)
+    return proposals_BK, jnp.broadcast_to(found_B[:, None], (B, k))
+
+
+def _draft_choice(logits_BV: jax.Array, params: SamplingParams, key_step_B: jax.Array,
+                  backend: Backend) -> tuple[jax.Array, jax.Array | None]:
+    """The draft's token [B] and, for sampling batches, the distribution q [B, V] it was drawn from (the
+    target's temperature and filters applied to the draft's logits; greedy rows take the argmax)."""
+    greedy_B = backend.argmax(logits_BV)
+    if not params.sampled:
+        return greedy_B, None
+    filtered_BV = filter_logits(logits_BV, params)
+    keys_B = jax.vmap(lambda key: jax.random.fold_in(key, 2))(row_keys(params.seed_B, params.sample_B, key_step_B))
+    drawn_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV).astype(jnp.int32)
+    sampled_B = params.temperature_B > 0
+    return jnp.where(sampled_B, drawn_B, greedy_B), jax.nn.softmax(filtered_BV, axis=-1)
+
+
+def propose_draft(params: Params, config: ModelConfig, cache: KVCache, seq_BS: jax.Array, length_B: jax.Array,
+                  running_B: jax.Array, sampling: SamplingParams, num_generated_B: jax.Array, *, k: int,
+                  backend: Backend) -> tuple[jax.Array, jax.Array | None, KVCache]:
+    """k tokens from the draft model: proposals [B, k], the distributions they were drawn from [B, k, V]
+    (None for greedy batches) and the draft's cache.
+
+    The target holds ``length_B`` tokens and the latest (at position ``length_B``) is not yet in it; the
+    draft's cache is valid up to ``length_B - 1`` at least. Its first call feeds positions
+    ``length_B - 1`` and ``length_B`` (re-writing one slot, so that after any number of acceptances one
+    fixed-shape call catches it up), then k - 1 single-token steps.
+    """
+    cache = dataclasses.replace(cache, lengths_B=jnp.where(running_B, length_B - 1, cache.lengths_B))
+    last_B2 = jnp.take_along_axis(seq_BS, length_B[:, None] - 1 + jnp.arange(2), axis=1)
+    x_B2D, cache = forward_extend(params, config, last_B2, cache, running_B, backend=backend)
+    token_B, q_BV = _draft_choice(unembed(params, config, x_B2D[:, 1:], backend)[:, 0], sampling, num_generated_B,
+                                  backend)
+
+    def step(carry, j):
+        cache, token_B = carry
+        x_B1D, cache = forward_extend(params, config, token_B[:, None], cache, running_B, backend=backend)
+        token_B, q_BV = _draft_choice(unembed(params, config, x_B1D, backend)[:, 0], sampling, num_generated_B + j,
+                                      backend)
+        return (cache, token_B), (token_B, q_BV)
+
+    (cache, _), (rest_KB, q_rest) = jax.lax.scan(step, (cache, token_B), jnp.arange(1, k, dtype=jnp.int32))
+    proposals_BK = jnp.concatenate([token_B[:, None], rest_KB.T], axis=1)
+    q_BKV = None if q_BV is None else jnp.concatenate([q_BV[:, None], jnp.swapaxes(q_rest, 0, 1)], axis=1)
+    return proposals_BK, q_BKV, cache
+
+
+# Verification.
+
+def verify_position(scores_BV: jax.Array, proposal_B: jax.Array, proposed_B: jax.Array, q_BV: jax.Array | None,
+                    params: SamplingParams, step_B: jax.Array, *,
+                    backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
+    """One position of verification, on the target's processed scores [B, V] there: the token [B] each
+    row emits and whether it is the row's proposal (accepted) [B] bool.
+
+    ``proposed_B``: the row has a proposal ``proposal_B`` here (False at the bonus position); ``q_BV``: the
+    distribution it was drawn from (None: one-hot, a deterministic proposer). ``step_B``: the index of
+    the token among the row's generated ones (its randomness, as in :func:`llm_jax.sampling.sample`).
+    Greedy rows: the argmax, accepted when it is the proposal. Sampling rows: the rejection rule of
+    Leviathan et al. (2023, §2.3); without a proposal, exactly plain decoding's draw.
+    """
+    plain_B = sample(scores_BV, params, step_B, backend=backend)
+    if not params.sampled:
+        return plain_B, proposed_B & (plain_B == proposal_B)
+    B, V = scores_BV.shape
+    p_BV = jax.nn.softmax(filter_logits(scores_BV, params), axis=-1)
+    x_B1 = jnp.clip(proposal_B, 0, V - 1)[:, None]
+    p_x_B = jnp.take_along_axis(p_BV, x_B1, axis=1)[:, 0]
+    if q_BV is None:
+        q_x_B = jnp.ones((B,), jnp.float32)
+        residual_BV = jnp.where(jnp.arange(V) == x_B1, 0.0, p_BV)
+    else:
+        q_x_B = jnp.take_along_axis(q_BV, x_B1, axis=1)[:, 0]
+        residual_BV = jnp.maximum(p_BV - q_BV, 0.0)
+    keys_B = row_keys(params.seed_B, params.sample_B, step_B)
+    u_B = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0)))(keys_B)
+    accept_B = u_B * q_x_B < p_x_B  # u < p/q, with q(x) > 0 as x was drawn from q
+    # p == q up to rounding leaves nothing to resample from (and then acceptance is all but certain).
+    residual_BV = jnp.where(jnp.sum(residual_BV, axis=-1, keepdims=True) > 0, residual_BV, p_BV)
+    redraw_B = jax.vmap(lambda key, r: jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(r)))(
+        keys_B, residual_BV).astype(jnp.int32)
+    sampled_B = params.temperature_B > 0
+    token_B = jnp.where(proposed_B, jnp.where(accept_B, proposal_B, redraw_B), plain_B)
+    token_B = jnp.where(sampled_B, token_B, plain_B)
+    accepted_B = proposed_B & jnp.where(sampled_B, accept_B, plain_B == proposal_B)
+    return token_B, accepted_B
+
+
+def verify(scores_BTV: jax.Array, proposals_BK: jax.Array, params: SamplingParams, step_B: jax.Array, *,
+           proposed_BK: jax.Array | None = None, q_BKV: jax.Array | None = None,
+           backend: Backend | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The acceptance rule over a whole step, for callers with their own loop (the serving engine).
+
+    ``scores_BTV``: the target's processed scores at the latest token and each of the k proposals
+    (T = k + 1; processors that read the history must have seen the proposals before each position);
+    ``proposals_BK`` and which of them exist (``proposed_BK``, default all), ``q_BKV`` the distributions they
+    were drawn from (None: one-hot), ``step_B`` the index of the first token to emit among the row's
+    generated ones. Returns the accepted count [B] (0..k), the token after the accepted ones [B], and
+    every emitted token [B, k + 1] (``PAD_ID`` after the first rejection).
+    """
+    B, T, V = scores_BTV.shape
+    proposed_BK = jnp.ones((B, T - 1), bool) if proposed_BK is None else proposed_BK
+    accepting_B = jnp.ones((B,), bool)
+    count_B = jnp.zeros((B,), jnp.int32)
+    next_B = jnp.zeros((B,), jnp.int32)
+    emitted = []
+    for j in range(T):
+        has_B = proposed_BK[:, j] if j < T - 1 else jnp.zeros((B,), bool)
+        token_B, accepted_B = verify_position(
+            scores_BTV[:, j], proposals_BK[:, j] if j < T - 1 else jnp.zeros((B,), jnp.int32), has_B,
+            None if q_BKV is None or j == T - 1 else q_BKV[:, j], params, step_B + j, backend=backend)
+        emitted.append(jnp.where(accepting_B, token_B, PAD_ID))
+        next_B = jnp.where(accepting_B & ~accepted_B, token_B, next_B)
+        count_B += (accepting_B & accepted_B).astype(jnp.int32)
+        accepting_B &= accepted_B
+    return count_B, next_B, jnp.stack(emitted, axis=1)
+
+
+# The decode loop.
+
+def _speculate(params, config, cache, state, spec, controls, draft_params, draft_config, *, plan: Plan,
+               mesh, backend, draft_backend):
+    """One speculative step of the running rows: (cache, state, spec, tokens emitted [B, k + 1])."""
+    k, B = plan.k, cache.batch_size
+    running_B = ~state.done_B
+    length_B = cache.lengths_B
+    q_BKV = None
+    draft_cache = spec.draft_cache
+    if plan.method is Method.NGRAM:
+        proposals_BK, proposed_BK = propose_ngram(spec.seq_BS, length_B + 1, k=k, lookup_min=plan.lookup_min,
+                                                  lookup_max=plan.lookup_max)
+    else:
+        proposals_BK, q_BKV, draft_cache = propose_draft(
+            draft_params, draft_config, draft_cache, spec.seq_BS, length_B, running_B, controls.sampling,
+            state.num_generated_B, k=k, backend=draft_backend)
+        proposed_BK = jnp.ones((B, k), bool)
+    proposed_BK &= running_B[:, None]
+    fed_BT = jnp.concatenate([state.tokens_B[:, None], jnp.where(proposed_BK, proposals_BK, 0)], axis=1)
+    x_BTD, cache = forward_extend(params, config, fed_BT, cache, running_B, mesh, backend=backend)
+    T = k + 1
+    # Greedy without processors: the backend's argmax of each position, as plain decoding takes it.
+    chosen_BT = None
+    if argmax_only(controls):
+        chosen_BT = greedy_tokens(params, config, x_BTD.reshape(B * T, -1), backend)
+        chosen_BT = None if chosen_BT is None else chosen_BT.reshape(B, T)
+    logits_TBV = None if chosen_BT is not None else jnp.swapaxes(unembed(params, config, x_BTD, backend), 0, 1)
+    minimum = controls.min_new_tokens_B
+
+    def position(carry, xs):
+        state, accepting_B, count_B, emitted_B = carry
+        j, proposal_B, proposed_B = xs["j"], xs["proposal"], xs["proposed"]
+        active_B = accepting_B & ~state.done_B
+        if chosen_BT is not None:
+            token_B = xs["chosen"]
+            accepted_B = proposed_B & (token_B == proposal_B)
+        else:
+            scores_BV = process_logits(xs["logits"], controls.sampling, state.history,
+                                       num_generated_B=state.num_generated_B,
+                                       end_ids_BE=None if minimum is None else controls.end_ids_BE,
+                                       min_new_tokens_B=minimum)
+            token_B, accepted_B = verify_position(scores_BV, proposal_B, proposed_B, xs.get("q"),
+                                                  controls.sampling, state.num_generated_B, backend=backend)
+        advanced = advance(token_B, active_B, state, controls, length_B + j + 1, cache.max_len)
+        # A row past its first rejection keeps its latest token (advance pads rows it does not run).
+        state = dataclasses.replace(advanced, tokens_B=jnp.where(active_B, advanced.tokens_B, state.tokens_B))
+        emitted_B += active_B.astype(jnp.int32)
+        count_B += (active_B & accepted_B).astype(jnp.int32)
+        return (state, active_B & accepted_B, count_B, emitted_B), jnp.where(active_B, token_B, PAD_ID)
+
+    none_B = jnp.zeros((B, 1), bool)
+    xs = dict(j=jnp.arange(T, dtype=jnp.int32),
+              proposal=jnp.concatenate([proposals_BK, jnp.zeros((B, 1), jnp.int32)], axis=1).T,
+              proposed=jnp.concatenate([proposed_BK, none_B], axis=1).T)
+    if chosen_BT is not None:
+        xs["chosen"] = chosen_BT.T
+    else:
+        xs["logits"] = logits_TBV
+    if q_BKV is not None:
+        xs["q"] = jnp.swapaxes(jnp.concatenate([q_BKV, q_BKV[:, :1]], axis=1), 0, 1)
+    zeros_B = jnp.zeros((B,), jnp.int32)
+    (state, _, accepted_B, emitted_B), tokens_TB = jax.lax.scan(position, (state, running_B, zeros_B, zeros_B), xs)
+    tokens_BT = tokens_TB.T
+    # Roll back: each row keeps the tokens it fed and accepted; the rest of the slots are stale.
+    cache = dataclasses.replace(cache, lengths_B=length_B + emitted_B)
+    seq_BS = spec.seq_BS.at[jnp.arange(B)[:, None], length_B[:, None] + 1 + jnp.arange(T)].set(
+        jnp.where(tokens_BT == PAD_ID, 0, tokens_BT), mode="drop")
+    verified_B = running_B & proposed_BK[:, 0]
+    failed = 2 * jnp.sum(accepted_B) < jnp.sum(verified_B)
+    backoff = jnp.where(failed, jnp.clip(2 * spec.backoff, 1, plan.max_backoff), 0).astype(jnp.int32)
+    spec = dataclasses.replace(spec, seq_BS=seq_BS, draft_cache=draft_cache, skip=backoff, backoff=backoff,
+                               proposed_B=spec.proposed_B + jnp.sum(proposed_BK, axis=1, dtype=jnp.int32),
+                               accepted_B=spec.accepted_B + accepted_B,
+                               steps_B=spec.steps_B + verified_B.astype(jnp.int32))
+    return cache, state, spec, tokens_BT
+
+
+def _plain(params, config, cache, state, spec, controls, draft_params, draft_config, *, plan: Plan, mesh, backend,
+           draft_backend):
+    """One plain decode step; the draft's cache takes in the position it will not re-feed."""
+    B = cache.batch_size
+    running_B = ~state.done_B
+    length_B = cache.lengths_B
+    draft_cache = spec.draft_cache
+    if plan.method is Method.DRAFT:
+        draft_cache = dataclasses.replace(draft_cache, lengths_B=jnp.where(running_B, length_B - 1,
+                                                                           draft_cache.lengths_B))
+        before_B1 = jnp.take_along_axis(spec.seq_BS, length_B[:, None] - 1, axis=1)
+        _, draft_cache = forward_extend(draft_params, draft_config, before_B1, draft_cache, running_B,
+                                        backend=draft_backend)
+    cache, state, emitted = decode_step(params, config, cache, state, controls, mesh=mesh, backend=backend)
+    seq_BS = spec.seq_BS.at[jnp.arange(B), jnp.where(running_B, length_B + 1, spec.seq_BS.shape[1])].set(
+        state.tokens_B, mode="drop")
+    tokens_BT = jnp.concatenate([emitted.tokens_BS[:, None], jnp.full((B, plan.k), PAD_ID, jnp.int32)], axis=1)
+    spec = dataclasses.replace(spec, seq_BS=seq_BS, draft_cache=draft_cache, skip=jnp.maximum(spec.skip - 1, 0))
+    return cache, state, spec, tokens_BT
+
+
+@functools.partial(jax.jit, static_argnames=("config", "plan", "draft_config", "num_steps", "mesh", "backend",
+                                             "draft_backend"),
+                   donate_argnames=("cache", "state", "spec"))
+def speculative_decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeState, spec: SpecState,
+                       controls: DecodeControls, draft_params: Params | None = None, *, plan: Plan,
+                       draft_config: ModelConfig | None = None, num_steps: int, mesh: Mesh | None = None,
+                       backend: Backend | str | None = None, draft_backend: Backend | str | None = None
+                       ) -> tuple[KVCache, DecodeState, SpecState, Emitted]:
+    """``num_steps`` speculative steps (:func:`llm_jax.decoding.decode` with k + 1 tokens per step at
+    most): the new cache, decode state and speculation state, and the tokens each row emitted,
+    [B, num_steps · (k + 1)] with ``PAD_ID`` where a step emitted fewer. ``cache``, ``state`` and ``spec``
+    are donated."""
+    backend = resolve_backend(backend)
+    draft_backend = resolve_backend(draft_backend)
+    if controls.logprobs is not None or controls.hooks is not None:
+        raise ValueError("speculative decoding does not report logprobs or hidden states, nor steers")
+    kw = dict(plan=plan, mesh=mesh, backend=backend, draft_backend=draft_backend)
+
+    def step(carry, _):
+        cache, state, spec = carry
+
+        def idle(cache, state, spec):
+            return cache, state, spec, jnp.full((cache.batch_size, plan.k + 1), PAD_ID, jnp.int32)
+
+        def speculate(cache, state, spec):
+            return _speculate(params, config, cache, state, spec, controls, draft_params, draft_config, **kw)
+
+        def plain(cache, state, spec):
+            return _plain(params, config, cache, state, spec, controls, draft_params, draft_config, **kw)
+
+        def run(cache, state, spec):
+            worth = spec.skip == 0
+            if plan.method is Method.NGRAM:  # no match anywhere: nothing to verify
+                _, proposed_BK = propose_ngram(spec.seq_BS, cache.lengths_B + 1, k=1, lookup_min=plan.lookup_min,
+                                               lookup_max=plan.lookup_max)
+                worth &= jnp.any(proposed_BK[:, 0] & ~state.done_B)
+            return jax.lax.cond(worth, speculate, plain, cache, state, spec)
+
+        cache, state, spec, tokens_BT = jax.lax.cond(jnp.all(state.done_B), idle, run, cache, state, spec)
+        return (cache, state, spec), tokens_BT
+
+    dtype = cache.k_LBSKH.dtype
+    draft_dtype = None if spec.draft_cache is None else spec.draft_cache.k_LBSKH.dtype
+    if spec.draft_cache is not None:
+        spec = dataclasses.replace(spec, draft_cache=kvc.as_bits(spec.draft_cache))
+    (cache, state, spec), tokens_SBT = jax.lax.scan(step, (kvc.as_bits(cache), state, spec), None, length=num_steps)
+    if spec.draft_cache is not None:
+        spec = dataclasses.replace(spec, draft_cache=kvc.from_bits(spec.draft_cache, draft_dtype))
+    B = cache.batch_size
+    tokens_BS = jnp.swapaxes(tokens_SBT, 0, 1).reshape(B, num_steps * (plan.k + 1))
+    return kvc.from_bits(cache, dtype), state, spec, Emitted(tokens_BS=tokens_BS)
