@@ -135,10 +135,13 @@ class Tokenizer(abc.ABC):
 class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece model; ids and text equal ``sentencepiece.SentencePieceProcessor``'s."""
 
-    def __init__(self, model_file: pathlib.Path, configs: ModelConfigs = NO_CONFIGS):
-        self.path = model_file
+    def __init__(self, model_file: pathlib.Path, configs: ModelConfigs = NO_CONFIGS, *, content: bytes | None = None):
+        self.path = model_file  # with ``content``: where the serialized model came from (a GGUF file)
         try:
-            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
+            if content is not None:
+                self._sp = sentencepiece.SentencePieceProcessor(model_proto=content)
+            else:
+                self._sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
         except (RuntimeError, OSError) as error:
             raise ValueError(f"{model_file} is not a readable sentencepiece model: {error}") from error
         size = self._sp.get_piece_size()
@@ -224,10 +227,13 @@ class SentencePieceTokenizer(Tokenizer):
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizer.json``; ids and text equal the ``tokenizers`` library's."""
 
-    def __init__(self, tokenizer_file: pathlib.Path, configs: ModelConfigs = NO_CONFIGS):
-        self.path = tokenizer_file
+    def __init__(self, tokenizer_file: pathlib.Path, configs: ModelConfigs = NO_CONFIGS, *, content: str | None = None):
+        self.path = tokenizer_file  # with ``content``: where the JSON came from (a GGUF file)
         try:
-            self._tk = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+            if content is not None:
+                self._tk = tokenizers.Tokenizer.from_str(content)
+            else:
+                self._tk = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as error:  # tokenizers raises a bare Exception for malformed files
             raise ValueError(f"{tokenizer_file} is not a readable Hugging Face tokenizer.json: {error}") from error
         self._tk_plain: tokenizers.Tokenizer | None = None  # copy that reads special tokens as text
@@ -280,7 +286,7 @@ class HFTokenizer(Tokenizer):
 
 
 def load_tokenizer(path: str | pathlib.Path, *, format: TokenizerFormat | None = None) -> Tokenizer:
-    """Load a tokenizer file (``.model`` / ``tokenizer.json``) or a model folder holding one.
+    """Load a tokenizer file (``.model`` / ``tokenizer.json`` / a ``.gguf``) or a model folder holding one.
 
     Config files next to it (``tokenizer_config.json``, ``special_tokens_map.json``,
     ``generation_config.json``, ``config.json``) set the special tokens; see the module docstring.
@@ -288,6 +294,10 @@ def load_tokenizer(path: str | pathlib.Path, *, format: TokenizerFormat | None =
     path = pathlib.Path(path)
     if not path.exists():
         raise FileNotFoundError(f"tokenizer path {path} does not exist")
+    if path.suffix == ".gguf":  # the vocabulary in a GGUF file's metadata
+        from llm_jax.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
     file, file_format = _tokenizer_file(path, format) if path.is_dir() else (path, _file_format(path, format))
     configs = ModelConfigs.read(file.parent)
     match file_format:

@@ -2,7 +2,8 @@
 
 - an llm_jax checkpoint folder (``checkpoint.json``, see ``checkpoint.py``);
 - a Hugging Face folder (``config.json`` + ``*.safetensors``, see ``from_hf.py``);
-- a llama2.c ``.bin`` file, its sentencepiece model beside it (see ``from_llama2c.py``).
+- a llama2.c ``.bin`` file, its sentencepiece model beside it (see ``from_llama2c.py``);
+- a GGUF file (llama.cpp), its tokenizer in its metadata (see ``from_gguf.py`` and ``llm_jax.gguf_tokenizer``).
 
 ``load`` and ``convert`` both start here: which format, its config, its params tensor by tensor, the
 tokenizer files that travel with it, and the ids generation stops on.
@@ -17,9 +18,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from llm_jax import gguf_tokenizer
 from llm_jax.config import ModelConfig
 from llm_jax.tokenizer import Tokenizer
-from llm_jax.weights import checkpoint, from_hf, from_llama2c
+from llm_jax.weights import checkpoint, from_gguf, from_hf, from_llama2c
 from llm_jax.weights.hf_config import read_hf_config, read_json
 
 # Tokenizer files of a Hugging Face folder worth keeping with converted weights.
@@ -32,6 +34,7 @@ class WeightFormat(enum.Enum):
     LLM_JAX = "llm_jax checkpoint"
     HUGGING_FACE = "Hugging Face folder"
     LLAMA2C = "llama2.c .bin"
+    GGUF = "GGUF file"
 
 
 def detect_format(path: pathlib.Path) -> WeightFormat:
@@ -40,7 +43,9 @@ def detect_format(path: pathlib.Path) -> WeightFormat:
     if path.is_file():
         if path.suffix == ".bin":
             return WeightFormat.LLAMA2C
-        raise ValueError(f"{path}: unrecognised model file; expected a llama2.c .bin or a model folder")
+        if path.suffix == ".gguf":
+            return WeightFormat.GGUF
+        raise ValueError(f"{path}: unrecognised model file; expected a llama2.c .bin, a .gguf or a model folder")
     if checkpoint.is_checkpoint(path):
         return WeightFormat.LLM_JAX
     if (path / "config.json").is_file():
@@ -59,6 +64,8 @@ def source_config(path: pathlib.Path, fmt: WeightFormat) -> ModelConfig:
             return read_hf_config(path).replace(param_dtype=dtype, compute_dtype=dtype)
         case WeightFormat.LLAMA2C:
             return from_llama2c.read_llama2c_config(path)
+        case WeightFormat.GGUF:
+            return from_gguf.read_gguf_config(path)
     raise ValueError(f"{path}: a {fmt.value} is not a conversion source")
 
 
@@ -71,6 +78,8 @@ def source_params(path: pathlib.Path, fmt: WeightFormat, config: ModelConfig, *,
             return from_hf.load_hf_params(path, config, dtype=dtype, progress=progress, place=place)
         case WeightFormat.LLAMA2C:
             return from_llama2c.load_llama2c(path, dtype=dtype, progress=progress, place=place)[1]
+        case WeightFormat.GGUF:
+            return from_gguf.load_gguf_params(path, config, dtype=dtype, progress=progress, place=place)
     raise ValueError(f"{path}: a {fmt.value} is not a conversion source")
 
 
@@ -81,6 +90,8 @@ def source_tensor_count(fmt: WeightFormat, config: ModelConfig) -> int:
             specs = from_hf.tensor_specs(config)
         case WeightFormat.LLAMA2C:
             specs = from_llama2c.tensor_specs(config)
+        case WeightFormat.GGUF:
+            specs = from_gguf.tensor_specs(config, interleaved=False)
         case _:
             raise ValueError(f"a {fmt.value} is not a conversion source")
     return sum(config.n_layers if spec.per_layer else 1 for spec in specs)
@@ -100,6 +111,8 @@ def tokenizer_source(path: pathlib.Path, fmt: WeightFormat, config: ModelConfig)
     """What ``load_tokenizer`` should read for this source (a file or a folder), if it has a tokenizer."""
     if fmt is WeightFormat.LLAMA2C:
         return find_llama2c_tokenizer(path, config.vocab_size)
+    if fmt is WeightFormat.GGUF:  # load_tokenizer reads the vocabulary in its metadata
+        return path if gguf_tokenizer.has_tokenizer(path) else None
     has = any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model"))
     return path if has else None
 
@@ -124,6 +137,8 @@ def tokenizer_files(path: pathlib.Path, fmt: WeightFormat, config: ModelConfig) 
     if fmt is WeightFormat.LLAMA2C:
         found = find_llama2c_tokenizer(path, config.vocab_size)
         return {"tokenizer.model": found} if found is not None else {}
+    if fmt is WeightFormat.GGUF:
+        return gguf_tokenizer.tokenizer_files(path) if gguf_tokenizer.has_tokenizer(path) else {}
     files: dict[str, pathlib.Path | bytes] = {
         name: path / name for name in HF_TOKENIZER_FILES if (path / name).is_file()}
     if "generation_config.json" not in files:

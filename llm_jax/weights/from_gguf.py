@@ -1,0 +1,413 @@
+"""GGUF files (llama.cpp's format) → llm_jax config and params.
+
+The file is read through the ``gguf`` package's reader (a memory map). Its metadata (``{arch}.block_count``,
+``{arch}.attention.head_count``, ...) becomes a :class:`ModelConfig` for the architectures our decoder
+runs: ``llama`` (Llama 1-3, Mistral), ``qwen2``, ``qwen3``, ``gemma`` and ``gemma2``. Tensors of type
+F32, F16, BF16, Q8_0 and Q4_0 become our leaves, one tensor at a time (``layout.assemble``); Q8_0 and
+Q4_0 blocks are dequantized here (:func:`dequantize_rows`), exactly as ``gguf.quants.dequantize`` does.
+
+The quirks of llama.cpp's converter (``convert_hf_to_gguf.py``) undone here:
+
+- ``llama`` q/k rows are in Meta's interleaved RoPE layout (llama.cpp rotates adjacent pairs for that
+  architecture), so they are permuted back to rotate-halves; the other architectures already rotate halves.
+- Gemma's norm weights are stored as ``1 + w`` (llama.cpp's RMSNorm multiplies by the weight alone), so
+  the config keeps them as they are: ``norm_weight_offset=0``.
+- Llama 3.1's RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency factors, not as metadata:
+  the :class:`Llama3Rope` parameters are recovered and checked against it.
+- Gemma 2's attention scale is not stored; llama.cpp uses ``head_dim`` except for the 27B (46 layers),
+  which uses ``d_model / n_heads``, and so do we.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig
+from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out,
+                                    interleaved_to_halves, transpose)
+
+# Types we read. Every other ggml type (Q4_K, Q6_K, IQ*, ...) is refused by name.
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK_TYPES = ("Q8_0", "Q4_0")
+SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
+BLOCK_SIZE = 32  # values per Q8_0 / Q4_0 block, along a row (the input dimension)
+_BLOCK_BYTES = {"Q8_0": 2 + 32, "Q4_0": 2 + 16}  # a float16 scale, then the packed values
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of the file: its ggml type name, our (row-major) shape and its bytes or values."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]  # row-major, as numpy and torch see it: [out, in] for a matrix
+    data: np.ndarray  # a memory map: values for F32/F16, raw bytes for BF16 and block types
+
+
+class GGUFFile:
+    """The metadata and tensors of a ``.gguf`` file (read lazily from a memory map)."""
+
+    def __init__(self, path: pathlib.Path):
+        import gguf
+
+        self.path = path
+        try:
+            self._reader = gguf.GGUFReader(path)
+        except (ValueError, OSError, IndexError) as error:
+            raise WeightsError(f"{path}: not a readable GGUF file: {error}") from error
+        self.tensors: dict[str, GGUFTensor] = {}
+        for t in self._reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            self.tensors[t.name] = GGUFTensor(t.name, t.tensor_type.name, shape, t.data)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._reader.get_field(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ConfigError(f"{self.path}: missing metadata {key!r}")
+        return value
+
+    @property
+    def architecture(self) -> str:
+        return self.require("general.architecture")
+
+
+@functools.lru_cache(maxsize=2)
+def _open(path: str, mtime_ns: int, size: int) -> GGUFFile:
+    return GGUFFile(pathlib.Path(path))
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """The parsed file, shared by the config, params and tokenizer readers of one load (re-read if it changed)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    stat = path.stat()
+    return _open(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+# --- metadata → config -----------------------------------------------------------------------------------
+
+
+def _uniform(f: GGUFFile, key: str, value: Any) -> int:
+    """A per-layer metadata array with one value for all layers (ours has one), else the scalar itself."""
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ConfigError(f"{f.path}: {key} differs between layers ({value}); llm_jax needs one value")
+        value = value[0]
+    return int(value)
+
+
+def _real(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999974738e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _decoder(f: GGUFFile, **switches: Any) -> ModelConfig:
+    arch = f.architecture
+
+    def key(name: str) -> str:
+        return f"{arch}.{name}"
+
+    n_heads = _uniform(f, key("attention.head_count"), f.require(key("attention.head_count")))
+    n_kv = f.get(key("attention.head_count_kv"), n_heads)
+    n_kv = _uniform(f, key("attention.head_count_kv"), n_kv)
+    d_model = int(f.require(key("embedding_length")))
+    head_dim = int(f.get(key("attention.key_length"), d_model // n_heads))
+    value_dim = int(f.get(key("attention.value_length"), head_dim))
+    if value_dim != head_dim:
+        raise ConfigError(f"{f.path}: attention.key_length={head_dim} != value_length={value_dim} (not supported)")
+    rope_dims = int(f.get(key("rope.dimension_count"), head_dim))
+    if rope_dims != head_dim:
+        raise ConfigError(f"{f.path}: rope.dimension_count={rope_dims} rotates part of each head of {head_dim}; "
+                          "partial rotary embeddings are not supported")
+    embedding = f.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise WeightsError(f"{f.path}: missing tensor 'token_embd.weight'")
+    theta = _real(f.get(key("rope.freq_base"), 10_000.0))
+    return ModelConfig(
+        vocab_size=embedding.shape[0], d_model=d_model, n_layers=int(f.require(key("block_count"))),
+        n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
+        d_ff=_uniform(f, key("feed_forward_length"), f.require(key("feed_forward_length"))),
+        max_seq_len=int(f.get(key("context_length"), 2048)),
+        norm_eps=_real(f.get(key("attention.layer_norm_rms_epsilon"), 1e-5)), rope_theta=theta,
+        rope_scaling=_rope_scaling(f, head_dim, theta),
+        tie_embeddings="output.weight" not in f.tensors, **switches)
+
+
+def _rope_scaling(f: GGUFFile, head_dim: int, theta: float):
+    arch = f.architecture
+    kind = f.get(f"{arch}.rope.scaling.type", "none")
+    factor = f.get(f"{arch}.rope.scaling.factor", f.get(f"{arch}.rope.scale_linear"))
+    if "rope_freqs.weight" in f.tensors:
+        if kind not in ("none", "linear") or (factor not in (None, 1.0)):
+            raise ConfigError(f"{f.path}: rope_freqs with rope.scaling.type={kind!r} is not supported")
+        return _llama3_rope(f, head_dim, theta)
+    if kind == "linear" or (kind == "none" and factor not in (None, 1.0)):
+        return LinearRope(factor=_real(factor))
+    if kind == "none":
+        return DefaultRope()
+    raise ConfigError(f"{f.path}: unsupported rope scaling type {kind!r}; supported: none, linear, and "
+                      "Llama 3's rope_freqs")
+
+
+def _llama3_rope(f: GGUFFile, head_dim: int, theta: float):
+    """The Llama3Rope whose frequencies divide ours by ``rope_freqs`` (what llama.cpp multiplies wavelengths by)."""
+    from llm_jax.model.rope import inverse_frequencies
+
+    tensor = f.tensors["rope_freqs.weight"]
+    if tensor.type_name != "F32" or tensor.shape != (head_dim // 2,):
+        raise WeightsError(f"{f.path}: tensor 'rope_freqs.weight' is {tensor.type_name} {tensor.shape}, "
+                           f"expected F32 ({head_dim // 2},)")
+    factors = np.asarray(tensor.data, dtype=np.float64)
+    base = inverse_frequencies(head_dim, theta, DefaultRope()).astype(np.float64)
+    wanted = base / factors
+    factor = float(factors.max())
+    if factor == 1.0:
+        return DefaultRope()
+    # Only the ratios low/orig and high/orig shape the curve: try Meta's published values (1, 4, 8192) at the
+    # file's original context, then ratios that reproduce the factors (the band between the plateaus).
+    orig = int(f.get(f"{f.architecture}.rope.scaling.original_context_length", 8192))
+    candidates = [Llama3Rope(factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=orig)]
+    for low, high in _band_edges(base / (2 * math.pi), factors, factor):
+        if 0 < low < high:
+            candidates.append(Llama3Rope(factor=factor, low_freq_factor=low * orig, high_freq_factor=high * orig,
+                                         original_max_position_embeddings=orig))
+    for rope in candidates:
+        if np.allclose(inverse_frequencies(head_dim, theta, rope), wanted, rtol=1e-5, atol=0):
+            return rope
+    raise ConfigError(f"{f.path}: tensor 'rope_freqs.weight' {factors.tolist()} matches no Llama 3 RoPE scaling")
+
+
+def _band_edges(u: np.ndarray, factors: np.ndarray, factor: float):
+    """(low, high) = (lo, hi) / orig of Llama 3 scaling consistent with ``factors`` at 1 / wavelengths ``u``:
+    ``factor`` where u < low, 1 where u > high, and between 1 / ((1 - s) / factor + s) with
+    s = (u - low) / (high - low)."""
+    band = (factors > 1.0) & (factors < factor)
+    smooth = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+    below = float(u[factors == factor].max()) if (factors == factor).any() else 0.0  # low lies above these
+    above = float(u[factors == 1.0].min()) if (factors == 1.0).any() else 2 * float(u.max())  # high below these
+    if band.sum() >= 2:
+        ub, sb = u[band], smooth
+        slope = (sb[-1] - sb[0]) / (ub[-1] - ub[0])
+        low = ub[0] - sb[0] / slope
+        yield low, low + 1 / slope
+    elif band.sum() == 1:
+        u1, s1 = float(u[band][0]), float(smooth[0])
+        for t in (0.5, 0.9, 0.1, 0.99):
+            low = below + t * (u1 - below)
+            yield low, low + (u1 - low) / s1
+    else:
+        yield below + (above - below) / 3, below + 2 * (above - below) / 3
+
+
+def _llama(f: GGUFFile) -> ModelConfig:
+    biased = sorted(n for n in f.tensors if n.startswith("blk.0.attn_") and n.endswith(".bias"))
+    if biased:
+        raise ConfigError(f"{f.path}: llama with attention biases ({', '.join(biased)}) is not supported")
+    window = f.get("llama.attention.sliding_window")
+    return _decoder(f, activation=Activation.SILU, **({"sliding_window": int(window)} if window else {}))
+
+
+def _qwen2(f: GGUFFile) -> ModelConfig:
+    return _decoder(f, activation=Activation.SILU, qkv_bias=True)
+
+
+def _qwen3(f: GGUFFile) -> ModelConfig:
+    return _decoder(f, activation=Activation.SILU, qk_norm=True)
+
+
+def _gemma(f: GGUFFile) -> ModelConfig:
+    # norm_weight_offset stays 0: the file stores 1 + w (see the module docstring).
+    return _decoder(f, activation=Activation.GELU_TANH, embed_scale=True)
+
+
+def _gemma2(f: GGUFFile) -> ModelConfig:
+    config = _decoder(f, activation=Activation.GELU_TANH, embed_scale=True, sandwich_norm=True)
+    scale = f.get("gemma2.attention.scale")
+    if scale is not None:
+        scalar = _real(scale) ** -2
+    else:  # llama.cpp's rule: the 27B model (46 layers) scales by d_model / n_heads
+        scalar = config.d_model / config.n_heads if config.n_layers == 46 else config.head_dim
+    window = f.get("gemma2.attention.sliding_window")
+    windows = {}
+    if window:  # llama.cpp's Gemma 2 pattern: even layers slide, odd ones attend globally
+        windows = {"sliding_window": int(window), "sliding_layers": tuple(i % 2 == 0 for i in range(config.n_layers))}
+    caps = {name: _real(f.get(f"gemma2.{name}ping")) if f.get(f"gemma2.{name}ping") else None
+            for name in ("attn_logit_softcap", "final_logit_softcap")}
+    return config.replace(query_pre_attn_scalar=float(scalar), **caps, **windows)
+
+
+# ``general.architecture`` → builder of our config from the metadata
+ARCHITECTURES: dict[str, Callable[[GGUFFile], ModelConfig]] = {
+    "llama": _llama,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "gemma": _gemma,
+    "gemma2": _gemma2,
+}
+
+
+def config_from_gguf(f: GGUFFile) -> ModelConfig:
+    arch = f.architecture
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"{f.path}: unsupported GGUF architecture {arch!r}; supported: {sorted(ARCHITECTURES)}")
+    try:
+        return ARCHITECTURES[arch](f)
+    except ConfigError as e:
+        message = str(e)
+        raise ConfigError(message if message.startswith(str(f.path)) else f"{f.path}: {message}") from None
+
+
+def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
+    """The config of a GGUF file; dtypes float32, or bfloat16 when every matrix is stored in BF16."""
+    f = open_gguf(path)
+    config = config_from_gguf(f)
+    matrices = {t.type_name for t in f.tensors.values() if len(t.shape) == 2}
+    dtype = "bfloat16" if matrices == {"BF16"} else "float32"
+    return config.replace(param_dtype=dtype, compute_dtype=dtype)
+
+
+def rope_is_interleaved(architecture: str) -> bool:
+    """Whether llama.cpp's converter wrote q/k in Meta's interleaved layout (llama.cpp's "normal" RoPE)."""
+    return architecture == "llama"
+
+
+# --- tensors ---------------------------------------------------------------------------------------------
+
+
+def _interleaved_bias(n_heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
+    """[n*H] in Meta's interleaved layout → [n, H] rotating halves (the bias twin of interleaved_to_halves)."""
+    return lambda b: b.reshape(n_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(n_heads, head_dim)
+
+
+def tensor_specs(config: ModelConfig, *, interleaved: bool) -> list[TensorSpec]:
+    """Where each of our params comes from in a GGUF file (names of llama.cpp's ``gguf`` tensor map)."""
+    D, N, K, H, F, V = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff,
+                        config.vocab_size)
+    qk_rows = interleaved_to_halves if interleaved else heads_in
+    qk_bias = _interleaved_bias if interleaved else heads_bias
+    p = "blk.{layer}."
+    specs = [
+        TensorSpec(("embedder", "embedding"), "token_embd.weight", (V, D)),
+        TensorSpec(("layers", "attn_norm", "scale"), p + "attn_norm.weight", (D,)),
+        TensorSpec(("layers", "attn", "q_proj"), p + "attn_q.weight", (N * H, D), qk_rows(N, H)),
+        TensorSpec(("layers", "attn", "k_proj"), p + "attn_k.weight", (K * H, D), qk_rows(K, H)),
+        TensorSpec(("layers", "attn", "v_proj"), p + "attn_v.weight", (K * H, D), heads_in(K, H)),
+        TensorSpec(("layers", "attn", "o_proj"), p + "attn_output.weight", (D, N * H), heads_out(N, H)),
+        TensorSpec(("layers", "mlp_norm", "scale"), p + "ffn_norm.weight", (D,)),
+        TensorSpec(("layers", "mlp", "gate_proj"), p + "ffn_gate.weight", (F, D), transpose),
+        TensorSpec(("layers", "mlp", "up_proj"), p + "ffn_up.weight", (F, D), transpose),
+        TensorSpec(("layers", "mlp", "down_proj"), p + "ffn_down.weight", (D, F), transpose),
+        TensorSpec(("final_norm", "scale"), "output_norm.weight", (D,)),
+    ]
+    if config.sandwich_norm:
+        specs += [
+            TensorSpec(("layers", "post_attn_norm", "scale"), p + "post_attention_norm.weight", (D,)),
+            TensorSpec(("layers", "post_mlp_norm", "scale"), p + "post_ffw_norm.weight", (D,)),
+        ]
+    if config.qkv_bias:
+        specs += [
+            TensorSpec(("layers", "attn", "q_bias"), p + "attn_q.bias", (N * H,), qk_bias(N, H)),
+            TensorSpec(("layers", "attn", "k_bias"), p + "attn_k.bias", (K * H,), qk_bias(K, H)),
+            TensorSpec(("layers", "attn", "v_bias"), p + "attn_v.bias", (K * H,), heads_bias(K, H)),
+        ]
+    if config.qk_norm:
+        specs += [
+            TensorSpec(("layers", "attn", "q_norm", "scale"), p + "attn_q_norm.weight", (H,)),
+            TensorSpec(("layers", "attn", "k_norm", "scale"), p + "attn_k_norm.weight", (H,)),
+        ]
+    if not config.tie_embeddings:
+        specs.append(TensorSpec(("lm_head",), "output.weight", (V, D), transpose))
+    return specs
+
+
+# Tensors a GGUF may hold that are no param of ours: read into the config, or llama.cpp's own caches.
+_NOT_PARAMS = ("rope_freqs.weight",)
+_ROWS_PER_CHUNK = 4096  # dequantize this many rows at a time, so temporaries stay small
+
+
+def dequantize_rows(tensor: GGUFTensor, where: str = "") -> np.ndarray:
+    """A Q8_0 / Q4_0 tensor's float32 values, [rows, cols], computed as ``d * q`` in float32.
+
+    Each row is blocks of 32 values: a float16 scale ``d`` and 32 quants, int8 for Q8_0; for Q4_0,
+    16 bytes whose low nibbles are values 0-15 and high nibbles values 16-31, each ``nibble - 8``.
+    """
+    *rows_shape, cols = tensor.shape
+    rows = int(np.prod(rows_shape)) if rows_shape else 1
+    if cols % BLOCK_SIZE:
+        raise WeightsError(f"{where}: tensor {tensor.name!r} ({tensor.type_name}) has rows of {cols} values, "
+                           f"not a multiple of the block size {BLOCK_SIZE}")
+    block_bytes = _BLOCK_BYTES[tensor.type_name]
+    blocks = np.asarray(tensor.data).reshape(rows, cols // BLOCK_SIZE, block_bytes)
+    out = np.empty((rows, cols), np.float32)
+    for start in range(0, rows, _ROWS_PER_CHUNK):
+        chunk = blocks[start:start + _ROWS_PER_CHUNK]
+        scale = np.ascontiguousarray(chunk[..., :2]).view("<f2").astype(np.float32)  # [r, blocks, 1]
+        quants = unpack_quants(tensor.type_name, chunk[..., 2:])
+        out[start:start + len(chunk)] = (scale * quants.astype(np.float32)).reshape(len(chunk), cols)
+    return out.reshape(tensor.shape)
+
+
+def unpack_quants(type_name: str, packed: np.ndarray) -> np.ndarray:
+    """The int8 quants of Q8_0 / Q4_0 blocks: ``packed`` [..., bytes] → [..., 32]."""
+    if type_name == "Q8_0":
+        return np.ascontiguousarray(packed).view(np.int8)
+    low, high = packed & 0x0F, packed >> 4
+    return np.concatenate([low, high], axis=-1).astype(np.int8) - np.int8(8)
+
+
+def read_tensor(tensor: GGUFTensor, where: str = "") -> np.ndarray:
+    """A tensor's values in a float dtype numpy reads: a view for F32/F16/BF16, float32 for block types."""
+    match tensor.type_name:
+        case "F32" | "F16":
+            return tensor.data
+        case "BF16":
+            import ml_dtypes
+
+            return np.asarray(tensor.data).view(ml_dtypes.bfloat16).reshape(tensor.shape)
+        case "Q8_0" | "Q4_0":
+            return dequantize_rows(tensor, where)
+    raise WeightsError(f"{where}: tensor {tensor.name!r} has ggml type {tensor.type_name}, which llm_jax does not "
+                       f"read; supported: {', '.join(SUPPORTED_TYPES)}")
+
+
+def check_types(f: GGUFFile, names: set[str]) -> None:
+    """Refuse, before reading anything, a file with tensors of a type we do not read (naming them)."""
+    bad = sorted((n, f.tensors[n].type_name) for n in names if f.tensors[n].type_name not in SUPPORTED_TYPES)
+    if bad:
+        types = sorted({t for _, t in bad})
+        shown = ", ".join(f"{n} ({t})" for n, t in bad[:6]) + (" ..." if len(bad) > 6 else "")
+        raise WeightsError(f"{f.path}: unsupported GGUF tensor types {types} in {len(bad)} tensors: {shown}; "
+                           f"supported: {', '.join(SUPPORTED_TYPES)}")
+
+
+def load_gguf_params(path: str | os.PathLike, config: ModelConfig, *, dtype=np.float32,
+                     progress: Callable[[str], None] | None = None,
+                     place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None) -> dict:
+    """The float params of a GGUF file, tensor by tensor, cast to ``dtype`` (see ``layout.assemble``)."""
+    f = open_gguf(path)
+    names = set(f.tensors) - set(_NOT_PARAMS)
+    check_types(f, names)
+    where = str(f.path)
+    specs = tensor_specs(config, interleaved=rope_is_interleaved(f.architecture))
+    return assemble(specs, config, lambda name: read_tensor(f.tensors[name], where), names, where=where,
+                    dtype=dtype, progress=progress, place=place)
+
+
+def load_gguf(path: str | os.PathLike, *, dtype=np.float32, progress=None) -> tuple[ModelConfig, dict]:
+    """Config and numpy params from a GGUF file; params are cast to ``dtype``."""
+    config = read_gguf_config(path)
+    return config, load_gguf_params(path, config, dtype=dtype, progress=progress)

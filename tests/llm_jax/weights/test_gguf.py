@@ -1,0 +1,428 @@
+"""GGUF import against its references: ``transformers`` logits and greedy ids, ``gguf.quants.dequantize``.
+
+The GGUF files are written here with the ``gguf`` package's writer, the way llama.cpp's
+``convert_hf_to_gguf.py`` writes them (our own code, following its rules): metadata from config.json,
+``llama`` q/k rows permuted into Meta's interleaved RoPE layout, Gemma norms stored as ``1 + w``, Llama 3
+RoPE scaling as a ``rope_freqs`` tensor, tied heads omitted, the vocabulary from the sentencepiece model
+or tokenizer.json via ``gguf.vocab``. Loading must undo all of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+import llm_jax
+from llm_jax.config import ConfigError
+from llm_jax.model import forward
+from llm_jax.model.rope import inverse_frequencies
+from llm_jax.weights.checkpoint import load_checkpoint
+from llm_jax.weights.convert import convert
+from llm_jax.weights.from_gguf import dequantize_rows, load_gguf, open_gguf
+from llm_jax.weights.layout import WeightsError
+from llm_jax.weights.placement import leaves_by_path
+from tests.llm_jax.model.test_families import FAMILIES, Family, build, tokens, torch_greedy
+
+ATOL = 1e-4  # float32 max |Δlogit| against transformers
+Q = gguf.GGMLQuantizationType
+
+# HF tensor name (after "model.layers.{i}.") → GGUF name (after "blk.{i}.")
+LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+        "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2"}
+
+
+def meta_interleave(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF rotate-halves rows → Meta's interleaved rows, per head (what convert_hf_to_gguf's permute does):
+    row j * H/2 + i of a head moves to row 2i + j."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf_name: str, arch: str) -> str:
+    if hf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    if arch == "gemma2":  # Gemma 2's sandwich norms
+        rest = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+                "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}.get(rest, rest)
+    rest = {"post_attention_layernorm.weight": "ffn_norm.weight"}.get(rest, rest)
+    return f"blk.{layer}.{LAYER_NAMES.get(rest, rest)}"
+
+
+def llama3_rope_freqs(hf: dict) -> np.ndarray:
+    """The per-frequency factors convert_hf_to_gguf stores for Llama 3 RoPE scaling."""
+    rope = hf["rope_parameters"]
+    dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    orig, lo, hi, factor = (rope["original_max_position_embeddings"], rope["low_freq_factor"],
+                            rope["high_freq_factor"], rope["factor"])
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < orig / hi:
+            out.append(1.0)
+        elif wavelen > orig / lo:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def add_vocab(writer: gguf.GGUFWriter, folder: pathlib.Path, pre: str = "gpt-2") -> None:
+    """The tokenizer of ``folder`` as convert_hf_to_gguf writes it: a sentencepiece model's pieces, scores,
+    types and normalizer flags, or tokenizer.json's tokens (control / user-defined) and merges."""
+    if (folder / "tokenizer.model").is_file():  # as convert_hf_to_gguf does for Llama-family sentencepiece
+        from sentencepiece import sentencepiece_model_pb2
+
+        vocab = gguf.vocab.SentencePieceVocab(folder)
+        pieces = list(vocab.all_tokens())
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([p for p, _, _ in pieces])
+        writer.add_token_scores([s for _, s, _ in pieces])
+        writer.add_token_types([t for _, _, t in pieces])
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString((folder / "tokenizer.model").read_bytes())
+        writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+        writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
+        gguf.SpecialVocab(folder, n_vocab=len(pieces)).add_to_gguf(writer, quiet=True)
+        return
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    added = {t["id"]: t for t in tok["added_tokens"]}
+    ids = {**tok["model"]["vocab"], **{t["content"]: i for i, t in added.items()}}
+    names = sorted(ids, key=ids.get)
+    assert [ids[n] for n in names] == list(range(len(names)))
+    types = [gguf.TokenType.NORMAL if i not in added else
+             gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED for i in range(len(names))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(names)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(names)).add_to_gguf(writer, quiet=True)
+
+
+def write_gguf(path: pathlib.Path, hf_folder: pathlib.Path, qtype=Q.F32, *, vocab: pathlib.Path | None = None,
+               pre: str = "gpt-2", arch: str | None = None, rope_dims: int | None = None,
+               extra=None) -> pathlib.Path:
+    """A GGUF of the Hugging Face folder, its matrices stored as ``qtype`` (F16 where a row is not whole
+    blocks, as llama.cpp falls back), norms and biases F32."""
+    hf = json.loads((hf_folder / "config.json").read_text())
+    arch = arch or ARCH[hf["architectures"][0]]
+    n_heads, n_kv = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"])
+    w.add_block_count(hf["num_hidden_layers"])
+    w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(rope_dims or head_dim)
+    w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    rope = hf.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(hf["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(hf["final_logit_softcapping"])
+        w.add_sliding_window(hf["sliding_window"])
+    if extra is not None:
+        extra(w)
+    if vocab is not None:
+        add_vocab(w, vocab, pre)
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_freqs(hf))
+    tensors = load_file(hf_folder / "model.safetensors")
+    for name, x in tensors.items():
+        if name == "lm_head.weight" and hf.get("tie_word_embeddings"):
+            continue
+        x = x.astype(np.float32)
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            x = meta_interleave(x, n_heads)
+        if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            x = meta_interleave(x, n_kv)
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            x = x + 1  # llama.cpp's RMSNorm multiplies by the weight alone
+        kind = qtype if x.ndim == 2 else Q.F32
+        if kind in (Q.Q8_0, Q.Q4_0) and x.shape[-1] % 32:
+            kind = Q.F16
+        if kind == Q.F32:
+            w.add_tensor(gguf_name(name, arch), x)
+        elif kind == Q.F16:
+            w.add_tensor(gguf_name(name, arch), x.astype(np.float16))
+        else:
+            w.add_tensor(gguf_name(name, arch), gguf.quants.quantize(x, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def torch_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.numpy()
+
+
+jit_forward = jax.jit(forward, static_argnums=1)
+
+# Families as llama.cpp describes them. Mistral's window has no GGUF key (llama.cpp runs it as llama without
+# one); Gemma 2's query_pre_attn_scalar neither (llama.cpp uses head_dim), so the file's model uses head_dim.
+GGUF_FAMILIES = {
+    "llama2_mha": FAMILIES["llama2_mha"],
+    "llama3_gqa_rope_scaling": FAMILIES["llama3_gqa_rope_scaling"],
+    "llama32_mqa_tied": FAMILIES["llama32_mqa_tied"],
+    "qwen2_bias_tied": FAMILIES["qwen2_bias_tied"],
+    "qwen3_qk_norm": FAMILIES["qwen3_qk_norm"],
+    "gemma_mqa": FAMILIES["gemma_mqa"],
+    "gemma2_softcap_local_global": Family(
+        transformers.Gemma2Config,
+        dict(FAMILIES["gemma2_softcap_local_global"].fields, query_pre_attn_scalar=16), {}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_threaded_torch():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """``built(name)``: (name, folder, torch model) of a family's tiny model, saved in ``folder / "hf"`` once."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            folder = tmp_path_factory.mktemp(name)
+            cache[name] = name, folder, build(GGUF_FAMILIES[name], folder / "hf")
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=sorted(GGUF_FAMILIES))
+def family(request, built):
+    return built(request.param)
+
+
+def test_float_gguf_logits_and_greedy_match_transformers(family):
+    name, folder, torch_model = family
+    model = llm_jax.load(write_gguf(folder / "f32.gguf", folder / "hf"))
+    reference = llm_jax.load(folder / "hf", dtype="float32")
+    for field, value in GGUF_FAMILIES[name].expect.items():
+        if field == "rope_scaling":  # from rope_freqs: the same frequencies (lo, hi, orig are not stored)
+            c = model.config
+            np.testing.assert_allclose(inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling),
+                                       inverse_frequencies(c.head_dim, c.rope_theta, value), rtol=1e-6, atol=0)
+        elif field != "norm_weight_offset":  # GGUF stores Gemma's 1 + w: offset 0 (checked by the logits)
+            assert getattr(model.config, field) == value, field
+    assert model.config.param_dtype == "float32"
+    ids = tokens(model.config.vocab_size, 0, 40)
+    ours = np.asarray(jit_forward(model.params, model.config, jnp.asarray(ids)))
+    delta = float(np.abs(ours - torch_logits(torch_model, ids)).max())
+    print(f"{name}: F32 GGUF max |Δlogit| {delta:.2e}")
+    assert delta <= ATOL
+    prompts = tokens(model.config.vocab_size, 1, 12)
+    results = llm_jax.generate(model, [list(p) for p in prompts], max_new_tokens=32)
+    np.testing.assert_array_equal(np.array([r.output_ids for r in results]), torch_greedy(torch_model, prompts))
+    # Against the source loaded directly: the same params but for Gemma's norms, stored as 1 + w.
+    if not name.startswith("gemma"):
+        for path, x in leaves_by_path(reference.params).items():
+            np.testing.assert_array_equal(np.asarray(leaves_by_path(model.params)[path]), np.asarray(x), err_msg=path)
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.BF16])
+@pytest.mark.parametrize("name", ["llama2_mha", "qwen2_bias_tied"])
+def test_half_precision_gguf_equals_the_rounded_source(built, name, qtype):
+    """F16 / BF16 tensors are read exactly: the logits equal transformers' on the same rounded weights."""
+    name, folder, _ = built(name)
+    model = llm_jax.load(write_gguf(folder / f"{qtype.name}.gguf", folder / "hf", qtype), dtype="float32")
+    rounded = {torch.float16: Q.F16, torch.bfloat16: Q.BF16}
+    torch_dtype = next(k for k, v in rounded.items() if v == qtype)
+    reference = build(GGUF_FAMILIES[name], folder / "again")
+    with torch.no_grad():
+        for p in reference.parameters():
+            if p.ndim == 2:
+                p.copy_(p.to(torch_dtype).float())
+    ids = tokens(model.config.vocab_size, 0, 40)
+    ours = np.asarray(jit_forward(model.params, model.config, jnp.asarray(ids)))
+    assert float(np.abs(ours - torch_logits(reference, ids)).max()) <= ATOL
+
+
+def test_bf16_gguf_loads_as_bfloat16(built):
+    _, folder, _ = built("llama2_mha")
+    model = llm_jax.load(write_gguf(folder / "bf16.gguf", folder / "hf", Q.BF16))
+    assert model.config.param_dtype == "bfloat16"
+
+
+# --- quantized tensors -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+def test_block_dequantization_is_bit_exact(tmp_path, qtype):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    x[3, :32] = 0  # an all-zero block: scale 0
+    x[5, 40] = 1e4  # an outlier
+    w = gguf.GGUFWriter(tmp_path / "q.gguf", "llama")
+    w.add_tensor("t", gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    w.add_tensor("stack", gguf.quants.quantize(x.reshape(2, 24, 96), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = open_gguf(tmp_path / "q.gguf")
+    for name in ("t", "stack"):
+        tensor = f.tensors[name]
+        ours = dequantize_rows(tensor)
+        theirs = gguf.quants.dequantize(tensor.data, qtype)
+        assert ours.dtype == np.float32 and ours.shape == theirs.shape == tensor.shape
+        np.testing.assert_array_equal(ours.view(np.uint32), theirs.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("name", ["llama3_gqa_rope_scaling", "qwen2_bias_tied"])  # q/k permuted and not
+def test_quantized_gguf_params_are_the_dequantized_tensors(built, name, qtype):
+    """Every param equals gguf's own dequantization of its tensor, moved into our layout."""
+    name, folder, torch_model = built(name)
+    path = write_gguf(folder / f"{qtype.name}.gguf", folder / "hf", qtype)
+    config, params = load_gguf(path)
+    f = open_gguf(path)
+    # Expected: gguf's dequantization of each file tensor, undone exactly as the float test proves right.
+    expected_hf = {}
+    hf_names = load_file(folder / "hf" / "model.safetensors")
+    for hf_name in hf_names:
+        gname = gguf_name(hf_name, f.architecture)
+        if gname not in f.tensors:
+            continue
+        t = f.tensors[gname]
+        value = (gguf.quants.dequantize(t.data, Q[t.type_name]) if t.type_name.startswith("Q")
+                 else np.asarray(t.data, np.float32))
+        heads = {"q_proj.weight": config.n_heads, "k_proj.weight": config.n_kv_heads}.get(hf_name[-13:])
+        if f.architecture == "llama" and heads:  # back to HF's rows: the inverse of meta_interleave
+            rows = value.shape[0]
+            value = value.reshape(heads, config.head_dim // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1)
+        expected_hf[hf_name] = value.astype(np.float32)
+    torch_model = build(GGUF_FAMILIES[name], folder / "deq")
+    with torch.no_grad():
+        for pname, p in torch_model.named_parameters():
+            if pname in expected_hf:
+                p.copy_(torch.from_numpy(expected_hf[pname]))
+            elif pname == "lm_head.weight":  # tied
+                p.copy_(torch.from_numpy(expected_hf["model.embed_tokens.weight"]))
+    ids = tokens(config.vocab_size, 0, 40)
+    ours = np.asarray(jit_forward(jax.tree.map(jnp.asarray, params), config, jnp.asarray(ids)))
+    assert float(np.abs(ours - torch_logits(torch_model, ids)).max()) <= ATOL
+
+
+# --- stories260K: a real model and its sentencepiece vocabulary ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stories_gguf(stories260k_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stories_gguf")
+    return write_gguf(folder / "stories260K.gguf", stories260k_dir / "hf", vocab=stories260k_dir / "hf")
+
+
+def test_stories260k_gguf_generates_as_the_source(stories_gguf, stories260k_dir):
+    model = llm_jax.load(stories_gguf)
+    source = llm_jax.load(stories260k_dir / "hf", dtype="float32")
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(stories260k_dir / "hf").eval()
+    ids = np.asarray([model.tokenizer.encode("Once upon a time, there was a little girl named Lily.")])
+    ours = np.asarray(jit_forward(model.params, model.config, jnp.asarray(ids)))
+    assert float(np.abs(ours - torch_logits(torch_model, ids)).max()) <= ATOL
+    prompt = "Once upon a time"
+    ours = llm_jax.generate(model, [prompt], max_new_tokens=40)[0]
+    theirs = llm_jax.generate(source, [prompt], max_new_tokens=40)[0]
+    assert ours.output_ids == theirs.output_ids and ours.text == theirs.text
+    assert model.eos_ids == (2,) and model.tokenizer.bos_id == 1 and model.tokenizer.add_bos_by_default
+
+
+def test_convert_gguf_writes_a_checkpoint_with_its_tokenizer(stories_gguf, tmp_path):
+    dest = convert(stories_gguf, tmp_path / "ckpt")
+    config, params, meta = load_checkpoint(dest)
+    model = llm_jax.load(stories_gguf)
+    assert config == model.config
+    for path, x in leaves_by_path(model.params).items():
+        np.testing.assert_array_equal(np.asarray(leaves_by_path(params)[path]), np.asarray(x))
+    loaded = llm_jax.load(dest)
+    text = "Lily and Ben went to the park.  They saw a big dog!"
+    assert loaded.tokenizer.encode(text) == model.tokenizer.encode(text)
+    assert loaded.eos_ids == model.eos_ids == meta.eos_ids
+
+
+def test_convert_script_takes_a_gguf(stories_gguf, tmp_path):
+    from llm_jax.cli.convert import main
+
+    assert main([str(stories_gguf), str(tmp_path / "out"), "--quiet"]) == 0
+    assert llm_jax.is_checkpoint(tmp_path / "out")
+
+
+# --- what is refused -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    build(FAMILIES["llama2_mha"], folder)
+    return folder
+
+
+def test_unsupported_architecture_is_named(tiny_hf, tmp_path):
+    path = write_gguf(tmp_path / "falcon.gguf", tiny_hf, arch="falcon")
+    with pytest.raises(ConfigError, match=r"unsupported GGUF architecture 'falcon'; supported: \['gemma', 'gemma2', "
+                                          r"'llama', 'qwen2', 'qwen3'\]"):
+        llm_jax.load(path)
+
+
+def test_unsupported_tensor_type_is_named(tiny_hf, tmp_path):
+    path = write_gguf(tmp_path / "q5.gguf", tiny_hf, Q.Q5_0)
+    with pytest.raises(WeightsError, match=r"unsupported GGUF tensor types \['Q5_0'\] in \d+ tensors: "
+                                           r"blk.0.attn_k.weight \(Q5_0\).*supported: F32, F16, BF16, Q8_0, Q4_0"):
+        llm_jax.load(path)
+
+
+def test_unsupported_metadata_is_named(tiny_hf, tmp_path):
+    yarn = write_gguf(tmp_path / "yarn.gguf", tiny_hf, extra=lambda w: (
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)))
+    with pytest.raises(ConfigError, match="unsupported rope scaling type 'yarn'"):
+        llm_jax.load(yarn)
+    partial = write_gguf(tmp_path / "partial.gguf", tiny_hf, rope_dims=4)
+    with pytest.raises(ConfigError, match="partial rotary"):
+        llm_jax.load(partial)
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(WeightsError, match="bad.gguf: not a readable GGUF file"):
+        llm_jax.load(bad)
