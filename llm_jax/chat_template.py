@@ -111,6 +111,10 @@ def load_chat_template(path: str | pathlib.Path) -> ChatTemplate:
     path = pathlib.Path(path)
     if not path.exists():
         raise FileNotFoundError(f"chat template path {path} does not exist")
+    if path.suffix == ".gguf":  # tokenizer.chat_template in its metadata
+        from llm_jax.gguf_tokenizer import gguf_chat_template
+
+        return gguf_chat_template(path)
     folder = path if path.is_dir() else path.parent
     configs = ModelConfigs.read(folder)
     config_file, config = folder / TOKENIZER_CONFIG, configs.get(TOKENIZER_CONFIG)
