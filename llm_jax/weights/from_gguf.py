@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig
+from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig, Quantization
 from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out,
                                     interleaved_to_halves, transpose)
 
@@ -271,13 +271,18 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
         raise ConfigError(message if message.startswith(str(f.path)) else f"{f.path}: {message}") from None
 
 
-def read_gguf_config(path: str | os.PathLike) -> ModelConfig:
-    """The config of a GGUF file; dtypes float32, or bfloat16 when every matrix is stored in BF16."""
+def read_gguf_config(path: str | os.PathLike, *, dequantize: bool = False) -> ModelConfig:
+    """The config of a GGUF file; dtypes float32, or bfloat16 when every matrix is stored in BF16.
+
+    A file whose projections are all Q8_0 (or all Q4_0) gets ``quantization`` int8 (int4) in groups of 32,
+    its blocks becoming QuantizedArray leaves as they are; ``dequantize`` reads it as floats instead.
+    """
     f = open_gguf(path)
     config = config_from_gguf(f)
     matrices = {t.type_name for t in f.tensors.values() if len(t.shape) == 2}
     dtype = "bfloat16" if matrices == {"BF16"} else "float32"
-    return config.replace(param_dtype=dtype, compute_dtype=dtype)
+    quantization = None if dequantize else block_quantization(f, config)
+    return config.replace(param_dtype=dtype, compute_dtype=dtype, quantization=quantization)
 
 
 def rope_is_interleaved(architecture: str) -> bool:
@@ -394,20 +399,104 @@ def check_types(f: GGUFFile, names: set[str]) -> None:
                            f"supported: {', '.join(SUPPORTED_TYPES)}")
 
 
+def block_quantization(f: GGUFFile, config: ModelConfig) -> Quantization | None:
+    """The :class:`Quantization` of the file's projections when all of them are Q8_0, or all Q4_0 (blocks
+    of 32 along the input: our groups of 32), else None (the file then loads as floats)."""
+    names = {s.source.format(layer=l) for s in tensor_specs(config, interleaved=False) if s.path[1:2] in (
+        ("attn",), ("mlp",)) and s.path[-1] in _PROJECTIONS for l in range(config.n_layers)}
+    types = {f.tensors[n].type_name for n in names if n in f.tensors}
+    if len(types) != 1 or not types <= set(BLOCK_TYPES):
+        return None
+    return Quantization(bits=8 if types == {"Q8_0"} else 4, group_size=BLOCK_SIZE)
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _halves_rows(n_heads: int, head_dim: int) -> np.ndarray:
+    """For each of our rotate-halves rows (head n, half j, index i), its row in Meta's interleaved layout."""
+    n, j, i = np.ix_(np.arange(n_heads), np.arange(2), np.arange(head_dim // 2))
+    return (n * head_dim + 2 * i + j).reshape(-1)
+
+
+def quantized_projection(tensor: GGUFTensor, bits: int, rows: np.ndarray | None = None
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """A Q8_0 / Q4_0 matrix [out, in] as a :class:`QuantizedArray`'s (values, scales): int8 [in, out] or
+    packed uint8 [in / 2, out], and float32 scales [in / 32, out]. ``rows`` reorders the outputs first."""
+    n_out, k = tensor.shape
+    blocks = np.asarray(tensor.data).reshape(n_out, k // BLOCK_SIZE, _BLOCK_BYTES[tensor.type_name])
+    if rows is not None:
+        blocks = blocks[rows]
+    scales = np.ascontiguousarray(blocks[..., :2]).view("<f2")[..., 0].astype(np.float32)  # [out, in / 32]
+    q = unpack_quants(tensor.type_name, blocks[..., 2:]).reshape(n_out, k)  # [out, in], in input order
+    if bits == 8:
+        return np.ascontiguousarray(q.T), np.ascontiguousarray(scales.T)
+    u = (q + 8).astype(np.uint8)  # our 4-bit pairs: input 2j in the low nibble, 2j + 1 in the high one
+    return np.ascontiguousarray((u[:, 0::2] | (u[:, 1::2] << 4)).T), np.ascontiguousarray(scales.T)
+
+
+def _quantized_leaves(f: GGUFFile, config: ModelConfig, quantization: Quantization, specs: list[TensorSpec],
+                      progress, place) -> dict:
+    """The projections of ``specs`` as QuantizedArray leaves stacked over layers: {(module, name): leaf}."""
+    from llm_jax.quantization import QuantizedArray, projection_dims
+
+    interleaved = rope_is_interleaved(f.architecture)
+    out = {}
+    for spec in specs:
+        name = spec.path[-1]
+        ins, outs = projection_dims(name, config)
+        rows = None
+        if interleaved and name in ("q_proj", "k_proj"):
+            rows = _halves_rows(config.n_heads if name == "q_proj" else config.n_kv_heads, config.head_dim)
+        values = scales = None
+        for layer in range(config.n_layers):
+            source = spec.source.format(layer=layer)
+            tensor = f.tensors[source]
+            if tensor.shape != tuple(spec.source_shape):
+                raise WeightsError(f"{f.path}: tensor {source!r} has shape {tensor.shape}, expected "
+                                   f"{tuple(spec.source_shape)} from the config")
+            v, s = quantized_projection(tensor, quantization.bits, rows)
+            if values is None:
+                values = np.empty((config.n_layers, *v.shape), v.dtype)
+                scales = np.empty((config.n_layers, *s.shape), s.dtype)
+            values[layer], scales[layer] = v, s
+            if progress is not None:
+                progress(source)
+        if place is not None:  # each tensor of the leaf at its own path, as the checkpoint stores it
+            values, scales = place((*spec.path, "values"), values), place((*spec.path, "scales"), scales)
+        out[spec.path] = QuantizedArray(values, scales, ins, outs, quantization.bits, quantization.group_size)
+    return out
+
+
 def load_gguf_params(path: str | os.PathLike, config: ModelConfig, *, dtype=np.float32,
                      progress: Callable[[str], None] | None = None,
                      place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None) -> dict:
-    """The float params of a GGUF file, tensor by tensor, cast to ``dtype`` (see ``layout.assemble``)."""
+    """The params of a GGUF file, tensor by tensor (see ``layout.assemble``): floats cast to ``dtype``, and
+    when ``config.quantization`` is set (``read_gguf_config``) the projections as QuantizedArray leaves
+    holding the file's Q8_0 / Q4_0 blocks unchanged."""
     f = open_gguf(path)
     names = set(f.tensors) - set(_NOT_PARAMS)
     check_types(f, names)
     where = str(f.path)
     specs = tensor_specs(config, interleaved=rope_is_interleaved(f.architecture))
-    return assemble(specs, config, lambda name: read_tensor(f.tensors[name], where), names, where=where,
-                    dtype=dtype, progress=progress, place=place)
+    quantized = []
+    if config.quantization is not None:
+        if config.quantization != block_quantization(f, config):
+            raise WeightsError(f"{where}: the projections are not all stored as {config.quantization}")
+        quantized = [s for s in specs if s.path[-1] in _PROJECTIONS]
+        specs = [s for s in specs if s.path[-1] not in _PROJECTIONS]
+        names -= {s.source.format(layer=l) for s in quantized for l in range(config.n_layers)}
+    params = assemble(specs, config, lambda name: read_tensor(f.tensors[name], where), names, where=where,
+                      dtype=dtype, progress=progress, place=place)
+    for (_, module, name), leaf in _quantized_leaves(f, config, config.quantization, quantized, progress,
+                                                     place).items():
+        params["layers"].setdefault(module, {})[name] = leaf
+    return params
 
 
-def load_gguf(path: str | os.PathLike, *, dtype=np.float32, progress=None) -> tuple[ModelConfig, dict]:
-    """Config and numpy params from a GGUF file; params are cast to ``dtype``."""
-    config = read_gguf_config(path)
+def load_gguf(path: str | os.PathLike, *, dtype=np.float32, dequantize: bool = False,
+              progress=None) -> tuple[ModelConfig, dict]:
+    """Config and numpy params from a GGUF file; float params are cast to ``dtype`` (see ``read_gguf_config``
+    for ``dequantize``)."""
+    config = read_gguf_config(path, dequantize=dequantize)
     return config, load_gguf_params(path, config, dtype=dtype, progress=progress)

@@ -311,11 +311,12 @@ def test_block_dequantization_is_bit_exact(tmp_path, qtype):
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
 @pytest.mark.parametrize("name", ["llama3_gqa_rope_scaling", "qwen2_bias_tied"])  # q/k permuted and not
-def test_quantized_gguf_params_are_the_dequantized_tensors(built, name, qtype):
-    """Every param equals gguf's own dequantization of its tensor, moved into our layout."""
+def test_dequantized_gguf_params_are_the_gguf_dequantization(built, name, qtype):
+    """With ``dequantize``, every param is gguf's own dequantization of its tensor moved into our layout:
+    logits equal transformers' with those values as weights."""
     name, folder, torch_model = built(name)
     path = write_gguf(folder / f"{qtype.name}.gguf", folder / "hf", qtype)
-    config, params = load_gguf(path)
+    config, params = load_gguf(path, dequantize=True)
     f = open_gguf(path)
     # Expected: gguf's dequantization of each file tensor, undone exactly as the float test proves right.
     expected_hf = {}
@@ -426,3 +427,39 @@ def test_not_a_gguf_file(tmp_path):
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(WeightsError, match="bad.gguf: not a readable GGUF file"):
         llm_jax.load(bad)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("name", ["llama3_gqa_rope_scaling", "qwen3_qk_norm"])  # q/k permuted and not
+def test_block_tensors_become_quantized_leaves_holding_the_same_values(built, name, qtype):
+    """Q8_0 / Q4_0 projections load as QuantizedArray leaves (int8 / int4, groups of 32) whose dequantize()
+    equals the float path's exact dequantization bit for bit; the logits are the float path's."""
+    from llm_jax.quantization import QuantizedArray
+
+    _, folder, _ = built(name)
+    path = write_gguf(folder / f"{qtype.name}.gguf", folder / "hf", qtype)
+    model = llm_jax.load(path)
+    bits = {Q.Q8_0: 8, Q.Q4_0: 4}[qtype]
+    assert model.config.quantization == llm_jax.Quantization(bits=bits, group_size=32)
+    float_config, float_params = load_gguf(path, dequantize=True)
+    assert float_config.quantization is None
+    for module, names in (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj",
+                                                                                       "down_proj"))):
+        for proj in names:
+            leaf = model.params["layers"][module][proj]
+            assert isinstance(leaf, QuantizedArray) and leaf.bits == bits
+            np.testing.assert_array_equal(np.asarray(leaf.dequantize()), float_params["layers"][module][proj])
+    ids = tokens(model.config.vocab_size, 0, 40)
+    ours = np.asarray(jit_forward(model.params, model.config, jnp.asarray(ids)))
+    dequantized = np.asarray(jit_forward(jax.tree.map(jnp.asarray, float_params), float_config, jnp.asarray(ids)))
+    np.testing.assert_allclose(ours, dequantized, atol=ATOL, rtol=0)
+
+
+def test_quantized_gguf_converts_to_a_quantized_checkpoint(built, tmp_path):
+    _, folder, _ = built("qwen3_qk_norm")
+    path = write_gguf(folder / "Q4_0.gguf", folder / "hf", Q.Q4_0)
+    model = llm_jax.load(path)
+    loaded = llm_jax.load(convert(path, tmp_path / "ckpt"))
+    assert loaded.config == model.config
+    for p, x in leaves_by_path(model.params).items():
+        np.testing.assert_array_equal(np.asarray(leaves_by_path(loaded.params)[p]), np.asarray(x))
