@@ -72,6 +72,31 @@ def request_rate(text: str) -> float:
     return value
 
 
+def positive_float_pair(text: str) -> float:
+    """A number >= 0 (one of --late-request's two)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def slo(text: str) -> tuple[str, float]:
+    """A goodput target, METRIC:MS."""
+    name, _, ms = text.partition(":")
+    if name not in ("ttft", "tpot", "e2e"):
+        raise argparse.ArgumentTypeError(f"expected ttft:MS, tpot:MS or e2e:MS, got {text!r}")
+    try:
+        value = float(ms)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds in {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a target > 0 ms in {text!r}")
+    return name, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(prog="bench_serving.py", description="Benchmark llm_jax's serving engine on a stream of requests.",
                   epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random tokens shared by every prompt, before its own (default 0)")
     w.add_argument("--request-rate", type=request_rate, default=math.inf,
                    help="requests per second, Poisson arrivals (default inf: all at once)")
+    w.add_argument("--late-request", type=positive_float_pair, nargs=2, metavar=("LEN", "AT"),
+                   help="one more request, of a LEN-token prompt (and the shortest output), arriving AT seconds "
+                        "after the first (what a long prompt does to the others' inter-token latency)")
     w.add_argument("--seed", type=non_negative_int, default=0, help="seed of lengths, tokens and arrivals")
     e = p.add_argument_group("serving engine (llm_jax.serving.Engine's options; unset: the engine's defaults)")
     e.add_argument("--max-num-seqs", type=positive_int, help="sequences running at once (engine default 8)")
@@ -103,9 +131,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks (engine default: enough for --max-num-seqs sequences of --max-model-len)")
     e.add_argument("--max-model-len", type=positive_int, help="longest sequence (engine default: the model's context)")
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's prefix cache off")
+    o = p.add_argument_group("online (over HTTP, streamed /v1/completions; any of these turns it on)")
+    o.add_argument("--launch", action="append", choices=["llm_jax", "transformers"], default=[],
+                   help="start this server on a free port of 127.0.0.1 on the same weights (a Hugging Face copy), "
+                        "run the requests, stop it: llm_jax's scripts/serve.py with the engine options, or "
+                        "'transformers serve --continuous-batching' with the same limits (repeatable)")
+    o.add_argument("--url", action="append", default=[],
+                   help="an OpenAI-compatible server already running, as http://HOST:PORT/v1 (repeatable)")
+    o.add_argument("--dialect", choices=["vllm", "transformers"], default="vllm",
+                   help="how --url servers are asked for every token: ignore_eos (llm_jax, vLLM) or a "
+                        "generation_config with min_new_tokens (transformers serve)")
+    o.add_argument("--max-concurrency", type=positive_int,
+                   help="requests in flight at most (default: no limit but --request-rate)")
+    o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", type=slo, default=[],
+                   help="latency targets for goodput (requests/s meeting all of them): ttft:MS, tpot:MS, e2e:MS")
     c = p.add_argument_group("comparisons")
-    c.add_argument("--compare", action="append", choices=["generate", "hf"], default=[],
-                   help="also run llm_jax.generate in static batches, or transformers' continuous batching (repeatable)")
+    c.add_argument("--compare", action="append", choices=["generate", "hf", "engine"], default=[],
+                   help="also run llm_jax.generate in static batches, transformers' continuous batching, or (online) "
+                        "llm_jax's engine in this process on the same prompts (repeatable)")
     c.add_argument("--static-batch", type=positive_int, default=8, help="batch size of the static runs (default 8)")
     c.add_argument("--repeats", type=positive_int, default=1, help="rounds of runs, the engines taking turns (default 1)")
     c.add_argument("--threads", type=positive_int, help="torch threads (default: every CPU)")
@@ -121,8 +164,14 @@ def workload_spec(args):
     for name, (lo, hi) in (("--input-len-range", input_len), ("--output-len-range", output_len)):
         if lo > hi:
             raise ValueError(f"{name} {lo} {hi}: MIN must not exceed MAX")
+    late = None
+    if args.late_request:
+        length, at = args.late_request
+        if length != int(length) or length < 1:
+            raise ValueError(f"--late-request LEN must be a whole number of tokens, got {length:g}")
+        late = (int(length), at)
     return WorkloadSpec(num_prompts=args.num_prompts, input_len=input_len, output_len=output_len,
-                        prefix_len=args.prefix_len, request_rate=args.request_rate, seed=args.seed)
+                        prefix_len=args.prefix_len, request_rate=args.request_rate, seed=args.seed, late=late)
 
 
 def check_fits(spec, context: int, what: str) -> None:
@@ -166,18 +215,22 @@ def run(args, argv: list[str], spec, workdir: pathlib.Path, name: str, log) -> d
     from benchmarking.hf_engine import load_hf_model
     from benchmarking.suite import ModelSource
 
-    source = ModelSource(args.model, need_hf="hf" in args.compare, workdir=workdir)
-    log(f"{source.label} {args.dtype}: loading" + (" (and saving the transformers copy)" if source.hf_folder else ""))
+    online = bool(args.launch or args.url)
+    source = ModelSource(args.model, need_hf="hf" in args.compare or "transformers" in args.launch or online,
+                         workdir=workdir, tokenizer=online)
+    log(f"{source.label} {args.dtype}: loading" + (" (and saving the Hugging Face copy)" if source.hf_folder else ""))
     model = source.load_model(args.dtype, args.backend)
     options = engine_options(args)
     check_fits(spec, min(options.get("max_model_len", model.config.max_seq_len), model.config.max_seq_len),
                "the longest sequence the engine serves")
     requests = serving.sample_requests(spec, model.config.vocab_size)
     ours = serving.LlmJaxServing(model, options, name=name)
+    threads = args.threads or machine_lib.cpu_threads()
+    if online:
+        return run_online(args, argv, spec, source, model, requests, ours, workdir, threads, log)
     engines = [ours]
     if "generate" in args.compare:
         engines.append(serving.StaticGenerate(model, args.static_batch, name=name))
-    threads = args.threads or machine_lib.cpu_threads()
     warm_ups = {}
     for engine in engines:
         log(f"{engine.name}: warming up...")
@@ -193,13 +246,74 @@ def run(args, argv: list[str], spec, workdir: pathlib.Path, name: str, log) -> d
         for engine in engines:
             run_ = engine.run(requests)
             runs[engine.name].append(run_)
-            summary = serving.Summary.of(run_)
-            log(f"  round {round_ + 1}/{args.repeats}, {engine.name}: {summary.output_tokens_per_s:.1f} output tok/s, "
-                f"TTFT p50 {1e3 * summary.ttft_s.p50:.0f} ms")
-    return report(args, argv, spec, source.label, requests, engines, warm_ups, runs, threads)
+            log_round(log, round_, args.repeats, engine.name, run_)
+    return report(args, argv, spec, source.label, requests, engines, warm_ups, runs, threads,
+                  backend=model.backend.name)
 
 
-def report(args, argv, spec, label: str, requests, engines, warm_ups, runs, threads: int) -> dict:
+def log_round(log, round_: int, repeats: int, name: str, run_) -> None:
+    from benchmarking import serving
+
+    summary = serving.Summary.of(run_)
+    log(f"  round {round_ + 1}/{repeats}, {name}: {summary.output_tokens_per_s:.1f} output tok/s, "
+        f"TTFT p50 {1e3 * summary.ttft_s.p50:.0f} ms")
+
+
+def run_online(args, argv, spec, source, model, requests, ours, workdir: pathlib.Path, threads: int, log) -> dict:
+    """The requests as text over HTTP: to each --url server, to each --launch server (started on the same
+    weights, one after the other), and with --compare engine to the engine in this process."""
+    import dataclasses
+
+    from benchmarking import online
+    from benchmarking.serving import ServingRequest
+
+    if "generate" in args.compare or "hf" in args.compare:
+        raise ValueError("online mode compares servers (--launch, --url) and --compare engine; run --compare "
+                         "generate or hf without --launch/--url")
+    if model.tokenizer is None:
+        raise ValueError(f"online mode sends text: {args.model} has no tokenizer")
+    texts = online.text_requests(requests, model.tokenizer, seed=args.seed)
+    concurrency = args.max_concurrency or len(texts)
+    # What the servers compute: each text prompt tokenized as a completion's prompt is.
+    as_ids = [dataclasses.replace(t.request, prompt_ids=tuple(model.tokenizer.encode(t.prompt))) for t in texts]
+    engines, warm_ups, runs = [], {}, {}
+
+    def drive(server) -> None:
+        log(f"{server.name}: warming up...")
+        warm_ups[server.name] = server.warm_up(texts, concurrency)
+        engines.append(server)
+        runs[server.name] = []
+        for round_ in range(args.repeats):
+            run_ = server.run(texts, concurrency)
+            runs[server.name].append(run_)
+            log_round(log, round_, args.repeats, server.name, run_)
+
+    for url in args.url:
+        server = online.Server(f"server at {url}", url, args.dialect)
+        server.wait_ready(log)
+        drive(server)
+    for kind in args.launch:
+        folder = source.hf_folder if kind == "transformers" or source.named else pathlib.Path(args.model)
+        with online.launched(kind, folder, dtype=args.dtype, limits=ours.limits, workdir=workdir, threads=threads,
+                             log=log) as server:
+            drive(server)
+    if "engine" in args.compare:
+        log(f"{ours.name}: warming up...")
+        warm_ups[ours.name] = ours.warm_up(as_ids)
+        engines.append(ours)
+        runs[ours.name] = []
+        for round_ in range(args.repeats):
+            run_ = ours.run(as_ids, max_concurrency=concurrency)
+            runs[ours.name].append(run_)
+            log_round(log, round_, args.repeats, ours.name, run_)
+    prompts = [ServingRequest(request_id=t.request.request_id, prompt_ids=(0,) * t.prompt_len,
+                              max_new_tokens=t.request.max_new_tokens, arrival_s=t.request.arrival_s) for t in texts]
+    return report(args, argv, spec, source.label, prompts, engines, warm_ups, runs, threads,
+                  backend=model.backend.name, concurrency=args.max_concurrency)
+
+
+def report(args, argv, spec, label: str, requests, engines, warm_ups, runs, threads: int, *, backend: str,
+           concurrency: int | None = None) -> dict:
     """The printed report (``text``) and every number, for ``--json``."""
     import dataclasses
 
@@ -213,10 +327,12 @@ def report(args, argv, spec, label: str, requests, engines, warm_ups, runs, thre
     over = {name: float(np.median([a.output_tokens_per_s / b.output_tokens_per_s for a, b in zip(summaries[ours], s)]))
             for name, s in summaries.items() if name != ours}  # round by round: runs of the same moments
     agree = {name: serving.token_agreement(runs[ours][0], rs[0]) for name, rs in runs.items() if name != ours}
-    machine = describe_machine(engines[0].model.backend.name, threads if "hf" in args.compare else None)
+    machine = describe_machine(backend, threads if "hf" in args.compare or "transformers" in args.launch else None)
     command = shlex.join(["python", "scripts/bench_serving.py", *argv])
-    lines = [machine_line(machine), f"command: {command}", workload_line(spec, requests, f"{label} {args.dtype}"), "",
-             table(medians, over)]
+    goodput = {name: float(np.median([serving.goodput(r, dict(args.goodput)) for r in rs]))
+               for name, rs in runs.items()} if args.goodput else {}
+    lines = [machine_line(machine), f"command: {command}",
+             workload_line(spec, requests, f"{label} {args.dtype}", concurrency), "", table(medians, over, goodput)]
     for engine in engines:
         warm_up = warm_ups[engine.name]
         lines.append(f"{engine.name}: warm-up {warm_up.seconds:.1f} s ({warm_up.detail})" + describe(medians[engine.name]))
@@ -232,7 +348,7 @@ def report(args, argv, spec, label: str, requests, engines, warm_ups, runs, thre
             "warm_up": {n: dataclasses.asdict(w) for n, w in warm_ups.items()},
             "median": {n: m.to_dict() for n, m in medians.items()},
             "rounds": {n: [s.to_dict() for s in ss] for n, ss in summaries.items()},
-            "serving_over": over, "agreement": agree, "notes": {e.name: e.note for e in engines if e.note}}
+            "serving_over": over, "agreement": agree, "goodput": goodput, "notes": {e.name: e.note for e in engines if e.note}}
 
 
 def describe_machine(llm_jax_backend: str, torch_threads: int | None) -> dict:
@@ -260,16 +376,20 @@ def machine_line(m: dict) -> str:
     return line
 
 
-def workload_line(spec, requests, model: str) -> str:
-    prompts = [len(r.prompt_ids) for r in requests]
+def workload_line(spec, requests, model: str, concurrency: int | None = None) -> str:
+    prompts = [len(r.prompt_ids) for r in requests if r.request_id != "late"]
     lo, hi = spec.output_len
     rate = "all at once" if math.isinf(spec.request_rate) else f"Poisson at {spec.request_rate:g} req/s"
+    if concurrency:
+        rate += f", at most {concurrency} in flight"
+    if spec.late:
+        rate += f", and one of {spec.late[0]} prompt tokens arriving at {spec.late[1]:g} s"
     return (f"requests: {spec.num_prompts} on {model}, prompts {min(prompts)}–{max(prompts)} tokens (mean "
             f"{sum(prompts) / len(prompts):.0f}; shared prefix {spec.prefix_len}), outputs "
             f"{lo if lo == hi else f'{lo}–{hi}'} tokens, {rate}, seed {spec.seed}")
 
 
-def table(medians: dict, over: dict) -> str:
+def table(medians: dict, over: dict, goodput: dict) -> str:
     """A row per engine (medians over the rounds); ``over[name]``: llm_jax serving's output tokens/s ÷ name's."""
     from benchmarking.results import format_table
 
@@ -277,10 +397,11 @@ def table(medians: dict, over: dict) -> str:
         return "–" if p is None else f"{1e3 * p.p50:.1f} / {1e3 * p.p99:.1f}"
 
     header = ("engine", "req/s", "out tok/s", "total tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-              "ITL p50/p99 ms", "E2E p50/p99 s", "serving ×")
+              "ITL p50/p99 ms", "E2E p50/p99 s", "serving ×") + (("goodput req/s",) if goodput else ())
     cells = [(name, f"{s.request_throughput:.2f}", f"{s.output_tokens_per_s:.1f}", f"{s.total_tokens_per_s:.1f}",
               ms(s.ttft_s), ms(s.tpot_s), ms(s.itl_s), f"{s.e2e_s.p50:.2f} / {s.e2e_s.p99:.2f}",
-              f"{over[name]:.2f}" if name in over else "") for name, s in medians.items()]
+              f"{over[name]:.2f}" if name in over else "") + ((f"{goodput[name]:.2f}",) if goodput else ())
+             for name, s in medians.items()]
     return format_table(header, cells)
 
 

@@ -43,11 +43,13 @@ class WorkloadSpec:
     prefix_len: int = 0  # the same random tokens before every prompt
     request_rate: float = math.inf  # requests per second, Poisson; inf: all at once
     seed: int = 0
+    late: tuple[int, float] | None = None  # one more request: (prompt tokens, arrival s), the shortest output
 
     @property
     def longest(self) -> int:
         """The most tokens a request can reach: prefix, prompt and output."""
-        return self.prefix_len + self.input_len[1] + self.output_len[1]
+        late = self.late[0] + self.output_len[0] if self.late else 0
+        return max(self.prefix_len + self.input_len[1] + self.output_len[1], late)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,21 +73,33 @@ def sample_requests(spec: WorkloadSpec, vocab_size: int) -> list[ServingRequest]
         arrivals = np.zeros(n)
     else:  # the first at once, then exponential gaps (vllm's: send, then wait)
         arrivals = np.concatenate([[0.0], np.cumsum(rng.exponential(1 / spec.request_rate, n - 1))])
-    return [ServingRequest(request_id=f"r{i}", prompt_ids=tuple(p), max_new_tokens=int(m), arrival_s=float(a))
-            for i, (p, m, a) in enumerate(zip(prompts, output_lens, arrivals))]
+    requests = [ServingRequest(request_id=f"r{i}", prompt_ids=tuple(p), max_new_tokens=int(m), arrival_s=float(a))
+                for i, (p, m, a) in enumerate(zip(prompts, output_lens, arrivals))]
+    if spec.late is not None:
+        length, at = spec.late
+        requests.append(ServingRequest(request_id="late", prompt_ids=tuple(rng.integers(0, vocab_size, length).tolist()),
+                                       max_new_tokens=spec.output_len[0], arrival_s=at))
+        requests.sort(key=lambda r: r.arrival_s)
+    return requests
 
 
 # Measurements.
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RequestTrace:
     """What the host saw of one request: when it arrived and when its tokens came, in seconds from the
-    run's start. ``deliveries``: (time, tokens delivered then)."""
+    run's start. ``deliveries``: (time, tokens delivered then). Over HTTP the tokens are not seen, only
+    ``text``; ``token_ids`` is then empty."""
 
     request_id: str
     arrival_s: float
     prompt_len: int
     token_ids: tuple[int, ...]
     deliveries: tuple[tuple[float, int], ...]
+    text: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.deliveries)
 
     @property
     def ttft_s(self) -> float:
@@ -98,7 +112,7 @@ class RequestTrace:
     @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first (vllm's): None for a single token."""
-        n = len(self.token_ids)
+        n = self.num_tokens
         return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else None
 
     def itl_s(self) -> list[float]:
@@ -171,7 +185,7 @@ class Summary:
     def of(cls, run: ServingRun) -> Summary:
         traces, d = run.traces, run.duration_s
         prompt = sum(t.prompt_len for t in traces)
-        output = sum(len(t.token_ids) for t in traces)
+        output = sum(t.num_tokens for t in traces)
         return cls(engine=run.engine, num_requests=len(traces), duration_s=d, prompt_tokens=prompt,
                    output_tokens=output, request_throughput=len(traces) / d, output_tokens_per_s=output / d,
                    total_tokens_per_s=(prompt + output) / d, ttft_s=Percentiles.of([t.ttft_s for t in traces]),
@@ -182,6 +196,16 @@ class Summary:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def goodput(run: ServingRun, targets_ms: dict[str, float]) -> float:
+    """Requests per second that met every latency target (``ttft``, ``tpot``, ``e2e``, in ms), as vLLM's
+    benchmark counts goodput."""
+    def meets(t: RequestTrace) -> bool:
+        values = {"ttft": t.ttft_s, "tpot": t.tpot_s or 0.0, "e2e": t.e2e_s}
+        return all(1e3 * values[name] <= ms for name, ms in targets_ms.items())
+
+    return sum(meets(t) for t in run.traces) / run.duration_s
 
 
 def median_of(values: Sequence):
@@ -200,9 +224,16 @@ def median_of(values: Sequence):
 def token_agreement(ours: ServingRun, theirs: ServingRun) -> float:
     """How far two runs' greedy tokens agree, request by request up to the first difference (1.0: the
     same tokens everywhere), averaged over requests."""
-    by_id = {t.request_id: t.token_ids for t in theirs.traces}
-    return float(np.mean([agreement(np.array([t.token_ids]), np.array([by_id[t.request_id]]))
-                          for t in ours.traces]))
+    by_id = {t.request_id: t for t in theirs.traces}
+    return float(np.mean([_agreement(t, by_id[t.request_id]) for t in ours.traces]))
+
+
+def _agreement(a: RequestTrace, b: RequestTrace) -> float:
+    if a.token_ids and b.token_ids:
+        return agreement(np.array([a.token_ids]), np.array([b.token_ids]))
+    x, y = a.text or "", b.text or ""  # over HTTP: the common prefix of the texts, in characters
+    n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return 1.0 if x == y else n / max(len(x), len(y))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -211,12 +242,18 @@ class WarmUp:
     detail: str  # what was warmed up, in words
 
 
-def _traces(requests: Sequence[ServingRequest], tokens: dict, deliveries: dict) -> tuple[RequestTrace, ...]:
+def _traces(requests: Sequence[ServingRequest], tokens: dict, deliveries: dict,
+            sent: dict | None = None, texts: dict | None = None) -> tuple[RequestTrace, ...]:
+    """``sent``: when each request was sent, where a limit on requests in flight held it after its arrival
+    (latencies count from then, as a client's would)."""
     missing = [r.request_id for r in requests if len(tokens[r.request_id]) != r.max_new_tokens]
     if missing:
         raise RuntimeError(f"requests {missing[:5]} did not get the tokens they asked for")
-    return tuple(RequestTrace(request_id=r.request_id, arrival_s=r.arrival_s, prompt_len=len(r.prompt_ids),
-                              token_ids=tuple(tokens[r.request_id]), deliveries=tuple(deliveries[r.request_id]))
+    sent, texts = sent or {}, texts or {}
+    return tuple(RequestTrace(request_id=r.request_id, arrival_s=sent.get(r.request_id, r.arrival_s),
+                              prompt_len=len(r.prompt_ids),
+                              token_ids=tuple(tokens[r.request_id]), deliveries=tuple(deliveries[r.request_id]),
+                              text=texts.get(r.request_id))
                  for r in requests)
 
 
@@ -253,22 +290,24 @@ class LlmJaxServing:
         return WarmUp(seconds=time.perf_counter() - t0,
                       detail=f"{programs} step programs, {compiled.compilations} XLA compilations")
 
-    def run(self, requests: Sequence[ServingRequest]) -> ServingRun:
+    def run(self, requests: Sequence[ServingRequest], *, max_concurrency: int | None = None) -> ServingRun:
         engine = self.engine or Engine(self.model, **self.engine_options)
         self.engine = None
         programs = step_module.step._cache_size()
         with measure_compilation() as compiled:
-            tokens, deliveries, duration, counted = _serve(engine, requests)
+            tokens, deliveries, duration, counted, sent, texts = _serve(engine, requests, max_concurrency)
         counters = EngineCounters(**counted, new_programs=step_module.step._cache_size() - programs,
                                   compilations=compiled.compilations)
-        return ServingRun(engine=self.name, duration_s=duration, traces=_traces(requests, tokens, deliveries),
+        return ServingRun(engine=self.name, duration_s=duration, traces=_traces(requests, tokens, deliveries, sent, texts),
                           counters=counters, compilations=compiled.compilations)
 
 
-def _serve(engine: Engine, requests: Sequence[ServingRequest]) -> tuple[dict, dict, float, dict]:
-    """Adds each request once its arrival time has passed and steps until every one has finished. Returns
-    each request's tokens and deliveries, the time of the last, and the engine's counters (but the
-    compilations). Which sequences a step ran is read from the requests' progress (``num_computed_tokens``)
+def _serve(engine: Engine, requests: Sequence[ServingRequest],
+           max_concurrency: int | None = None) -> tuple[dict, dict, float, dict, dict, dict]:
+    """Adds each request once its arrival time has passed (and fewer than ``max_concurrency`` are in
+    flight, as a client with that many connections would) and steps until every one has finished. Returns
+    each request's tokens and deliveries, the time of the last, the engine's counters (but the
+    compilations), when each request was added and its text. Which sequences a step ran is read from the requests' progress (``num_computed_tokens``)
     around it; the blocks in use are sampled between steps (a request that finishes in a step is not
     counted in it)."""
     scheduler = engine.scheduler
@@ -276,12 +315,13 @@ def _serve(engine: Engine, requests: Sequence[ServingRequest]) -> tuple[dict, di
     deliveries = {r.request_id: [] for r in requests}
     steps = seqs = computed = peak = 0
     start, i, t = time.perf_counter(), 0, 0.0
+    limit, in_flight, sent, texts = max_concurrency or len(requests), 0, {}, {}
     while i < len(requests) or engine.has_unfinished:
         now = time.perf_counter() - start
-        while i < len(requests) and requests[i].arrival_s <= now:
+        while i < len(requests) and requests[i].arrival_s <= now and in_flight < limit:
             r = requests[i]
             engine.add_request(r.request_id, list(r.prompt_ids), max_new_tokens=r.max_new_tokens, ignore_eos=True)
-            i += 1
+            i, in_flight, sent[r.request_id] = i + 1, in_flight + 1, max(now, r.arrival_s)
         if not engine.has_unfinished:
             time.sleep(requests[i].arrival_s - now)
             continue
@@ -292,6 +332,8 @@ def _serve(engine: Engine, requests: Sequence[ServingRequest]) -> tuple[dict, di
         for out in outputs:
             tokens[out.request_id].extend(out.token_ids)
             deliveries[out.request_id].append((t, len(out.token_ids)))
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
+            in_flight -= out.finish_reason is not None
         advanced = [r.num_computed_tokens - n for r, n in before if r.num_computed_tokens > n]
         if advanced:
             steps, seqs = steps + 1, seqs + len(advanced)
@@ -301,7 +343,7 @@ def _serve(engine: Engine, requests: Sequence[ServingRequest]) -> tuple[dict, di
     counted = {"steps": steps, "mean_batch": seqs / max(steps, 1), "mean_step_tokens": computed / max(steps, 1),
                "peak_blocks": peak, "num_blocks": scheduler.pool.capacity, "prefix_hit_rate": stats.prefix_hit_rate,
                "preemptions": stats.num_preemptions}
-    return tokens, deliveries, t, counted
+    return tokens, deliveries, t, counted, sent, texts
 
 
 # llm_jax.generate in static batches.

@@ -71,11 +71,30 @@ def log_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def save_llama2_tokenizer(folder: pathlib.Path) -> None:
+    """The Llama 2 tokenizer (``../shared`` or ``$LLM_JAX_ASSETS``), in ``folder`` as sentencepiece's model
+    and as the ``transformers`` tokenizer files made from it."""
+    import os
+    import shutil
+
+    import transformers
+
+    shared = pathlib.Path(os.environ.get("LLM_JAX_ASSETS", pathlib.Path(__file__).resolve().parents[2].parent / "shared"))
+    model_file = shared / "tokenizers" / "llama2" / "tokenizer.model"
+    if not model_file.is_file():
+        raise FileNotFoundError(f"{model_file} is missing (set LLM_JAX_ASSETS to the shared/ folder)")
+    shutil.copy(model_file, folder / "tokenizer.model")
+    # With the BOS id first, as sentencepiece's Llama models (and llm_jax) encode a prompt.
+    transformers.AutoTokenizer.from_pretrained(model_file.parent, add_bos_token=True).save_pretrained(folder)
+
+
 class ModelSource:
     """Params of a model (named shape: random weights; path: a checkpoint) in each dtype, and for
     comparisons a Hugging Face folder holding the very same weights."""
 
-    def __init__(self, model: str, *, need_hf: bool, workdir: pathlib.Path):
+    def __init__(self, model: str, *, need_hf: bool, workdir: pathlib.Path, tokenizer: bool = False):
+        """``tokenizer``: the Hugging Face copy of a named shape gets the Llama 2 tokenizer (its vocabulary is
+        the shapes'), for what sends text."""
         self.model, self.workdir = model, workdir
         self.named = model in SHAPES
         self.hf_folder: pathlib.Path | None = None
@@ -83,6 +102,11 @@ class ModelSource:
             if self.named:
                 self.hf_folder = workdir / f"hf-{model}"
                 save_random_hf_model(shape_config(model, dtype="float32"), self.hf_folder)
+                if tokenizer:
+                    if SHAPES[model].vocab_size != 32000:
+                        raise ValueError(f"{model} has a vocabulary of {SHAPES[model].vocab_size}, not the Llama 2 "
+                                         f"tokenizer's 32000: text needs 15M, 110M or a checkpoint")
+                    save_llama2_tokenizer(self.hf_folder)
             elif (pathlib.Path(model) / "config.json").is_file():
                 self.hf_folder = pathlib.Path(model)
             else:

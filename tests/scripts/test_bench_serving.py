@@ -218,3 +218,46 @@ def test_bad_arguments_fail_in_one_line(capsys, argv, status, message):
     err = capsys.readouterr().err
     assert got == status
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+# Online mode: the requests as text over HTTP.
+@pytest.fixture(scope="module")
+def online_report(stories260k_dir, tmp_path_factory):
+    """llm_jax's server launched on stories260K, driven at a concurrency of 2, beside the engine in process."""
+    path = tmp_path_factory.mktemp("online") / "online.json"
+    argv = ["--model", str(stories260k_dir / "hf"), "--num-prompts", "4", "--input-len-range", "4", "12",
+            "--output-len", "6", "--max-num-seqs", "2", "--max-num-batched-tokens", "16", "--block-size", "8",
+            "--max-model-len", "64", "--max-concurrency", "2", "--launch", "llm_jax", "--compare", "engine",
+            "--goodput", "ttft:600000", "--json", str(path)]
+    assert bench_main(argv) == 0
+    return json.loads(path.read_text())
+
+
+def test_online_mode_streams_every_token_asked_for_and_agrees_with_the_engine(online_report):
+    server, engine = online_report["median"]["llm_jax server"], online_report["median"]["llm_jax serving"]
+    for summary in (server, engine):
+        assert summary["num_requests"] == 4 and summary["output_tokens"] == 4 * 6
+        assert summary["ttft_s"]["p50"] <= summary["e2e_s"]["p50"]
+    assert server["prompt_tokens"] == engine["prompt_tokens"]  # the same text, tokenized alike
+    assert online_report["agreement"] == {"llm_jax serving": 1.0}  # greedy: the same text over HTTP and in process
+    assert online_report["goodput"]["llm_jax server"] == pytest.approx(server["request_throughput"])
+
+
+def test_goodput_counts_the_requests_that_meet_every_target():
+    from benchmarking.serving import goodput
+
+    fast = RequestTrace(request_id="a", arrival_s=0.0, prompt_len=1, token_ids=(1, 2), deliveries=((0.1, 1), (0.2, 1)))
+    slow = RequestTrace(request_id="b", arrival_s=0.0, prompt_len=1, token_ids=(1, 2), deliveries=((0.5, 1), (2.0, 1)))
+    run = ServingRun(engine="x", duration_s=2.0, traces=(fast, slow))
+    assert goodput(run, {"ttft": 200}) == 0.5
+    assert goodput(run, {"ttft": 600, "tpot": 1000}) == 0.5
+    assert goodput(run, {"e2e": 3000}) == 1.0
+
+
+def test_a_late_request_arrives_when_asked_with_its_prompt_length():
+    spec = WorkloadSpec(num_prompts=3, input_len=(4, 8), output_len=(5, 9), late=(40, 1.5), seed=3)
+    requests = sample_requests(spec, 100)
+    late = [r for r in requests if r.request_id == "late"]
+    assert len(late) == 1 and len(late[0].prompt_ids) == 40 and late[0].arrival_s == 1.5
+    assert late[0].max_new_tokens == 5 and requests[-1] is late[0]  # arrival order
+    assert spec.longest == max(8 + 9, 40 + 5)
