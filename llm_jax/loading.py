@@ -18,8 +18,9 @@ from jax.sharding import Mesh
 
 from llm_jax import backends
 from llm_jax.backends import Backend, Pallas
-from llm_jax.config import ModelConfig
+from llm_jax.config import ModelConfig, Quantization
 from llm_jax.model import Params, param_shapes
+from llm_jax.quantization import parse_quantization, quantize_params
 from llm_jax.sharding import make_mesh, param_shardings, shard_params
 from llm_jax.tokenizer import Tokenizer, load_tokenizer
 from llm_jax.weights import sources
@@ -68,7 +69,8 @@ class Model:
 
 
 def load(path: str | os.PathLike, *, dtype=None, backend: Backend | str = "auto", sharding: ShardingArg = None,
-         mesh: Mesh | str | None = None, tokenizer: str | os.PathLike | None = None, verify: bool = True) -> Model:
+         mesh: Mesh | str | None = None, tokenizer: str | os.PathLike | None = None, verify: bool = True,
+         quantize: Quantization | str | None = None) -> Model:
     """Load an llm_jax checkpoint, a Hugging Face folder or a llama2.c ``.bin``.
 
     ``dtype`` sets both parameter and compute dtype (default: the checkpoint's own; float32 for
@@ -78,8 +80,12 @@ def load(path: str | os.PathLike, *, dtype=None, backend: Backend | str = "auto"
     default: the first device. ``mesh`` (a ``Mesh`` or a spec like ``"data=2,model=4"``) instead lays the
     params out by the table of ``llm_jax.sharding``, each device receiving only its shard, and runs the
     model on it. ``tokenizer`` overrides the tokenizer found with the weights. ``verify`` checks an
-    llm_jax checkpoint's checksums.
+    llm_jax checkpoint's checksums. ``quantize`` (a :class:`llm_jax.Quantization`, or ``"int8"`` /
+    ``"int4"``) quantizes the weights once loaded (``llm_jax.quantization``); a quantized checkpoint
+    loads quantized without it.
     """
+    if isinstance(quantize, str):
+        quantize = parse_quantization(quantize)
     if mesh is not None:
         if sharding is not None:
             raise ValueError("give load() a mesh or a sharding, not both")
@@ -101,6 +107,8 @@ def load(path: str | os.PathLike, *, dtype=None, backend: Backend | str = "auto"
         params = sources.source_params(path, fmt, config, dtype=config.param_jnp_dtype, place=place)
         tok = _tokenizer(tokenizer, sources.tokenizer_source(path, fmt, config))
         eos_ids, stop_ids = sources.generation_ids(fmt, tok)
+    if quantize is not None:
+        config, params = quantize_params(params, config, quantize)
     if mesh is not None:  # K/V heads repeated where the mesh needs it (nothing moves otherwise)
         config, params = shard_params(config, params, mesh)
     return Model(config=config, params=params, tokenizer=tok, eos_ids=eos_ids, stop_ids=stop_ids, path=str(path),

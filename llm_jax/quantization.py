@@ -114,6 +114,17 @@ class QuantizedArray:
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
         return dataclasses.replace(self, values=take(self.values), scales=take(self.scales))
 
+    def rows(self, index: jax.Array) -> QuantizedArray:
+        """Outputs ``index`` [*I] of a ``transposed`` matrix (rows of an embedding table [V, D]): a
+        transposed leaf of shape [*I, *in]. An index past the outputs reads a zero row."""
+        if not self.transposed or self.lead or len(self.out_shape) != 1:
+            raise ValueError(f"rows() takes a transposed matrix [out, *in], not a leaf of shape {self.shape}"
+                             f"{'' if self.transposed else ' (not transposed)'}")
+        flat = index.reshape(-1)
+        take = functools.partial(jnp.take, indices=flat, axis=0, mode="fill", fill_value=0)
+        return dataclasses.replace(self, values=take(self.values), scales=take(self.scales),
+                                   out_shape=tuple(index.shape))
+
     def ints(self) -> jax.Array:
         """``q`` as int8 [*lead, K, N] (``transposed``: [*lead, N, K]), 4-bit values unpacked."""
         if self.bits == 8:
@@ -221,6 +232,19 @@ def quantize_params(params: Params, config: ModelConfig, quantization: Quantizat
         if "lm_head" in params:
             out["lm_head"] = quantize(_checked(params["lm_head"], "lm_head", (D, V)), 8)
     return config.replace(quantization=quantization), out
+
+
+# The schemes the command lines name, and their default group sizes (int8: per output channel).
+SCHEMES = {"int8": (8, None), "int4": (4, 32)}
+
+
+def parse_quantization(name: str, group_size: int | None = None, *, embedding: bool = False) -> Quantization:
+    """``"int8"`` / ``"int4"`` (command-line names) → a :class:`Quantization`; ``group_size`` None takes
+    the scheme's default (int8: per output channel; int4: 32)."""
+    if name not in SCHEMES:
+        raise ValueError(f"unknown quantization {name!r}; choose one of {', '.join(map(repr, SCHEMES))}")
+    bits, default = SCHEMES[name]
+    return Quantization(bits=bits, group_size=default if group_size is None else group_size, embedding=embedding)
 
 
 def projection_dims(name: str, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -28,6 +28,7 @@ divisible by ``data`` is replicated over it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from typing import Any, Callable, Mapping, Sequence
@@ -39,6 +40,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache, PagedBatch, PagedKVCache
+from llm_jax.quantization import QuantizedArray
 
 DATA = "data"
 MODEL = "model"
@@ -190,9 +192,38 @@ def _specs(tree: Any, table: Mapping[str, str], table_name: str, mesh: Mesh | Ab
     """``tree`` (arrays or shapes) with each leaf replaced by its PartitionSpec from ``table``."""
 
     def leaf(path, x):
-        return spec(_dims(table, table_name, _path_name(path), x.shape), x.shape, mesh)
+        logical = spec(_dims(table, table_name, _path_name(path), x.shape), x.shape, mesh)
+        return quantized_specs(x, logical, mesh) if isinstance(x, QuantizedArray) else logical
 
-    return jax.tree_util.tree_map_with_path(leaf, tree)
+    return jax.tree_util.tree_map_with_path(leaf, tree, is_leaf=lambda x: isinstance(x, QuantizedArray))
+
+
+def quantized_specs(q: QuantizedArray, logical: PartitionSpec, mesh: Mesh | AbstractMesh) -> QuantizedArray:
+    """The specs of a quantized leaf's ``values`` and ``scales`` (a :class:`QuantizedArray` holding them),
+    from ``logical``, the spec of the array it stands for. Its inputs and its outputs are each one axis
+    (row-major over the logical axes): one keeps a mesh axis where the logical spec splits its leading
+    (major) axis, which cuts the flat axis into the same contiguous pieces, and where the stored length
+    (packed inputs, groups) divides evenly; otherwise it is whole."""
+    axes = tuple(logical) + (None,) * (len(q.shape) - len(logical))
+    lead, n_in, n_out = len(q.lead), len(q.in_shape), len(q.out_shape)
+    inner = axes[lead:]
+    out_axes, in_axes = (inner[:n_out], inner[n_out:]) if q.transposed else (inner[n_in:], inner[:n_in])
+
+    n_out_axis = out_axes[0] if out_axes and out_axes[0] is not None and q.N % mesh.shape[out_axes[0]] == 0 else None
+    k_axis = k_scales = in_axes[0] if in_axes else None
+    if k_axis is not None:  # values and scales split at the same inputs, whole groups and bytes in each piece
+        m = mesh.shape[k_axis]
+        if q.K % m or (q.bits == 4 and (q.K // 2) % m):
+            k_axis = k_scales = None
+        elif q.n_groups == 1:
+            k_scales = None  # one scale per output: every piece of the inputs reads it
+        elif q.K % (q.group_size * m):
+            k_axis = k_scales = None
+
+    def of(k: str | None) -> PartitionSpec:
+        return PartitionSpec(*axes[:lead], *((n_out_axis, k) if q.transposed else (k, n_out_axis)))
+
+    return dataclasses.replace(q, values=of(k_axis), scales=of(k_scales))
 
 
 def _named(specs: Any, mesh: Mesh) -> Any:
@@ -338,6 +369,8 @@ def shard_params(config: ModelConfig, params: Any, mesh: Mesh, *, dtype=None) ->
 
     def place(path, x):
         name = _path_name(path)
+        if isinstance(x, QuantizedArray):
+            return _place_quantized(x, name, mesh, repeats if name in _KV_HEAD_PARAMS else 1)
         heads_axis = x.ndim - 2 if repeats > 1 and name in _KV_HEAD_PARAMS else None  # [..., K, H]
         shape = [n * repeats if axis == heads_axis else n for axis, n in enumerate(x.shape)]
         sharding = named(_dims(PARAM_DIMS, "PARAM_DIMS", name, x.shape), shape, mesh)
@@ -348,7 +381,23 @@ def shard_params(config: ModelConfig, params: Any, mesh: Mesh, *, dtype=None) ->
                                             _shard_reader(np.asarray(x), out_dtype, heads_axis, repeats),
                                             dtype=out_dtype)
 
-    return mesh_config(config, mesh), jax.tree_util.tree_map_with_path(place, params)
+    return mesh_config(config, mesh), jax.tree_util.tree_map_with_path(
+        place, params, is_leaf=lambda x: isinstance(x, QuantizedArray))
+
+
+def _place_quantized(q: QuantizedArray, name: str, mesh: Mesh, repeats: int) -> QuantizedArray:
+    """A quantized leaf on ``mesh``, its K/V heads (its outputs [K, H]) repeated ``repeats`` times."""
+    if repeats > 1:
+        K, H = q.out_shape
+
+        def repeat(a):  # [..., K·H] → [..., K·r·H], head k read by heads k·r ... k·r + r - 1
+            a = jnp.asarray(a)
+            return jnp.repeat(a.reshape(*a.shape[:-1], K, H), repeats, axis=-2).reshape(*a.shape[:-1], -1)
+
+        q = dataclasses.replace(q, values=repeat(q.values), scales=repeat(q.scales), out_shape=(K * repeats, H))
+    specs = quantized_specs(q, spec(_dims(PARAM_DIMS, "PARAM_DIMS", name, q.shape), q.shape, mesh), mesh)
+    return dataclasses.replace(q, values=jax.device_put(q.values, NamedSharding(mesh, specs.values)),
+                               scales=jax.device_put(q.scales, NamedSharding(mesh, specs.scales)))
 
 
 def _shard_reader(x: np.ndarray, dtype, heads_axis: int | None, repeats: int) -> Callable:

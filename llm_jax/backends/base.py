@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from llm_jax import kv_cache as kvc
 from llm_jax.bits import as_bits, from_bits
 from llm_jax.config import Activation, ModelConfig
+from llm_jax.quantization import QuantizedArray
 
 Params = dict[str, Any]
 
@@ -59,7 +60,10 @@ class Backend:
         return gated(gate_BTF, up_BTF, activation)
 
     def embed(self, table_VD: Any, tokens_BT: jax.Array, out_dtype) -> jax.Array:
-        """Rows ``tokens_BT`` of the embedding table [V, D] (bfloat16 gathered as its bits)."""
+        """Rows ``tokens_BT`` of the embedding table [V, D] (bfloat16 gathered as its bits; a quantized
+        table's rows gathered, then dequantized)."""
+        if isinstance(table_VD, QuantizedArray):
+            return table_VD.rows(tokens_BT).dequantize(out_dtype)
         table_VD = _plain(table_VD, self)
         return from_bits(jnp.take(as_bits(table_VD), tokens_BT, axis=0), table_VD.dtype).astype(out_dtype)
 
@@ -123,9 +127,10 @@ class Xla(Backend):
     """XLA's own operations everywhere: the reference, and what runs sharded over a mesh."""
 
 
-def _plain(w: Any, backend: Backend, layer: jax.Array | None = None) -> jax.Array:
-    """``w`` (``w[layer]`` with a layer) as a plain array; a typed leaf of another backend's form is an error."""
-    if not isinstance(w, jax.Array) and not hasattr(w, "__array__"):
+def _plain(w: Any, backend: Backend, layer: jax.Array | None = None) -> jax.Array | QuantizedArray:
+    """``w`` (``w[layer]`` with a layer) as a plain array or a quantized one (which :func:`_einsum`
+    dequantizes); a typed leaf of another backend's form is an error."""
+    if not isinstance(w, (jax.Array, QuantizedArray)) and not hasattr(w, "__array__"):
         raise TypeError(f"the {backend.name} backend got a weight of type {type(w).__name__}: weights prepared "
                         "for another backend (pass model.params, or that backend with model.weights)")
     return w if layer is None else layer_of(w, layer)
@@ -133,10 +138,16 @@ def _plain(w: Any, backend: Backend, layer: jax.Array | None = None) -> jax.Arra
 
 def layer_of(w_L: jax.Array, layer: jax.Array) -> jax.Array:
     """``w_L[layer]`` for a stack [L, ...] and a traced index (bfloat16 sliced as its bits)."""
+    if isinstance(w_L, QuantizedArray):
+        return w_L.layer(layer)
     return from_bits(jax.lax.dynamic_index_in_dim(as_bits(w_L), layer, keepdims=False), w_L.dtype)
 
 
-def _einsum(equation: str, x: jax.Array, w: jax.Array, out_dtype) -> jax.Array:
+def _einsum(equation: str, x: jax.Array, w: jax.Array | QuantizedArray, out_dtype) -> jax.Array:
+    # A quantized weight is dequantized into the activations' dtype, then multiplied: on GPU and TPU XLA
+    # fuses the dequantization into the product's operand; on CPU the kernels read the integers instead.
+    if isinstance(w, QuantizedArray):
+        w = w.dequantize(x.dtype)
     # Contracted axes that lie together in both operands are merged first: given "BTNH,NHD->BTD" as it
     # stands, XLA:CPU transposes the whole weight on every call; on [B, T, N·H] · [N·H, D] it does not.
     form = matmul_form(equation, x.shape, w.shape)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llm_jax.cli.common import CliParser, run_main
+from llm_jax.cli.common import CliParser, positive_int, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dest", help="checkpoint folder to create, e.g. checkpoints/llama-3.2-1b")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
                    help="stored dtype (default: the source's own; float32 for llama2.c)")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="store the projections as integers: int8 per output channel, int4 in groups of --group-size")
+    p.add_argument("--group-size", type=positive_int, default=None, metavar="G",
+                   help="inputs sharing one scale (default: int8 per output channel, int4 32)")
+    p.add_argument("--quantize-embedding", action="store_true",
+                   help="with --quantize, the embedding table and LM head too (int8 per row)")
     p.add_argument("--force", action="store_true", help="replace dest if it is an llm_jax checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -43,13 +49,23 @@ class _Bars:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quantize is None and (args.group_size is not None or args.quantize_embedding):
+        parser.error("--group-size and --quantize-embedding need --quantize")
     # Imported here so --help answers without starting JAX.
+    from llm_jax.quantization import parse_quantization
     from llm_jax.weights.convert import convert
 
+    quantize = None
+    if args.quantize is not None:
+        try:
+            quantize = parse_quantization(args.quantize, args.group_size, embedding=args.quantize_embedding)
+        except ValueError as e:
+            parser.error(str(e))
     bars = None if args.quiet else _Bars()
     try:
-        dest = convert(args.source, args.dest, dtype=args.dtype, force=args.force, progress=bars)
+        dest = convert(args.source, args.dest, dtype=args.dtype, force=args.force, quantize=quantize, progress=bars)
     finally:
         if bars is not None:
             bars.close()

@@ -87,6 +87,10 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--backend", choices=["auto", "xla", "cpu", "pallas"], default="auto",
                        help="how the model runs: the CPU kernels on one CPU device, Pallas attention kernels on "
                             "GPU/TPU, or XLA's own operations (default: %(default)s, which picks by platform)")
+    group.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                       help="quantize the weights on load: int8 per output channel, int4 in groups (see --group-size)")
+    group.add_argument("--group-size", type=positive_int, default=None, metavar="G",
+                       help="inputs sharing one scale with --quantize (default: int8 per channel, int4 32)")
 
 
 def _add_prompt_flags(group: argparse._ArgumentGroup) -> None:
@@ -206,6 +210,8 @@ def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
         parser.error(f"--prompt {STDIN} reads stdin, which can be read once")
     if (args.logprobs is not None or args.prompt_logprobs is not None) and not args.json:
         parser.error("--logprobs and --prompt-logprobs are reported in the --json object: add --json")
+    if args.group_size is not None and args.quantize is None:
+        parser.error("--group-size needs --quantize")
     if args.chat:
         if args.json:
             parser.error("--json and --chat exclude each other")
@@ -283,13 +289,21 @@ def main(argv: list[str] | None = None) -> int:
     # Every process runs the same program; several processes always shard over all their devices.
     mesh = args.mesh if args.mesh is not None or jax.process_count() == 1 else make_mesh()
     try:
-        model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=mesh)
+        model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=mesh, quantize=_quantization(args))
         if args.chat:
             return run_chat(model, template, system=args.system, first_messages=prompts,
                             generation=generation_options(args), quiet=args.quiet)
         return _generate(args, model, prompts)
     except jax.errors.JaxRuntimeError as e:  # out of memory, mostly: the first line says what
         raise CliError(one_line(e)) from e
+
+
+def _quantization(args: argparse.Namespace):
+    if args.quantize is None:
+        return None
+    from llm_jax.quantization import parse_quantization
+
+    return parse_quantization(args.quantize, args.group_size)
 
 
 def _chat_template(model_path: str):

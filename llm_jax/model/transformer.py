@@ -30,6 +30,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache, PagedBatch, PagedKVCache
 from llm_jax.model.attention import Attention
 from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, final_norm
+from llm_jax.quantization import quantize_params, quantized_shapes
 
 Params = dict[str, Any]
 # attend(layer, q_BTNH, k_BTKH, v_BTKH, window, cache) -> (o_BTNH, cache)
@@ -92,12 +93,14 @@ def param_shapes(config: ModelConfig) -> Params:
     }
     if not config.tie_embeddings:
         shapes["lm_head"] = jax.ShapeDtypeStruct((D, config.vocab_size), jnp.float32)
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, config.param_jnp_dtype), shapes)
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, config.param_jnp_dtype), shapes)
+    return quantized_shapes(shapes, config)  # integer weights (config.quantization) as they are stored
 
 
 def init_params(config: ModelConfig, seed: int = 0) -> Params:
     """Random parameters in ``config.param_dtype``: normal(0, 0.02) matrices, zero biases, and norm
-    scales that make each norm the identity.
+    scales that make each norm the identity; the projections then quantized if ``config.quantization``
+    says so.
 
     Drawn with NumPy on the host: initialising with jax.random would compile dozens of small programs,
     which costs far more than the draws for the model sizes used in tests and benchmarks.
@@ -114,7 +117,10 @@ def init_params(config: ModelConfig, seed: int = 0) -> Params:
             value = rng.normal(0.0, 0.02, shape.shape).astype(np.float32)
         return jnp.asarray(value, shape.dtype)
 
-    return jax.tree_util.tree_map_with_path(draw, param_shapes(config))
+    params = jax.tree_util.tree_map_with_path(draw, param_shapes(config.replace(quantization=None)))
+    if config.quantization is None:
+        return params
+    return quantize_params(params, config.replace(quantization=None), config.quantization)[1]
 
 
 def embed(params: Params, config: ModelConfig, tokens_BT: jax.Array, backend: BackendArg = None) -> jax.Array:

@@ -3,7 +3,9 @@
     <name>/
       checkpoint.json   format_version, the ModelConfig, generation defaults (EOS and stop ids) and a
                         manifest of every tensor: shape, dtype and checksum (``weights/checksum.py``)
-      params/           the params pytree as an orbax-checkpoint (TensorStore) folder
+      params/           the params pytree as an orbax-checkpoint (TensorStore) folder; a quantized weight
+                        (``llm_jax.quantization``, as the config's ``quantization`` says) is two tensors,
+                        ``<path>/values`` (int8 or packed uint8) and ``<path>/scales`` (float32)
       tokenizer.model | tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json
                         copied from the source, so ``load_tokenizer(<name>)`` works
 
@@ -34,7 +36,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 
 from llm_jax.config import ConfigError, ModelConfig
-from llm_jax.model import Params
+from llm_jax.model import Params, param_shapes
 from llm_jax.weights import checksum
 from llm_jax.weights.layout import WeightsError
 from llm_jax.weights.placement import (Path, ShardingArg, expected_shapes, leaves_by_path, resolve_shardings,
@@ -104,8 +106,9 @@ def save_checkpoint(path: str | os.PathLike, *, config: ModelConfig, params: Par
             if progress is not None:
                 progress(name)
         with ocp.Checkpointer(_save_handler()) as checkpointer:  # synchronous
-            chunks = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
-            checkpointer.save((staging / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(params, save_args=chunks))
+            plain = tree_from_paths(leaves)  # quantized leaves as {"values": ..., "scales": ...}
+            chunks = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), plain)
+            checkpointer.save((staging / PARAMS_DIR).absolute(), args=ocp.args.PyTreeSave(plain, save_args=chunks))
         for name, file in copies.items():
             if isinstance(file, bytes):
                 (staging / name).write_bytes(file)
@@ -173,18 +176,35 @@ def staging_folder(path: pathlib.Path, *, force: bool):
 
 
 def _check_params(params: Params, config: ModelConfig, *, where: str) -> str:
-    """The params' common dtype, after checking every tensor against the config's shapes."""
+    """The params' common float dtype, after checking every tensor against the config's shapes (and a
+    quantized weight's integers and scales against their dtypes)."""
     expected = expected_shapes(config)
     given = leaves_by_path(params)
     _check_tensor_set(expected, set(given), where=where, what="params")
+    fixed = _quantized_dtypes(config)
     for path, leaf in given.items():
         if tuple(leaf.shape) != expected[path]:
             raise CheckpointError(f"{where}: tensor {tensor_name(path)!r} has shape {tuple(leaf.shape)}, "
                                   f"expected {expected[path]} from the config")
-    dtypes = sorted({np.dtype(leaf.dtype).name for leaf in given.values()})
+        if path in fixed and np.dtype(leaf.dtype).name != fixed[path]:
+            raise CheckpointError(f"{where}: quantized tensor {tensor_name(path)!r} is {np.dtype(leaf.dtype).name}, "
+                                  f"expected {fixed[path]}")
+    dtypes = sorted({np.dtype(leaf.dtype).name for path, leaf in given.items() if path not in fixed})
     if len(dtypes) != 1 or dtypes[0] not in PARAM_DTYPES:
         raise CheckpointError(f"{where}: params must all have one dtype out of {PARAM_DTYPES}, got {dtypes}")
     return dtypes[0]
+
+
+def _quantized_dtypes(config: ModelConfig) -> dict[Path, str]:
+    """The dtype of each quantized weight's tensors (its ``values`` and ``scales``), by path; the other
+    tensors have the params' float dtype."""
+    return {path: np.dtype(s.dtype).name for path, s in leaves_by_path(param_shapes(config)).items()
+            if path[-1] in ("values", "scales")}
+
+
+def _dtypes(config: ModelConfig, manifest: Mapping[Path, Any], float_dtype: str) -> dict[Path, str]:
+    fixed = _quantized_dtypes(config)
+    return {p: fixed.get(p, float_dtype) for p in manifest}
 
 
 def _check_tensor_set(expected: Mapping[Path, Any], given: set[Path], *, where: str, what: str) -> None:
@@ -248,11 +268,12 @@ def read_metadata(path: str | os.PathLike) -> tuple[ModelConfig, CheckpointMeta,
     manifest = {tuple(name.split("/")): entry for name, entry in tensors.items()}
     expected = expected_shapes(config)
     _check_tensor_set(expected, set(manifest), where=str(file), what="the tensor manifest")
+    dtypes = _dtypes(config, manifest, meta.param_dtype)
     for p, entry in manifest.items():
-        if tuple(entry["shape"]) != expected[p] or entry["dtype"] != meta.param_dtype:
+        if tuple(entry["shape"]) != expected[p] or entry["dtype"] != dtypes[p]:
             raise CheckpointError(
                 f"{file}: the config contradicts tensor {tensor_name(p)!r}: stored as {tuple(entry['shape'])} "
-                f"{entry['dtype']}, the config implies {expected[p]} {meta.param_dtype}")
+                f"{entry['dtype']}, the config implies {expected[p]} {dtypes[p]}")
     return config, meta, manifest
 
 
@@ -268,7 +289,7 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, sharding: ShardingAr
     """
     config, meta, manifest = read_metadata(path)
     params_dir = (meta.path / PARAMS_DIR).absolute()  # orbax accepts absolute paths only
-    _check_orbax_metadata(params_dir, manifest, meta.param_dtype)
+    _check_orbax_metadata(params_dir, manifest, _dtypes(config, manifest, meta.param_dtype))
     stored = np.dtype(meta.param_dtype)
     target = np.dtype(dtype) if dtype is not None else stored
     if target.name not in PARAM_DTYPES:
@@ -284,14 +305,21 @@ def load_checkpoint(path: str | os.PathLike, *, dtype=None, sharding: ShardingAr
     # one chunk (CHUNK_BYTES) in flight. Checksums cover the stored bits, so a tensor is checked in the
     # stored dtype, then cast.
     leaves = {}
+    fixed = _quantized_dtypes(config)
     for p in manifest:
-        leaf = _read_tensor(params_dir, p, abstract(p, stored))
+        leaf = _read_tensor(params_dir, p, abstract(p, np.dtype(fixed.get(p, stored))))
         if verify:
             _verify(params_dir, {p: leaf}, manifest)
-        leaves[p] = leaf if target == stored else _cast(leaf, target)
+        leaves[p] = leaf if target == stored or p in fixed else _cast(leaf, target)
         del leaf
         _release_freed_memory()
-    return config, tree_from_paths(leaves), meta
+    return config, _params_tree(leaves, config), meta
+
+
+def _params_tree(leaves: dict[Path, jax.Array], config: ModelConfig) -> Params:
+    """The params pytree of ``config`` from its tensors by path (quantized weights as their typed leaves)."""
+    shapes = param_shapes(config)
+    return jax.tree.structure(shapes).unflatten([leaves[p] for p in leaves_by_path(shapes)])
 
 
 _cast = jax.jit(lambda x, dtype: x.astype(dtype), static_argnums=1)
@@ -356,8 +384,8 @@ def _load_libc():
 _LIBC = _load_libc()
 
 
-def _check_orbax_metadata(params_dir: pathlib.Path, manifest: Mapping[Path, dict], dtype: str) -> None:
-    """The orbax folder holds exactly the manifest's tensors, with the manifest's shapes and dtype."""
+def _check_orbax_metadata(params_dir: pathlib.Path, manifest: Mapping[Path, dict], dtypes: Mapping[Path, str]) -> None:
+    """The orbax folder holds exactly the manifest's tensors, with the manifest's shapes and dtypes."""
     if not params_dir.is_dir():
         raise CheckpointError(f"{params_dir} is missing: the checkpoint has no params")
     try:
@@ -370,9 +398,9 @@ def _check_orbax_metadata(params_dir: pathlib.Path, manifest: Mapping[Path, dict
     _check_tensor_set(manifest, set(stored), where=str(params_dir), what="the orbax params")
     for p, info in stored.items():
         shape, dt = tuple(info.shape), np.dtype(info.dtype).name
-        if shape != tuple(manifest[p]["shape"]) or dt != dtype:
+        if shape != tuple(manifest[p]["shape"]) or dt != dtypes[p]:
             raise CheckpointError(f"{params_dir}: tensor {tensor_name(p)!r} is stored as {shape} {dt} but "
-                                  f"{METADATA_FILE} records {tuple(manifest[p]['shape'])} {dtype}")
+                                  f"{METADATA_FILE} records {tuple(manifest[p]['shape'])} {dtypes[p]}")
 
 
 def _restore(params_dir: pathlib.Path, targets: dict[Path, jax.ShapeDtypeStruct], *,

@@ -16,6 +16,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from llm_jax.config import Quantization
+from llm_jax.quantization import quantize_params
 from llm_jax.tokenizer import load_tokenizer
 from llm_jax.weights import sources
 from llm_jax.weights.checkpoint import PARAM_DTYPES, check_destination, save_checkpoint
@@ -33,12 +35,14 @@ class ConvertProgress:
 
 
 def convert(source: str | os.PathLike, dest: str | os.PathLike, *, dtype=None, force: bool = False,
+            quantize: Quantization | None = None,
             progress: Callable[[ConvertProgress], None] | None = None) -> pathlib.Path:
     """Convert ``source`` into an llm_jax checkpoint at ``dest``; returns ``dest``.
 
     ``dtype`` (float32, bfloat16 or float16) is the stored and compute dtype; default: the source's own
     (config.json's ``dtype`` for Hugging Face, float32 for llama2.c). ``dest`` is overwritten only with
-    ``force``, and only if it is an llm_jax checkpoint.
+    ``force``, and only if it is an llm_jax checkpoint. ``quantize`` stores the projections (and
+    optionally the embedding) as integers (``llm_jax.quantization``), recorded in the config.
     """
     source, dest = pathlib.Path(source), pathlib.Path(dest)
     fmt = sources.detect_format(source)
@@ -55,6 +59,8 @@ def convert(source: str | os.PathLike, dest: str | os.PathLike, *, dtype=None, f
     eos_ids, stop_ids = sources.generation_ids(fmt, load_tokenizer(tok_source) if tok_source else None)
     read = _counter(progress, "read", sources.source_tensor_count(fmt, config))
     params = sources.source_params(source, fmt, config, dtype=config.param_jnp_dtype, progress=read)
+    if quantize is not None:
+        config, params = quantize_params(params, config, quantize)
     return save_checkpoint(dest, config=config, params=params,
                            tokenizer_files=sources.tokenizer_files(source, fmt, config), eos_ids=eos_ids,
                            stop_ids=stop_ids, force=force, progress=_counter(progress, "save", len(jax.tree.leaves(params))),

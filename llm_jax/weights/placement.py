@@ -31,9 +31,10 @@ def tensor_name(path: Path) -> str:
 
 
 def leaves_by_path(tree: Params) -> dict[Path, Any]:
-    """``{("layers", "attn", "q_proj"): leaf, ...}`` for a nested dict of arrays."""
+    """``{("layers", "attn", "q_proj"): leaf, ...}`` for a nested dict of arrays (a quantized leaf's
+    arrays at ``(..., "q_proj", "values")`` and ``(..., "q_proj", "scales")``)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {tuple(str(k.key) for k in keys): leaf for keys, leaf in flat}
+    return {tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in keys): leaf for keys, leaf in flat}
 
 
 def tree_from_paths(leaves: dict[Path, Any]) -> Params:

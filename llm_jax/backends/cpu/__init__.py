@@ -63,6 +63,8 @@ class CpuKernels(Backend):
     def prepare(self, params: Params, config: ModelConfig) -> Params:
         if config.param_jnp_dtype not in _KERNEL_DTYPES:
             return params  # the kernels read float32 and bfloat16; other dtypes run XLA's products
+        if config.quantization is not None:
+            return params  # integer weights run XLA's products (dequantized)
         weights = forms.prepare(params, config)
         head = forms.head_panels(weights, config)
         if self.greedy_screen and head is not None and greedy_head.applies(config):
