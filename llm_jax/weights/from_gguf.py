@@ -34,12 +34,11 @@ from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, Lla
 from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out,
                                     interleaved_to_halves, transpose)
 
-# Types we read. Every other ggml type (Q4_K, Q6_K, IQ*, ...) is refused by name.
+# Types we read. Every other ggml type (Q5_K, Q2_K, IQ*, ...) is refused by name.
 FLOAT_TYPES = ("F32", "F16", "BF16")
-BLOCK_TYPES = ("Q8_0", "Q4_0")
-SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
+BLOCK_TYPES = ("Q8_0", "Q4_0")  # map onto QuantizedArray leaves exactly
+SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES + ("Q4_K", "Q6_K")  # the K-quants are read as floats
 BLOCK_SIZE = 32  # values per Q8_0 / Q4_0 block, along a row (the input dimension)
-_BLOCK_BYTES = {"Q8_0": 2 + 32, "Q4_0": 2 + 16}  # a float16 scale, then the packed values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,30 +343,83 @@ _NOT_PARAMS = ("rope_freqs.weight",)
 _ROWS_PER_CHUNK = 4096  # dequantize this many rows at a time, so temporaries stay small
 
 
-def dequantize_rows(tensor: GGUFTensor, where: str = "") -> np.ndarray:
-    """A Q8_0 / Q4_0 tensor's float32 values, [rows, cols], computed as ``d * q`` in float32.
+def _scaled_blocks(blocks: np.ndarray, type_name: str) -> np.ndarray:
+    """Q8_0 / Q4_0 blocks [m, bytes] → values [m, 32]: ``d * q``, d the float16 scale in front."""
+    scale = np.ascontiguousarray(blocks[:, :2]).view("<f2").astype(np.float32)  # [m, 1]
+    return scale * unpack_quants(type_name, blocks[:, 2:]).astype(np.float32)
 
-    Each row is blocks of 32 values: a float16 scale ``d`` and 32 quants, int8 for Q8_0; for Q4_0,
-    16 bytes whose low nibbles are values 0-15 and high nibbles values 16-31, each ``nibble - 8``.
+
+def _q4_k_blocks(blocks: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks [m, 144] → values [m, 256].
+
+    Bytes: d and dmin (float16), 12 bytes of eight 6-bit scales and eight 6-bit mins, then 128 bytes of 4-bit
+    quants; sub-block j (32 values) is ``(d * scale_j) * q - dmin * min_j``. Scales and mins 0-3 are the low 6
+    bits of bytes 0-3 and 4-7; 4-7 take their low 4 bits from the nibbles of bytes 8-11 and their top 2 from
+    the top bits of bytes 0-3 (scales) and 4-7 (mins). Quant bytes 32c ... 32c + 31 hold sub-block 2c in
+    their low nibbles and 2c + 1 in their high ones.
     """
+    m = len(blocks)
+    d = np.ascontiguousarray(blocks[:, 0:2]).view("<f2").astype(np.float32)  # [m, 1]
+    dmin = np.ascontiguousarray(blocks[:, 2:4]).view("<f2").astype(np.float32)
+    first, second, packed = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
+    scales = np.concatenate([first & 0x3F, (packed & 0x0F) | ((first >> 6) << 4)], axis=1)  # [m, 8]
+    mins = np.concatenate([second & 0x3F, (packed >> 4) | ((second >> 6) << 4)], axis=1)
+    qs = blocks[:, 16:].reshape(m, 4, 1, 32)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(m, 8, 32).astype(np.float32)
+    step = (d * scales.astype(np.float32))[..., None]
+    offset = (dmin * mins.astype(np.float32))[..., None]
+    return (step * q - offset).reshape(m, 256)
+
+
+def _q6_k_blocks(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K super-blocks [m, 210] → values [m, 256].
+
+    Bytes: 128 of low 4 bits (``ql``), 64 of high 2 bits (``qh``), 16 int8 scales, d (float16); value e is
+    ``(d * scale[e // 16]) * (q - 32)``. Each half of 128 values reads 64 ``ql`` and 32 ``qh`` bytes: its
+    four runs of 32 take the low nibbles of ``ql`` 0-31, of ``ql`` 32-63, the high nibbles of 0-31, of
+    32-63, and bits 0-1, 2-3, 4-5, 6-7 of ``qh``.
+    """
+    m = len(blocks)
+    ql = blocks[:, :128].reshape(m, 2, 1, 2, 32)  # [m, half, nibble, part, 32]
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(m, 2, 4, 32)  # runs: (nibble, part)
+    qh = blocks[:, 128:192].reshape(m, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(m, 16, 16).astype(np.float32)
+    scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)  # [m, 16]
+    d = np.ascontiguousarray(blocks[:, 208:210]).view("<f2").astype(np.float32)  # [m, 1]
+    return ((d * scales)[..., None] * q).reshape(m, 256)
+
+
+# ggml block type → (values per block, bytes per block, decoder of blocks [m, bytes] → values [m, n])
+_BLOCKS = {
+    "Q8_0": (BLOCK_SIZE, 2 + 32, functools.partial(_scaled_blocks, type_name="Q8_0")),
+    "Q4_0": (BLOCK_SIZE, 2 + 16, functools.partial(_scaled_blocks, type_name="Q4_0")),
+    "Q4_K": (256, 144, _q4_k_blocks),
+    "Q6_K": (256, 210, _q6_k_blocks),
+}
+
+
+def dequantize_rows(tensor: GGUFTensor, where: str = "") -> np.ndarray:
+    """A block-quantized tensor's float32 values, computed in float32 as ggml defines them (Q8_0 and Q4_0:
+    ``d * q`` per block of 32, see ``unpack_quants``; Q4_K and Q6_K: super-blocks of 256, see their decoders)."""
     *rows_shape, cols = tensor.shape
     rows = int(np.prod(rows_shape)) if rows_shape else 1
-    if cols % BLOCK_SIZE:
+    per_block, block_bytes, decode = _BLOCKS[tensor.type_name]
+    if cols % per_block:
         raise WeightsError(f"{where}: tensor {tensor.name!r} ({tensor.type_name}) has rows of {cols} values, "
-                           f"not a multiple of the block size {BLOCK_SIZE}")
-    block_bytes = _BLOCK_BYTES[tensor.type_name]
-    blocks = np.asarray(tensor.data).reshape(rows, cols // BLOCK_SIZE, block_bytes)
+                           f"not a multiple of the block size {per_block}")
+    blocks = np.asarray(tensor.data).reshape(rows * (cols // per_block), block_bytes)
     out = np.empty((rows, cols), np.float32)
     for start in range(0, rows, _ROWS_PER_CHUNK):
-        chunk = blocks[start:start + _ROWS_PER_CHUNK]
-        scale = np.ascontiguousarray(chunk[..., :2]).view("<f2").astype(np.float32)  # [r, blocks, 1]
-        quants = unpack_quants(tensor.type_name, chunk[..., 2:])
-        out[start:start + len(chunk)] = (scale * quants.astype(np.float32)).reshape(len(chunk), cols)
+        chunk = blocks[start * (cols // per_block):(start + _ROWS_PER_CHUNK) * (cols // per_block)]
+        values = decode(chunk)
+        out[start:start + len(values) * per_block // cols] = values.reshape(-1, cols)
     return out.reshape(tensor.shape)
 
 
 def unpack_quants(type_name: str, packed: np.ndarray) -> np.ndarray:
-    """The int8 quants of Q8_0 / Q4_0 blocks: ``packed`` [..., bytes] → [..., 32]."""
+    """The int8 quants of Q8_0 / Q4_0 blocks: ``packed`` [..., bytes] → [..., 32]. Q8_0: the bytes as int8;
+    Q4_0: 16 bytes whose low nibbles are values 0-15 and high nibbles values 16-31, each ``nibble - 8``."""
     if type_name == "Q8_0":
         return np.ascontiguousarray(packed).view(np.int8)
     low, high = packed & 0x0F, packed >> 4
@@ -383,7 +435,7 @@ def read_tensor(tensor: GGUFTensor, where: str = "") -> np.ndarray:
             import ml_dtypes
 
             return np.asarray(tensor.data).view(ml_dtypes.bfloat16).reshape(tensor.shape)
-        case "Q8_0" | "Q4_0":
+        case "Q8_0" | "Q4_0" | "Q4_K" | "Q6_K":
             return dequantize_rows(tensor, where)
     raise WeightsError(f"{where}: tensor {tensor.name!r} has ggml type {tensor.type_name}, which llm_jax does not "
                        f"read; supported: {', '.join(SUPPORTED_TYPES)}")
@@ -424,7 +476,7 @@ def quantized_projection(tensor: GGUFTensor, bits: int, rows: np.ndarray | None 
     """A Q8_0 / Q4_0 matrix [out, in] as a :class:`QuantizedArray`'s (values, scales): int8 [in, out] or
     packed uint8 [in / 2, out], and float32 scales [in / 32, out]. ``rows`` reorders the outputs first."""
     n_out, k = tensor.shape
-    blocks = np.asarray(tensor.data).reshape(n_out, k // BLOCK_SIZE, _BLOCK_BYTES[tensor.type_name])
+    blocks = np.asarray(tensor.data).reshape(n_out, k // BLOCK_SIZE, _BLOCKS[tensor.type_name][1])
     if rows is not None:
         blocks = blocks[rows]
     scales = np.ascontiguousarray(blocks[..., :2]).view("<f2")[..., 0].astype(np.float32)  # [out, in / 32]

@@ -125,7 +125,7 @@ def add_vocab(writer: gguf.GGUFWriter, folder: pathlib.Path, pre: str = "gpt-2")
 
 def write_gguf(path: pathlib.Path, hf_folder: pathlib.Path, qtype=Q.F32, *, vocab: pathlib.Path | None = None,
                pre: str = "gpt-2", arch: str | None = None, rope_dims: int | None = None,
-               extra=None) -> pathlib.Path:
+               extra=None, replace: dict | None = None) -> pathlib.Path:
     """A GGUF of the Hugging Face folder, its matrices stored as ``qtype`` (F16 where a row is not whole
     blocks, as llama.cpp falls back), norms and biases F32."""
     hf = json.loads((hf_folder / "config.json").read_text())
@@ -169,6 +169,10 @@ def write_gguf(path: pathlib.Path, hf_folder: pathlib.Path, qtype=Q.F32, *, voca
             x = meta_interleave(x, n_kv)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             x = x + 1  # llama.cpp's RMSNorm multiplies by the weight alone
+        if replace and gguf_name(name, arch) in replace:  # raw blocks given by the test
+            blocks, raw = replace[gguf_name(name, arch)]
+            w.add_tensor(gguf_name(name, arch), blocks, raw_dtype=raw)
+            continue
         kind = qtype if x.ndim == 2 else Q.F32
         if kind in (Q.Q8_0, Q.Q4_0) and x.shape[-1] % 32:
             kind = Q.F16
@@ -309,6 +313,46 @@ def test_block_dequantization_is_bit_exact(tmp_path, qtype):
         np.testing.assert_array_equal(ours.view(np.uint32), theirs.astype(np.float32).view(np.uint32))
 
 
+def random_blocks(rng, qtype, rows: int, cols: int) -> np.ndarray:
+    """Arbitrary blocks of ``qtype`` (every bit pattern is a valid block once its float16 scales are finite)."""
+    per_block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // per_block, block_bytes), dtype=np.uint8)
+    scales = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}[qtype]  # byte offsets of float16s
+    for offset in scales:
+        d = (rng.standard_normal(len(blocks)) * 0.05).astype(np.float16)
+        blocks[:, offset:offset + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // per_block * block_bytes)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q6_K])
+def test_random_blocks_dequantize_bit_exactly(tmp_path, qtype):
+    """Every bit pattern, K-quants included (the gguf package cannot quantize those; it dequantizes them)."""
+    blocks = random_blocks(np.random.default_rng(1), qtype, 6, 512)
+    w = gguf.GGUFWriter(tmp_path / "k.gguf", "llama")
+    w.add_tensor("t", blocks, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tensor = open_gguf(tmp_path / "k.gguf").tensors["t"]
+    assert tensor.shape == (6, 512)
+    theirs = gguf.quants.dequantize(tensor.data, qtype).astype(np.float32)
+    np.testing.assert_array_equal(dequantize_rows(tensor).view(np.uint32), theirs.view(np.uint32))
+
+
+def test_q4_0_file_with_a_q6_k_head_loads(tmp_path):
+    """What llama.cpp's Q4_0 files look like: Q4_0 projections (quantized leaves), the head in Q6_K (floats)."""
+    wide = Family(transformers.LlamaConfig, dict(FAMILIES["llama2_mha"].fields, hidden_size=256), {})
+    build(wide, tmp_path / "hf")  # d_model 256: one Q6_K super-block per row of the head
+    vocab_size = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
+    head = random_blocks(np.random.default_rng(2), Q.Q6_K, vocab_size, 256)
+    path = write_gguf(tmp_path / "q6k.gguf", tmp_path / "hf", Q.Q4_0, replace={"output.weight": (head, Q.Q6_K)})
+    model = llm_jax.load(path)
+    assert model.config.quantization == llm_jax.Quantization(bits=4, group_size=32)
+    expected = gguf.quants.dequantize(head, Q.Q6_K).astype(np.float32).T
+    np.testing.assert_array_equal(np.asarray(model.params["lm_head"]), expected)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
 @pytest.mark.parametrize("name", ["llama3_gqa_rope_scaling", "qwen2_bias_tied"])  # q/k permuted and not
 def test_dequantized_gguf_params_are_the_gguf_dequantization(built, name, qtype):
@@ -408,7 +452,7 @@ def test_unsupported_architecture_is_named(tiny_hf, tmp_path):
 def test_unsupported_tensor_type_is_named(tiny_hf, tmp_path):
     path = write_gguf(tmp_path / "q5.gguf", tiny_hf, Q.Q5_0)
     with pytest.raises(WeightsError, match=r"unsupported GGUF tensor types \['Q5_0'\] in \d+ tensors: "
-                                           r"blk.0.attn_k.weight \(Q5_0\).*supported: F32, F16, BF16, Q8_0, Q4_0"):
+                                           r"blk.0.attn_k.weight \(Q5_0\).*supported: F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q6_K"):
         llm_jax.load(path)
 
 
