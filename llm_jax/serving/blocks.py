@@ -195,6 +195,10 @@ class KVBlockManager:
         # Hashes of each request's full blocks, extended as its tokens are appended (dropped by free).
         self._hashes: dict[Hashable, list[BlockHash]] = {}
         self._num_offered: dict[Hashable, int] = {}  # leading blocks already offered to the prefix cache
+        # Hashes of prompt blocks that requests hold but have not computed yet, and for each request how
+        # many of its leading hashes were counted there (its prompt's full blocks when it started).
+        self._computing: collections.Counter[BlockHash] = collections.Counter()
+        self._num_counted: dict[Hashable, int] = {}
 
     def block_table(self, request_id: Hashable) -> tuple[int, ...]:
         return tuple(self._tables.get(request_id, ()))
@@ -232,7 +236,11 @@ class KVBlockManager:
             return False
         self.pool.acquire(prefix)
         table.extend(prefix)
-        self._num_offered.setdefault(request_id, len(prefix))
+        if request_id not in self._num_offered:  # its first allocation: the blocks it will compute
+            self._num_offered[request_id] = len(prefix)
+            hashes = self._hashes.get(request_id, [])
+            self._computing.update(hashes[len(prefix):])
+            self._num_counted[request_id] = len(hashes)
         table.extend(self.pool.allocate(max(cdiv(num_tokens, self.pool.block_size) - len(table), 0)))
         return True
 
@@ -250,11 +258,25 @@ class KVBlockManager:
                                      self.pool.block_size)
         for i in range(start, num_full):
             self.pool.cache(table[i], hashes[i])
+        self._uncount(hashes, start, min(num_full, self._num_counted.get(request_id, 0)))
         self._num_offered[request_id] = num_full
+
+    def computing(self, request_id: Hashable, block: int) -> bool:
+        """Whether the ``block``-th full block of the request's tokens (hashed by ``cached_prefix``) is one
+        another request holds and has yet to compute: once computed it is in the prefix cache, so a
+        request waiting for it computes less."""
+        hashes = self._hashes.get(request_id, ())
+        return block < len(hashes) and self._computing[hashes[block]] > 0
+
+    def _uncount(self, hashes: Sequence[BlockHash], start: int, stop: int) -> None:
+        for i in range(start, stop):
+            self._computing[hashes[i]] -= 1
+            if not self._computing[hashes[i]]:
+                del self._computing[hashes[i]]
 
     def free(self, request_id: Hashable) -> None:
         """Releases the request's blocks, last first (a chain's tail is evicted before its head, which
         keeps the longest prefixes findable), and forgets it. Its cached blocks stay findable."""
         self.pool.release(reversed(self._tables.pop(request_id, [])))
-        self._hashes.pop(request_id, None)
-        self._num_offered.pop(request_id, None)
+        hashes = self._hashes.pop(request_id, [])
+        self._uncount(hashes, self._num_offered.pop(request_id, 0), self._num_counted.pop(request_id, 0))

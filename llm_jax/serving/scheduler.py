@@ -258,26 +258,45 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, chunks: list[tuple[Request, int]]) -> None:
         """Admits queued requests first come, first served, each from its cached prefix, while the budget,
-        ``max_num_seqs`` and the free blocks allow."""
-        while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
-            request = self._waiting[0]
-            prefix = self.kv.cached_prefix(request.request_id, request.token_ids)
-            num_cached = len(prefix) * self.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate(request.request_id, num_cached + num_new, prefix):
-                return  # nobody overtakes the head of the queue
-            if self.pool.enable_prefix_caching:
-                self.pool.record_prefix_query(request.num_tokens, num_cached)
-            self._waiting.popleft()
-            request.status, request.num_computed_tokens = RequestStatus.RUNNING, num_cached
-            self._running.append(request)  # the queue is in arrival order: running stays so
-            chunks.append((request, num_new))
-            budget -= num_new
+        ``max_num_seqs`` and the free blocks allow. A request whose next uncached block is one a running
+        request is computing waits (later ones may go ahead): a step or a few later that block is cached,
+        instead of computed twice (many requests with one long shared prefix arriving together)."""
+        deferred: list[Request] = []
+        try:
+            while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
+                request = self._waiting[0]
+                prefix = self.kv.cached_prefix(request.request_id, request.token_ids)
+                if self.kv.computing(request.request_id, len(prefix)):
+                    deferred.append(self._waiting.popleft())
+                    continue
+                num_cached = len(prefix) * self.block_size
+                num_new = min(request.num_tokens - num_cached, budget)
+                if not self.kv.allocate(request.request_id, num_cached + num_new, prefix):
+                    return  # nobody overtakes the head of the queue
+                if self.pool.enable_prefix_caching:
+                    self.pool.record_prefix_query(request.num_tokens, num_cached)
+                self._waiting.popleft()
+                request.status, request.num_computed_tokens = RequestStatus.RUNNING, num_cached
+                self._insert_running(request)
+                chunks.append((request, num_new))
+                budget -= num_new
+        finally:
+            self._waiting.extendleft(reversed(deferred))
+
+    def _insert_running(self, request: Request) -> None:
+        """Adds a request to the running ones, kept in arrival order (one admitted ahead of a deferred
+        older request is still newer than those running)."""
+        i = len(self._running)
+        while i and self._running[i - 1].arrival > request.arrival:
+            i -= 1
+        self._running.insert(i, request)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.status, request.num_computed_tokens = RequestStatus.PREEMPTED, 0
-        self._waiting.appendleft(request)  # victims go newest first, so the queue stays in arrival order
+        # Back in the queue by arrival: usually its front, behind any older request still deferred.
+        i = next((i for i, r in enumerate(self._waiting) if r.arrival > request.arrival), len(self._waiting))
+        self._waiting.insert(i, request)
         self._num_preemptions += 1
 
     def _plan(self, chunks: list[tuple[Request, int]], preempted: list[str]) -> StepPlan:

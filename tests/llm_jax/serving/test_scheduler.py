@@ -243,6 +243,33 @@ def test_a_request_starts_from_its_cached_prefix(caching):
     assert not s.has_unfinished and stats.blocks_cached == (4 if caching else 0)
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_requests_arriving_together_compute_a_shared_prefix_once(caching):
+    """b shares a's first 3 blocks: it waits while a computes them (c, unrelated, goes ahead), then starts
+    from them. Without the cache nobody waits."""
+    s = Scheduler(num_blocks=32, block_size=BS, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
+                  enable_prefix_caching=caching)
+    device = FakeDevice(32, vocab=50)
+    shared = list(range(1, 13))  # 3 full blocks
+    a, b, c = make("a", shared + [30, 31], 4), make("b", shared + [32], 2), make("c", [40, 41, 42], 2)
+    for request in (a, b, c):
+        s.add(request)
+    first = run_step(s, device)  # a takes the whole budget (8 of its 14 tokens)
+    assert first.request_ids == ("a",)
+    second = run_step(s, device)  # a's last 6 tokens; b would recompute a's third block: it waits, c goes
+    assert second.request_ids == (("a", "c") if caching else ("a", "b"))
+    if caching:
+        assert [r.request_id for r in s.waiting] == ["b"] and [r.request_id for r in s.running] == ["a", "c"]
+        third = run_step(s, device)  # a's blocks are cached now: b starts from them
+        tokens, positions = chunk_of(third, "b")
+        assert positions[0] == 12 and tokens == [32]
+        assert [r.request_id for r in s.running] == ["a", "b", "c"]  # arrival order
+    run_until(s, device, lambda plan: not s.has_unfinished)
+    for request in (a, b, c):
+        assert request.output_token_ids == tuple(solo(list(request.prompt_token_ids), request.max_new_tokens, 50))
+    assert s.stats().prefix_hit_tokens == (12 if caching else 0)
+
+
 def test_a_fully_cached_prompt_recomputes_its_last_block():
     s = Scheduler(num_blocks=32, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
     device = FakeDevice(32, vocab=50)
