@@ -1,7 +1,7 @@
 """``load(path)``: one entry point for every weight format, returning a ready-to-run :class:`Model`.
 
 The format is detected from the path (``weights/sources.py``): an llm_jax checkpoint folder, a Hugging
-Face folder or a llama2.c ``.bin``. A checkpoint is restored by orbax straight into the requested dtype
+Face folder, a llama2.c ``.bin`` or a GGUF file. A checkpoint is restored by orbax straight into the requested dtype
 and sharding. The other formats are converted tensor by tensor: each tensor is read from a memory map,
 cast, and put on its devices before the next is read, so host memory never holds the model twice.
 """
@@ -70,8 +70,8 @@ class Model:
 
 def load(path: str | os.PathLike, *, dtype=None, backend: Backend | str = "auto", sharding: ShardingArg = None,
          mesh: Mesh | str | None = None, tokenizer: str | os.PathLike | None = None, verify: bool = True,
-         quantize: Quantization | str | None = None) -> Model:
-    """Load an llm_jax checkpoint, a Hugging Face folder or a llama2.c ``.bin``.
+         quantize: Quantization | str | None = None, dequantize: bool = False) -> Model:
+    """Load an llm_jax checkpoint, a Hugging Face folder, a llama2.c ``.bin`` or a GGUF file.
 
     ``dtype`` sets both parameter and compute dtype (default: the checkpoint's own; float32 for
     llama2.c). ``backend``: how the model runs (``"auto"``, ``"xla"``, ``"cpu"``, ``"pallas"`` or a
@@ -82,7 +82,8 @@ def load(path: str | os.PathLike, *, dtype=None, backend: Backend | str = "auto"
     model on it. ``tokenizer`` overrides the tokenizer found with the weights. ``verify`` checks an
     llm_jax checkpoint's checksums. ``quantize`` (a :class:`llm_jax.Quantization`, or ``"int8"`` /
     ``"int4"``) quantizes the weights once loaded (``llm_jax.quantization``); a quantized checkpoint
-    loads quantized without it.
+    loads quantized without it, and so does a GGUF file whose projections are all Q8_0 or all Q4_0
+    (``weights/from_gguf.py``) unless ``dequantize`` (or ``quantize``) asks for float weights.
     """
     if isinstance(quantize, str):
         quantize = parse_quantization(quantize)
@@ -99,7 +100,7 @@ def load(path: str | os.PathLike, *, dtype=None, backend: Backend | str = "auto"
         tok = _tokenizer(tokenizer, sources.tokenizer_source(path, fmt, config))
         eos_ids, stop_ids = meta.eos_ids, meta.stop_ids  # the checkpoint's generation defaults
     else:
-        config = sources.source_config(path, fmt)
+        config = sources.source_config(path, fmt, dequantize=dequantize or quantize is not None)
         if dtype is not None:
             name = jnp.dtype(dtype).name
             config = config.replace(param_dtype=name, compute_dtype=name)

@@ -1,4 +1,4 @@
-"""``scripts/convert.py``: a Hugging Face folder or llama2.c ``.bin`` → an llm_jax checkpoint folder."""
+"""``scripts/convert.py``: a Hugging Face folder, llama2.c ``.bin`` or GGUF file → an llm_jax checkpoint folder."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from llm_jax.cli.common import CliParser, positive_int, run_main
 
 def build_parser() -> argparse.ArgumentParser:
     p = CliParser(
-        description="Convert a Hugging Face model folder or a llama2.c .bin into an llm_jax checkpoint.")
-    p.add_argument("source", help="Hugging Face folder (config.json + *.safetensors) or llama2.c .bin")
+        description="Convert a Hugging Face model folder, a llama2.c .bin or a GGUF file into an llm_jax checkpoint.")
+    p.add_argument("source", help="Hugging Face folder (config.json + *.safetensors), llama2.c .bin or .gguf")
     p.add_argument("dest", help="checkpoint folder to create, e.g. checkpoints/llama-3.2-1b")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
                    help="stored dtype (default: the source's own; float32 for llama2.c)")
@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inputs sharing one scale (default: int8 per output channel, int4 32)")
     p.add_argument("--quantize-embedding", action="store_true",
                    help="with --quantize, the embedding table and LM head too (int8 per row)")
+    p.add_argument("--dequantize", action="store_true",
+                   help="a GGUF's Q8_0 / Q4_0 projections stored as floats (default: as int8 / int4 as they are)")
     p.add_argument("--force", action="store_true", help="replace dest if it is an llm_jax checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -65,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(e))
     bars = None if args.quiet else _Bars()
     try:
-        dest = convert(args.source, args.dest, dtype=args.dtype, force=args.force, quantize=quantize, progress=bars)
+        dest = convert(args.source, args.dest, dtype=args.dtype, force=args.force, quantize=quantize,
+                       dequantize=args.dequantize, progress=bars)
     finally:
         if bars is not None:
             bars.close()

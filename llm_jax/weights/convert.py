@@ -1,4 +1,4 @@
-"""Converting a Hugging Face folder or a llama2.c ``.bin`` into an llm_jax checkpoint.
+"""Converting a Hugging Face folder, a llama2.c ``.bin`` or a GGUF file into an llm_jax checkpoint.
 
 Tensors stream one at a time from memory maps of the source into the target dtype, so the host holds
 one copy of the model (in the target dtype) plus one source tensor. The checkpoint is written to a
@@ -35,21 +35,23 @@ class ConvertProgress:
 
 
 def convert(source: str | os.PathLike, dest: str | os.PathLike, *, dtype=None, force: bool = False,
-            quantize: Quantization | None = None,
+            quantize: Quantization | None = None, dequantize: bool = False,
             progress: Callable[[ConvertProgress], None] | None = None) -> pathlib.Path:
     """Convert ``source`` into an llm_jax checkpoint at ``dest``; returns ``dest``.
 
     ``dtype`` (float32, bfloat16 or float16) is the stored and compute dtype; default: the source's own
     (config.json's ``dtype`` for Hugging Face, float32 for llama2.c). ``dest`` is overwritten only with
     ``force``, and only if it is an llm_jax checkpoint. ``quantize`` stores the projections (and
-    optionally the embedding) as integers (``llm_jax.quantization``), recorded in the config.
+    optionally the embedding) as integers (``llm_jax.quantization``), recorded in the config. A GGUF file
+    whose projections are all Q8_0 or all Q4_0 is stored with those blocks as they are, unless
+    ``dequantize`` (or ``quantize``) asks for float weights.
     """
     source, dest = pathlib.Path(source), pathlib.Path(dest)
     fmt = sources.detect_format(source)
     if fmt is WeightFormat.LLM_JAX:
         raise ValueError(f"{source} is already an llm_jax checkpoint")
     check_destination(dest, force=force)  # before the slow part
-    config = sources.source_config(source, fmt)
+    config = sources.source_config(source, fmt, dequantize=dequantize or quantize is not None)
     if dtype is not None:
         name = jnp.dtype(dtype).name
         if name not in PARAM_DTYPES:

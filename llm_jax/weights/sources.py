@@ -54,8 +54,9 @@ def detect_format(path: pathlib.Path) -> WeightFormat:
                      "and not a llama2.c .bin file")
 
 
-def source_config(path: pathlib.Path, fmt: WeightFormat) -> ModelConfig:
-    """The config of a Hugging Face or llama2.c source, dtypes set to the source's own."""
+def source_config(path: pathlib.Path, fmt: WeightFormat, *, dequantize: bool = False) -> ModelConfig:
+    """The config of a Hugging Face, llama2.c or GGUF source, dtypes set to the source's own (a GGUF's
+    Q8_0 / Q4_0 projections: its quantization, unless ``dequantize``)."""
     match fmt:
         case WeightFormat.HUGGING_FACE:
             hf = read_json(path / "config.json")
@@ -65,7 +66,7 @@ def source_config(path: pathlib.Path, fmt: WeightFormat) -> ModelConfig:
         case WeightFormat.LLAMA2C:
             return from_llama2c.read_llama2c_config(path)
         case WeightFormat.GGUF:
-            return from_gguf.read_gguf_config(path)
+            return from_gguf.read_gguf_config(path, dequantize=dequantize)
     raise ValueError(f"{path}: a {fmt.value} is not a conversion source")
 
 

@@ -499,6 +499,22 @@ def test_block_tensors_become_quantized_leaves_holding_the_same_values(built, na
     np.testing.assert_allclose(ours, dequantized, atol=ATOL, rtol=0)
 
 
+def test_dequantize_and_quantize_give_float_leaves_first(built, tmp_path):
+    _, folder, _ = built("qwen3_qk_norm")
+    path = write_gguf(folder / "Q8_0.gguf", folder / "hf", Q.Q8_0)
+    float_config, float_params = load_gguf(path, dequantize=True)
+    model = llm_jax.load(path, dequantize=True)
+    assert model.config == float_config
+    for p, x in leaves_by_path(float_params).items():
+        np.testing.assert_array_equal(np.asarray(leaves_by_path(model.params)[p]), x)
+    requantized = llm_jax.load(path, quantize="int4")  # from the dequantized floats, not the blocks
+    assert requantized.config.quantization.bits == 4
+    from llm_jax.cli.convert import main
+
+    assert main([str(path), str(tmp_path / "float"), "--dequantize", "--quiet"]) == 0
+    assert llm_jax.load(tmp_path / "float").config == float_config
+
+
 def test_quantized_gguf_converts_to_a_quantized_checkpoint(built, tmp_path):
     _, folder, _ = built("qwen3_qk_norm")
     path = write_gguf(folder / "Q4_0.gguf", folder / "hf", Q.Q4_0)
