@@ -48,6 +48,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "decoding": ("PAD_ID", "DecodeControls", "DecodeState", "Emitted", "FinishReason", "Logprobs", "decode", "start"),
     "sampling": ("GREEDY", "Sampling", "SamplingParams"),
     "beams": ("BeamSearch", "EarlyStopping", "beam_search"),
+    "speculative": ("Speculative",),
     "scoring": ("Score", "continuation_logprobs", "score"),
     # Orchestration.
     "generation": ("GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError",

@@ -61,6 +61,7 @@ examples:
   echo "Once upon a time" | generate.py --model stories260K.bin --prompt - --json
   generate.py --model path/to/chat-model --chat --system "You are terse."
   generate.py --model path/to/big-model --dtype bfloat16 --mesh model=8 --prompt "Hi"     # 8 GPUs
+  generate.py --model stories110M.bin --speculative ngram --num-speculative-tokens 6 --prompt "..."
 """
 
 
@@ -72,6 +73,8 @@ def build_parser() -> CliParser:
     _add_sampling_flags(parser.add_argument_group("sampling (default: greedy)"))
     _add_processor_flags(parser.add_argument_group("logits processors (greedy and sampled)"))
     _add_search_flags(parser.add_argument_group("several completions"))
+    _add_speculative_flags(parser.add_argument_group(
+        "speculative decoding (same output: greedy ids, or the sampled distribution; docs/speculative_decoding.md)"))
     _add_output_flags(parser.add_argument_group("output"))
     _add_device_flags(parser.add_argument_group(
         "many devices and hosts (docs/running_on_many_devices.md; on several hosts run the same command on each)"))
@@ -179,6 +182,18 @@ def _add_search_flags(group: argparse._ArgumentGroup) -> None:
                        help="beam search: return the N best hypotheses")
 
 
+def _add_speculative_flags(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--speculative", metavar="ngram|PATH",
+                       help="propose tokens by prompt lookup ('ngram') or with the draft model at PATH (same "
+                            "tokenizer), and verify them with one pass of the model per step")
+    group.add_argument("--num-speculative-tokens", type=positive_int, default=4, metavar="K",
+                       help="tokens proposed per step (default: %(default)s)")
+    group.add_argument("--prompt-lookup-min", type=positive_int, default=2, metavar="N",
+                       help="ngram: the shortest suffix looked up (default: %(default)s)")
+    group.add_argument("--prompt-lookup-max", type=positive_int, default=4, metavar="N",
+                       help="ngram: the longest suffix looked up (default: %(default)s)")
+
+
 def _add_output_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     group.add_argument("--logprobs", type=non_negative_int, default=None, metavar="N",
@@ -212,6 +227,17 @@ def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
         parser.error("--logprobs and --prompt-logprobs are reported in the --json object: add --json")
     if args.group_size is not None and args.quantize is None:
         parser.error("--group-size needs --quantize")
+    if args.speculative is not None:
+        unsupported = [flag for flag, used in (("--num-beams", args.num_beams > 1), ("--chat", args.chat),
+                                               ("--logprobs", args.logprobs is not None), ("--mesh", args.mesh))
+                       if used]
+        if unsupported:
+            parser.error(f"--speculative cannot be combined with {', '.join(unsupported)}")
+        if args.prompt_lookup_min > args.prompt_lookup_max:
+            parser.error(f"--prompt-lookup-min {args.prompt_lookup_min} exceeds --prompt-lookup-max "
+                         f"{args.prompt_lookup_max}")
+        if args.speculative != "ngram" and not pathlib.Path(args.speculative).exists():
+            parser.error(f"--speculative takes 'ngram' or a draft model's path; {args.speculative} does not exist")
     if args.chat:
         if args.json:
             parser.error("--json and --chat exclude each other")
@@ -293,9 +319,29 @@ def main(argv: list[str] | None = None) -> int:
         if args.chat:
             return run_chat(model, template, system=args.system, first_messages=prompts,
                             generation=generation_options(args), quiet=args.quiet)
-        return _generate(args, model, prompts)
+        return _generate(args, model, prompts, speculative=speculative_options(args))
     except jax.errors.JaxRuntimeError as e:  # out of memory, mostly: the first line says what
         raise CliError(one_line(e)) from e
+
+
+def speculative_options(args: argparse.Namespace):
+    """The ``Speculative`` the flags ask for (its draft model loaded like the model), or None."""
+    if args.speculative is None:
+        return None
+    from llm_jax.loading import load
+    from llm_jax.speculative import Method, Speculative
+
+    lookup = dict(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
+    if args.speculative == "ngram":
+        return Speculative(method=Method.NGRAM, num_tokens=args.num_speculative_tokens, **lookup)
+    draft = load(args.speculative, dtype=args.dtype, backend=args.backend)
+    return Speculative(method=Method.DRAFT, draft_model=draft, num_tokens=args.num_speculative_tokens, **lookup)
+
+
+def speculative_fields(m) -> dict[str, float | int]:
+    """What speculation did, for the metrics line and the ``--json`` object."""
+    return {"proposed_tokens": m.proposed_tokens, "accepted_tokens": m.accepted_tokens,
+            "acceptance_rate": m.acceptance_rate, "mean_accepted_length": m.mean_accepted_length}
 
 
 def _quantization(args: argparse.Namespace):
@@ -313,12 +359,12 @@ def _chat_template(model_path: str):
     return load_chat_template(model_path)
 
 
-def _generate(args: argparse.Namespace, model: Model, prompts: list[str | list[int]]) -> int:
+def _generate(args: argparse.Namespace, model: Model, prompts: list[str | list[int]], speculative=None) -> int:
     import jax
 
     from llm_jax.generation import generate_stream
 
-    stream = generate_stream(model, prompts, **generation_options(args))
+    stream = generate_stream(model, prompts, **generation_options(args), speculative=speculative)
     if jax.process_index() != 0:  # runs its part of every step; process 0 reports
         for _ in stream:
             pass
@@ -326,13 +372,21 @@ def _generate(args: argparse.Namespace, model: Model, prompts: list[str | list[i
     if args.json:
         for _ in stream:
             pass
-        print(json.dumps(json_report(args.model, stream)))
+        report = json_report(args.model, stream)
+        if speculative is not None:
+            report["metrics"].update(speculative_fields(stream.metrics))
+        print(json.dumps(report))
         return 0
     per_prompt = args.num_return_sequences if args.num_beams > 1 else args.n  # completions, prompt-major
     write_stream(stream, sys.stdout, echoes=[prompt_echo(model, p) for p in prompts for _ in range(per_prompt)],
                  with_text=model.tokenizer is not None)
     if not args.quiet:
-        print_status(metrics_fields(stream.metrics), sys.stderr)
+        fields = metrics_fields(stream.metrics)
+        if speculative is not None:
+            m = stream.metrics
+            fields.append(f"accepted {m.accepted_tokens}/{m.proposed_tokens} ({m.acceptance_rate:.0%}), "
+                          f"{m.mean_accepted_length:.2f} tokens/step")
+        print_status(fields, sys.stderr)
     return 0
 
 

@@ -27,6 +27,8 @@ examples:
   benchmark.py --model 110M --compile-layers 6 12 24 --cli-ttft
   benchmark.py --model 15M --batch 32 --profile
   benchmark.py --model 15M --batch 1 32 --products
+  benchmark.py --model 110M --speculative ngram --num-speculative-tokens 4
+  benchmark.py --model checkpoints/stories-1m --speculative checkpoints/stories-1m-draft
 
 models: a named shape with random weights (260K, 15M, 110M: llama2.c stories; 1B: TinyLlama 1.1B) or a
 checkpoint path (llama2.c .bin or Hugging Face folder). The roofline is the measured memory bandwidth
@@ -54,6 +56,8 @@ each over many copies of its weights so that they come from memory as in a step,
 stay in the caches, through llm_jax's CPU kernels and torch's F.linear taking turns, with the share of the
 arithmetic peak each reaches: batched decode is bound by arithmetic, so these say how far batch B ÷ batch 1
 can go here.
+--speculative runs only the speculative study: plain and speculative generate taking turns on a
+repetitive and a novel prompt, with their decode tokens/s, ratio, acceptance rate and tokens per step.
 Peak memory is the process's: with --compare hf both engines' weights are resident, and with several
 dtypes every dtype's copy.
 """
@@ -105,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time each of a layer's matrix products alone at each batch size, weights read from "
                         "memory as in a step and from the caches: llm_jax's kernels against torch's (what "
                         "transformers runs)")
+    p.add_argument("--speculative", metavar="ngram|PATH",
+                   help="instead of the matrix: plain against speculative decoding (prompt lookup, or the draft "
+                        "model at PATH), side by side")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4, metavar="K",
+                   help="tokens proposed per step with --speculative (default: %(default)s)")
     p.add_argument("--json", type=pathlib.Path, help="write all numbers to this file")
     return p
 
@@ -174,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--products takes named shapes ({', '.join(SHAPES)}), got "
                          f"{', '.join(m for m in models if m not in SHAPES)}")
     engines = chosen_engines(args.backend)  # before any slow work: a backend that cannot run here is an error
+    if args.speculative is not None:
+        return _speculative(models, args, engines, log_stderr)
     threads = args.threads or machine_lib.cpu_threads()
     if args.bandwidth:
         bandwidth = args.bandwidth
@@ -320,6 +331,34 @@ def _products(models, args, threads: int, peaks, log) -> list[dict]:
                 print(product_table(times, peak, config.n_layers))
                 out.extend({"shape": model, **t.to_dict()} for t in times)
     return out
+
+
+def _speculative(models, args, engines, log) -> int:
+    import tempfile
+
+    from benchmarking import machine as machine_lib
+    from benchmarking.results import write_json
+    from benchmarking.speculative_study import speculative_for, study, table
+    from benchmarking.suite import ModelSource
+
+    rows = []
+    name, backend = engines[0]
+    with tempfile.TemporaryDirectory(prefix="llm_jax_bench_spec_") as tmp:
+        for model in models:
+            source = ModelSource(model, need_hf=False, workdir=pathlib.Path(tmp))
+            for dtype in args.dtype:
+                loaded = source.load_model(dtype, backend)
+                speculative, proposer = speculative_for(args.speculative, args.num_speculative_tokens, dtype, backend)
+                rows += study(loaded, source.label, dtype, args.batch, speculative, proposer,
+                              new_tokens=args.new_tokens, repeats=args.repeats, chunk_steps=args.chunk_steps, log=log)
+    machine = machine_lib.describe(0.0, (0.0, 0.0, 0.0))
+    print(f"\nmachine: {machine.cpu}, {machine.threads} threads, jax {machine.jax_version}; {name} on the "
+          f"{backend.name} backend; {args.new_tokens} new tokens, median of {args.repeats} repeats")
+    print(table(rows))
+    if args.json:
+        write_json(args.json, machine, [], {"speculative": [dataclasses.asdict(r) for r in rows]})
+        log(f"wrote {args.json}")
+    return 0
 
 
 def _cli_ttft(model: str, args, log) -> dict:
