@@ -23,7 +23,7 @@ import cpu_kernels
 from llm_jax import kv_cache as kvc
 from llm_jax.backends import base
 from llm_jax.backends.base import Backend, matmul_form
-from llm_jax.backends.cpu import forms, greedy_head
+from llm_jax.backends.cpu import forms, greedy_head, quantized
 from llm_jax.backends.cpu.forms import Fused, FusedPart, Panels
 from llm_jax.bits import as_bits, from_bits
 from llm_jax.config import Activation, ModelConfig
@@ -63,8 +63,14 @@ class CpuKernels(Backend):
     def prepare(self, params: Params, config: ModelConfig) -> Params:
         if config.param_jnp_dtype not in _KERNEL_DTYPES:
             return params  # the kernels read float32 and bfloat16; other dtypes run XLA's products
-        if config.quantization is not None:
-            return params  # integer weights run XLA's products (dequantized)
+        if config.quantization is not None:  # int8 panels where they serve; the float head's panels and screen
+            weights = quantized.prepare(params, config)
+            if not config.quantization.embedding:
+                weights = forms.prepare_head(weights, config)
+                head = forms.head_panels(weights, config)
+                if self.greedy_screen and head is not None and greedy_head.applies(config):
+                    weights[greedy_head.SCREEN] = greedy_head.build(head, **self.instructions)
+            return weights
         weights = forms.prepare(params, config)
         head = forms.head_panels(weights, config)
         if self.greedy_screen and head is not None and greedy_head.applies(config):
@@ -74,6 +80,8 @@ class CpuKernels(Backend):
     # Matrix products.
     def dense_many(self, equations: Sequence[str], x: jax.Array, ws: Sequence[Any], out_dtype,
                    layer: jax.Array | None = None) -> list[jax.Array]:
+        if any(isinstance(w, quantized.QuantizedPanels) for w in ws):
+            return _quantized_many(equations, x, ws, out_dtype, layer)
         products = _plan(equations, x, ws, layer)
         if products is None:
             return _xla_many(equations, x, ws, out_dtype, layer)
@@ -231,6 +239,23 @@ def _run(x: jax.Array, products: list[_Product], layer, instructions: dict[str, 
             for i, y in zip(which, outs):
                 ys[i] = y
     return ys
+
+
+def _quantized_many(equations, x, ws, out_dtype, layer) -> list[jax.Array]:
+    """The products of weights held as int8 panels (one kernel call for all) and of any others (XLA's)."""
+    panels = [i for i, w in enumerate(ws) if isinstance(w, quantized.QuantizedPanels)]
+    for i in panels:
+        contraction = _contraction(equations[i], x.shape)
+        if contraction is None or contraction[1] != math.prod(ws[i].in_shape):
+            raise ValueError(f"weight {i} (int8 panels, inputs {ws[i].in_shape}) does not contract {equations[i]!r} "
+                             f"on x {x.shape}")
+    out = [None] * len(ws)
+    for i, y in zip(panels, quantized.products(x, [ws[i] for i in panels], out_dtype, layer)):
+        out[i] = y
+    others = [i for i in range(len(ws)) if i not in panels]
+    for i, y in zip(others, _xla_many([equations[i] for i in others], x, [ws[i] for i in others], out_dtype, layer)):
+        out[i] = y
+    return out
 
 
 def _xla_many(equations, x, ws, out_dtype, layer) -> list[jax.Array]:

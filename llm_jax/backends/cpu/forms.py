@@ -144,7 +144,13 @@ def prepare(params: Params, config: ModelConfig) -> Params:
     for module, name in (("attn", "o_proj"), ("mlp", "down_proj")):
         ins, outs = projection_dims(name, config)
         layers[module][name] = _maybe_panels(layers[module][name], ins, outs)
-    out = {**params, "layers": layers}
+    return prepare_head({**params, "layers": layers}, config)
+
+
+def prepare_head(params: Params, config: ModelConfig) -> Params:
+    """``params`` with the LM head (an untied head, or the tied embedding table) as panels where it takes
+    them (a new top-level dict)."""
+    out = dict(params)
     if "lm_head" in params:
         out["lm_head"] = _maybe_panels(params["lm_head"], *projection_dims("lm_head", config))
     elif takes_panels(config.vocab_size):
