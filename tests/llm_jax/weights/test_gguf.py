@@ -31,7 +31,7 @@ from llm_jax.weights.convert import convert
 from llm_jax.weights.from_gguf import dequantize_rows, load_gguf, open_gguf
 from llm_jax.weights.layout import WeightsError
 from llm_jax.weights.placement import leaves_by_path
-from tests.llm_jax.model.test_families import FAMILIES, Family, build, tokens, torch_greedy
+from tests.llm_jax.model.test_families import FAMILIES, Family, build, greedy_decode, tokens, torch_greedy
 
 ATOL = 1e-4  # float32 max |Δlogit| against transformers
 Q = gguf.GGMLQuantizationType
@@ -256,8 +256,8 @@ def test_float_gguf_logits_and_greedy_match_transformers(family):
     print(f"{name}: F32 GGUF max |Δlogit| {delta:.2e}")
     assert delta <= ATOL
     prompts = tokens(model.config.vocab_size, 1, 12)
-    results = llm_jax.generate(model, [list(p) for p in prompts], max_new_tokens=32)
-    np.testing.assert_array_equal(np.array([r.output_ids for r in results]), torch_greedy(torch_model, prompts))
+    greedy, _ = greedy_decode(model.params, model.config, jnp.asarray(prompts), 32)
+    np.testing.assert_array_equal(np.asarray(greedy), torch_greedy(torch_model, prompts))
     # Against the source loaded directly: the same params but for Gemma's norms, stored as 1 + w.
     if not name.startswith("gemma"):
         for path, x in leaves_by_path(reference.params).items():
