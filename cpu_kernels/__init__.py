@@ -61,11 +61,12 @@ from cpu_kernels import build
 from cpu_kernels.decode_attention import decode_attention, decode_attention_append
 from cpu_kernels.paged_attention import paged_attention, paged_attention_append
 from cpu_kernels.prefill_attention import prefill_attention
+from cpu_kernels.quant_matmul import quant_matmul
 
 __all__ = ["GLU_ACTIVATIONS", "PANEL", "argmax", "available", "decode_attention", "decode_attention_append",
            "from_pairs", "from_panels", "from_quads", "gated", "glu", "matmul", "matmuls", "paged_attention",
            "paged_attention_append", "pairs_available", "prefill_attention", "quads_argmax", "quads_available",
-           "quantize_rows", "screened_argmax", "to_pairs", "to_panels", "to_quads"]
+           "quant_matmul", "quantize_rows", "screened_argmax", "to_pairs", "to_panels", "to_quads"]
 
 
 def available() -> bool:

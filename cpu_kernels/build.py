@@ -1,5 +1,5 @@
 """Compiling the kernels (``matmul.cc``, ``decode_attention.cc``, ``prefill_attention.cc``,
-``paged_attention.cc``, ``argmax.cc``, ``glu.cc``) once per machine and registering their handlers with
+``paged_attention.cc``, ``argmax.cc``, ``glu.cc``, ``quant_matmul.cc``) once per machine and registering their handlers with
 XLA; ``stream_read.cc`` and ``peak_flops.cc`` (the benchmark's bandwidth and arithmetic probes) are built
 into the same library and called through ctypes.
 
@@ -29,7 +29,7 @@ import jax
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = (HERE / "matmul.cc", HERE / "decode_attention.cc", HERE / "prefill_attention.cc", HERE / "paged_attention.cc",
-           HERE / "argmax.cc", HERE / "glu.cc", HERE / "stream_read.cc", HERE / "peak_flops.cc")
+           HERE / "argmax.cc", HERE / "glu.cc", HERE / "quant_matmul.cc", HERE / "stream_read.cc", HERE / "peak_flops.cc")
 HEADERS = (HERE / "common.h", HERE / "attention_tiles.h")
 ENV = "LLM_JAX_CPU_KERNELS"  # "off" disables the kernels
 CACHE_ENV = "LLM_JAX_KERNEL_CACHE"
@@ -66,6 +66,8 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_quads_argmax_bf16": "QuadsArgmaxBF16",
     "llm_jax_glu_silu_f32": "GluSiluF32",
     "llm_jax_glu_gelu_tanh_f32": "GluGeluTanhF32",
+    "llm_jax_quant_matmul_i8": "QuantMatmulI8",
+    "llm_jax_quant_matmul_i4": "QuantMatmulI4",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 

@@ -1,20 +1,23 @@
-"""The CPU kernels' form of quantized weights (``llm_jax.quantization``): int8 panels read in place.
+"""The CPU kernels' form of quantized weights (``llm_jax.quantization``): integer panels read in place.
 
-A projection quantized to 8 bits per output channel (one group spanning its inputs: ``W = q · s[n]``) is
-held as :class:`QuantizedPanels`: ``q`` in the panel layout [*lead, N / 16, K, 16] of ``cpu_kernels`` and
-its scales [*lead, N]. The kernels' int8 panel product reads the bytes and converts them in registers
-(``cpu_kernels.matmuls`` on int8 panels: x · q in float32), then each output column is scaled:
-``(x · q) · s = x · W``. Decode reads a quarter of float32's bytes per step.
+A projection quantized to 8 or 4 bits is held as :class:`QuantizedPanels`: its integers in the panel
+layout of ``cpu_kernels`` ([*lead, N / 16, K, 16] int8, or [*lead, N / 16, ceil(K / 2), 16] uint8 holding
+two inputs per byte as the canonical leaf does) and its scales likewise ([*lead, N / 16, groups, 16]). The
+kernels read the bytes and convert them in registers; decode reads a quarter (int8) or an eighth (int4)
+of float32's bytes per step:
 
-Other quantized leaves (groups, 4 bits, the embedding table) stay :class:`QuantizedArray` s, which the
-backend multiplies as XLA does (dequantized). The LM head of a model whose embedding is not quantized
-keeps its float panels and screen (:mod:`llm_jax.backends.cpu.forms`).
+- 8 bits per output channel (one group): the kernels' int8 panel product (``cpu_kernels.matmuls``, x · q,
+  every projection of one input in one call), each output column then scaled: ``(x · q) · s = x · W``;
+- groups, and 4 bits: ``cpu_kernels.quant_matmul``, group by group, each group's sums scaled.
+
+Other quantized leaves (the embedding table) stay :class:`QuantizedArray` s, which the backend multiplies
+as XLA does (dequantized). The LM head of a model whose embedding is not quantized keeps its float panels
+and screen (:mod:`llm_jax.backends.cpu.forms`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -31,13 +34,15 @@ Params = dict[str, Any]
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedPanels:
-    """A [*lead, *in, *out] weight quantized to 8 bits per output channel: ``data`` int8 panels
-    [*lead, N / 16, K, 16] of q, ``scales`` float32 [*lead, N]."""
+    """A quantized [*lead, *in, *out] weight in panels: ``data`` its integers [*lead, N / 16, K (or
+    ceil(K / 2) for 4 bits), 16], ``scales`` float32 [*lead, N / 16, ceil(K / group_size), 16]."""
 
     data: jax.Array
     scales: jax.Array
     in_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+    bits: int = dataclasses.field(metadata={"static": True})
+    group_size: int = dataclasses.field(metadata={"static": True})
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -47,38 +52,47 @@ class QuantizedPanels:
     def dtype(self):
         return self.data.dtype
 
+    @property
+    def per_channel(self) -> bool:
+        """8 bits, one scale per output column: the int8 panel product, then the scales."""
+        return self.bits == 8 and self.scales.shape[-2] == 1
+
 
 def takes_panels(w: Any) -> bool:
     """Whether the kernels read quantized leaf ``w`` as :class:`QuantizedPanels`."""
-    return (isinstance(w, QuantizedArray) and w.bits == 8 and w.n_groups == 1 and not w.transposed
-            and w.N % cpu_kernels.PANEL == 0)
+    return (isinstance(w, QuantizedArray) and not w.transposed and w.N % cpu_kernels.PANEL == 0
+            and (w.bits == 8 or w.group_size % 2 == 0))
 
 
 def prepare(params: Params, config: ModelConfig) -> Params:
-    """``params`` with each projection the kernels read as int8 panels in that form (others unchanged)."""
+    """``params`` with each projection the kernels read in panels in that form (others unchanged)."""
     layers = {name: dict(module) if isinstance(module, dict) else module for name, module in params["layers"].items()}
     for module, names in PROJECTIONS.items():
         for name in names:
             w = layers[module][name]
             if takes_panels(w):
-                layers[module][name] = QuantizedPanels(_panels(w.values, w.K, w.N), w.scales.reshape(*w.lead, w.N),
-                                                       w.in_shape, w.out_shape)
+                layers[module][name] = QuantizedPanels(_panels(w.values), _panels(w.scales), w.in_shape, w.out_shape,
+                                                       w.bits, w.group_size)
     return {**params, "layers": layers}
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _panels(values: jax.Array, K: int, N: int) -> jax.Array:
-    return cpu_kernels.to_panels(values.reshape(*values.shape[:-2], K, N))
+_panels = jax.jit(cpu_kernels.to_panels)
 
 
 def products(x: jax.Array, ws: list[QuantizedPanels], out_dtype, layer: jax.Array | None) -> list[jax.Array]:
-    """``x [..., *in] · W_i`` for each W_i, in one kernel call: [..., *out_i] in ``out_dtype``."""
+    """``x [..., *in] · W_i`` for each W_i: [..., *out_i] in ``out_dtype``. The per-channel int8 ones in one
+    kernel call, each other one in a call of its own."""
     K = math.prod(ws[0].in_shape)
     rows = x.shape[: x.ndim - len(ws[0].in_shape)]
     x_RK = x.reshape(-1, K).astype(jnp.float32)
-    ys = cpu_kernels.matmuls(x_RK, [w.data for w in ws], panels=True, layer=layer)
-    out = []
-    for w, y_RN in zip(ws, ys):
-        s_N = w.scales if layer is None else jax.lax.dynamic_index_in_dim(w.scales, layer, keepdims=False)
-        out.append((y_RN * s_N).reshape(*rows, *w.out_shape).astype(out_dtype))
-    return out
+    out: list[jax.Array | None] = [None] * len(ws)
+    channel = [i for i, w in enumerate(ws) if w.per_channel]
+    if channel:
+        ys = cpu_kernels.matmuls(x_RK, [ws[i].data for i in channel], panels=True, layer=layer)
+        for i, y_RN in zip(channel, ys):
+            s = ws[i].scales if layer is None else jax.lax.dynamic_index_in_dim(ws[i].scales, layer, keepdims=False)
+            out[i] = y_RN * s.reshape(-1)  # [N / 16, 1, 16]: the columns in order
+    for i, w in enumerate(ws):
+        if out[i] is None:
+            out[i] = cpu_kernels.quant_matmul(x_RK, w.data, w.scales, bits=w.bits, group_size=w.group_size, layer=layer)
+    return [y.reshape(*rows, *w.out_shape).astype(out_dtype) for w, y in zip(ws, out)]
