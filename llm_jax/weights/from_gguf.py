@@ -62,6 +62,10 @@ class GGUFFile:
             self._reader = gguf.GGUFReader(path)
         except (ValueError, OSError, IndexError) as error:
             raise WeightsError(f"{path}: not a readable GGUF file: {error}") from error
+        shards = int(self.get("split.count", 1))
+        if shards > 1:
+            raise WeightsError(f"{path}: shard {int(self.get('split.no', 0)) + 1} of a GGUF split into {shards} "
+                               "files; merge them first (llama.cpp's llama-gguf-split --merge)")
         self.tensors: dict[str, GGUFTensor] = {}
         for t in self._reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))

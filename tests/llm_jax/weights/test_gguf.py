@@ -466,6 +466,13 @@ def test_unsupported_metadata_is_named(tiny_hf, tmp_path):
         llm_jax.load(partial)
 
 
+def test_split_gguf_is_refused(tiny_hf, tmp_path):
+    path = write_gguf(tmp_path / "m-00001-of-00002.gguf", tiny_hf, extra=lambda w: (
+        w.add_uint16("split.no", 0), w.add_uint16("split.count", 2)))
+    with pytest.raises(WeightsError, match=r"shard 1 of a GGUF split into 2 files; merge them first"):
+        llm_jax.load(path)
+
+
 def test_not_a_gguf_file(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all")
