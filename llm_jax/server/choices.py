@@ -35,7 +35,7 @@ class TokenLogprob:
     """One generated token's text and log-probability, and the most likely tokens at its step."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None for a prompt's first token, which nothing predicts
     top: tuple[tuple[str, float], ...]  # most likely first
 
 
@@ -52,6 +52,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when echoed with logprobs
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it (None for EOS)
     num_output_tokens: int = 0
@@ -66,6 +67,7 @@ class Delta:
     text: str
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: str | None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # with a choice's first delta, when asked for
 
 
 def token_text(tokenizer: Tokenizer | None, context: Sequence[int], token: int) -> str:
@@ -129,7 +131,8 @@ class Run:
             async for out in self.engine.generate(
                     choice.engine_id, list(choice.prompt_ids), sampling=self.sampling, max_new_tokens=choice.max_tokens,
                     min_new_tokens=g.min_tokens, stop=g.stop, stop_token_ids=g.stop_token_ids,
-                    ignore_eos=g.ignore_eos, logprobs=g.logprobs, sample_index=choice.sample):
+                    ignore_eos=g.ignore_eos, logprobs=g.logprobs, prompt_logprobs=g.prompt_logprobs,
+                    sample_index=choice.sample):
                 queue.put_nowait((choice, out))
         except asyncio.CancelledError:
             # Cancelled before ``generate`` was past adding the request, its stream cannot abort it: do it here.
@@ -154,6 +157,8 @@ class Run:
             self.metrics.generation_tokens.inc(len(out.token_ids))
             choice.last_token_at = now
         logprobs = self._logprobs(choice, out) if self.generation.logprobs is not None else ()
+        prompt = self._prompt_logprobs(out) if out.prompt_logprobs is not None else ()
+        choice.prompt_logprobs.extend(prompt)
         choice.text += out.text
         choice.token_ids.extend(out.token_ids)
         choice.logprobs.extend(logprobs)
@@ -164,7 +169,8 @@ class Run:
             choice.stop_reason = out.stop_reason
             self.metrics.e2e.observe(now - self.arrival)
             self.metrics.finished(finish)
-        return Delta(choice=choice, text=out.text, logprobs=tuple(logprobs), finish_reason=finish)
+        return Delta(choice=choice, text=out.text, logprobs=tuple(logprobs), finish_reason=finish,
+                     prompt_logprobs=tuple(prompt))
 
     def _abort(self, choice: Choice) -> Delta:
         choice.finish_reason = FINISH_REASONS["abort"]
@@ -181,6 +187,22 @@ class Run:
                 top=tuple((token_text(self.tokenizer, context, t), _finite(lp)) for t, lp in ranked)))
             context.append(token)
         return entries
+
+
+    def _prompt_logprobs(self, out: RequestOutput) -> list[TokenLogprob]:
+        """The prompt's tokens with their log-probabilities (None for the first) and top tokens."""
+        entries, ids = [], self._prompt_ids(out.request_id)
+        for i, token in enumerate(ids):
+            logprob, top = out.prompt_logprobs[i], out.prompt_top_logprobs[i] or {}
+            ranked = sorted(top.items(), key=lambda item: -item[1])
+            context = ids[max(i - CONTEXT_TOKENS, 0):i]
+            entries.append(TokenLogprob(
+                token=token_text(self.tokenizer, context, token), logprob=None if logprob is None else _finite(logprob),
+                top=tuple((token_text(self.tokenizer, context, t), _finite(lp)) for t, lp in ranked)))
+        return entries
+
+    def _prompt_ids(self, engine_id: str) -> tuple[int, ...]:
+        return next(c.prompt_ids for c in self.choices if c.engine_id == engine_id)
 
 
 def _finite(logprob: float) -> float:

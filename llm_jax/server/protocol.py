@@ -51,6 +51,7 @@ class Generation:
     stream: bool
     include_usage: bool  # a usage chunk before [DONE]
     continuous_usage: bool  # usage on every chunk (vLLM's continuous_usage_stats)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo with logprobs)
 
 
 Prompt = str | tuple[int, ...]
@@ -198,11 +199,10 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     max_tokens = integer(fields, "max_tokens", 1, 2**31 - 1, default=DEFAULT_COMPLETION_TOKENS)
     logprobs = integer(fields, "logprobs", 0, limits.max_logprobs)
     echo = fields.take("echo", "boolean", default=False)
-    if echo and logprobs is not None:
-        raise ApiError("echo with logprobs is not supported: the engine computes no prompt log-probabilities",
-                       param="echo", code="unsupported")
     fields.unsupported("suffix", why="is not supported: the served model does not fill in the middle")
     generation = _generation(fields, limits, max_tokens=max_tokens, logprobs=logprobs)
+    if echo and logprobs is not None:  # the echoed prompt's tokens come with their log-probabilities
+        generation = dataclasses.replace(generation, prompt_logprobs=logprobs)
     fields.finish()
     return CompletionRequest(model=model, prompts=prompts, echo=echo, generation=generation)
 

@@ -72,19 +72,27 @@ class CompletionShape(_Shape):
         self._offsets = {c.index: len(echoes[c.prompt_index]) for c in run.choices}  # next token's text offset
         self._echoed: set[int] = set()
 
-    def _logprobs(self, choice: Choice, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, choice: Choice, entries: Sequence[TokenLogprob],
+                  prompt: Sequence[TokenLogprob] = ()) -> dict[str, Any] | None:
+        """``prompt``: the echoed prompt's entries, first (their offsets count from the echo's start; the
+        first has no log-probability, as OpenAI's echo gives it)."""
         if self.run.generation.logprobs is None:
             return None
-        offsets = []
+        offsets, offset = [], 0
+        for entry in prompt:
+            offsets.append(offset)
+            offset += len(entry.token)
         for entry in entries:
             offsets.append(self._offsets[choice.index])
             self._offsets[choice.index] += len(entry.token)
-        return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{**dict(e.top), e.token: e.logprob} for e in entries], "text_offset": offsets}
+        every = [*prompt, *entries]
+        return {"tokens": [e.token for e in every], "token_logprobs": [e.logprob for e in every],
+                "top_logprobs": [None if e.logprob is None else {**dict(e.top), e.token: e.logprob} for e in every],
+                "text_offset": offsets}
 
     def response(self) -> dict[str, Any]:
         choices = [{"index": c.index, "text": self.echoes[c.prompt_index] + c.text,
-                    "logprobs": self._logprobs(c, c.logprobs), "finish_reason": c.finish_reason,
+                    "logprobs": self._logprobs(c, c.logprobs, c.prompt_logprobs), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in self.run.choices]
         return {**self._head(self.object_name), "choices": choices, "usage": self.usage()}
 
@@ -94,9 +102,10 @@ class CompletionShape(_Shape):
         if choice.index not in self._echoed:
             self._echoed.add(choice.index)
             text = self.echoes[choice.prompt_index] + text
-        if not text and delta.finish_reason is None and not delta.logprobs:
+        if not text and delta.finish_reason is None and not delta.logprobs and not delta.prompt_logprobs:
             return None  # nothing to show yet (text held back)
-        return self._chunk([{"index": choice.index, "text": text, "logprobs": self._logprobs(choice, delta.logprobs),
+        return self._chunk([{"index": choice.index, "text": text,
+                             "logprobs": self._logprobs(choice, delta.logprobs, delta.prompt_logprobs),
                              "finish_reason": delta.finish_reason, "stop_reason": choice.stop_reason}])
 
 

@@ -50,6 +50,10 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: tuple[float, ...] | None = None  # the new tokens' log-probabilities, when asked for
     top_logprobs: tuple[dict[int, float], ...] | None = None
+    # With the first token, when asked for: each prompt token's log-probability under the model (None for
+    # the first, which nothing predicts) and the most likely tokens at its position.
+    prompt_logprobs: tuple[float | None, ...] | None = None
+    prompt_top_logprobs: tuple[dict[int, float] | None, ...] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # after this step
 
@@ -75,9 +79,18 @@ class _Live:
     logprobs: int | None
     sample_index: int
     text: SequenceText
+    prompt_logprobs: int | None = None
+    prompt_scores: dict[int, tuple[float, dict[int, float]]] = dataclasses.field(default_factory=dict)  # by position
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its steps compute prompt log-probabilities: asked for, and its prompt not yet done."""
+        return self.prompt_logprobs is not None and self.request.num_output_tokens == 0
 
     @property
     def kind(self) -> str:
+        if self.scores_prompt:
+            return "prompt"
         if self.logprobs is not None:
             return "logprobs"
         greedy = dataclasses.replace(self.sampling, seed=0) == GREEDY
@@ -144,15 +157,18 @@ class Engine:
     def add_request(self, request_id: str, prompt: Prompt, *, sampling: Sampling = GREEDY,
                     max_new_tokens: int | None = None, min_new_tokens: int = 0, stop: Sequence[str] = (),
                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
-                    sample_index: int = 0) -> None:
+                    prompt_logprobs: int | None = None, sample_index: int = 0) -> None:
         """Queue a request (a string, or token ids used as given). ``max_new_tokens`` None: until the
-        context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own).
-        ``sample_index`` tells apart the samples of one prompt drawn with one seed, as ``generate``'s ``n``."""
+        context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own);
+        ``prompt_logprobs``: the same for the prompt's tokens, reported with the first token (the request
+        then computes its whole prompt, not starting from the prefix cache). ``sample_index`` tells apart
+        the samples of one prompt drawn with one seed, as ``generate``'s ``n``."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
         (ids,) = encode_prompts(self.model, [prompt])
-        if logprobs is not None and not 0 <= logprobs <= self.max_logprobs:
-            raise ValueError(f"logprobs must be in [0, {self.max_logprobs}], got {logprobs}")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and not 0 <= value <= self.max_logprobs:
+                raise ValueError(f"{name} must be in [0, {self.max_logprobs}], got {value}")
         if min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be >= 0, got {min_new_tokens}")
         eos_ids = () if ignore_eos else tuple(self.model.eos_ids)
@@ -165,12 +181,14 @@ class Engine:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
         step_controls(Shape(T=1, B=1, X=1, Q=1, kind="sample"), [sampling], np.zeros((1, 0), np.int32),
                       np.zeros((1,), np.int32), bias_width=BIAS_WIDTH)  # refuses what the step cannot run
-        request = Request(request_id=request_id, prompt_token_ids=ids, max_new_tokens=max_new_tokens)
+        request = Request(request_id=request_id, prompt_token_ids=ids, max_new_tokens=max_new_tokens,
+                          use_prefix_cache=prompt_logprobs is None)
         self.scheduler.add(request)  # refuses requests that can never fit
         self._live[request_id] = _Live(
             request=request, sampling=sampling, end_ids=end_ids, eos_ids=frozenset(eos_ids),
             stop_ids=frozenset(stop_ids), min_new_tokens=min_new_tokens, logprobs=logprobs, sample_index=sample_index,
-            text=SequenceText(self.model.tokenizer, list(ids), tuple(stop), min_new_tokens))
+            text=SequenceText(self.model.tokenizer, list(ids), tuple(stop), min_new_tokens),
+            prompt_logprobs=prompt_logprobs)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False when it is unknown or already finished."""
@@ -186,12 +204,14 @@ class Engine:
 
     # Steps.
     def shapes(self) -> list[Shape]:
-        """Every step program this engine can run: decode-only steps by sequences, mixed steps by tokens."""
+        """Every step program this engine can run: decode-only steps by sequences, mixed steps by tokens
+        (and steps scoring prompts, always mixed)."""
         kinds = [("greedy", 0), ("sample", 0), ("logprobs", self.max_logprobs)]
         decode = [(B, B, 1) for B in self.seq_buckets]
         mixed = [(T, self.max_num_seqs, T) for T in self.token_buckets]
-        return [Shape(T=T, B=B, X=self.X, Q=Q, kind=kind, top_n=top_n)
-                for (kind, top_n), (T, B, Q) in itertools.product(kinds, decode + mixed)]
+        return ([Shape(T=T, B=B, X=self.X, Q=Q, kind=kind, top_n=top_n)
+                 for (kind, top_n), (T, B, Q) in itertools.product(kinds, decode + mixed)]
+                + [Shape(T=T, B=B, X=self.X, Q=Q, kind="prompt", top_n=self.max_logprobs) for T, B, Q in mixed])
 
     def warm_up(self) -> int:
         """Compile every step program (:meth:`shapes`) by running it on padding; returns how many."""
@@ -199,7 +219,7 @@ class Engine:
         for shape in shapes:
             inputs = abstract_inputs(shape, self.config, bias_width=BIAS_WIDTH, end_width=END_WIDTH,
                                      max_model_len=self.max_model_len)
-            self.cache, emitted = self._run(inputs)
+            self.cache, _, _ = self._run(inputs)
         jax.block_until_ready(self.cache)
         return len(shapes)
 
@@ -208,8 +228,8 @@ class Engine:
                     mesh=self.model.mesh)
 
     def _shape(self, plan: StepPlan, kind: str) -> Shape:
-        top_n = self.max_logprobs if kind == "logprobs" else 0
-        if (plan.num_tokens_B == 1).all():
+        top_n = self.max_logprobs if kind in ("logprobs", "prompt") else 0
+        if (plan.num_tokens_B == 1).all() and kind != "prompt":
             B = next(b for b in self.seq_buckets if b >= plan.num_seqs)
             return Shape(T=B, B=B, X=self.X, Q=1, kind=kind, top_n=top_n)
         T = next(t for t in self.token_buckets if t >= plan.num_tokens)
@@ -246,6 +266,15 @@ class Engine:
             extra = dict(tokens_BS=tokens_BS,
                          prompt_lens_B=padded(np.array([len(l.request.prompt_token_ids) for l in lives], np.int32), B),
                          lengths_B=padded(np.array([l.request.num_tokens for l in lives], np.int32), B))
+        if shape.kind == "prompt":  # the prompt token after each token, where a scored prompt has one
+            targets_T = np.full((shape.T,), -1, np.int32)
+            for b, live in enumerate(lives):
+                if live.scores_prompt:
+                    prompt = live.request.prompt_token_ids
+                    for t in range(plan.query_start_B[b], plan.query_start_B[b] + plan.num_tokens_B[b]):
+                        if (position := plan.positions_T[t]) + 1 < len(prompt):
+                            targets_T[t] = prompt[position + 1]
+            extra["prompt_targets_T"] = targets_T
         return StepInputs(tokens_T=padded(plan.token_ids_T, shape.T), positions_T=padded(plan.positions_T, shape.T),
                           batch=batch, controls=controls, num_generated_B=generated_B, **extra)
 
@@ -261,6 +290,27 @@ class Engine:
             self.scheduler.pool.forget_cached()
             self.cache = self._new_cache(self.cache.num_pages)
 
+    @staticmethod
+    def _keep_prompt_scores(plan: StepPlan, lives: list[_Live], scored) -> None:
+        """Each scored prompt's log-probabilities from this step, by the position of the token they score."""
+        for b, live in enumerate(lives):
+            if not live.scores_prompt:
+                continue
+            n = live.prompt_logprobs
+            for t in range(plan.query_start_B[b], plan.query_start_B[b] + plan.num_tokens_B[b]):
+                position = int(plan.positions_T[t]) + 1
+                if position < len(live.request.prompt_token_ids):
+                    top = ({} if not n else {int(i): float(p) for i, p in
+                                             zip(scored.top_ids_BTN[0, t, :n], scored.top_logprobs_BTN[0, t, :n])})
+                    live.prompt_scores[position] = (float(scored.logprobs_BT[0, t]), top)
+
+    @staticmethod
+    def _prompt_scores(live: _Live) -> dict:
+        """A prompt's log-probabilities, as :class:`RequestOutput` gives them."""
+        scores = [live.prompt_scores[p] for p in range(1, len(live.request.prompt_token_ids))]
+        return dict(prompt_logprobs=(None, *(lp for lp, _ in scores)),
+                    prompt_top_logprobs=(None, *(top for _, top in scores)))
+
     def step(self) -> list[RequestOutput]:
         """Run one step: each request that produced something gets a :class:`RequestOutput`."""
         plan = self.scheduler.schedule()
@@ -268,19 +318,25 @@ class Engine:
             return []
         lives = [self._live[rid] for rid in plan.request_ids]
         kinds = {live.kind for live in lives}
-        kind = "logprobs" if "logprobs" in kinds else "sample" if "sample" in kinds else "greedy"
+        kind = next(k for k in ("prompt", "logprobs", "sample", "greedy") if k in kinds or k == "greedy")
         shape = self._shape(plan, kind)
         try:
-            self.cache, emitted = self._run(self._inputs(plan, shape, lives))
-            emitted = jax.device_get(emitted)
+            self.cache, emitted, scored = self._run(self._inputs(plan, shape, lives))
+            emitted, scored = jax.device_get((emitted, scored))
         except Exception as error:
             self._fail(plan)
             raise StepError(plan.request_ids, error) from error
         sampled_B = np.asarray(emitted.tokens_BS)[:plan.num_seqs]
+        if scored is not None:
+            self._keep_prompt_scores(plan, lives, scored)
         outputs, stopped = [], {}
         for b, live in enumerate(lives):
             if not plan.samples_B[b]:
                 continue
+            prompt_scores = {}
+            if live.scores_prompt:  # its prompt is done: its scores go out with its first token
+                prompt_scores = self._prompt_scores(live)
+                live.request.use_prefix_cache = True  # recomputed after a preemption, it may start from the cache
             request, token = live.request, int(sampled_B[b])
             reason = stop_reason = None
             if token in live.eos_ids:
@@ -302,7 +358,7 @@ class Engine:
             outputs.append(RequestOutput(
                 request_id=request.request_id, token_ids=tuple(kept), text=text, stop_reason=stop_reason,
                 logprobs=logprobs, top_logprobs=top, num_prompt_tokens=len(request.prompt_token_ids),
-                num_output_tokens=request.num_output_tokens + 1))
+                num_output_tokens=request.num_output_tokens + 1, **prompt_scores))
         finished = {r.request_id: r for r in self.scheduler.update(plan, sampled_B, stopped)}
         result = []
         for out in outputs:

@@ -47,6 +47,9 @@ class Request:
     request_id: str
     prompt_token_ids: Sequence[int]
     max_new_tokens: int | None = None  # None: until the context is full (``add`` fills in the number)
+    # Whether admission may start from the prefix cache (a request that needs every prompt position's
+    # logits, for prompt log-probabilities, computes its whole prompt).
+    use_prefix_cache: bool = True
     arrival: int = dataclasses.field(default=-1, init=False)  # order of ``add``
     token_ids: list[int] = dataclasses.field(init=False)  # the prompt, then every token produced so far
     num_computed_tokens: int = dataclasses.field(default=0, init=False)  # leading tokens whose K/V are cached
@@ -265,8 +268,8 @@ class Scheduler:
         try:
             while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
                 request = self._waiting[0]
-                prefix = self.kv.cached_prefix(request.request_id, request.token_ids)
-                if self.kv.computing(request.request_id, len(prefix)):
+                prefix = self.kv.cached_prefix(request.request_id, request.token_ids) if request.use_prefix_cache else []
+                if request.use_prefix_cache and self.kv.computing(request.request_id, len(prefix)):
                     deferred.append(self._waiting.popleft())
                     continue
                 num_cached = len(prefix) * self.block_size

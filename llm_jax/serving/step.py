@@ -23,6 +23,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.decoding import DecodeControls, DecodeState, Emitted, Logprobs, argmax_only, choose
 from llm_jax.kv_cache import PagedBatch, PagedKVCache
 from llm_jax.logits_processors import History
+from llm_jax.logprobs import TokenLogprobs, token_logprobs
 from llm_jax.model import Params, forward_paged, greedy_tokens, unembed
 from llm_jax.sharding import constrain_cache, constrain_replicated
 
@@ -32,7 +33,8 @@ class Shape:
     """A step program's static shape: T tokens, B sequences, X blocks per sequence, Q tokens per sequence
     at most (1 for a step of decode tokens only), and what it computes: ``kind`` "greedy" (every row the
     argmax of its logits: through the backend's fastest way), "sample" (the processors and sampling, any
-    mix of settings) or "logprobs" (that, and ``top_n`` log-probabilities per row)."""
+    mix of settings), "logprobs" (that, and ``top_n`` log-probabilities per row) or "prompt" (that, and
+    the log-probabilities of every prompt token the step computes, with their ``top_n``)."""
 
     T: int
     B: int
@@ -57,6 +59,9 @@ class StepInputs:
     tokens_BS: jax.Array | None = None
     prompt_lens_B: jax.Array | None = None
     lengths_B: jax.Array | None = None
+    # "prompt" steps: the prompt token after each of the step's tokens, whose log-probability its logits
+    # give (-1 where there is none: a prompt's last token, decode tokens, padding).
+    prompt_targets_T: jax.Array | None = None
 
 
 def history(tokens_BS: jax.Array, prompt_lens_B: jax.Array, lengths_B: jax.Array, V: int) -> History:
@@ -74,20 +79,26 @@ def history(tokens_BS: jax.Array, prompt_lens_B: jax.Array, lengths_B: jax.Array
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "mesh"), donate_argnames=("cache",))
 def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: StepInputs, *, backend: Backend,
-         mesh: Mesh | None = None) -> tuple[PagedKVCache, Emitted]:
-    """Run the step's tokens and choose each sequence's next token: the cache and what each sequence
+         mesh: Mesh | None = None) -> tuple[PagedKVCache, Emitted, TokenLogprobs | None]:
+    """Run the step's tokens and choose each sequence's next token: the cache, what each sequence
     emitted ([B] arrays; rows of padding sequences and of chunks that do not end their prompt are
-    meaningless). ``cache`` is donated."""
+    meaningless) and, for a "prompt" step, the log-probabilities of ``inputs.prompt_targets_T`` ([1, T]
+    arrays, the model's own, before any processor). ``cache`` is donated."""
     batch = inputs.batch
     x_TD, cache = forward_paged(weights, config, inputs.tokens_T, inputs.positions_T, constrain_cache(cache, mesh),
                                 batch, mesh, backend=backend)
     cache = constrain_cache(cache, mesh)
+    prompt = None
+    if inputs.prompt_targets_T is not None:
+        prompt = token_logprobs(weights, config, x_TD[None], inputs.prompt_targets_T[None],
+                                top_n=inputs.controls.logprobs.top_n, backend=backend)
+        prompt = constrain_replicated(prompt, mesh)
     x_BD = x_TD[batch.query_start_B + jnp.maximum(batch.num_tokens_B - 1, 0)]  # each sequence's last token
     controls = inputs.controls
     if argmax_only(controls):
         token_B = greedy_tokens(weights, config, x_BD, backend)
         if token_B is not None:
-            return cache, constrain_replicated(Emitted(tokens_BS=token_B), mesh)
+            return cache, constrain_replicated(Emitted(tokens_BS=token_B), mesh), prompt
     logits_BV = unembed(weights, config, x_BD[:, None], backend)[:, 0]
     B, V = logits_BV.shape
     past = (None if inputs.tokens_BS is None else
@@ -96,7 +107,7 @@ def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: Step
     state = DecodeState(tokens_B=zeros_B, num_generated_B=inputs.num_generated_B, finish_reason_B=zeros_B,
                         history=past or History(length_B=zeros_B))
     _, emitted = choose(logits_BV, state, controls, backend)
-    return cache, constrain_replicated(emitted, mesh)
+    return cache, constrain_replicated(emitted, mesh), prompt
 
 
 def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_width: int,
@@ -113,7 +124,8 @@ def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_w
                                              zeros_B, bias_width=bias_width),
                       num_generated_B=zeros_B,
                       **({} if shape.kind == "greedy" else dict(tokens_BS=np.zeros((B, max_model_len), np.int32),
-                                                                 prompt_lens_B=zeros_B, lengths_B=zeros_B)))
+                                                                 prompt_lens_B=zeros_B, lengths_B=zeros_B)),
+                      **(dict(prompt_targets_T=np.full((T,), -1, np.int32)) if shape.kind == "prompt" else {}))
 
 
 def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens_B: np.ndarray, *,
@@ -130,4 +142,4 @@ def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens
     return DecodeControls(sampling=SamplingParams.stack_fixed(sampling, bias_width=bias_width),
                           eos_ids_BE=end_ids_BE, stop_ids_BX=none_BE, max_new_tokens_B=np.zeros((B,), np.int32),
                           min_new_tokens_B=min_new_tokens_B,
-                          logprobs=Logprobs(top_n=shape.top_n) if shape.kind == "logprobs" else None)
+                          logprobs=Logprobs(top_n=shape.top_n) if shape.kind in ("logprobs", "prompt") else None)

@@ -179,6 +179,30 @@ def test_echo(client, expected):
     assert _stream_text(stream)[0] == [response.choices[0].text]
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_generate_does(client, model, expected):
+    prompt = PROMPTS[1]
+    theirs = llm_jax.generate(model, [prompt], max_new_tokens=4, prompt_logprobs=2)[0]
+    response = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                         echo=True, logprobs=2)
+    (choice,) = response.choices
+    lp, n = choice.logprobs, len(theirs.prompt_ids)
+    assert choice.text == prompt + theirs.text
+    assert len(lp.tokens) == n + response.usage.completion_tokens and response.usage.prompt_tokens == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    for i in range(1, n):
+        assert math.isclose(lp.token_logprobs[i], theirs.prompt_logprobs[i], abs_tol=1e-5)
+        top = theirs.prompt_top_logprobs[i]
+        assert len(lp.top_logprobs[i]) in (2, 3) and lp.top_logprobs[i][lp.tokens[i]] == lp.token_logprobs[i]
+        assert sorted(lp.top_logprobs[i].values(), reverse=True)[:2] == pytest.approx(sorted(top.values())[::-1][:2],
+                                                                                      abs=1e-5)
+    assert "".join(lp.tokens[n:]) == theirs.text
+    stream = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                       logprobs=2, stream=True)
+    pieces = [c.choices[0].logprobs for c in stream if c.choices]
+    streamed = [t for p in pieces if p is not None for t in p.token_logprobs]
+    assert streamed == lp.token_logprobs
+
+
 def test_models_version_tokenize_detokenize(client, http, model, server):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     assert httpx.get(f"{server.url}/version").json()["version"]

@@ -45,7 +45,6 @@ CASES = [
     ("/v1/completions", {**COMPLETION, "prompt": [1] * MAX_MODEL_LEN}, 400, "max_tokens"),
     ("/v1/completions", {**COMPLETION, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {**COMPLETION, "logprobs": True}, 400, "logprobs"),
-    ("/v1/completions", {**COMPLETION, "logprobs": 1, "echo": True}, 400, "echo"),
     ("/v1/completions", {**COMPLETION, "stop": [""]}, 400, "stop"),
     ("/v1/completions", {**COMPLETION, "stop": [1]}, 400, "stop[0]"),
     ("/v1/completions", {**COMPLETION, "stop_token_ids": [VOCAB]}, 400, "stop_token_ids"),

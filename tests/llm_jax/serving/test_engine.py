@@ -94,6 +94,29 @@ def test_text_stops_and_logprobs_are_generates(stories):
             assert [o.top_logprobs[0].keys() for o in ours] == [d.keys() for d in theirs.top_logprobs]
 
 
+def test_prompt_logprobs_are_generates(stories):
+    """Each prompt token's log-probability and top tokens, as ``generate`` gives them, whatever the
+    chunking (a budget of 16 tokens) and though the prompt's prefix is cached by an earlier request."""
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
+    engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=16, block_size=8, max_model_len=256)
+    outputs = run_all(engine, {0: [("warm", prompt, dict(max_new_tokens=2))],
+                               3: [("p", prompt, dict(max_new_tokens=3, prompt_logprobs=3)),
+                                   ("q", prompt[:40], dict(max_new_tokens=2, prompt_logprobs=0))]})
+    for rid, text, n in (("p", prompt, 3), ("q", prompt[:40], 0)):
+        theirs = alone(stories, text, max_new_tokens=3, prompt_logprobs=n)
+        first = outputs[rid][0]
+        assert first.prompt_logprobs[0] is None and first.prompt_top_logprobs[0] is None
+        assert len(first.prompt_logprobs) == len(theirs.prompt_logprobs) == first.num_prompt_tokens
+        np.testing.assert_allclose(first.prompt_logprobs[1:], theirs.prompt_logprobs[1:], atol=1e-5)
+        for ours, expected in zip(first.prompt_top_logprobs[1:], theirs.prompt_top_logprobs[1:] if n else
+                                  [{}] * (len(first.prompt_logprobs) - 1), strict=True):
+            assert list(ours) == list(expected)[:n]
+            np.testing.assert_allclose(list(ours.values()), list(expected.values())[:n], atol=1e-5)
+        assert all(o.prompt_logprobs is None for o in outputs[rid][1:])
+    assert outputs["warm"][0].prompt_logprobs is None
+    assert engine.stats().prefix_hit_tokens == 0  # scored prompts compute every position
+
+
 FAMILIES = {
     "llama": dict(),
     "mistral": dict(sliding_window=6),  # windows that cross blocks of 4
@@ -134,7 +157,7 @@ def test_no_step_compiles_after_warm_up(stories):
     for i in range(10):
         prompt = [1] + [rng.randrange(3, 512) for _ in range(rng.randrange(0, 60))]
         kwargs = dict(sampling=SAMPLINGS[i % len(SAMPLINGS)], max_new_tokens=rng.randrange(1, 30), ignore_eos=True,
-                      logprobs=2 if i % 4 == 3 else None)
+                      logprobs=2 if i % 4 == 3 else None, prompt_logprobs=1 if i % 5 == 2 else None)
         arrivals.setdefault(rng.randrange(0, 20), []).append((f"r{i}", prompt, kwargs))
     run_all(engine, arrivals)
     assert step._cache_size() == programs
