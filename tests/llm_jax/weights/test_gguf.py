@@ -9,6 +9,7 @@ or tokenizer.json via ``gguf.vocab``. Loading must undo all of it.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import pathlib
@@ -268,11 +269,11 @@ def test_float_gguf_logits_and_greedy_match_transformers(family):
 @pytest.mark.parametrize("name", ["llama2_mha", "qwen2_bias_tied"])
 def test_half_precision_gguf_equals_the_rounded_source(built, name, qtype):
     """F16 / BF16 tensors are read exactly: the logits equal transformers' on the same rounded weights."""
-    name, folder, _ = built(name)
+    name, folder, source = built(name)
     model = llm_jax.load(write_gguf(folder / f"{qtype.name}.gguf", folder / "hf", qtype), dtype="float32")
     rounded = {torch.float16: Q.F16, torch.bfloat16: Q.BF16}
     torch_dtype = next(k for k, v in rounded.items() if v == qtype)
-    reference = build(GGUF_FAMILIES[name], folder / "again")
+    reference = copy.deepcopy(source)
     with torch.no_grad():
         for p in reference.parameters():
             if p.ndim == 2:
@@ -358,7 +359,7 @@ def test_q4_0_file_with_a_q6_k_head_loads(tmp_path):
 def test_dequantized_gguf_params_are_the_gguf_dequantization(built, name, qtype):
     """With ``dequantize``, every param is gguf's own dequantization of its tensor moved into our layout:
     logits equal transformers' with those values as weights."""
-    name, folder, torch_model = built(name)
+    name, folder, source = built(name)
     path = write_gguf(folder / f"{qtype.name}.gguf", folder / "hf", qtype)
     config, params = load_gguf(path, dequantize=True)
     f = open_gguf(path)
@@ -377,7 +378,7 @@ def test_dequantized_gguf_params_are_the_gguf_dequantization(built, name, qtype)
             rows = value.shape[0]
             value = value.reshape(heads, config.head_dim // 2, 2, -1).swapaxes(1, 2).reshape(rows, -1)
         expected_hf[hf_name] = value.astype(np.float32)
-    torch_model = build(GGUF_FAMILIES[name], folder / "deq")
+    torch_model = copy.deepcopy(source)
     with torch.no_grad():
         for pname, p in torch_model.named_parameters():
             if pname in expected_hf:
