@@ -11,8 +11,8 @@
 // dequantize-then-multiply reaches within float32 rounding. Decode reads the bytes once per step: a
 // quarter (int8) or an eighth (int4) of float32's.
 //
-// Written with GCC vector extensions (16 lanes: two 8-wide vectors with AVX2, one with AVX-512, and
-// whatever the target has elsewhere), so the same source is the portable path.
+// Each panel row is two 8-wide float vectors; AVX2 widens the bytes (and splits the nibbles) with its
+// own instructions, other targets with a plain loop (the portable path).
 
 #include <algorithm>
 #include <cstdint>
@@ -27,61 +27,84 @@ using namespace llm_jax_kernels;
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-
-constexpr int64_t kWidth = 16;      // columns per panel
-constexpr int64_t kRowBlock = 4;    // rows of x sharing each converted weight vector
+constexpr int64_t kWidth = 16;           // columns per panel
+constexpr int64_t kRowBlock = 4;         // rows of x sharing each converted weight vector
 constexpr int64_t kUnitBytes = 1 << 16;  // weight bytes per unit of work (a few panels)
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+// A panel's 16 columns as two 8-wide float vectors.
+struct Row16 {
+  f32x8 a, b;
+};
+
+inline Row16 row_i8(const int8_t* p) { return {load8(p), load8(p + 8)}; }
+
+// One byte row of a 4-bit panel: inputs 2j (low nibbles) and 2j + 1 (high nibbles), each q + 8.
+inline void rows_i4(const uint8_t* p, Row16* lo, Row16* hi) {
+#if defined(__AVX2__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  const __m128i l = _mm_sub_epi8(_mm_and_si128(bytes, mask), eight);
+  const __m128i h = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), eight);
+  auto widen = [](__m128i v) {
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    f32x8 out;
+    std::memcpy(&out, &f, sizeof out);
+    return out;
+  };
+  *lo = {widen(l), widen(_mm_srli_si128(l, 8))};
+  *hi = {widen(h), widen(_mm_srli_si128(h, 8))};
+#else
+  for (int i = 0; i < 8; ++i) {
+    lo->a[i] = static_cast<float>((p[i] & 15) - 8), lo->b[i] = static_cast<float>((p[8 + i] & 15) - 8);
+    hi->a[i] = static_cast<float>((p[i] >> 4) - 8), hi->b[i] = static_cast<float>((p[8 + i] >> 4) - 8);
+  }
+#endif
 }
 
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline i8x16 load_i8(const int8_t* p) {
-  i8x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+inline void fma_row(Row16& acc, float x, const Row16& w) {
+  acc.a += splat(x) * w.a;
+  acc.b += splat(x) * w.b;
 }
 
-inline u8x16 load_u8(const uint8_t* p) {
-  u8x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline f32x16 widen(i8x16 q) { return __builtin_convertvector(q, f32x16); }
-
-// Σ_{k in [k0, k1)} x_r[k] · q[k, 0:16] for the RB rows x_r = x + r · K, into part[r]: one group.
+// Σ_{k in [k0, k1)} x_r[k] · q[k, 0:16] for the RB rows x_r = x + r · K, into part[r]: one group. Even and
+// odd inputs go to separate sums (added at the end), so that consecutive multiply-adds do not wait on
+// each other.
 template <int kBits, int RB>
-inline void group_sums(const float* x, int64_t K, const void* panel, int64_t k0, int64_t k1, f32x16* part) {
-  for (int r = 0; r < RB; ++r) part[r] = f32x16{};
+inline void group_sums(const float* x, int64_t K, const void* panel, int64_t k0, int64_t k1, Row16* part) {
+  Row16 odd[RB];
+  for (int r = 0; r < RB; ++r) part[r] = odd[r] = Row16{};
+  int64_t k = k0;
   if constexpr (kBits == 8) {
     const int8_t* q = static_cast<const int8_t*>(panel);
-    for (int64_t k = k0; k < k1; ++k) {
-      const f32x16 w = widen(load_i8(q + k * kWidth));
-      for (int r = 0; r < RB; ++r) part[r] += x[r * K + k] * w;
+    for (; k + 1 < k1; k += 2) {
+      const Row16 w0 = row_i8(q + k * kWidth), w1 = row_i8(q + (k + 1) * kWidth);
+      for (int r = 0; r < RB; ++r) {
+        fma_row(part[r], x[r * K + k], w0);
+        fma_row(odd[r], x[r * K + k + 1], w1);
+      }
+    }
+    if (k < k1) {
+      const Row16 w0 = row_i8(q + k * kWidth);
+      for (int r = 0; r < RB; ++r) fma_row(part[r], x[r * K + k], w0);
     }
   } else {  // k0 even: pairs of inputs from one byte; an odd k1 ends on a low nibble
     const uint8_t* q = static_cast<const uint8_t*>(panel);
-    const i8x16 eight = i8x16{} + 8;
-    int64_t k = k0;
+    Row16 lo, hi;
     for (; k + 1 < k1; k += 2) {
-      const u8x16 b = load_u8(q + (k / 2) * kWidth);
-      const f32x16 lo = widen((i8x16)(b & 15) - eight);
-      const f32x16 hi = widen((i8x16)(b >> 4) - eight);
-      for (int r = 0; r < RB; ++r) part[r] += x[r * K + k] * lo + x[r * K + k + 1] * hi;
+      rows_i4(q + (k / 2) * kWidth, &lo, &hi);
+      for (int r = 0; r < RB; ++r) {
+        fma_row(part[r], x[r * K + k], lo);
+        fma_row(odd[r], x[r * K + k + 1], hi);
+      }
     }
     if (k < k1) {
-      const u8x16 b = load_u8(q + (k / 2) * kWidth);
-      const f32x16 lo = widen((i8x16)(b & 15) - eight);
-      for (int r = 0; r < RB; ++r) part[r] += x[r * K + k] * lo;
+      rows_i4(q + (k / 2) * kWidth, &lo, &hi);
+      for (int r = 0; r < RB; ++r) fma_row(part[r], x[r * K + k], lo);
     }
+  }
+  for (int r = 0; r < RB; ++r) {
+    part[r].a += odd[r].a;
+    part[r].b += odd[r].b;
   }
 }
 
@@ -89,14 +112,20 @@ inline void group_sums(const float* x, int64_t K, const void* panel, int64_t k0,
 template <int kBits, int RB>
 inline void panel_rows(const float* x, int64_t K, const void* panel, const float* scales, int64_t G, float* y,
                        int64_t N) {
-  f32x16 acc[RB], part[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = f32x16{};
+  Row16 acc[RB], part[RB];
+  for (int r = 0; r < RB; ++r) acc[r] = Row16{};
   for (int64_t g = 0; g * G < K; ++g) {
     group_sums<kBits, RB>(x, K, panel, g * G, std::min(K, (g + 1) * G), part);
-    const f32x16 s = load16(scales + g * kWidth);
-    for (int r = 0; r < RB; ++r) acc[r] += part[r] * s;
+    const f32x8 s0 = load8(scales + g * kWidth), s1 = load8(scales + g * kWidth + 8);
+    for (int r = 0; r < RB; ++r) {
+      acc[r].a += part[r].a * s0;
+      acc[r].b += part[r].b * s1;
+    }
   }
-  for (int r = 0; r < RB; ++r) store16(y + r * N, acc[r]);
+  for (int r = 0; r < RB; ++r) {
+    store8(y + r * N, acc[r].a);
+    store8(y + r * N + 8, acc[r].b);
+  }
 }
 
 template <int kBits>
