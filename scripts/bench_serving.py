@@ -23,8 +23,10 @@ EPILOG = """\
 examples:
   bench_serving.py --model 15M --num-prompts 16 --input-len-range 32 128 --output-len 32 --compare generate --compare hf
   bench_serving.py --model 110M --num-prompts 64 --input-len-range 32 256 --output-len 128 --max-num-seqs 16 --compare generate --compare hf
-  bench_serving.py --model 110M --num-prompts 32 --prefix-len 512 --input-len 32 --output-len 16
-  bench_serving.py --model 110M --num-prompts 32 --prefix-len 512 --input-len 32 --output-len 16 --no-prefix-caching
+  bench_serving.py --model 110M --num-prompts 16 --input-len 16 --output-len 256 --max-num-seqs 16 --compare generate --static-batch 16
+  bench_serving.py --model 110M --num-prompts 32 --prefix-len 512 --input-len 32 --output-len 16 --compare no-prefix-cache
+  bench_serving.py --model 110M --num-prompts 8 --input-len 32 --output-len 192 --late-request 1000 4 --max-num-batched-tokens 64
+  bench_serving.py --model 110M --num-prompts 64 --input-len-range 32 256 --output-len 128 --max-num-seqs 16 --max-concurrency 16 --launch llm_jax --launch transformers --compare engine
   bench_serving.py --model 15M --num-prompts 64 --request-rate 8 --json serving.json
 
 models: a named shape with random weights (260K, 15M, 110M: llama2.c stories; 1B: TinyLlama 1.1B) or a
@@ -56,6 +58,17 @@ over the row's, round by round, median):
             on the same weights, given the engine's block size, block count, token budget and sequences,
             fed at the same arrival times; where it cannot run, model.generate in static batches,
             labelled so, with the reason.
+  no-prefix-cache  the engine again with its prefix cache off (what the cache saves, side by side).
+
+Online (--launch, --url): each request a streamed POST /v1/completions of a text prompt (random whole
+words of the tokenizer's vocabulary, one per drawn prompt token; a named shape gets the Llama 2 tokenizer),
+temperature 0, every token asked for (ignore_eos; transformers serve: min_new_tokens). --launch starts
+llm_jax's server (scripts/serve.py, the engine options above) or 'transformers serve --continuous-batching'
+(the same block size, block count and token budget) on a free port of 127.0.0.1 on the same weights, one
+after the other, and stops it; --url drives a server already running. Deliveries are the server-sent
+events; latencies count from when a request is sent (after --max-concurrency lets it go). --compare
+engine then runs the same token ids through the engine in this process (HTTP's cost, side by side);
+--goodput counts the requests per second that meet every latency target.
 """
 
 BACKENDS = ("auto", "xla", "cpu", "pallas")  # llm_jax.backends.CHOICES, without importing JAX for --help
@@ -146,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", type=slo, default=[],
                    help="latency targets for goodput (requests/s meeting all of them): ttft:MS, tpot:MS, e2e:MS")
     c = p.add_argument_group("comparisons")
-    c.add_argument("--compare", action="append", choices=["generate", "hf", "engine"], default=[],
-                   help="also run llm_jax.generate in static batches, transformers' continuous batching, or (online) "
-                        "llm_jax's engine in this process on the same prompts (repeatable)")
+    c.add_argument("--compare", action="append", choices=["generate", "hf", "no-prefix-cache", "engine"], default=[],
+                   help="also run llm_jax.generate in static batches, transformers' continuous batching, the engine "
+                        "with its prefix cache off, or (online) llm_jax's engine in this process on the same "
+                        "prompts (repeatable)")
     c.add_argument("--static-batch", type=positive_int, default=8, help="batch size of the static runs (default 8)")
     c.add_argument("--repeats", type=positive_int, default=1, help="rounds of runs, the engines taking turns (default 1)")
     c.add_argument("--threads", type=positive_int, help="torch threads (default: every CPU)")
@@ -229,6 +243,9 @@ def run(args, argv: list[str], spec, workdir: pathlib.Path, name: str, log) -> d
     if online:
         return run_online(args, argv, spec, source, model, requests, ours, workdir, threads, log)
     engines = [ours]
+    if "no-prefix-cache" in args.compare:
+        engines.append(serving.LlmJaxServing(model, options | {"enable_prefix_caching": False}, name=name,
+                                             variant="no prefix cache"))
     if "generate" in args.compare:
         engines.append(serving.StaticGenerate(model, args.static_batch, name=name))
     warm_ups = {}
@@ -267,9 +284,9 @@ def run_online(args, argv, spec, source, model, requests, ours, workdir: pathlib
     from benchmarking import online
     from benchmarking.serving import ServingRequest
 
-    if "generate" in args.compare or "hf" in args.compare:
-        raise ValueError("online mode compares servers (--launch, --url) and --compare engine; run --compare "
-                         "generate or hf without --launch/--url")
+    if set(args.compare) - {"engine"}:
+        raise ValueError("online mode compares servers (--launch, --url) and --compare engine; run the other "
+                         "comparisons without --launch/--url")
     if model.tokenizer is None:
         raise ValueError(f"online mode sends text: {args.model} has no tokenizer")
     texts = online.text_requests(requests, model.tokenizer, seed=args.seed)

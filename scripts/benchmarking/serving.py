@@ -275,8 +275,9 @@ class LlmJaxServing:
 
     note = ""
 
-    def __init__(self, model: Model, engine_options: dict, *, name: str = "llm_jax"):
-        self.model, self.engine_options, self.name = model, engine_options, f"{name} serving"
+    def __init__(self, model: Model, engine_options: dict, *, name: str = "llm_jax", variant: str = ""):
+        self.model, self.engine_options = model, engine_options
+        self.name = f"{name} serving" + (f" ({variant})" if variant else "")
         self.engine: Engine | None = Engine(model, **engine_options)  # the next run's, once warmed up
         e = self.engine
         self.limits = EngineLimits(block_size=e.block_size, num_blocks=e.scheduler.pool.capacity,
