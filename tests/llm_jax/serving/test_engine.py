@@ -218,6 +218,24 @@ def test_a_sharded_engine_gives_the_same_tokens(stories260k_dir):
     assert "model" in spec
 
 
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_weights_serve_as_generate_runs_them(stories260k_dir, quantize):
+    """The engine takes quantized leaves as they are: on the default backend (the CPU kernels here) and on
+    XLA, each request's tokens are generate's on the same quantized model."""
+    model = llm_jax.load(stories260k_dir / "stories260K.bin", quantize=quantize)
+    assert any(type(leaf).__name__ == "QuantizedArray"
+               for leaf in jax.tree.leaves(model.params, is_leaf=lambda x: type(x).__name__ == "QuantizedArray"))
+    prompts = ["Once upon a time", "The little dog"]
+    kwargs = dict(max_new_tokens=16, ignore_eos=True)
+    for backend in (model.backend, "xla"):
+        engine = Engine(model.with_backend(backend), max_num_seqs=2, max_num_batched_tokens=16, block_size=8,
+                        max_model_len=128)
+        outputs = run_all(engine, {0: [("a", prompts[0], kwargs)], 2: [("b", prompts[1], kwargs)]})
+        for rid, prompt in zip("ab", prompts):
+            assert ([t for o in outputs[rid] for t in o.token_ids]
+                    == alone(model.with_backend(backend), prompt, **kwargs).output_ids), (rid, backend)
+
+
 @pytest.mark.parametrize("backend", ["pallas", "xla"])
 def test_every_backend_attends_over_pages_alike(backend):
     """The Pallas ragged paged kernel (interpreted here) and XLA's reference give the engine the tokens
