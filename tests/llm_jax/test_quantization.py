@@ -1,0 +1,301 @@
+"""Quantized weights (``llm_jax.quantization``): the layout, the accuracy, and every path that takes them.
+
+- the stored layout, read back with plain numpy from the module's description (int8, and int4 pairs
+  with input 2j in the low nibble, offset by 8), and the round-trip bound of symmetric rounding;
+- llama.cpp's Q8_0 and Q4_0 blocks, made and dequantized by the ``gguf`` package, held as our leaves
+  dequantize to the package's floats bit for bit;
+- every family's forward with quantized leaves equals the forward of their dequantized floats, on every
+  backend, and greedy generation through the CPU backend equals XLA's;
+- perplexity and mean KL of next-token distributions on held-out text, shipped model and stories260K;
+- the converter writes quantized checkpoints that load back as the same leaves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import llm_jax
+from llm_jax import ModelConfig, Quantization
+from llm_jax.backends.cpu.quantized import QuantizedPanels
+from llm_jax.cli.convert import main as convert_main
+from llm_jax.cli.generate import DEFAULT_MODEL
+from llm_jax.model import forward, init_params
+from llm_jax.quantization import (
+    QuantizedArray,
+    from_gguf_blocks,
+    is_quantized,
+    quantize,
+    quantize_params,
+)
+from llm_jax.sampling import GREEDY
+
+SCHEMES = {"int8": Quantization(bits=8), "int8+embedding": Quantization(bits=8, embedding=True),
+           "int4 g32": Quantization(bits=4, group_size=32), "int4 g64": Quantization(bits=4, group_size=64),
+           "int4 g128": Quantization(bits=4, group_size=128)}
+
+
+def dequantized(params):
+    """``params`` with every quantized leaf replaced by the float32 array it stands for."""
+    return jax.tree.map(lambda x: x.dequantize() if is_quantized(x) else x, params, is_leaf=is_quantized)
+
+
+# --- the layout ---------------------------------------------------------------------------------------
+
+
+def numpy_dequantize(q: QuantizedArray) -> np.ndarray:
+    """The module docstring's layout, read with numpy: W[k, n] = s[k // g, n] * q[k, n]."""
+    values, scales = np.asarray(q.values), np.asarray(q.scales)
+    if q.transposed:
+        values, scales = np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)
+    if q.bits == 4:
+        ints = np.empty((*values.shape[:-2], 2 * values.shape[-2], values.shape[-1]), np.int32)
+        ints[..., 0::2, :] = (values & 0xF).astype(np.int32) - 8
+        ints[..., 1::2, :] = (values >> 4).astype(np.int32) - 8
+        ints = ints[..., : q.K, :]
+    else:
+        ints = values.astype(np.int32)
+    w = ints.astype(np.float32) * np.repeat(scales, q.group_size, axis=-2)[..., : q.K, :]
+    if q.transposed:
+        w = np.swapaxes(w, -1, -2)
+    return w.reshape(q.shape)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group_size", [None, 32, 64, 128, 20])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_round_trip_within_half_a_step(bits, group_size, transposed):
+    rng = np.random.default_rng(bits * 1000 + (group_size or 0))
+    K, N = 172, 24  # stories260K's MLP width: a group size that does not divide K leaves a short last group
+    w_KN = rng.standard_t(df=4, size=(2, K, N)).astype(np.float32)  # heavy tails, as real weights have
+    w = np.swapaxes(w_KN, -1, -2) if transposed else w_KN
+    q = quantize(jnp.asarray(w), bits, group_size, transposed=transposed)
+    g = group_size or K
+    assert q.shape == w.shape and q.group_size == g and q.scales.dtype == jnp.float32
+    assert q.values.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
+    back = np.asarray(q.dequantize())
+    np.testing.assert_array_equal(back, numpy_dequantize(q))  # the layout as documented
+    back_KN = np.swapaxes(back, -1, -2) if transposed else back
+    step = np.repeat(np.asarray(q.scales if not transposed else np.swapaxes(q.scales, -1, -2)), g, axis=-2)[:, :K]
+    # |w - ŝq| <= s / 2 (rounding to nearest), with room for float32 rounding of w / s and s·q.
+    assert np.all(np.abs(w_KN - back_KN) <= step * (0.5 + 1e-5))
+    # Each group's largest |w| is represented: max |q| reaches QMAX.
+    ints = np.asarray(q.ints())
+    ints_KN = np.swapaxes(ints, -1, -2) if transposed else ints
+    assert np.abs(ints_KN).max() == (127 if bits == 8 else 7)
+
+
+def test_int4_nibble_order():
+    # q = -8 ... 7 down one column: byte j holds input 2j (low nibble) and 2j + 1 (high), offset by 8.
+    q_K = np.arange(-8, 8, dtype=np.int8)
+    leaf = quantize(jnp.asarray(q_K.astype(np.float32)[:, None]), 4)  # scale 8/7: not exact, so set it
+    values = ((q_K[0::2] + 8) | ((q_K[1::2] + 8) << 4)).astype(np.uint8)[:, None]
+    leaf = dataclasses.replace(leaf, values=jnp.asarray(values), scales=jnp.ones((1, 1), jnp.float32))
+    np.testing.assert_array_equal(np.asarray(leaf.ints())[:, 0], q_K)
+    np.testing.assert_array_equal(np.asarray(leaf.dequantize())[:, 0], q_K.astype(np.float32))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quantize(jnp.ones((4, 4)), 3)
+    with pytest.raises(ValueError, match=r"not \[\.\.\., 4, 6\]"):
+        quantize(jnp.ones((4, 5)), 8, in_shape=(4,), out_shape=(6,))
+    with pytest.raises(llm_jax.ConfigError, match="bits must be 8 or 4"):
+        Quantization(bits=2)
+    with pytest.raises(llm_jax.ConfigError, match="group_size"):
+        Quantization(bits=4, group_size=0)
+
+
+# --- GGUF's Q8_0 and Q4_0 -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_gguf_blocks_are_held_exactly(kind):
+    """llama.cpp's blocks (made by the ``gguf`` package) as our leaves: the same floats, bit for bit."""
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    rng = np.random.default_rng(1)
+    R, K = 12, 96  # R output rows of K inputs: GGUF's [out, in] layout
+    w = rng.normal(size=(R, K)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype)  # uint8 [R, K / 32 · block bytes]
+    expected = gguf.quants.dequantize(raw, qtype)
+    blocks = raw.reshape(R, K // 32, -1)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        q = blocks[..., 2:].copy().view(np.int8).reshape(R, K)
+        bits = 8
+    else:  # qs[i]: input i (low nibble) and input i + 16 (high nibble) of the block
+        qs = blocks[..., 2:]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(R, K)
+        bits = 4
+    values, scales = from_gguf_blocks(q, d, bits)
+    leaf = QuantizedArray(jnp.asarray(values), jnp.asarray(scales), (K,), (R,), bits, 32, transposed=True)
+    np.testing.assert_array_equal(np.asarray(leaf.dequantize()), expected)
+    # The same leaf as a weight [in, out] (transposed arrays, not transposed flag): the same matrix.
+    as_in_out = QuantizedArray(jnp.asarray(values.T), jnp.asarray(scales.T), (K,), (R,), bits, 32)
+    np.testing.assert_array_equal(np.asarray(as_in_out.dequantize()), expected.T)
+
+
+# --- the model on quantized leaves --------------------------------------------------------------------------
+
+BASE = {"vocab_size": 96, "d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "d_ff": 96,
+        "max_seq_len": 64}
+FAMILIES = {
+    "llama_gqa": {},
+    "tied_mqa": {"tie_embeddings": True, "n_kv_heads": 1},
+    "qwen2_bias": {"qkv_bias": True},
+    "qwen3_qk_norm": {"qk_norm": True},
+    "gemma2": {"activation": "gelu_tanh", "norm_weight_offset": 1.0, "embed_scale": True, "sandwich_norm": True,
+               "tie_embeddings": True, "attn_logit_softcap": 20.0, "final_logit_softcap": 15.0, "sliding_window": 5,
+               "sliding_layers": (True, False), "query_pre_attn_scalar": 16.0},
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("scheme", ["int8+embedding", "int4 g32"])
+def test_forward_on_quantized_leaves_is_the_dequantized_forward(family, scheme):
+    config = ModelConfig(**{**BASE, **FAMILIES[family]})
+    params = init_params(config, seed=3)
+    qconfig, qparams = quantize_params(params, config, SCHEMES[scheme])
+    quantized = [k for k, leaf in jax.tree_util.tree_flatten_with_path(qparams, is_leaf=is_quantized)[0]
+                 if is_quantized(leaf)]
+    assert len(quantized) == 7 + (1 if SCHEMES[scheme].embedding else 0) + (
+        0 if config.tie_embeddings or not SCHEMES[scheme].embedding else 1)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 11)), jnp.int32)
+    expected = forward(dequantized(qparams), config, tokens, backend="xla")
+    for backend in ("xla", "cpu"):
+        got = forward(qparams, qconfig, tokens, backend=backend)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)
+    # The CPU kernels' form (int8 panels scaled after the product): the same function, summed in another order.
+    weights = llm_jax.CpuKernels().prepare(qparams, qconfig)
+    if SCHEMES[scheme].bits == 8:
+        assert isinstance(weights["layers"]["mlp"]["down_proj"], QuantizedPanels)
+    got = forward(weights, qconfig, tokens, backend="cpu")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4, rtol=0)
+
+
+def test_quantizing_twice_or_wrong_params_is_an_error():
+    config = ModelConfig(**BASE)
+    qconfig, qparams = quantize_params(init_params(config), config, SCHEMES["int8"])
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_params(qparams, qconfig, SCHEMES["int8"])
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_params(qparams, config, SCHEMES["int8"])
+    small = ModelConfig(**{**BASE, "d_ff": 32})
+    with pytest.raises(ValueError, match=r"params/layers/mlp/gate_proj is \(2, 64, 96\); the config says"):
+        quantize_params(init_params(config), small, SCHEMES["int8"])
+
+
+@pytest.mark.parametrize("scheme", ["int8+embedding", "int4 g32"])
+def test_greedy_generation_on_the_cpu_backend_equals_xla(scheme):
+    model = llm_jax.load(DEFAULT_MODEL, quantize=SCHEMES[scheme])
+    prompts = ["Once upon a time", "The little dog"]
+    outputs = {backend: llm_jax.generate(model.with_backend(backend), prompts, max_new_tokens=24, sampling=GREEDY)
+               for backend in ("xla", "cpu")}
+    assert [r.output_ids for r in outputs["xla"]] == [r.output_ids for r in outputs["cpu"]]
+
+
+# --- accuracy on held-out text ----------------------------------------------------------------------------
+
+
+def held_out_stories(count: int) -> str:
+    """Stories from the generator's held-out stream (one the shipped model's training never drew from)."""
+    from training.recipe import STORIES
+    from training.stories import stories
+
+    return "\n".join(itertools.islice(stories(STORIES.val_seed), count))
+
+
+# Not in TinyStories (written for this test): held-out text for stories260K.
+TINY_STORY = (
+    "One morning, a small brown dog named Pip found a red ball under the old tree in the park. He pushed it with "
+    "his nose and it rolled down the hill. Pip ran after it, barking happily. At the bottom of the hill sat a girl "
+    "called Mia. She picked up the ball and smiled. \"Is this yours?\" she asked. Pip wagged his tail. Mia threw the "
+    "ball far away, and Pip ran to get it. They played all day until the sun went down. When it was time to go "
+    "home, Mia gave Pip a hug. \"See you tomorrow,\" she said. Pip was very happy. The next day, it rained. Mia "
+    "looked out of the window and felt sad. Her mom said, \"Let's bake cookies.\" They mixed the flour and the "
+    "sugar and put the cookies in the oven. The kitchen smelled sweet and warm.")
+
+# Targets of issue 47: perplexity within 1% (int8) and 5% (int4, groups of 32) of the float model's.
+TARGETS = {"int8": 0.01, "int8+embedding": 0.01, "int4 g32": 0.05}
+
+
+def perplexity_and_kl(model, text: str) -> dict[str, tuple[float, float]]:
+    """{scheme: (perplexity / float perplexity - 1, mean KL(float ‖ quantized) in nats)} over ``text``."""
+    tokens = jnp.asarray([model.tokenizer.encode(text)], jnp.int32)
+
+    def log_probs(params, config):
+        return jax.nn.log_softmax(forward(params, config, tokens, backend="xla")[0, :-1], axis=-1)
+
+    def perplexity(lp):
+        return float(jnp.exp(-jnp.take_along_axis(lp, tokens[0, 1:, None], axis=-1).mean()))
+
+    lp0 = log_probs(model.params, model.config)
+    out = {}
+    for name, scheme in SCHEMES.items():
+        lp = log_probs(*reversed(quantize_params(model.params, model.config, scheme)))
+        kl = float((jnp.exp(lp0) * (lp0 - lp)).sum(-1).mean())
+        out[name] = (perplexity(lp) / perplexity(lp0) - 1, kl)
+    print(f"\n{model.path}: {tokens.shape[1]} tokens, perplexity {perplexity(lp0):.4f}")
+    for name, (delta, kl) in out.items():
+        print(f"  {name:15s} Δppl {100 * delta:+.2f}%  mean KL {kl:.5f}")
+    return out
+
+
+def check_targets(results: dict[str, tuple[float, float]], targets: dict[str, float]) -> None:
+    for name, limit in targets.items():
+        assert results[name][0] <= limit, f"{name}: Δ perplexity {100 * results[name][0]:+.2f}% > {100 * limit}%"
+    for name, (_, kl) in results.items():
+        assert 0 <= kl < (0.01 if name.startswith("int8") else 0.5), f"{name}: mean KL {kl}"
+
+
+def test_accuracy_on_the_shipped_model():
+    check_targets(perplexity_and_kl(llm_jax.load(DEFAULT_MODEL), held_out_stories(6)), TARGETS)
+
+
+def test_accuracy_on_stories260k(stories260k_dir):
+    results = perplexity_and_kl(llm_jax.load(stories260k_dir / "stories260K.bin"), TINY_STORY)
+    check_targets(results, STORIES260K_TARGETS)
+
+
+# stories260K (dim 64) loses more to 4 bits than the targets allow: see docs/quantization.md.
+STORIES260K_TARGETS = {"int8": 0.01, "int8+embedding": 0.01}
+
+
+# --- checkpoints ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags", [["--quantize", "int8", "--quantize-embedding"], ["--quantize", "int4"],
+                                   ["--quantize", "int4", "--group-size", "64"]])
+def test_converted_checkpoints_load_as_the_same_leaves(stories260k_dir, tmp_path, flags):
+    source = stories260k_dir / "stories260K.bin"
+    assert convert_main([str(source), str(tmp_path / "q"), "--quiet", *flags]) == 0
+    recorded = json.loads((tmp_path / "q" / "checkpoint.json").read_text())["config"]["quantization"]
+    model = llm_jax.load(tmp_path / "q")
+    float_model = llm_jax.load(source)
+    qconfig, qparams = quantize_params(float_model.params, float_model.config, model.config.quantization)
+    assert recorded == dataclasses.asdict(qconfig.quantization)
+    assert model.config == qconfig
+    assert jax.tree.structure(model.params) == jax.tree.structure(qparams)
+    for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(qparams)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    tokens = jnp.asarray([model.tokenizer.encode(TINY_STORY)[:40]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(forward(model.params, model.config, tokens, backend="xla")),
+                                  np.asarray(forward(qparams, qconfig, tokens, backend="xla")))
+
+
+def test_convert_flags_are_checked(stories260k_dir, tmp_path, capsys):
+    source = str(stories260k_dir / "stories260K.bin")
+    with pytest.raises(SystemExit):
+        convert_main([source, str(tmp_path / "a"), "--group-size", "32"])
+    assert "need --quantize" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        convert_main([source, str(tmp_path / "b"), "--quantize", "int3"])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
