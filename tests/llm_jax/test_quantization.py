@@ -204,12 +204,12 @@ def test_greedy_generation_on_the_cpu_backend_equals_xla(scheme):
 # --- accuracy on held-out text ----------------------------------------------------------------------------
 
 
-def held_out_stories(count: int) -> str:
+def held_out_stories(count: int) -> list[str]:
     """Stories from the generator's held-out stream (one the shipped model's training never drew from)."""
     from training.recipe import STORIES
     from training.stories import stories
 
-    return "\n".join(itertools.islice(stories(STORIES.val_seed), count))
+    return list(itertools.islice(stories(STORIES.val_seed), count))
 
 
 # Not in TinyStories (written for this test): held-out text for stories260K.
@@ -226,23 +226,31 @@ TINY_STORY = (
 TARGETS = {"int8": 0.01, "int8+embedding": 0.01, "int4 g32": 0.05}
 
 
-def perplexity_and_kl(model, text: str) -> dict[str, tuple[float, float]]:
-    """{scheme: (perplexity / float perplexity - 1, mean KL(float ‖ quantized) in nats)} over ``text``."""
-    tokens = jnp.asarray([model.tokenizer.encode(text)], jnp.int32)
+def perplexity_and_kl(model, texts: list[str]) -> dict[str, tuple[float, float]]:
+    """{scheme: (perplexity / float perplexity - 1, mean KL(float ‖ quantized) in nats)} over ``texts``,
+    each a document of its own (right-padded into one batch; every next token of every text counted)."""
+    ids = [model.tokenizer.encode(text) for text in texts]
+    T = max(map(len, ids))
+    tokens = jnp.asarray([row + [0] * (T - len(row)) for row in ids], jnp.int32)
+    lengths = jnp.asarray([len(row) for row in ids], jnp.int32)
+    valid = (jnp.arange(T - 1)[None, :] < lengths[:, None] - 1)[..., None]  # [B, T - 1, 1]: targets that exist
 
     def log_probs(params, config):
-        return jax.nn.log_softmax(forward(params, config, tokens, backend="xla")[0, :-1], axis=-1)
+        return jax.nn.log_softmax(forward(params, config, tokens, lengths, backend="xla")[:, :-1], axis=-1)
+
+    def mean(values):
+        return float(jnp.sum(jnp.where(valid, values, 0)) / jnp.sum(valid))
 
     def perplexity(lp):
-        return float(jnp.exp(-jnp.take_along_axis(lp, tokens[0, 1:, None], axis=-1).mean()))
+        return float(np.exp(-mean(jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1))))
 
     lp0 = log_probs(model.params, model.config)
     out = {}
     for name, scheme in SCHEMES.items():
         lp = log_probs(*reversed(quantize_params(model.params, model.config, scheme)))
-        kl = float((jnp.exp(lp0) * (lp0 - lp)).sum(-1).mean())
+        kl = mean((jnp.exp(lp0) * (lp0 - lp)).sum(-1, keepdims=True))
         out[name] = (perplexity(lp) / perplexity(lp0) - 1, kl)
-    print(f"\n{model.path}: {tokens.shape[1]} tokens, perplexity {perplexity(lp0):.4f}")
+    print(f"\n{model.path}: {int(valid.sum())} predicted tokens, perplexity {perplexity(lp0):.4f}")
     for name, (delta, kl) in out.items():
         print(f"  {name:15s} Δppl {100 * delta:+.2f}%  mean KL {kl:.5f}")
     return out
@@ -256,11 +264,11 @@ def check_targets(results: dict[str, tuple[float, float]], targets: dict[str, fl
 
 
 def test_accuracy_on_the_shipped_model():
-    check_targets(perplexity_and_kl(llm_jax.load(DEFAULT_MODEL), held_out_stories(6)), TARGETS)
+    check_targets(perplexity_and_kl(llm_jax.load(DEFAULT_MODEL), held_out_stories(16)), TARGETS)
 
 
 def test_accuracy_on_stories260k(stories260k_dir):
-    results = perplexity_and_kl(llm_jax.load(stories260k_dir / "stories260K.bin"), TINY_STORY)
+    results = perplexity_and_kl(llm_jax.load(stories260k_dir / "stories260K.bin"), [TINY_STORY])
     check_targets(results, STORIES260K_TARGETS)
 
 
