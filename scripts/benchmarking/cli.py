@@ -27,6 +27,7 @@ examples:
   benchmark.py --model 110M --compile-layers 6 12 24 --cli-ttft
   benchmark.py --model 15M --batch 32 --profile
   benchmark.py --model 15M --batch 1 32 --products
+  benchmark.py --model 110M --dtype float32 bfloat16 --quantize int8 int4
   benchmark.py --model 110M --speculative ngram --num-speculative-tokens 4
   benchmark.py --model checkpoints/stories-1m --speculative checkpoints/stories-1m-draft
 
@@ -56,6 +57,9 @@ each over many copies of its weights so that they come from memory as in a step,
 stay in the caches, through llm_jax's CPU kernels and torch's F.linear taking turns, with the share of the
 arithmetic peak each reaches: batched decode is bound by arithmetic, so these say how far batch B ÷ batch 1
 can go here.
+--quantize int8 int4 adds each --dtype's weights quantized (llm_jax.quantization: int8 per output channel,
+int4 in groups of 32) as rows "float32+int8", ..., taking turns with the float ones; their roofline counts
+the integers and scales the projections read.
 --speculative runs only the speculative study: plain and speculative generate taking turns on a
 repetitive and a novel prompt, with their decode tokens/s, ratio, acceptance rate and tokens per step.
 Peak memory is the process's: with --compare hf both engines' weights are resident, and with several
@@ -83,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", dest="models", action="append", help="named shape or checkpoint (repeatable)")
     p.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"])
+    p.add_argument("--quantize", nargs="+", choices=["int8", "int4"], default=[],
+                   help="also run each --dtype's weights quantized (llm_jax.quantization; int4 in groups of 32), "
+                        "taking turns with the float ones: rows 'bfloat16+int8'")
     p.add_argument("--batch", nargs="+", type=positive_int, default=[1])
     p.add_argument("--prompt-len", type=positive_int, default=16)
     p.add_argument("--new-tokens", type=positive_int, default=129,
@@ -207,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
                       chunk_steps=args.chunk_steps, compare_hf=args.compare == "hf", threads=threads,
                       bandwidth_gbps=bandwidth, peaks_gflops=peaks, probe_each_run=not args.bandwidth,
                       engines=engines, profile=args.profile)
-    results = run_matrix(models, args.dtype, args.batch, options)
+    dtypes = [*args.dtype, *(f"{d}+{q}" for q in args.quantize for d in args.dtype)]
+    results = run_matrix(models, dtypes, args.batch, options)
     rows = [row for result in results for row in result.rows]
     ratios = {}
     for result in results:

@@ -35,10 +35,17 @@ def weight_bytes_per_step(config: ModelConfig, batch: int, *, screen: str | None
     read = config.num_params() - embedding + batch * config.d_model
     if config.tie_embeddings:  # the table is the LM head, read whole
         read += embedding
+    quantized = 0
+    if config.quantization is not None:  # the projections as integers and float32 scales (not the head)
+        D, N, K, H, F = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
+        projections = config.n_layers * (D * H * (N + 2 * K) + N * H * D + 3 * D * F)
+        group = config.quantization.group_size or D
+        read -= projections
+        quantized = projections * config.quantization.bits // 8 + 4 * projections // group
     if screen is None:
-        return read * itemsize
+        return read * itemsize + quantized
     per_weight, per_column = SCREEN_BYTES[screen]
-    return (read - embedding) * itemsize + embedding * per_weight + config.vocab_size * per_column
+    return (read - embedding) * itemsize + quantized + embedding * per_weight + config.vocab_size * per_column
 
 
 # Bytes a screen reads per weight of the head and per column (scales, norms).

@@ -22,6 +22,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import cache_bytes_per_token
 from llm_jax.loading import Model
 from llm_jax.model import Params, init_params
+from llm_jax.quantization import parse_quantization, quantize_params
 
 from benchmarking import machine as machine_lib
 from benchmarking.hf_engine import HfEngine, save_random_hf_model
@@ -124,12 +125,17 @@ class ModelSource:
 
     def load_model(self, dtype: str, backend: Backend | str = "auto") -> Model:
         """The model in ``dtype``, run by ``backend``: the Hugging Face copy or the checkpoint as
-        ``llm_jax.load`` gives it, or a named shape's random weights (no tokenizer, no end-of-sequence id)."""
+        ``llm_jax.load`` gives it, or a named shape's random weights (no tokenizer, no end-of-sequence id).
+        ``dtype`` "bfloat16+int8" is bfloat16 weights quantized to int8 (``--quantize``)."""
+        dtype, _, quantize = dtype.partition("+")
+        quantize = parse_quantization(quantize) if quantize else None
         if self.hf_folder is not None or not self.named:
-            return llm_jax.load(self.hf_folder or self.model, dtype=dtype, backend=backend)
+            return llm_jax.load(self.hf_folder or self.model, dtype=dtype, backend=backend, quantize=quantize)
         config = shape_config(self.model, dtype=dtype)
-        return Model(config=config, params=init_params(config), tokenizer=None, eos_ids=(), path=self.model,
-                     backend=backend)
+        params = init_params(config)
+        if quantize is not None:
+            config, params = quantize_params(params, config, quantize)
+        return Model(config=config, params=params, tokenizer=None, eos_ids=(), path=self.model, backend=backend)
 
 
 def engines_of(options: Options) -> tuple[tuple[str, Backend], ...]:
