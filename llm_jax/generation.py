@@ -27,7 +27,7 @@ from llm_jax.loading import Model
 from llm_jax.model import LayerHooks
 from llm_jax.prefilling import PrefillExtras, pad_prompts, prefill, prefill_with_extras
 from llm_jax.sampling import GREEDY, Sampling
-from llm_jax.speculative import SpecState, Speculative, init_state, speculative_decode
+from llm_jax.speculative import Backoff, SpecState, Speculative, catch_up, init_state, speculative_decode
 from llm_jax.stop_strings import SequenceText
 
 # The jitted programs, run from llm_jax.executable_cache's files when it is enabled (the CLI enables it
@@ -38,6 +38,7 @@ _start = executable_cache.cached(start)
 _decode = executable_cache.cached(decode)
 _beam_search = executable_cache.cached(beam_search)
 _speculative_decode = executable_cache.cached(speculative_decode)
+_catch_up = executable_cache.cached(catch_up)
 
 Prompt = str | Sequence[int]
 
@@ -308,6 +309,7 @@ class GenerationStream:
             state, emitted = _start(logits_BV, tokens_BT[self.rows], cache, self.controls, mesh=mesh,
                                     backend=model.backend)
             spec = None if self.speculative is None else self._start_speculation(tokens_BT, lengths_B, state)
+            backoff, self._accepted = Backoff(), 0
             emitted = jax.device_get(emitted)
             t_first, compile_before_decode = time.perf_counter(), compiled.seconds
             texts = [SequenceText(model.tokenizer, self.prompt_ids[p], stops, minimum)
@@ -342,16 +344,19 @@ class GenerationStream:
                     finish_B[stopped_by_text] = FinishReason.STOP
                     state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
                 t_chunk, compile_before_chunk = time.perf_counter(), compiled.seconds
-                if spec is None:
+                if spec is not None and backoff.speculate:
+                    cache, state, spec, emitted, backoff = self._speculate(cache, state, spec, backoff)
+                else:
+                    lengths_before_B = jnp.copy(cache.lengths_B)  # the cache is donated
                     cache, state, emitted = _decode(model.weights, config, cache, state, self.controls,
                                                    num_steps=self.chunk_steps, mesh=mesh, backend=model.backend)
-                else:
-                    draft = self.speculative.draft_model
-                    cache, state, spec, emitted = _speculative_decode(
-                        model.weights, config, cache, state, spec, self.controls,
-                        None if draft is None else draft.weights, plan=self.speculative.plan,
-                        draft_config=None if draft is None else draft.config, num_steps=self.chunk_steps,
-                        backend=model.backend, draft_backend=None if draft is None else draft.backend)
+                    if spec is not None:
+                        draft = self.speculative.draft_model
+                        spec = _catch_up(spec, emitted.tokens_BS, lengths_before_B, cache.lengths_B,
+                                         None if draft is None else draft.weights,
+                                         draft_config=None if draft is None else draft.config,
+                                         draft_backend=None if draft is None else draft.backend)
+                        backoff = backoff.after_plain()
                 emitted = jax.device_get(emitted)
                 host_syncs += 1
                 # A chunk that compiled decode says nothing about step time: take the compilation out.
@@ -395,6 +400,21 @@ class GenerationStream:
             draft_cache = take_cache_rows(draft_cache, rows) if self.n > 1 else draft_cache
         return init_state(tokens_BT[self.rows], lengths_B[self.rows], state.tokens_B,
                                    capacity=self.cache_len + self.speculative.num_tokens + 2, draft_cache=draft_cache)
+
+    def _speculate(self, cache, state, spec: SpecState, backoff: Backoff):
+        """A chunk of speculative steps, and the plan for the next chunk from what it accepted."""
+        model, draft = self.model, self.speculative.draft_model
+        cache, state, spec, emitted = _speculative_decode(
+            model.weights, model.config, cache, state, spec, self.controls, None if draft is None else draft.weights,
+            plan=self.speculative.plan, draft_config=None if draft is None else draft.config,
+            num_steps=self.chunk_steps, backend=model.backend, draft_backend=None if draft is None else draft.backend)
+        accepted = int(jax.device_get(spec.accepted_B).sum())
+        emitted = jax.device_get(emitted)
+        accepted, before = accepted - self._accepted, accepted
+        self._accepted = before
+        # Each running row's step emitted its accepted proposals and one token of the target's own.
+        steps = int((emitted.tokens_BS != PAD_ID).sum()) - accepted
+        return cache, state, spec, emitted, backoff.after_speculation(accepted, steps, self.speculative)
 
     @staticmethod
     def _speculation_counts(spec: SpecState | None) -> dict[str, int]:

@@ -19,9 +19,13 @@ A step, for every running row, entirely on device inside ``lax.scan`` (no host r
 3. **Roll back** by setting each row's cache length to what it accepted: the slots of rejected tokens
    are masked as stale and overwritten by the next step.
 
-Speculation backs off when it does not pay: a step with no proposal anywhere (no n-gram match) is a
-plain decode step, and after a step that accepts less than half a token per row, the next 1, 2, 4, ...
-(up to ``max_backoff``) steps decode plainly; an accepting step resets that.
+Speculation backs off when it does not pay, a chunk of steps at a time (the host sees tokens once per
+chunk anyway; :class:`Backoff` is its plan): after a speculative chunk that accepted fewer than
+``min_accepted`` tokens per verification step, the next 1, 2, 4, ... (up to ``max_backoff``) chunks are
+plain decoding's own program (:func:`llm_jax.decoding.decode`), after which :func:`catch_up` brings the
+sequences and the draft's cache up to date; an accepting chunk resets that. (A plain branch inside the
+speculative step would cost more: XLA:CPU copies the whole KV cache into a conditional of three branches
+every step.)
 
 :func:`verify` is the pure acceptance rule on target scores [B, k + 1, V] for callers with their own
 loop (the serving engine).
@@ -40,7 +44,7 @@ from jax.sharding import Mesh
 from llm_jax import kv_cache as kvc
 from llm_jax.backends import Backend
 from llm_jax.config import ModelConfig
-from llm_jax.decoding import (PAD_ID, DecodeControls, DecodeState, Emitted, advance, argmax_only, decode_step)
+from llm_jax.decoding import PAD_ID, DecodeControls, DecodeState, Emitted, advance, argmax_only
 from llm_jax.kv_cache import KVCache
 from llm_jax.model import Params, forward_extend, greedy_tokens, resolve_backend, unembed
 from llm_jax.sampling import SamplingParams, filter_logits, process_logits, row_keys, sample
@@ -56,14 +60,16 @@ class Speculative:
     """Speculative decoding settings for :func:`llm_jax.generate`: ``method`` (a :class:`Method` or its
     name), ``num_tokens`` proposed per step (k), the ``draft_model`` (an :class:`llm_jax.Model` with the
     target's vocabulary; method "draft"), the n-gram sizes the prompt lookup tries
-    (``prompt_lookup_max`` down to ``prompt_lookup_min``; method "ngram"), and ``max_backoff``, the
-    most plain steps taken after speculation fails before it is tried again."""
+    (``prompt_lookup_max`` down to ``prompt_lookup_min``; method "ngram"). Speculation fails in a chunk of
+    steps that accepts fewer than ``min_accepted`` proposals per verification step; ``max_backoff`` is
+    the most plain chunks decoded after failures before it is tried again."""
 
     method: Method | str = Method.NGRAM
     num_tokens: int = 4
     draft_model: object | None = None  # llm_jax.Model (not imported here: loading imports the backends)
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    min_accepted: float = 1.0
     max_backoff: int = 16
 
     def __post_init__(self) -> None:
@@ -83,11 +89,13 @@ class Speculative:
                              f"{self.prompt_lookup_max}")
         if self.max_backoff < 0:
             raise ValueError(f"max_backoff must be >= 0, got {self.max_backoff}")
+        if not 0 <= self.min_accepted <= self.num_tokens:
+            raise ValueError(f"min_accepted must be in [0, num_tokens={self.num_tokens}], got {self.min_accepted}")
 
     @property
     def plan(self) -> "Plan":
         return Plan(method=self.method, k=self.num_tokens, lookup_min=self.prompt_lookup_min,
-                    lookup_max=self.prompt_lookup_max, max_backoff=self.max_backoff)
+                    lookup_max=self.prompt_lookup_max)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,7 +106,29 @@ class Plan:
     k: int
     lookup_min: int
     lookup_max: int
-    max_backoff: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Backoff:
+    """The host's plan of which chunks speculate: ``skip`` plain chunks come next; the next failure
+    costs ``next`` of them."""
+
+    skip: int = 0
+    next: int = 1
+
+    @property
+    def speculate(self) -> bool:
+        return self.skip == 0
+
+    def after_plain(self) -> "Backoff":
+        return dataclasses.replace(self, skip=max(self.skip - 1, 0))
+
+    def after_speculation(self, accepted: int, steps: int, speculative: Speculative) -> "Backoff":
+        """The plan after a speculative chunk that accepted ``accepted`` proposals in ``steps`` steps of
+        its rows (those without a proposal included: they cost a verification too)."""
+        if steps == 0 or accepted >= speculative.min_accepted * steps:
+            return Backoff()
+        return Backoff(skip=min(self.next, speculative.max_backoff), next=min(2 * self.next, speculative.max_backoff))
 
 
 @jax.tree_util.register_dataclass
@@ -108,11 +138,9 @@ class SpecState:
 
     seq_BS: jax.Array  # int32: prompt and output tokens at slot = position, the latest token included
     draft_cache: KVCache | None  # the draft's cache; valid at least up to the target's length - 1
-    skip: jax.Array  # int32 scalar: plain steps left before speculating again
-    backoff: jax.Array  # int32 scalar: plain steps the next failure costs
     proposed_B: jax.Array  # int32: proposals verified per row
     accepted_B: jax.Array  # int32: proposals accepted per row
-    steps_B: jax.Array  # int32: verification steps per row
+    steps_B: jax.Array  # int32: verification steps per row (steps in which it had proposals)
 
 
 def init_state(prompts_BT: jax.Array, lengths_B: jax.Array, first_B: jax.Array, *, capacity: int,
@@ -122,11 +150,11 @@ def init_state(prompts_BT: jax.Array, lengths_B: jax.Array, first_B: jax.Array, 
     B, T = prompts_BT.shape
     seq_BS = jnp.zeros((B, capacity), jnp.int32).at[:, :T].set(jnp.asarray(prompts_BT, jnp.int32))
     seq_BS = seq_BS.at[jnp.arange(B), jnp.asarray(lengths_B)].set(jnp.asarray(first_B, jnp.int32))
-    def zeros(*shape):  # one buffer each: they are donated
-        return jnp.zeros(shape, jnp.int32)
+    def zeros():  # one buffer each: they are donated
+        return jnp.zeros((B,), jnp.int32)
 
-    return SpecState(seq_BS=seq_BS, draft_cache=draft_cache, skip=zeros(), backoff=zeros(), proposed_B=zeros(B),
-                     accepted_B=zeros(B), steps_B=zeros(B))
+    return SpecState(seq_BS=seq_BS, draft_cache=draft_cache, proposed_B=zeros(), accepted_B=zeros(),
+                     steps_B=zeros())
 
 
 # Proposers.
@@ -343,35 +371,38 @@ def _speculate(params, config, cache, state, spec, controls, draft_params, draft
     cache = dataclasses.replace(cache, lengths_B=length_B + emitted_B)
     seq_BS = spec.seq_BS.at[jnp.arange(B)[:, None], length_B[:, None] + 1 + jnp.arange(T)].set(
         jnp.where(tokens_BT == PAD_ID, 0, tokens_BT), mode="drop")
-    verified_B = running_B & proposed_BK[:, 0]
-    failed = 2 * jnp.sum(accepted_B) < jnp.sum(verified_B)
-    backoff = jnp.where(failed, jnp.clip(2 * spec.backoff, 1, plan.max_backoff), 0).astype(jnp.int32)
-    spec = dataclasses.replace(spec, seq_BS=seq_BS, draft_cache=draft_cache, skip=backoff, backoff=backoff,
-                               proposed_B=spec.proposed_B + jnp.sum(proposed_BK, axis=1, dtype=jnp.int32),
+    verified_B = running_B & proposed_BK[:, 0]  # a verification step: the row had proposals
+    spec = dataclasses.replace(spec, seq_BS=seq_BS, draft_cache=draft_cache, proposed_B=spec.proposed_B + jnp.sum(proposed_BK, axis=1, dtype=jnp.int32),
                                accepted_B=spec.accepted_B + accepted_B,
                                steps_B=spec.steps_B + verified_B.astype(jnp.int32))
     return cache, state, spec, tokens_BT
 
 
-def _plain(params, config, cache, state, spec, controls, draft_params, draft_config, *, plan: Plan, mesh, backend,
-           draft_backend):
-    """One plain decode step; the draft's cache takes in the position it will not re-feed."""
-    B = cache.batch_size
-    running_B = ~state.done_B
-    length_B = cache.lengths_B
+@functools.partial(jax.jit, static_argnames=("draft_config", "draft_backend"), donate_argnames=("spec",))
+def catch_up(spec: SpecState, tokens_BS: jax.Array, lengths_before_B: jax.Array, lengths_B: jax.Array,
+             draft_params: Params | None = None, *, draft_config: ModelConfig | None = None,
+             draft_backend: Backend | str | None = None) -> SpecState:
+    """``spec`` after a chunk of plain decoding (:func:`llm_jax.decoding.decode`) that emitted
+    ``tokens_BS`` (``PAD_ID`` after a row finished) and took the target's cache from ``lengths_before_B``
+    to ``lengths_B`` tokens: the sequences hold the new tokens, and the draft's cache the positions it
+    will not re-feed (one call over the chunk's S tokens, whose slots past the new length are stale)."""
+    B, S = tokens_BS.shape
+    positions_BS = lengths_before_B[:, None] + 1 + jnp.arange(S)
+    seq_BS = spec.seq_BS.at[jnp.arange(B)[:, None], jnp.where(tokens_BS == PAD_ID, spec.seq_BS.shape[1],
+                                                               positions_BS)].set(tokens_BS, mode="drop")
     draft_cache = spec.draft_cache
-    if plan.method is Method.DRAFT:
-        draft_cache = dataclasses.replace(draft_cache, lengths_B=jnp.where(running_B, length_B - 1,
+    if draft_cache is not None:
+        grew_B = lengths_B > lengths_before_B
+        draft_cache = dataclasses.replace(draft_cache, lengths_B=jnp.where(grew_B, lengths_before_B - 1,
                                                                            draft_cache.lengths_B))
-        before_B1 = jnp.take_along_axis(spec.seq_BS, length_B[:, None] - 1, axis=1)
-        _, draft_cache = forward_extend(draft_params, draft_config, before_B1, draft_cache, running_B,
-                                        backend=draft_backend)
-    cache, state, emitted = decode_step(params, config, cache, state, controls, mesh=mesh, backend=backend)
-    seq_BS = spec.seq_BS.at[jnp.arange(B), jnp.where(running_B, length_B + 1, spec.seq_BS.shape[1])].set(
-        state.tokens_B, mode="drop")
-    tokens_BT = jnp.concatenate([emitted.tokens_BS[:, None], jnp.full((B, plan.k), PAD_ID, jnp.int32)], axis=1)
-    spec = dataclasses.replace(spec, seq_BS=seq_BS, draft_cache=draft_cache, skip=jnp.maximum(spec.skip - 1, 0))
-    return cache, state, spec, tokens_BT
+        fed_BS = jnp.take_along_axis(seq_BS, jnp.clip(lengths_before_B[:, None] - 1 + jnp.arange(S), 0,
+                                                      seq_BS.shape[1] - 1), axis=1)
+        dtype = draft_cache.k_LBSKH.dtype
+        _, draft_cache = forward_extend(draft_params, draft_config, fed_BS, kvc.as_bits(draft_cache), grew_B,
+                                        backend=resolve_backend(draft_backend))
+        draft_cache = dataclasses.replace(kvc.from_bits(draft_cache, dtype),
+                                          lengths_B=jnp.where(grew_B, lengths_B - 1, spec.draft_cache.lengths_B))
+    return dataclasses.replace(spec, seq_BS=seq_BS, draft_cache=draft_cache)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "plan", "draft_config", "num_steps", "mesh", "backend",
@@ -401,18 +432,8 @@ def speculative_decode(params: Params, config: ModelConfig, cache: KVCache, stat
         def speculate(cache, state, spec):
             return _speculate(params, config, cache, state, spec, controls, draft_params, draft_config, **kw)
 
-        def plain(cache, state, spec):
-            return _plain(params, config, cache, state, spec, controls, draft_params, draft_config, **kw)
-
-        def run(cache, state, spec):
-            worth = spec.skip == 0
-            if plan.method is Method.NGRAM:  # no match anywhere: nothing to verify
-                _, proposed_BK = propose_ngram(spec.seq_BS, cache.lengths_B + 1, k=1, lookup_min=plan.lookup_min,
-                                               lookup_max=plan.lookup_max)
-                worth &= jnp.any(proposed_BK[:, 0] & ~state.done_B)
-            return jax.lax.cond(worth, speculate, plain, cache, state, spec)
-
-        cache, state, spec, tokens_BT = jax.lax.cond(jnp.all(state.done_B), idle, run, cache, state, spec)
+        # Once every row has finished, the remaining steps of the chunk cost nothing.
+        cache, state, spec, tokens_BT = jax.lax.cond(jnp.all(state.done_B), idle, speculate, cache, state, spec)
         return (cache, state, spec), tokens_BT
 
     dtype = cache.k_LBSKH.dtype
