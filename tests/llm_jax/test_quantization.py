@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import subprocess
 
 import gguf
 import jax
@@ -36,6 +37,7 @@ from llm_jax.quantization import (
     quantize_params,
 )
 from llm_jax.sampling import GREEDY
+from multi_device import PYTHON, REPO, cpu_devices_env
 
 SCHEMES = {"int8": Quantization(bits=8), "int8+embedding": Quantization(bits=8, embedding=True),
            "int4 g32": Quantization(bits=4, group_size=32), "int4 g64": Quantization(bits=4, group_size=64),
@@ -307,3 +309,41 @@ def test_convert_flags_are_checked(stories260k_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         convert_main([source, str(tmp_path / "b"), "--quantize", "int3"])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# --- many devices -------------------------------------------------------------------------------------------
+
+SHARDED = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+import llm_jax
+from llm_jax.model import forward
+from llm_jax.sharding import make_mesh
+path, scheme, tokens = sys.argv[1], json.loads(sys.argv[2]), jnp.asarray(json.loads(sys.argv[3]), jnp.int32)
+single = llm_jax.load(path, backend="xla", quantize=llm_jax.Quantization(**scheme))
+expected = np.asarray(forward(single.params, single.config, tokens, backend="xla"))
+out = {}
+for spec in ("model=4", "data=2,model=2"):
+    model = llm_jax.load(path, mesh=spec, quantize=llm_jax.Quantization(**scheme))
+    q = model.params["layers"]["attn"]["k_proj"]
+    got = np.asarray(jax.jit(lambda p, t: forward(p, model.config, t, backend="xla"))(model.params, tokens))
+    out[spec] = [float(np.abs(got - expected).max()), str(q.values.sharding.spec), model.config.n_kv_heads,
+                 type(q).__name__]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("scheme", ["int8+embedding", "int4 g32"])
+def test_sharded_quantized_forward_equals_one_device(scheme):
+    """Quantized params laid out by the sharding table (K/V heads repeated on model=4: the shipped model has
+    2) give one device's logits."""
+    tokens = [[1, 400, 300, 200, 100, 50, 20, 7]] * 2
+    done = subprocess.run([PYTHON, "-c", SHARDED, str(DEFAULT_MODEL), json.dumps(dataclasses.asdict(SCHEMES[scheme])),
+                           json.dumps(tokens)], env=cpu_devices_env(4), capture_output=True, text=True, timeout=900,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for spec, (error, k_spec, kv_heads, kind) in results.items():
+        assert kind == "QuantizedArray" and error <= 1e-4, (spec, error)
+        assert "model" in k_spec, (spec, k_spec)  # split, not whole on every device
+    assert results["model=4"][2] == 4  # the K/V heads repeated for the model axis
