@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from multi_device import PYTHON, REPO, cpu_devices_env
 
 import llm_jax
 from llm_jax import ModelConfig, Quantization
@@ -37,7 +38,6 @@ from llm_jax.quantization import (
     quantize_params,
 )
 from llm_jax.sampling import GREEDY
-from multi_device import PYTHON, REPO, cpu_devices_env
 
 SCHEMES = {"int8": Quantization(bits=8), "int8+embedding": Quantization(bits=8, embedding=True),
            "int4 g32": Quantization(bits=4, group_size=32), "int4 g64": Quantization(bits=4, group_size=64),
@@ -340,7 +340,7 @@ def test_sharded_quantized_forward_equals_one_device(scheme):
     tokens = [[1, 400, 300, 200, 100, 50, 20, 7]] * 2
     done = subprocess.run([PYTHON, "-c", SHARDED, str(DEFAULT_MODEL), json.dumps(dataclasses.asdict(SCHEMES[scheme])),
                            json.dumps(tokens)], env=cpu_devices_env(4), capture_output=True, text=True, timeout=900,
-                          cwd=REPO)
+                          cwd=REPO, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.strip().splitlines()[-1])
     for spec, (error, k_spec, kv_heads, kind) in results.items():
