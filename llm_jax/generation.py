@@ -27,7 +27,8 @@ from llm_jax.loading import Model
 from llm_jax.model import LayerHooks
 from llm_jax.prefilling import PrefillExtras, pad_prompts, prefill, prefill_with_extras
 from llm_jax.sampling import GREEDY, Sampling
-from llm_jax.speculative import Backoff, SpecState, Speculative, catch_up, init_state, speculative_decode
+from llm_jax.speculative import (Backoff, Method, SpecState, Speculative, catch_up, init_state, lookup_match,
+                                 speculative_decode)
 from llm_jax.stop_strings import SequenceText
 
 # The jitted programs, run from llm_jax.executable_cache's files when it is enabled (the CLI enables it
@@ -344,7 +345,7 @@ class GenerationStream:
                     finish_B[stopped_by_text] = FinishReason.STOP
                     state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
                 t_chunk, compile_before_chunk = time.perf_counter(), compiled.seconds
-                if spec is not None and backoff.speculate:
+                if spec is not None and backoff.speculate and self._worth_speculating(texts, reasons):
                     cache, state, spec, emitted, backoff = self._speculate(cache, state, spec, backoff)
                 else:
                     lengths_before_B = jnp.copy(cache.lengths_B)  # the cache is donated
@@ -400,6 +401,14 @@ class GenerationStream:
             draft_cache = take_cache_rows(draft_cache, rows) if self.n > 1 else draft_cache
         return init_state(tokens_BT[self.rows], lengths_B[self.rows], state.tokens_B,
                                    capacity=self.cache_len + self.speculative.num_tokens + 2, draft_cache=draft_cache)
+
+    def _worth_speculating(self, texts: list[SequenceText], reasons: list[str | None]) -> bool:
+        """Prompt lookup proposes nothing unless a running row's latest tokens occurred before."""
+        speculative = self.speculative
+        if speculative.method is not Method.NGRAM:
+            return True
+        return any(lookup_match(np.asarray(self.prompt_ids[p] + text.ids), speculative.prompt_lookup_min)
+                   for p, text, reason in zip(self.rows, texts, reasons) if reason is None)
 
     def _speculate(self, cache, state, spec: SpecState, backoff: Backoff):
         """A chunk of speculative steps, and the plan for the next chunk from what it accepted."""

@@ -20,7 +20,8 @@ A step, for every running row, entirely on device inside ``lax.scan`` (no host r
    are masked as stale and overwritten by the next step.
 
 Speculation backs off when it does not pay, a chunk of steps at a time (the host sees tokens once per
-chunk anyway; :class:`Backoff` is its plan): after a speculative chunk that accepted fewer than
+chunk anyway; :class:`Backoff` is its plan): prompt lookup speculates only in chunks that start with a
+match (:func:`lookup_match`), and after a speculative chunk that accepted fewer than
 ``min_accepted`` tokens per verification step, the next 1, 2, 4, ... (up to ``max_backoff``) chunks are
 plain decoding's own program (:func:`llm_jax.decoding.decode`), after which :func:`catch_up` brings the
 sequences and the draft's cache up to date; an accepting chunk resets that. (A plain branch inside the
@@ -39,10 +40,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from llm_jax import kv_cache as kvc
-from llm_jax.backends import Backend
+from llm_jax.backends import Backend, Xla
 from llm_jax.config import ModelConfig
 from llm_jax.decoding import PAD_ID, DecodeControls, DecodeState, Emitted, advance, argmax_only
 from llm_jax.kv_cache import KVCache
@@ -232,6 +234,17 @@ def propose_draft(params: Params, config: ModelConfig, cache: KVCache, seq_BS: j
     return proposals_BK, q_BKV, cache
 
 
+def lookup_match(sequence: np.ndarray, lookup_min: int) -> bool:
+    """Whether the last ``lookup_min`` tokens of ``sequence`` occur earlier in it (host side: whether
+    prompt lookup would propose anything now)."""
+    n = lookup_min
+    if len(sequence) <= n:
+        return False
+    suffix = sequence[-n:]
+    windows = np.lib.stride_tricks.sliding_window_view(sequence[:-1], n)
+    return bool(np.any(np.all(windows == suffix, axis=1)))
+
+
 # Verification.
 
 def verify_position(scores_BV: jax.Array, proposal_B: jax.Array, proposed_B: jax.Array, q_BV: jax.Array | None,
@@ -246,11 +259,16 @@ def verify_position(scores_BV: jax.Array, proposal_B: jax.Array, proposed_B: jax
     Greedy rows: the argmax, accepted when it is the proposal. Sampling rows: the rejection rule of
     Leviathan et al. (2023, §2.3); without a proposal, exactly plain decoding's draw.
     """
-    plain_B = sample(scores_BV, params, step_B, backend=backend)
     if not params.sampled:
+        plain_B = sample(scores_BV, params, step_B, backend=backend)
         return plain_B, proposed_B & (plain_B == proposal_B)
     B, V = scores_BV.shape
-    p_BV = jax.nn.softmax(filter_logits(scores_BV, params), axis=-1)
+    filtered_BV = filter_logits(scores_BV, params)
+    keys_B = row_keys(params.seed_B, params.sample_B, step_B)
+    # Plain decoding's own draw (llm_jax.sampling.sample: the same key, the same filtered scores).
+    drawn_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BV).astype(jnp.int32)
+    plain_B = jnp.where(params.temperature_B > 0, drawn_B, (backend or Xla()).argmax(scores_BV))
+    p_BV = jax.nn.softmax(filtered_BV, axis=-1)
     x_B1 = jnp.clip(proposal_B, 0, V - 1)[:, None]
     p_x_B = jnp.take_along_axis(p_BV, x_B1, axis=1)[:, 0]
     if q_BV is None:
@@ -259,7 +277,6 @@ def verify_position(scores_BV: jax.Array, proposal_B: jax.Array, proposed_B: jax
     else:
         q_x_B = jnp.take_along_axis(q_BV, x_B1, axis=1)[:, 0]
         residual_BV = jnp.maximum(p_BV - q_BV, 0.0)
-    keys_B = row_keys(params.seed_B, params.sample_B, step_B)
     u_B = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0)))(keys_B)
     accept_B = u_B * q_x_B < p_x_B  # u < p/q, with q(x) > 0 as x was drawn from q
     # p == q up to rounding leaves nothing to resample from (and then acceptance is all but certain).
