@@ -347,3 +347,26 @@ def test_sharded_quantized_forward_equals_one_device(scheme):
         assert kind == "QuantizedArray" and error <= 1e-4, (spec, error)
         assert "model" in k_spec, (spec, k_spec)  # split, not whole on every device
     assert results["model=4"][2] == 4  # the K/V heads repeated for the model axis
+
+
+# --- the command line ---------------------------------------------------------------------------------------
+
+
+def test_generate_quantizes_on_load(capsys, monkeypatch):
+    from llm_jax import loading
+    from llm_jax.cli.generate import main as generate_main
+
+    loaded = []
+    real_load = loading.load
+    monkeypatch.setattr(loading, "load", lambda *a, **k: loaded.append(real_load(*a, **k)) or loaded[-1])
+    prompt = "Once upon a time"
+    assert generate_main(["--quantize", "int4", "--group-size", "64", "--prompt", prompt, "--max-new-tokens", "12",
+                          "--json", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert loaded[0].config.quantization == Quantization(bits=4, group_size=64)
+    model = llm_jax.load(DEFAULT_MODEL, quantize=Quantization(bits=4, group_size=64))
+    expected = llm_jax.generate(model, [prompt], max_new_tokens=12, sampling=GREEDY)[0]
+    assert json.dumps(report).count(json.dumps(expected.text)) >= 1
+    with pytest.raises(SystemExit):
+        generate_main(["--group-size", "32", "--prompt", prompt])
+    assert "--group-size needs --quantize" in capsys.readouterr().err
