@@ -183,7 +183,12 @@ class GenerationStream:
                  raw_logprobs: bool = False, prompt_logprobs: int | None = None, hidden_layers: Sequence[int] = (),
                  steering: np.ndarray | None = None, return_kv_cache: bool = False,
                  beams: BeamSearch | None = None, mesh: Mesh | str | None = None,
-                 speculative: Speculative | None = None):
+                 speculative: Speculative | None = None, kv_cache_dtype: str | None = None):
+        if kv_cache_dtype not in (None, "int8"):
+            raise ValueError(f"kv_cache_dtype must be None (the compute dtype) or 'int8', got {kv_cache_dtype!r}")
+        if kv_cache_dtype is not None and (mesh is not None or model.mesh is not None or speculative is not None):
+            raise ValueError("an int8 KV cache runs on one device, without speculative decoding")
+        self.kv_cache_dtype = kv_cache_dtype
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
         if chunk_steps < 1:
@@ -288,7 +293,7 @@ class GenerationStream:
         config, params, mesh, backend = self.model.config, self.model.weights, self.model.mesh, self.model.backend
         P = len(self.prompt_ids)
         layout = None if mesh is None else sharding.cache_shardings(config, P, self.cache_len, mesh)
-        cache = init_cache(config, P, self.cache_len, sharding=layout)
+        cache = init_cache(config, P, self.cache_len, self.kv_cache_dtype, sharding=layout)
         hooks = self.prompt_hooks
         if hooks.steering_BLD is None and not hooks.record_layers and self.prompt_logprobs is None:
             return (*_prefill(params, config, tokens_BT, lengths_B, cache, mesh=mesh, backend=backend), None)
@@ -525,7 +530,7 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                     return_kv_cache: bool = False, num_beams: int = 1, length_penalty: float = 1.0,
                     early_stopping: bool | str = False, num_return_sequences: int = 1,
                     chunk_steps: int = DEFAULT_CHUNK_STEPS, mesh: Mesh | str | None = None,
-                    speculative: Speculative | None = None) -> GenerationStream:
+                    speculative: Speculative | None = None, kv_cache_dtype: str | None = None) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     Per prompt (one value for all, or a list with one per prompt): ``sampling`` (a :class:`Sampling`:
@@ -553,6 +558,9 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
     model and verifies them with one target pass per step (:mod:`llm_jax.speculative`): greedy output is
     plain decoding's, sampled output has the target's distribution; the metrics count what was proposed
     and accepted.
+
+    ``kv_cache_dtype="int8"`` holds the KV cache as int8 with a scale per token and head
+    (:class:`llm_jax.kv_cache.Int8KV`; one device).
     """
     beams = None
     if num_beams > 1 or num_return_sequences > 1:
@@ -563,7 +571,8 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                             stop_token_ids=stop_token_ids, stop=stop, ignore_eos=ignore_eos, chunk_steps=chunk_steps,
                             min_new_tokens=min_new_tokens, n=n, logprobs=logprobs, raw_logprobs=raw_logprobs,
                             prompt_logprobs=prompt_logprobs, hidden_layers=hidden_layers, steering=steering,
-                            return_kv_cache=return_kv_cache, beams=beams, mesh=mesh, speculative=speculative)
+                            return_kv_cache=return_kv_cache, beams=beams, mesh=mesh, speculative=speculative,
+                            kv_cache_dtype=kv_cache_dtype)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:

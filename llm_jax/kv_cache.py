@@ -9,6 +9,11 @@ A bfloat16 cache holds its keys and values as their bits (uint16; ``KVCache.dtyp
 and :func:`from_bits` gives the bfloat16 arrays): XLA:CPU has no bfloat16 dynamic-update-slice and
 copies a bfloat16 cache whole on every write, and converting between the two forms around each prefill
 or decode call would itself copy the cache. Elsewhere the bits cost nothing (a bitcast).
+
+An int8 cache (``init_cache(..., dtype="int8")``) holds each of keys and values as an :class:`Int8KV`:
+int8 [L, B, S, K, H] and a float32 scale per token and head [L, B, S, K] (symmetric, ``max |x| / 127``
+over H), half a bfloat16 cache's bytes. The functions below write it quantized and read it dequantized
+(float32); attention runs XLA's operations on it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,33 @@ import jax.numpy as jnp
 
 from llm_jax import bits
 from llm_jax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8KV:
+    """Keys or values [L, B, S, K, H] held as int8 ``q_LBSKH`` with a float32 scale per token and head
+    ``s_LBSK``: x ≈ q · s."""
+
+    q_LBSKH: jax.Array
+    s_LBSK: jax.Array
+
+    shape = property(lambda self: self.q_LBSKH.shape)
+    ndim = property(lambda self: self.q_LBSKH.ndim)
+    dtype = property(lambda self: self.q_LBSKH.dtype)
+    nbytes = property(lambda self: self.q_LBSKH.nbytes + self.s_LBSK.nbytes)
+
+    def __getitem__(self, index) -> Int8KV:
+        """Both arrays indexed alike over their leading axes (``cache[:, rows_B]``)."""
+        return Int8KV(self.q_LBSKH[index], self.s_LBSK[index])
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., H] → (int8 q [..., H], float32 s [...]): symmetric, rounding to nearest, s = max |x| / 127."""
+    x = x.astype(jnp.float32)
+    s = jnp.max(jnp.abs(x), axis=-1) / 127
+    q = jnp.round(x / jnp.where(s > 0, s, 1)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), s
 
 
 @jax.tree_util.register_dataclass
@@ -61,6 +93,11 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None, *
     dtype = jnp.dtype(dtype or config.compute_dtype)
     stored = jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
     shape = (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim)
+    if dtype == jnp.int8:
+        if sharding is not None:
+            raise ValueError("an int8 KV cache runs on one device (no sharding)")
+        empty = lambda: Int8KV(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
+        return KVCache(k_LBSKH=empty(), v_LBSKH=empty(), lengths_B=jnp.zeros((batch_size,), jnp.int32))
     on = sharding or KVCache(k_LBSKH=None, v_LBSKH=None, lengths_B=None)
     return KVCache(k_LBSKH=jnp.zeros(shape, stored, device=on.k_LBSKH),
                    v_LBSKH=jnp.zeros(shape, stored, device=on.v_LBSKH),
@@ -68,9 +105,10 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None, *
 
 
 def cache_bytes_per_token(config: ModelConfig, dtype=None) -> int:
-    """Bytes of K and V one token occupies across all layers."""
+    """Bytes of K and V one token occupies across all layers (int8: and its scales)."""
     itemsize = jnp.dtype(dtype or config.compute_dtype).itemsize
-    return 2 * config.n_layers * config.n_kv_heads * config.head_dim * itemsize
+    scales = 4 if jnp.dtype(dtype or config.compute_dtype) == jnp.int8 else 0
+    return 2 * config.n_layers * config.n_kv_heads * (config.head_dim * itemsize + scales)
 
 
 def as_bits(cache: KVCache) -> KVCache:
@@ -100,6 +138,10 @@ def stored(cache_LBSKH: jax.Array, new: jax.Array) -> jax.Array:
 def write_block(cache_LBSKH: jax.Array, layer: jax.Array, new_BTKH: jax.Array) -> jax.Array:
     """Write a block of T tokens at slots [0, T) of every row (prefill)."""
     zero = jnp.zeros((), jnp.int32)
+    if isinstance(cache_LBSKH, Int8KV):
+        q_BTKH, s_BTK = quantize_kv(new_BTKH)
+        return Int8KV(jax.lax.dynamic_update_slice(cache_LBSKH.q_LBSKH, q_BTKH[None], (layer, zero, zero, zero, zero)),
+                      jax.lax.dynamic_update_slice(cache_LBSKH.s_LBSK, s_BTK[None], (layer, zero, zero, zero)))
     return jax.lax.dynamic_update_slice(cache_LBSKH, stored(cache_LBSKH, new_BTKH[None]),
                                         (layer, zero, zero, zero, zero))
 
@@ -109,11 +151,19 @@ def write_tokens(cache_LBSKH: jax.Array, layer: jax.Array, slots_BT: jax.Array, 
     # Rows are indexed explicitly: a scatter vmapped over B made XLA:CPU lay the cache out batch-major
     # inside the layer loop and copy the whole cache twice per layer and step.
     rows_B1 = jnp.arange(cache_LBSKH.shape[1], dtype=jnp.int32)[:, None]
+    if isinstance(cache_LBSKH, Int8KV):
+        q_BTKH, s_BTK = quantize_kv(new_BTKH)
+        return Int8KV(cache_LBSKH.q_LBSKH.at[layer, rows_B1, slots_BT].set(q_BTKH, mode="drop"),
+                      cache_LBSKH.s_LBSK.at[layer, rows_B1, slots_BT].set(s_BTK, mode="drop"))
     return cache_LBSKH.at[layer, rows_B1, slots_BT].set(stored(cache_LBSKH, new_BTKH), mode="drop")
 
 
 def read_layer(cache_LBSKH: jax.Array, layer: jax.Array) -> jax.Array:
-    """The keys or values of layer ``layer``: [B, S, K, H] (bfloat16 for a cache of bits)."""
+    """The keys or values of layer ``layer``: [B, S, K, H] (bfloat16 for a cache of bits; float32 for int8)."""
+    if isinstance(cache_LBSKH, Int8KV):
+        q_BSKH = jax.lax.dynamic_index_in_dim(cache_LBSKH.q_LBSKH, layer, keepdims=False)
+        s_BSK = jax.lax.dynamic_index_in_dim(cache_LBSKH.s_LBSK, layer, keepdims=False)
+        return q_BSKH.astype(jnp.float32) * s_BSK[..., None]
     layer_BSKH = jax.lax.dynamic_index_in_dim(bits.as_bits(cache_LBSKH), layer, keepdims=False)
     return bits.from_bits(layer_BSKH, _values(cache_LBSKH))
 
