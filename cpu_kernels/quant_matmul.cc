@@ -12,7 +12,8 @@
 // quarter (int8) or an eighth (int4) of float32's.
 //
 // Each panel row is two 8-wide float vectors; AVX2 widens the bytes (and splits the nibbles) with its
-// own instructions, other targets with a plain loop (the portable path).
+// own instructions, other targets with a plain loop (the portable path). 4-bit nibbles are summed as
+// they are stored (q + 8) and the offset taken off once per group, 8 · Σ x over the group.
 
 #include <algorithm>
 #include <cstdint>
@@ -38,25 +39,25 @@ struct Row16 {
 
 inline Row16 row_i8(const int8_t* p) { return {load8(p), load8(p + 8)}; }
 
-// One byte row of a 4-bit panel: inputs 2j (low nibbles) and 2j + 1 (high nibbles), each q + 8.
-inline void rows_i4(const uint8_t* p, Row16* lo, Row16* hi) {
+// One byte row of a 4-bit panel: the nibbles u (q + 8) of inputs 2j (low) and 2j + 1 (high), as floats.
+// The offset of 8 is taken off once per group (group_sums): Σ x (u - 8) = Σ x u - 8 Σ x.
+inline void rows_u4(const uint8_t* p, Row16* lo, Row16* hi) {
 #if defined(__AVX2__)
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-  const __m128i l = _mm_sub_epi8(_mm_and_si128(bytes, mask), eight);
-  const __m128i h = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask), eight);
-  auto widen = [](__m128i v) {
-    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  const __m256i mask = _mm256_set1_epi32(15);
+  auto as_floats = [](__m256i v) {
+    const __m256 f = _mm256_cvtepi32_ps(v);
     f32x8 out;
     std::memcpy(&out, &f, sizeof out);
     return out;
   };
-  *lo = {widen(l), widen(_mm_srli_si128(l, 8))};
-  *hi = {widen(h), widen(_mm_srli_si128(h, 8))};
+  *lo = {as_floats(_mm256_and_si256(a, mask)), as_floats(_mm256_and_si256(b, mask))};
+  *hi = {as_floats(_mm256_srli_epi32(a, 4)), as_floats(_mm256_srli_epi32(b, 4))};
 #else
   for (int i = 0; i < 8; ++i) {
-    lo->a[i] = static_cast<float>((p[i] & 15) - 8), lo->b[i] = static_cast<float>((p[8 + i] & 15) - 8);
-    hi->a[i] = static_cast<float>((p[i] >> 4) - 8), hi->b[i] = static_cast<float>((p[8 + i] >> 4) - 8);
+    lo->a[i] = static_cast<float>(p[i] & 15), lo->b[i] = static_cast<float>(p[8 + i] & 15);
+    hi->a[i] = static_cast<float>(p[i] >> 4), hi->b[i] = static_cast<float>(p[8 + i] >> 4);
   }
 #endif
 }
@@ -90,16 +91,25 @@ inline void group_sums(const float* x, int64_t K, const void* panel, int64_t k0,
   } else {  // k0 even: pairs of inputs from one byte; an odd k1 ends on a low nibble
     const uint8_t* q = static_cast<const uint8_t*>(panel);
     Row16 lo, hi;
+    float x_sum[RB] = {};
     for (; k + 1 < k1; k += 2) {
-      rows_i4(q + (k / 2) * kWidth, &lo, &hi);
+      rows_u4(q + (k / 2) * kWidth, &lo, &hi);
       for (int r = 0; r < RB; ++r) {
         fma_row(part[r], x[r * K + k], lo);
         fma_row(odd[r], x[r * K + k + 1], hi);
+        x_sum[r] += x[r * K + k] + x[r * K + k + 1];
       }
     }
     if (k < k1) {
-      rows_i4(q + (k / 2) * kWidth, &lo, &hi);
-      for (int r = 0; r < RB; ++r) fma_row(part[r], x[r * K + k], lo);
+      rows_u4(q + (k / 2) * kWidth, &lo, &hi);
+      for (int r = 0; r < RB; ++r) {
+        fma_row(part[r], x[r * K + k], lo);
+        x_sum[r] += x[r * K + k];
+      }
+    }
+    for (int r = 0; r < RB; ++r) {  // the offset: Σ x (u - 8) = Σ x u - 8 Σ x
+      part[r].a -= splat(8.f * x_sum[r]);
+      part[r].b -= splat(8.f * x_sum[r]);
     }
   }
   for (int r = 0; r < RB; ++r) {
