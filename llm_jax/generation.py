@@ -315,7 +315,7 @@ class GenerationStream:
             state, emitted = _start(logits_BV, tokens_BT[self.rows], cache, self.controls, mesh=mesh,
                                     backend=model.backend)
             spec = None if self.speculative is None else self._start_speculation(tokens_BT, lengths_B, state)
-            backoff, self._accepted = Backoff(), 0
+            backoff, self._accepted, self._accepting = Backoff(), 0, False
             emitted = jax.device_get(emitted)
             t_first, compile_before_decode = time.perf_counter(), compiled.seconds
             texts = [SequenceText(model.tokenizer, self.prompt_ids[p], stops, minimum)
@@ -408,9 +408,10 @@ class GenerationStream:
                                    capacity=self.cache_len + self.speculative.num_tokens + 2, draft_cache=draft_cache)
 
     def _worth_speculating(self, texts: list[SequenceText], reasons: list[str | None]) -> bool:
-        """Prompt lookup proposes nothing unless a running row's latest tokens occurred before."""
+        """After an accepting chunk, yes; else, for prompt lookup, whether a running row's latest tokens
+        occurred before (it proposes nothing otherwise)."""
         speculative = self.speculative
-        if speculative.method is not Method.NGRAM:
+        if speculative.method is not Method.NGRAM or self._accepting:
             return True
         return any(lookup_match(np.asarray(self.prompt_ids[p] + text.ids), speculative.prompt_lookup_min)
                    for p, text, reason in zip(self.rows, texts, reasons) if reason is None)
@@ -428,7 +429,9 @@ class GenerationStream:
         self._accepted = before
         # Each running row's step emitted its accepted proposals and one token of the target's own.
         steps = int((emitted.tokens_BS != PAD_ID).sum()) - accepted
-        return cache, state, spec, emitted, backoff.after_speculation(accepted, steps, self.speculative)
+        backoff = backoff.after_speculation(accepted, steps, self.speculative)
+        self._accepting = backoff.skip == 0 and accepted > 0
+        return cache, state, spec, emitted, backoff
 
     @staticmethod
     def _speculation_counts(spec: SpecState | None) -> dict[str, int]:
