@@ -25,7 +25,7 @@ examples:
   bench_serving.py --model 110M --num-prompts 64 --input-len-range 32 256 --output-len 128 --max-num-seqs 16 --compare generate --compare hf
   bench_serving.py --model 110M --num-prompts 16 --input-len 16 --output-len 256 --max-num-seqs 16 --compare generate --static-batch 16
   bench_serving.py --model 110M --num-prompts 32 --prefix-len 512 --input-len 32 --output-len 16 --compare no-prefix-cache
-  bench_serving.py --model 110M --num-prompts 8 --input-len 32 --output-len 192 --late-request 1000 4 --max-num-batched-tokens 64
+  bench_serving.py --model 110M --num-prompts 8 --input-len 32 --output-len 192 --late-request 1000 3 --max-num-batched-tokens 64
   bench_serving.py --model 110M --num-prompts 64 --input-len-range 32 256 --output-len 128 --max-num-seqs 16 --max-concurrency 16 --launch llm_jax --launch transformers --compare engine
   bench_serving.py --model 15M --num-prompts 64 --request-rate 8 --json serving.json
 
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--request-rate", type=request_rate, default=math.inf,
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     w.add_argument("--late-request", type=positive_float_pair, nargs=2, metavar=("LEN", "AT"),
-                   help="one more request, of a LEN-token prompt (and the shortest output), arriving AT seconds "
+                   help="one more request, of a LEN-token prompt (and 16 output tokens), arriving AT seconds "
                         "after the first (what a long prompt does to the others' inter-token latency)")
     w.add_argument("--seed", type=non_negative_int, default=0, help="seed of lengths, tokens and arrivals")
     e = p.add_argument_group("serving engine (llm_jax.serving.Engine's options; unset: the engine's defaults)")

@@ -35,6 +35,9 @@ from llm_jax.serving import step as step_module
 from benchmarking.results import agreement
 
 
+LATE_OUTPUT = 16  # tokens the late request generates (fewer if every request generates fewer)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WorkloadSpec:
     num_prompts: int
@@ -43,12 +46,12 @@ class WorkloadSpec:
     prefix_len: int = 0  # the same random tokens before every prompt
     request_rate: float = math.inf  # requests per second, Poisson; inf: all at once
     seed: int = 0
-    late: tuple[int, float] | None = None  # one more request: (prompt tokens, arrival s), the shortest output
+    late: tuple[int, float] | None = None  # one more request: (prompt tokens, arrival s), LATE_OUTPUT tokens out
 
     @property
     def longest(self) -> int:
         """The most tokens a request can reach: prefix, prompt and output."""
-        late = self.late[0] + self.output_len[0] if self.late else 0
+        late = self.late[0] + min(LATE_OUTPUT, self.output_len[0]) if self.late else 0
         return max(self.prefix_len + self.input_len[1] + self.output_len[1], late)
 
 
@@ -78,7 +81,7 @@ def sample_requests(spec: WorkloadSpec, vocab_size: int) -> list[ServingRequest]
     if spec.late is not None:
         length, at = spec.late
         requests.append(ServingRequest(request_id="late", prompt_ids=tuple(rng.integers(0, vocab_size, length).tolist()),
-                                       max_new_tokens=spec.output_len[0], arrival_s=at))
+                                       max_new_tokens=min(LATE_OUTPUT, spec.output_len[0]), arrival_s=at))
         requests.sort(key=lambda r: r.arrival_s)
     return requests
 

@@ -261,3 +261,5 @@ def test_a_late_request_arrives_when_asked_with_its_prompt_length():
     assert len(late) == 1 and len(late[0].prompt_ids) == 40 and late[0].arrival_s == 1.5
     assert late[0].max_new_tokens == 5 and requests[-1] is late[0]  # arrival order
     assert spec.longest == max(8 + 9, 40 + 5)
+    spec = dataclasses.replace(spec, output_len=(50, 60))
+    assert [r.max_new_tokens for r in sample_requests(spec, 100) if r.request_id == "late"] == [16]
