@@ -312,3 +312,19 @@ def test_bad_settings_are_refused_by_name(stories):
     other = random_model("llama", seed=0)
     with pytest.raises(ValueError, match="vocabulary of 96 tokens, the target 512"):
         llm_jax.generate(stories, PROMPTS[:1], speculative=llm_jax.Speculative(method="draft", draft_model=other))
+
+
+def test_the_shipped_draft_speeds_the_shipped_model_exactly():
+    """checkpoints/stories-1m-draft: stories-1m's tokenizer, and greedy output identical with it as the draft."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "checkpoints"
+    target, draft = llm_jax.load(root / "stories-1m"), llm_jax.load(root / "stories-1m-draft")
+    assert (root / "stories-1m" / "tokenizer.model").read_bytes() == (root / "stories-1m-draft" /
+                                                                      "tokenizer.model").read_bytes()
+    prompts = ["Once upon a time", "There once was a little dog named Spot."]
+    speculative = llm_jax.Speculative(method="draft", draft_model=draft, num_tokens=4)
+    results = llm_jax.generate(target, prompts, max_new_tokens=96, speculative=speculative)
+    assert [r.output_ids for r in results] == [r.output_ids for r in llm_jax.generate(target, prompts,
+                                                                                       max_new_tokens=96)]
+    assert results[0].metrics.acceptance_rate > 0.5
