@@ -25,7 +25,7 @@ examples:
   bench_serving.py --model 110M --num-prompts 64 --input-len-range 32 256 --output-len 128 --max-num-seqs 16 --compare generate --compare hf
   bench_serving.py --model 110M --num-prompts 16 --input-len 16 --output-len 256 --max-num-seqs 16 --compare generate --static-batch 16
   bench_serving.py --model 110M --num-prompts 32 --prefix-len 512 --input-len 32 --output-len 16 --compare no-prefix-cache
-  bench_serving.py --model 110M --num-prompts 8 --input-len 32 --output-len 192 --late-request 1000 3 --max-num-batched-tokens 64
+  bench_serving.py --model 110M --num-prompts 8 --input-len 32 --output-len 192 --late-request 1000 3 --max-num-seqs 16 --max-num-batched-tokens 32
   bench_serving.py --model 110M --num-prompts 64 --input-len-range 32 256 --output-len 128 --max-num-seqs 16 --max-concurrency 16 --launch llm_jax --launch transformers --compare engine
   bench_serving.py --model 15M --num-prompts 64 --request-rate 8 --json serving.json
 
@@ -74,23 +74,24 @@ engine then runs the same token ids through the engine in this process (HTTP's c
 BACKENDS = ("auto", "xla", "cpu", "pallas")  # llm_jax.backends.CHOICES, without importing JAX for --help
 
 
+def _number(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
 def request_rate(text: str) -> float:
     """A positive number of requests per second, or inf."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of requests per second or inf, got {text!r}") from None
+    value = _number(text, "a number of requests per second or inf")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a rate > 0 (or inf), got {text}")
     return value
 
 
-def positive_float_pair(text: str) -> float:
+def non_negative_number(text: str) -> float:
     """A number >= 0 (one of --late-request's two)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    value = _number(text, "a number")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
     return value
@@ -101,10 +102,7 @@ def slo(text: str) -> tuple[str, float]:
     name, _, ms = text.partition(":")
     if name not in ("ttft", "tpot", "e2e"):
         raise argparse.ArgumentTypeError(f"expected ttft:MS, tpot:MS or e2e:MS, got {text!r}")
-    try:
-        value = float(ms)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of milliseconds in {text!r}") from None
+    value = _number(ms, f"a number of milliseconds after {name}:")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a target > 0 ms in {text!r}")
     return name, value
@@ -132,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random tokens shared by every prompt, before its own (default 0)")
     w.add_argument("--request-rate", type=request_rate, default=math.inf,
                    help="requests per second, Poisson arrivals (default inf: all at once)")
-    w.add_argument("--late-request", type=positive_float_pair, nargs=2, metavar=("LEN", "AT"),
+    w.add_argument("--late-request", type=non_negative_number, nargs=2, metavar=("LEN", "AT"),
                    help="one more request, of a LEN-token prompt (and 16 output tokens), arriving AT seconds "
                         "after the first (what a long prompt does to the others' inter-token latency)")
     w.add_argument("--seed", type=non_negative_int, default=0, help="seed of lengths, tokens and arrivals")

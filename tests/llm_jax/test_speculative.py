@@ -21,6 +21,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.model import forward, init_params
 from llm_jax.sampling import Sampling, SamplingParams
 from llm_jax.speculative import propose_ngram, verify
+from family_switches import FAMILIES
 
 PROMPTS = ["Once upon a time", "Tom and Sue went to the park. They", "One day, a big bird", "The little dog wanted to"]
 REPEATING = "Keep repeating: " + " ".join(["One, two, three, four, five."] * 4)
@@ -121,18 +122,6 @@ def test_backing_off_and_resuming_keeps_plain_output(stories, plain, method):
 
 
 # Every family's switches, on random models (as the serving tests build them).
-FAMILIES = {
-    "llama": dict(),
-    "mistral": dict(sliding_window=6),
-    "qwen2": dict(qkv_bias=True, tie_embeddings=True),
-    "qwen3": dict(qk_norm=True),
-    "gemma": dict(activation="gelu_tanh", norm_weight_offset=1.0, embed_scale=True, tie_embeddings=True),
-    "gemma2": dict(sliding_window=5, sliding_layers=(True, False), attn_logit_softcap=20.0, final_logit_softcap=15.0,
-                   sandwich_norm=True, norm_weight_offset=1.0, embed_scale=True, query_pre_attn_scalar=8.0,
-                   activation="gelu_tanh"),
-}
-
-
 def random_model(family: str, seed: int, scale: float = 6.0) -> llm_jax.Model:
     config = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
                          max_seq_len=256, **FAMILIES[family])

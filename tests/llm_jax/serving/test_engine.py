@@ -16,6 +16,8 @@ from llm_jax.model import init_params
 from llm_jax.serving.engine import Engine
 from llm_jax.serving.step import step
 
+from family_switches import FAMILIES
+
 SAMPLINGS = [llm_jax.GREEDY, llm_jax.Sampling(temperature=0.9, top_p=0.9, seed=7),
              llm_jax.Sampling(temperature=1.2, top_k=20, seed=3, repetition_penalty=1.3),
              llm_jax.Sampling(temperature=0.7, min_p=0.1, seed=11, presence_penalty=0.5, frequency_penalty=0.3,
@@ -117,16 +119,6 @@ def test_prompt_logprobs_are_generates(stories):
     assert engine.stats().prefix_hit_tokens == 0  # scored prompts compute every position
 
 
-FAMILIES = {
-    "llama": dict(),
-    "mistral": dict(sliding_window=6),  # windows that cross blocks of 4
-    "qwen2": dict(qkv_bias=True, tie_embeddings=True),
-    "qwen3": dict(qk_norm=True),
-    "gemma": dict(activation="gelu_tanh", norm_weight_offset=1.0, embed_scale=True, tie_embeddings=True),
-    "gemma2": dict(sliding_window=5, sliding_layers=(True, False), attn_logit_softcap=20.0, final_logit_softcap=15.0,
-                   sandwich_norm=True, norm_weight_offset=1.0, embed_scale=True, query_pre_attn_scalar=8.0,
-                   activation="gelu_tanh"),
-}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
