@@ -411,10 +411,13 @@ def table(medians: dict, over: dict, goodput: dict) -> str:
     def ms(p) -> str:
         return "–" if p is None else f"{1e3 * p.p50:.1f} / {1e3 * p.p99:.1f}"
 
+    def ms_max(p) -> str:
+        return "–" if p is None else f"{ms(p)} / {1e3 * p.max:.0f}"
+
     header = ("engine", "req/s", "out tok/s", "total tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
-              "ITL p50/p99 ms", "E2E p50/p99 s", "serving ×") + (("goodput req/s",) if goodput else ())
+              "ITL p50/p99/max ms", "E2E p50/p99 s", "serving ×") + (("goodput req/s",) if goodput else ())
     cells = [(name, f"{s.request_throughput:.2f}", f"{s.output_tokens_per_s:.1f}", f"{s.total_tokens_per_s:.1f}",
-              ms(s.ttft_s), ms(s.tpot_s), ms(s.itl_s), f"{s.e2e_s.p50:.2f} / {s.e2e_s.p99:.2f}",
+              ms(s.ttft_s), ms(s.tpot_s), ms_max(s.itl_s), f"{s.e2e_s.p50:.2f} / {s.e2e_s.p99:.2f}",
               f"{over[name]:.2f}" if name in over else "") + ((f"{goodput[name]:.2f}",) if goodput else ())
              for name, s in medians.items()]
     return format_table(header, cells)

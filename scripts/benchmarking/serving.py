@@ -156,13 +156,15 @@ class Percentiles:
     mean: float
     p50: float
     p99: float
+    max: float  # a rare stall (one long prefill step) hides below p99
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Percentiles | None:
         if not len(values):
             return None
         v = np.asarray(values, np.float64)
-        return cls(mean=float(v.mean()), p50=float(np.percentile(v, 50)), p99=float(np.percentile(v, 99)))
+        return cls(mean=float(v.mean()), p50=float(np.percentile(v, 50)), p99=float(np.percentile(v, 99)),
+                   max=float(v.max()))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -143,14 +143,17 @@ def test_ttft_tpot_and_itl_follow_vllms_definitions():
     s = Summary.of(ServingRun(engine="x", duration_s=2.5, traces=(trace, single)))
     assert (s.prompt_tokens, s.output_tokens) == (10, 6)
     assert s.output_tokens_per_s == pytest.approx(6 / 2.5) and s.request_throughput == pytest.approx(2 / 2.5)
-    assert s.tpot_s == Percentiles(mean=0.25, p50=0.25, p99=0.25)  # over requests with more than one token
+    assert s.tpot_s == Percentiles(mean=0.25, p50=0.25, p99=0.25, max=0.25)  # over requests with more than one token
+    stalled = dataclasses.replace(trace, deliveries=((1.5, 1), *((1.5 + 0.1 * i, 1) for i in range(1, 200)), (30.0, 1)))
+    itl = Summary.of(ServingRun(engine="x", duration_s=30, traces=(stalled,))).itl_s
+    assert itl.p99 == pytest.approx(0.1) and itl.max == pytest.approx(30.0 - 21.4)  # one stall: only the max sees it
     assert s.ttft_s.p50 == pytest.approx(0.3) and s.ttft_s.p99 == pytest.approx(0.496)
     assert Percentiles.of([]) is None
 
 
 def test_median_of_runs_is_taken_field_by_field():
-    runs = [Percentiles(mean=m, p50=m, p99=2 * m) for m in (1.0, 3.0, 2.0)]
-    assert median_of(runs) == Percentiles(mean=2.0, p50=2.0, p99=4.0)
+    runs = [Percentiles(mean=m, p50=m, p99=2 * m, max=3 * m) for m in (1.0, 3.0, 2.0)]
+    assert median_of(runs) == Percentiles(mean=2.0, p50=2.0, p99=4.0, max=6.0)
     assert median_of([1, 2, 4]) == 2 and median_of(["a", "a"]) == "a" and median_of([None, None]) is None
 
 
