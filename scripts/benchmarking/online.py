@@ -94,6 +94,7 @@ class Server:
         self.name, self.url, self.dialect = name, url.rstrip("/"), dialect
         self.process, self.log_path = process, log_path
         self.model_name: str | None = None
+        self.start_s: float | None = None  # launch → ready, for a server launched here
         self.note = ""
 
     def wait_ready(self, log: Callable[[str], None], timeout: float = READY_TIMEOUT_S) -> None:
