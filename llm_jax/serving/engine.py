@@ -270,10 +270,10 @@ class Engine:
             targets_T = np.full((shape.T,), -1, np.int32)
             for b, live in enumerate(lives):
                 if live.scores_prompt:
-                    prompt = live.request.prompt_token_ids
-                    for t in range(plan.query_start_B[b], plan.query_start_B[b] + plan.num_tokens_B[b]):
-                        if (position := plan.positions_T[t]) + 1 < len(prompt):
-                            targets_T[t] = prompt[position + 1]
+                    prompt = np.asarray(live.request.prompt_token_ids, np.int32)
+                    span = slice(plan.query_start_B[b], plan.query_start_B[b] + plan.num_tokens_B[b])
+                    next_S = plan.positions_T[span] + 1
+                    targets_T[span] = np.where(next_S < len(prompt), prompt[np.minimum(next_S, len(prompt) - 1)], -1)
             extra["prompt_targets_T"] = targets_T
         return StepInputs(tokens_T=padded(plan.token_ids_T, shape.T), positions_T=padded(plan.positions_T, shape.T),
                           batch=batch, controls=controls, num_generated_B=generated_B, **extra)
