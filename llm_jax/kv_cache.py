@@ -13,7 +13,10 @@ or decode call would itself copy the cache. Elsewhere the bits cost nothing (a b
 An int8 cache (``init_cache(..., dtype="int8")``) holds each of keys and values as an :class:`Int8KV`:
 int8 [L, B, S, K, H] and a float32 scale per token and head [L, B, S, K] (symmetric, ``max |x| / 127``
 over H), half a bfloat16 cache's bytes. The functions below write it quantized and read it dequantized
-(float32); attention runs XLA's operations on it.
+(float32); attention runs XLA's operations on it. The serving engine's paged cache
+(``init_paged_cache(..., dtype="int8")``) holds its pages the same way, int8 [L, P, Z, K, H] with scales
+[L, P, Z, K]; :func:`write_slots` and :func:`read_pages` quantize and dequantize them (the CPU kernels'
+paged attention reads them in place).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from llm_jax.config import ModelConfig
 @dataclasses.dataclass(frozen=True)
 class Int8KV:
     """Keys or values [L, B, S, K, H] held as int8 ``q_LBSKH`` with a float32 scale per token and head
-    ``s_LBSK``: x ≈ q · s."""
+    ``s_LBSK``: x ≈ q · s. In the paged cache the token axes are pages and rows: [L, P, Z, K, H] and
+    [L, P, Z, K]."""
 
     q_LBSKH: jax.Array
     s_LBSK: jax.Array
@@ -45,6 +49,18 @@ class Int8KV:
         """Both arrays indexed alike over their leading axes (``cache[:, rows_B]``)."""
         return Int8KV(self.q_LBSKH[index], self.s_LBSK[index])
 
+    def is_deleted(self) -> bool:
+        """Whether its buffers were donated (to a program that failed, or whose result was dropped)."""
+        return self.q_LBSKH.is_deleted() or self.s_LBSK.is_deleted()
+
+    @staticmethod
+    def zeros(shape: tuple[int, ...], *, sharding: Int8KV | None = None) -> Int8KV:
+        """An empty one of ``shape`` [..., H] (scales [...]); ``sharding``: an :class:`Int8KV` of the two
+        arrays' shardings."""
+        on = sharding or Int8KV(None, None)
+        return Int8KV(jnp.zeros(shape, jnp.int8, device=on.q_LBSKH),
+                      jnp.zeros(shape[:-1], jnp.float32, device=on.s_LBSK))
+
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., H] → (int8 q [..., H], float32 s [...]): symmetric, rounding to nearest, s = max |x| / 127."""
@@ -52,6 +68,11 @@ def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     s = jnp.max(jnp.abs(x), axis=-1) / 127
     q = jnp.round(x / jnp.where(s > 0, s, 1)[..., None])
     return jnp.clip(q, -127, 127).astype(jnp.int8), s
+
+
+def dequantize_kv(q: jax.Array, s: jax.Array) -> jax.Array:
+    """Undoes :func:`quantize_kv` (up to its rounding): q [..., H] · s [...] in float32."""
+    return q.astype(jnp.float32) * s[..., None]
 
 
 @jax.tree_util.register_dataclass
@@ -96,12 +117,28 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None, *
     if dtype == jnp.int8:
         if sharding is not None:
             raise ValueError("an int8 KV cache runs on one device (no sharding)")
-        empty = lambda: Int8KV(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
-        return KVCache(k_LBSKH=empty(), v_LBSKH=empty(), lengths_B=jnp.zeros((batch_size,), jnp.int32))
+        return KVCache(k_LBSKH=Int8KV.zeros(shape), v_LBSKH=Int8KV.zeros(shape),
+                       lengths_B=jnp.zeros((batch_size,), jnp.int32))
     on = sharding or KVCache(k_LBSKH=None, v_LBSKH=None, lengths_B=None)
     return KVCache(k_LBSKH=jnp.zeros(shape, stored, device=on.k_LBSKH),
                    v_LBSKH=jnp.zeros(shape, stored, device=on.v_LBSKH),
                    lengths_B=jnp.zeros((batch_size,), jnp.int32, device=on.lengths_B))
+
+
+KV_CACHE_DTYPES = ("int8", "bfloat16", "float32")  # what a cache may hold, by name
+
+
+def cache_dtype(config: ModelConfig, dtype=None) -> jnp.dtype:
+    """The dtype a cache of ``dtype`` holds (None: the model's compute dtype); one of
+    :data:`KV_CACHE_DTYPES`, else a ValueError naming them."""
+    try:
+        resolved = jnp.dtype(dtype or config.compute_dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in KV_CACHE_DTYPES:
+        raise ValueError(f"a KV cache holds one of {', '.join(KV_CACHE_DTYPES)} (or None: the compute dtype), "
+                         f"got {dtype!r}")
+    return resolved
 
 
 def cache_bytes_per_token(config: ModelConfig, dtype=None) -> int:
@@ -163,7 +200,7 @@ def read_layer(cache_LBSKH: jax.Array, layer: jax.Array) -> jax.Array:
     if isinstance(cache_LBSKH, Int8KV):
         q_BSKH = jax.lax.dynamic_index_in_dim(cache_LBSKH.q_LBSKH, layer, keepdims=False)
         s_BSK = jax.lax.dynamic_index_in_dim(cache_LBSKH.s_LBSK, layer, keepdims=False)
-        return q_BSKH.astype(jnp.float32) * s_BSK[..., None]
+        return dequantize_kv(q_BSKH, s_BSK)
     layer_BSKH = jax.lax.dynamic_index_in_dim(bits.as_bits(cache_LBSKH), layer, keepdims=False)
     return bits.from_bits(layer_BSKH, _values(cache_LBSKH))
 
@@ -201,7 +238,8 @@ class PagedKVCache:
 def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=None, *,
                      sharding: PagedKVCache | None = None) -> PagedKVCache:
     """An empty pool of ``num_pages`` pages of ``page_size`` tokens (default dtype: compute; bfloat16 held
-    as its bits, as :func:`init_cache` does). ``sharding``: a :class:`PagedKVCache` of shardings."""
+    as its bits, as :func:`init_cache` does; int8 as :class:`Int8KV`). ``sharding``: a :class:`PagedKVCache`
+    of shardings (``llm_jax.sharding.paged_cache_shardings`` for the same dtype)."""
     if num_pages < 2 or page_size < 1:
         raise ValueError(f"a paged cache needs at least 2 pages (page 0 is padding) of at least 1 token, got "
                          f"{num_pages=} {page_size=}")
@@ -209,6 +247,12 @@ def init_paged_cache(config: ModelConfig, num_pages: int, page_size: int, dtype=
     stored_dtype = jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
     shape = (config.n_layers, num_pages, page_size, config.n_kv_heads, config.head_dim)
     on = sharding or PagedKVCache(k_LPZKH=None, v_LPZKH=None)
+    if sharding is not None and isinstance(sharding.k_LPZKH, Int8KV) != (dtype == jnp.int8):
+        raise ValueError(f"the shardings of a {dtype} paged cache must be made for it: "
+                         f"paged_cache_shardings(..., dtype={dtype.name!r})")
+    if dtype == jnp.int8:
+        return PagedKVCache(k_LPZKH=Int8KV.zeros(shape, sharding=on.k_LPZKH),
+                            v_LPZKH=Int8KV.zeros(shape, sharding=on.v_LPZKH))
     return PagedKVCache(k_LPZKH=jnp.zeros(shape, stored_dtype, device=on.k_LPZKH),
                         v_LPZKH=jnp.zeros(shape, stored_dtype, device=on.v_LPZKH))
 
@@ -235,14 +279,23 @@ class PagedBatch:
 
 def write_slots(pages_LPZKH: jax.Array, layer: jax.Array, slots_T: jax.Array, new_TKH: jax.Array) -> jax.Array:
     """Write token t at slot ``slots_T[t]`` (page · Z + row) of layer ``layer``; slots past the pool are
-    dropped."""
+    dropped. Int8 pages take each token's keys or values quantized per head (:func:`quantize_kv`)."""
     P, Z = pages_LPZKH.shape[1:3]
     slots_T = jnp.where((slots_T >= 0) & (slots_T < P * Z), slots_T, P * Z)
-    return pages_LPZKH.at[layer, slots_T // Z, slots_T % Z].set(stored(pages_LPZKH, new_TKH), mode="drop")
+    at = (layer, slots_T // Z, slots_T % Z)
+    if isinstance(pages_LPZKH, Int8KV):
+        q_TKH, s_TK = quantize_kv(new_TKH)
+        return Int8KV(pages_LPZKH.q_LBSKH.at[at].set(q_TKH, mode="drop"),
+                      pages_LPZKH.s_LBSK.at[at].set(s_TK, mode="drop"))
+    return pages_LPZKH.at[at].set(stored(pages_LPZKH, new_TKH), mode="drop")
 
 
 def read_pages(pages_LPZKH: jax.Array, layer: jax.Array, block_tables_BX: jax.Array) -> jax.Array:
-    """The keys or values of every sequence, position by position: [B, X·Z, K, H] (bfloat16 for bits)."""
+    """The keys or values of every sequence, position by position: [B, X·Z, K, H] (bfloat16 for bits;
+    float32, dequantized, for int8)."""
+    if isinstance(pages_LPZKH, Int8KV):
+        return dequantize_kv(read_pages(pages_LPZKH.q_LBSKH, layer, block_tables_BX),
+                             read_pages(pages_LPZKH.s_LBSK, layer, block_tables_BX))
     layer_PZKH = jax.lax.dynamic_index_in_dim(bits.as_bits(pages_LPZKH), layer, keepdims=False)
     B, X = block_tables_BX.shape
     seq_BSKH = layer_PZKH[block_tables_BX].reshape(B, X * layer_PZKH.shape[1], *layer_PZKH.shape[2:])

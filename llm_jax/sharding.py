@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from llm_jax.config import ModelConfig
-from llm_jax.kv_cache import KVCache, PagedBatch, PagedKVCache
+from llm_jax.kv_cache import Int8KV, KVCache, PagedBatch, PagedKVCache, cache_dtype
 from llm_jax.quantization import QuantizedArray
 
 DATA = "data"
@@ -82,7 +82,10 @@ PARAM_DIMS: Mapping[str, str] = {
 }
 # The KV cache, by field.
 CACHE_DIMS: Mapping[str, str] = {"k_LBSKH": "LBSKH", "v_LBSKH": "LBSKH", "lengths_B": "B",
-                                  "k_LPZKH": "LPZKH", "v_LPZKH": "LPZKH"}  # the paged cache: P, Z whole
+                                  "k_LPZKH": "LPZKH", "v_LPZKH": "LPZKH",  # the paged cache: P, Z whole
+                                  # an int8 paged cache: values and their scales split alike, by K/V head
+                                  "k_LPZKH/q_LBSKH": "LPZKH", "k_LPZKH/s_LBSK": "LPZK",
+                                  "v_LPZKH/q_LBSKH": "LPZKH", "v_LPZKH/s_LBSK": "LPZK"}
 
 
 class MeshError(ValueError):
@@ -255,12 +258,17 @@ def cache_shardings(config: ModelConfig, batch_size: int, max_len: int, mesh: Me
     return _named(cache_specs(config, batch_size, max_len, mesh), mesh)
 
 
-def paged_cache_shardings(config: ModelConfig, num_pages: int, page_size: int, mesh: Mesh) -> PagedKVCache:
+def paged_cache_shardings(config: ModelConfig, num_pages: int, page_size: int, mesh: Mesh,
+                          dtype=None) -> PagedKVCache:
     """A :class:`PagedKVCache` holding the ``NamedSharding`` of each of its fields (pass to
-    ``init_paged_cache``): K/V heads split over ``model``, as the params' and the other cache's."""
-    shape = jax.ShapeDtypeStruct((config.n_layers, num_pages, page_size, config.n_kv_heads, config.head_dim),
-                                 jnp.float32)
-    return _named(_specs(PagedKVCache(k_LPZKH=shape, v_LPZKH=shape), CACHE_DIMS, "CACHE_DIMS", mesh), mesh)
+    ``init_paged_cache`` with the same ``dtype``): K/V heads split over ``model``, as the params' and the
+    other cache's (an int8 cache's scales as its values)."""
+    shape = (config.n_layers, num_pages, page_size, config.n_kv_heads, config.head_dim)
+    if cache_dtype(config, dtype) == jnp.int8:
+        pages = Int8KV(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
+    else:
+        pages = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return _named(_specs(PagedKVCache(k_LPZKH=pages, v_LPZKH=pages), CACHE_DIMS, "CACHE_DIMS", mesh), mesh)
 
 
 # Constraints inside jitted stages: declare what an input or output looks like. No-ops without a mesh.

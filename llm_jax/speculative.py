@@ -64,7 +64,9 @@ class Speculative:
     target's vocabulary; method "draft"), the n-gram sizes the prompt lookup tries
     (``prompt_lookup_max`` down to ``prompt_lookup_min``; method "ngram"). Speculation fails in a chunk of
     steps that accepts fewer than ``min_accepted`` proposals per verification step; ``max_backoff`` is
-    the most plain chunks decoded after failures before it is tried again."""
+    the most plain chunks decoded after failures before it is tried again. ``max_batch``: the serving engine
+    proposes only while at most this many requests run (a full batch already reads each weight once for
+    many tokens; None: always)."""
 
     method: Method | str = Method.NGRAM
     num_tokens: int = 4
@@ -73,6 +75,7 @@ class Speculative:
     prompt_lookup_max: int = 4
     min_accepted: float = 1.0
     max_backoff: int = 16
+    max_batch: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -89,6 +92,8 @@ class Speculative:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 or None, got {self.max_batch}")
         if self.max_backoff < 0:
             raise ValueError(f"max_backoff must be >= 0, got {self.max_backoff}")
         if not 0 <= self.min_accepted <= self.num_tokens:
@@ -190,7 +195,7 @@ def propose_ngram(seq_BS: jax.Array, length_B: jax.Array, *, k: int, lookup_min:
     return proposals_BK, jnp.broadcast_to(found_B[:, None], (B, k))
 
 
-def _draft_choice(logits_BV: jax.Array, params: SamplingParams, key_step_B: jax.Array,
+def draft_choice(logits_BV: jax.Array, params: SamplingParams, key_step_B: jax.Array,
                   backend: Backend) -> tuple[jax.Array, jax.Array | None]:
     """The draft's token [B] and, for sampling batches, the distribution q [B, V] it was drawn from (the
     target's temperature and filters applied to the draft's logits; greedy rows take the argmax)."""
@@ -218,13 +223,13 @@ def propose_draft(params: Params, config: ModelConfig, cache: KVCache, seq_BS: j
     cache = dataclasses.replace(cache, lengths_B=jnp.where(running_B, length_B - 1, cache.lengths_B))
     last_B2 = jnp.take_along_axis(seq_BS, length_B[:, None] - 1 + jnp.arange(2), axis=1)
     x_B2D, cache = forward_extend(params, config, last_B2, cache, running_B, backend=backend)
-    token_B, q_BV = _draft_choice(unembed(params, config, x_B2D[:, 1:], backend)[:, 0], sampling, num_generated_B,
+    token_B, q_BV = draft_choice(unembed(params, config, x_B2D[:, 1:], backend)[:, 0], sampling, num_generated_B,
                                   backend)
 
     def step(carry, j):
         cache, token_B = carry
         x_B1D, cache = forward_extend(params, config, token_B[:, None], cache, running_B, backend=backend)
-        token_B, q_BV = _draft_choice(unembed(params, config, x_B1D, backend)[:, 0], sampling, num_generated_B + j,
+        token_B, q_BV = draft_choice(unembed(params, config, x_B1D, backend)[:, 0], sampling, num_generated_B + j,
                                       backend)
         return (cache, token_B), (token_B, q_BV)
 
@@ -232,6 +237,20 @@ def propose_draft(params: Params, config: ModelConfig, cache: KVCache, seq_BS: j
     proposals_BK = jnp.concatenate([token_B[:, None], rest_KB.T], axis=1)
     q_BKV = None if q_BV is None else jnp.concatenate([q_BV[:, None], jnp.swapaxes(q_rest, 0, 1)], axis=1)
     return proposals_BK, q_BKV, cache
+
+
+def ngram_proposals(sequence: np.ndarray, *, k: int, lookup_min: int, lookup_max: int) -> np.ndarray:
+    """Prompt lookup on the host: :func:`propose_ngram` for one sequence (int32 [≤ k]; empty when its
+    last ``lookup_min`` tokens occur nowhere earlier). The serving engine proposes here, between steps."""
+    sequence = np.asarray(sequence, np.int32)
+    S = len(sequence)
+    for n in range(min(lookup_max, S - 1), lookup_min - 1, -1):
+        windows_Wn = np.lib.stride_tricks.sliding_window_view(sequence[:-1], n)  # each followed by a token
+        (starts,) = np.nonzero(np.all(windows_Wn == sequence[S - n:], axis=1))
+        if len(starts):
+            start = int(starts[-1]) + n  # after the most recent earlier occurrence
+            return sequence[start + np.arange(k) % (S - start)]
+    return np.zeros((0,), np.int32)
 
 
 def lookup_match(sequence: np.ndarray, lookup_min: int) -> bool:

@@ -11,6 +11,7 @@ on stderr) and with ``--json`` writes every number. The workload and engines are
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
@@ -133,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--late-request", type=non_negative_number, nargs=2, metavar=("LEN", "AT"),
                    help="one more request, of a LEN-token prompt (and 16 output tokens), arriving AT seconds "
                         "after the first (what a long prompt does to the others' inter-token latency)")
+    w.add_argument("--repeat-period", type=non_negative_int, default=0, metavar="N",
+                   help="each prompt repeats its own N random tokens (a passage to continue; what speculative "
+                        "decoding's prompt lookup predicts; default 0: no repetition)")
     w.add_argument("--seed", type=non_negative_int, default=0, help="seed of lengths, tokens and arrivals")
     e = p.add_argument_group("serving engine (llm_jax.serving.Engine's options; unset: the engine's defaults)")
     e.add_argument("--max-num-seqs", type=positive_int, help="sequences running at once (engine default 8)")
@@ -142,6 +146,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV blocks (engine default: enough for --max-num-seqs sequences of --max-model-len)")
     e.add_argument("--max-model-len", type=positive_int, help="longest sequence (engine default: the model's context)")
     e.add_argument("--no-prefix-caching", action="store_true", help="turn the engine's prefix cache off")
+    e.add_argument("--kv-cache-dtype", choices=["auto", "int8", "bfloat16", "float32"], default="auto",
+                   help="what the engine's KV cache holds (auto: the compute dtype; --launch servers keep theirs)")
+    e.add_argument("--speculative", metavar="ngram|PATH",
+                   help="speculative decoding: each decoding request verifies proposals every step, from prompt "
+                        "lookup ('ngram') or from the draft model at PATH")
+    e.add_argument("--num-speculative-tokens", type=positive_int, default=4, metavar="K",
+                   help="proposals per request and step at most (default 4)")
+    e.add_argument("--speculative-max-batch", type=positive_int, metavar="N",
+                   help="propose only while at most N requests run (default: always)")
     o = p.add_argument_group("online (over HTTP, streamed /v1/completions; any of these turns it on)")
     o.add_argument("--launch", action="append", choices=["llm_jax", "transformers"], default=[],
                    help="start this server on a free port of 127.0.0.1 on the same weights (a Hugging Face copy), "
@@ -157,10 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", type=slo, default=[],
                    help="latency targets for goodput (requests/s meeting all of them): ttft:MS, tpot:MS, e2e:MS")
     c = p.add_argument_group("comparisons")
-    c.add_argument("--compare", action="append", choices=["generate", "hf", "no-prefix-cache", "engine"], default=[],
+    c.add_argument("--compare", action="append",
+                   choices=["generate", "hf", "no-prefix-cache", "no-speculation", "engine"], default=[],
                    help="also run llm_jax.generate in static batches, transformers' continuous batching, the engine "
-                        "with its prefix cache off, or (online) llm_jax's engine in this process on the same "
-                        "prompts (repeatable)")
+                        "with its prefix cache or its speculative decoding off, or (online) llm_jax's engine in "
+                        "this process on the same prompts (repeatable)")
     c.add_argument("--static-batch", type=positive_int, default=8, help="batch size of the static runs (default 8)")
     c.add_argument("--repeats", type=positive_int, default=1, help="rounds of runs, the engines taking turns (default 1)")
     c.add_argument("--threads", type=positive_int, help="torch threads (default: every CPU)")
@@ -183,7 +197,8 @@ def workload_spec(args):
             raise ValueError(f"--late-request LEN must be a whole number of tokens, got {length:g}")
         late = (int(length), at)
     return WorkloadSpec(num_prompts=args.num_prompts, input_len=input_len, output_len=output_len,
-                        prefix_len=args.prefix_len, request_rate=args.request_rate, seed=args.seed, late=late)
+                        prefix_len=args.prefix_len, request_rate=args.request_rate, seed=args.seed, late=late,
+                        repeat_period=args.repeat_period)
 
 
 def check_fits(spec, context: int, what: str) -> None:
@@ -192,10 +207,28 @@ def check_fits(spec, context: int, what: str) -> None:
                          f"{spec.output_len[1]} output tokens = {spec.longest}) exceeds {what} of {context} tokens")
 
 
+@functools.cache
+def load_draft(path: str, dtype: str, backend: str):
+    """The draft model at ``path`` (once per run)."""
+    import llm_jax
+
+    if not pathlib.Path(path).exists():
+        raise ValueError(f"--speculative takes 'ngram' or a draft model's path; {path} does not exist")
+    return llm_jax.load(path, dtype=dtype, backend=backend)
+
+
 def engine_options(args) -> dict:
     """The Engine keywords given on the command line (the others keep the engine's defaults)."""
     given = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-             "block_size": args.block_size, "num_blocks": args.num_blocks, "max_model_len": args.max_model_len}
+             "block_size": args.block_size, "num_blocks": args.num_blocks, "max_model_len": args.max_model_len,
+             "kv_cache_dtype": None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype}
+    if args.speculative:
+        from llm_jax.speculative import Speculative
+
+        draft = None if args.speculative == "ngram" else load_draft(args.speculative, args.dtype, args.backend)
+        given["speculative"] = Speculative(method="ngram" if draft is None else "draft", draft_model=draft,
+                                           num_tokens=args.num_speculative_tokens,
+                                           max_batch=args.speculative_max_batch)
     return {k: v for k, v in given.items() if v is not None} | {"enable_prefix_caching": not args.no_prefix_caching}
 
 
@@ -244,6 +277,9 @@ def run(args, argv: list[str], spec, workdir: pathlib.Path, name: str, log) -> d
     if "no-prefix-cache" in args.compare:
         engines.append(serving.LlmJaxServing(model, options | {"enable_prefix_caching": False}, name=name,
                                              variant="no prefix cache"))
+    if "no-speculation" in args.compare:
+        engines.append(serving.LlmJaxServing(model, options | {"speculative": None}, name=name,
+                                             variant="no speculation"))
     if "generate" in args.compare:
         engines.append(serving.StaticGenerate(model, args.static_batch, name=name))
     warm_ups = {}
@@ -309,8 +345,12 @@ def run_online(args, argv, spec, source, model, requests, ours, workdir: pathlib
         drive(server)
     for kind in args.launch:
         folder = source.hf_folder if kind == "transformers" or source.named else pathlib.Path(args.model)
+        flags = [] if not args.speculative else ["--speculative", args.speculative, "--num-speculative-tokens",
+                                                 str(args.num_speculative_tokens)]
+        if args.speculative and args.speculative_max_batch:
+            flags += ["--speculative-max-batch", str(args.speculative_max_batch)]
         with online.launched(kind, folder, dtype=args.dtype, limits=ours.limits, workdir=workdir, threads=threads,
-                             log=log) as server:
+                             log=log, flags=flags) as server:
             drive(server)
     if "engine" in args.compare:
         log(f"{ours.name}: warming up...")
@@ -359,7 +399,7 @@ def report(args, argv, spec, label: str, requests, engines, warm_ups, runs, thre
                                            "output_lens": [r.max_new_tokens for r in requests],
                                            "arrivals_s": [r.arrival_s for r in requests]}
     return {"text": "\n".join(lines), "machine": machine, "command": command, "workload": workload,
-            "engine_options": engine_options(args),
+            "engine_options": {k: repr(v) if k == "speculative" else v for k, v in engine_options(args).items()},
             "warm_up": {n: dataclasses.asdict(w) for n, w in warm_ups.items()},
             "median": {n: m.to_dict() for n, m in medians.items()},
             "rounds": {n: [s.to_dict() for s in ss] for n, ss in summaries.items()},
@@ -431,7 +471,9 @@ def describe(s) -> str:
     return (f"; after it {c.new_programs} step programs compiled, {c.compilations} XLA compilations; {c.steps} steps, "
             f"mean batch {c.mean_batch:.1f} sequences ({c.mean_step_tokens:.1f} tokens); KV blocks in use at most "
             f"{c.peak_blocks} of {c.num_blocks}; prefix-cache hit rate {100 * c.prefix_hit_rate:.1f}%; "
-            f"{c.preemptions} preemptions")
+            f"{c.preemptions} preemptions" + (f"; speculation: {100 * c.acceptance_rate:.0f}% of proposals accepted, "
+                                               f"{c.mean_accepted_length:.2f} tokens per verification"
+                                               if c.mean_accepted_length else ""))
 
 
 def entry() -> int:

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import pallas_kernels
@@ -52,6 +53,9 @@ class Pallas(Backend):
 
     def paged_attention(self, q_TNH, k_TKH, v_TKH, k_LPZKH, v_LPZKH, layer, batch: kvc.PagedBatch, *,
                         config: ModelConfig, window: int | None, mesh: Mesh | None = None):
+        if k_LPZKH.dtype == jnp.int8:
+            raise ValueError(f"the pallas backend's paged attention reads float pages, not {k_LPZKH.dtype} "
+                             "(an int8 KV cache): serve it with backend 'xla' or 'cpu', or a float cache")
         k_LPZKH = kvc.write_slots(k_LPZKH, layer, batch.slots_T, k_TKH)
         v_LPZKH = kvc.write_slots(v_LPZKH, layer, batch.slots_T, v_TKH)
         kernel = functools.partial(pallas_kernels.ragged_paged_attention, **self._common(config, window))

@@ -31,7 +31,7 @@ from llm_jax.cli.common import (
     positive_int,
     run_main,
 )
-from llm_jax.cli.generate import DEFAULT_MODEL
+from llm_jax.cli.generate import DEFAULT_MODEL, _add_speculative_flags, speculative_options
 
 API_KEY_ENV = "LLM_JAX_API_KEY"
 DESCRIPTION = "Serve a model over HTTP with an OpenAI-compatible API (continuous batching, SSE streaming)."
@@ -93,9 +93,17 @@ def build_parser() -> CliParser:
                        help="KV-cache blocks (default: enough for --max-num-seqs full-length sequences)")
     cache.add_argument("--kv-cache-memory", type=byte_size, metavar="SIZE",
                        help="KV-cache size in bytes, or with a unit: 2GiB, 512MB")
+    engine.add_argument("--kv-cache-dtype", choices=["auto", "int8", "bfloat16", "float32"], default="auto",
+                        help="what the KV cache holds: int8 (a float32 scale per token and head; about half "
+                             "bfloat16's bytes), bfloat16, float32; auto: the compute dtype (default: %(default)s)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     engine.add_argument("--max-logprobs", type=non_negative_int, default=20, metavar="N",
                         help="top log-probabilities a request may ask for (default: %(default)s)")
+    speculative = parser.add_argument_group(
+        "speculative decoding (each decoding request verifies proposals every step; same output)")
+    _add_speculative_flags(speculative)
+    speculative.add_argument("--speculative-max-batch", type=positive_int, metavar="N",
+                             help="propose only while at most N requests run (default: always)")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     http.add_argument("--port", type=non_negative_int, default=8000,
@@ -149,7 +157,14 @@ def _with_special_tokens(template, model):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.speculative is not None:
+        if args.speculative != "ngram" and not pathlib.Path(args.speculative).exists():
+            parser.error(f"--speculative takes 'ngram' or a draft model's path; {args.speculative} does not exist")
+        if args.prompt_lookup_min > args.prompt_lookup_max:
+            parser.error(f"--prompt-lookup-min {args.prompt_lookup_min} exceeds --prompt-lookup-max "
+                         f"{args.prompt_lookup_max}")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     for name in ("llm_jax", "uvicorn"):  # not JAX's and orbax's chatter
@@ -192,13 +207,22 @@ def _start_engine(args: argparse.Namespace):
     engine = Engine(model, max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
                     kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                    max_logprobs=args.max_logprobs)
+                    max_logprobs=args.max_logprobs, speculative=_speculative(args),
+                    kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
     log.info("loaded %s in %.1f s; compiling the engine's step programs", args.model, time.perf_counter() - t0)
     t0 = time.perf_counter()
     count = engine.warm_up()
-    log.info("compiled %d step programs in %.1f s (KV cache: %d blocks of %d tokens, max_model_len %d)", count,
-             time.perf_counter() - t0, engine.scheduler.pool.num_blocks, engine.block_size, engine.max_model_len)
+    log.info("compiled %d step programs in %.1f s (KV cache: %d blocks of %d tokens, %s, max_model_len %d)", count,
+             time.perf_counter() - t0, engine.scheduler.pool.num_blocks, engine.block_size, engine.kv_cache_dtype.name,
+             engine.max_model_len)
     return engine
+
+
+def _speculative(args: argparse.Namespace):
+    speculative = speculative_options(args)
+    if speculative is None or args.speculative_max_batch is None:
+        return speculative
+    return dataclasses.replace(speculative, max_batch=args.speculative_max_batch)
 
 
 class _Server(uvicorn.Server):

@@ -7,7 +7,11 @@ request's arrival, ``inter_token_latency_seconds`` between a request's tokens,
 ``requests_rejected_total`` by ``reason`` (queue_full). Read from the engine's scheduler when scraped:
 ``num_requests_running`` and ``num_requests_waiting``, ``kv_cache_usage_perc`` (blocks held by requests
 over the pool, 0 to 1), ``prefix_cache_queries_total`` and ``prefix_cache_hits_total`` (tokens),
-``num_preemptions_total``. Each server has its own registry, so several can live in one process.
+``num_preemptions_total``; with speculative decoding ``spec_decode_num_drafts_total`` (sequence steps that
+verified proposals), ``spec_decode_num_draft_tokens_total`` (proposals), ``spec_decode_num_accepted_tokens_total``
+and ``spec_decode_num_accepted_tokens_per_pos_total`` by ``position`` (0 for the first proposal); the
+acceptance rate is accepted over draft tokens, the mean accepted length 1 + accepted over drafts. Each server
+has its own registry, so several can live in one process.
 """
 
 from __future__ import annotations
@@ -53,10 +57,22 @@ class _SchedulerCollector(Collector):
                 (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                  stats.prefix_hit_tokens),
                 (CounterMetricFamily, "num_preemptions", "Requests preempted to free KV-cache blocks.",
-                 stats.num_preemptions)):
+                 stats.num_preemptions),
+                (CounterMetricFamily, "spec_decode_num_drafts", "Sequence steps that verified proposals.",
+                 stats.spec_steps),
+                (CounterMetricFamily, "spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                 stats.spec_proposed_tokens),
+                (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                 stats.spec_accepted_tokens)):
             metric = family(PREFIX + name, doc, labels=["model_name"])
             metric.add_metric(labels, value)
             yield metric
+        per_position = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                           "Proposed tokens accepted, by their position among a step's proposals.",
+                                           labels=["model_name", "position"])
+        for position, value in enumerate(stats.spec_accepted_per_position):
+            per_position.add_metric([*labels, str(position)], value)
+        yield per_position
 
 
 class ServerMetrics:

@@ -11,6 +11,13 @@ decoding sequence, chunks of prompts while the token budget lasts — and the de
 (:mod:`llm_jax.serving.step`) runs them and picks each sequence's next token with the same processors and
 sampling as ``generate``. End-of-sequence ids, stop ids and stop strings are checked here, on the host, as
 ``generate`` checks its text. Steps are padded to a few shapes, compiled once by :meth:`Engine.warm_up`.
+
+With ``speculative=llm_jax.Speculative(method="ngram", num_tokens=k)`` each decoding request gets up to k
+proposals before the step (prompt lookup in its tokens, here on the host); with ``method="draft"`` the
+step itself draws them from the draft model, which keeps its own paged cache under the same block
+tables. The scheduler budgets the proposals with the request's latest token, and the step verifies them
+exactly (greedy output identical, sampled output with the model's own distribution). A request whose
+proposals keep failing stops proposing for 1, 2, 4, ... steps (``Speculative.max_backoff`` at most).
 """
 
 from __future__ import annotations
@@ -25,13 +32,14 @@ import numpy as np
 
 from llm_jax.decoding import PAD_ID
 from llm_jax.generation import Prompt, encode_prompts
-from llm_jax.kv_cache import PagedBatch, cache_bytes_per_token, init_paged_cache
+from llm_jax.kv_cache import PagedBatch, cache_bytes_per_token, cache_dtype, init_paged_cache
 from llm_jax.loading import Model
 from llm_jax.sampling import GREEDY, Sampling
 from llm_jax.serving.blocks import NULL_BLOCK
 from llm_jax.serving.scheduler import FinishReason, Request, Scheduler, SchedulerStats, StepPlan
-from llm_jax.serving.step import Shape, StepInputs, abstract_inputs, step, step_controls
+from llm_jax.serving.step import Draft, Shape, StepInputs, abstract_inputs, step, step_controls
 from llm_jax.sharding import paged_cache_shardings
+from llm_jax.speculative import Backoff, Method, Speculative, ngram_proposals
 from llm_jax.stop_strings import SequenceText
 
 BIAS_WIDTH = 300  # logit_bias entries per request at most (the OpenAI API's limit)
@@ -81,6 +89,7 @@ class _Live:
     text: SequenceText
     prompt_logprobs: int | None = None
     prompt_scores: dict[int, tuple[float, dict[int, float]]] = dataclasses.field(default_factory=dict)  # by position
+    backoff: Backoff = Backoff()  # speculative decoding: steps it proposes nothing after failures
 
     @property
     def scores_prompt(self) -> bool:
@@ -111,13 +120,19 @@ class Engine:
     blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes hold, or by default enough for
     ``max_num_seqs`` sequences of ``max_model_len`` tokens (the model's context unless given).
     ``enable_prefix_caching`` keeps full blocks of finished requests for later ones with the same prefix.
-    ``max_logprobs``: the most top log-probabilities a request may ask for.
+    ``max_logprobs``: the most top log-probabilities a request may ask for. ``speculative``: proposals
+    verified each step (n-gram prompt lookup or a draft model; see the module docstring).
+    ``kv_cache_dtype``: what the cache holds, "int8" (a float32 scale per token and head: about half a
+    bfloat16 cache's bytes, so ``kv_cache_memory`` holds about twice the blocks), "bfloat16" or "float32";
+    None: the model's compute dtype.
     """
 
     def __init__(self, model: Model, *, max_num_seqs: int = 8, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_batched_tokens: int = 256,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True, max_logprobs: int = 20):
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, max_logprobs: int = 20,
+                 speculative: Speculative | None = None, kv_cache_dtype: str | None = None):
         config = model.config
+        self.kv_cache_dtype = cache_dtype(config, kv_cache_dtype)
         self.model, self.config = model, config
         self.max_model_len = min(max_model_len or config.max_seq_len, config.max_seq_len)
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
@@ -125,8 +140,20 @@ class Engine:
                              f"{max_num_seqs=} {max_num_batched_tokens=}")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.block_size, self.max_logprobs = block_size, max_logprobs
+        self.speculative, self.draft = speculative, None
+        if speculative is not None and Method(speculative.method) is Method.DRAFT:
+            self.draft = speculative.draft_model
+            if self.draft.config.vocab_size != config.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({self.draft.config.vocab_size} tokens) is not the "
+                                 f"model's ({config.vocab_size})")
+            if model.mesh is not None or self.draft.mesh is not None:
+                raise ValueError("an engine with a draft model runs on one device (no mesh)")
         num_blocks = self._num_blocks(num_blocks, kv_cache_memory)
         self.cache = self._new_cache(num_blocks)
+        self.draft_cache = None
+        if self.draft is not None:  # the same blocks, for the draft's layers
+            self.draft_cache = jax.device_put(init_paged_cache(self.draft.config, num_blocks, block_size),
+                                              jax.devices()[0])
         self.scheduler = Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    enable_prefix_caching=enable_prefix_caching)
@@ -137,13 +164,16 @@ class Engine:
 
     def _new_cache(self, num_blocks: int):
         mesh = self.model.mesh  # with a mesh, pages split by K/V head as the params are
-        sharding = None if mesh is None else paged_cache_shardings(self.config, num_blocks, self.block_size, mesh)
-        cache = init_paged_cache(self.config, num_blocks, self.block_size, sharding=sharding)
+        sharding = None if mesh is None else paged_cache_shardings(self.config, num_blocks, self.block_size, mesh,
+                                                                   self.kv_cache_dtype)
+        cache = init_paged_cache(self.config, num_blocks, self.block_size, self.kv_cache_dtype, sharding=sharding)
         # Committed to its device, as every step's result is: the first step compiles what the others run.
         return cache if mesh is not None else jax.device_put(cache, jax.devices()[0])
 
     def _num_blocks(self, num_blocks: int | None, memory: int | None) -> int:
-        per_block = cache_bytes_per_token(self.config) * self.block_size
+        per_block = cache_bytes_per_token(self.config, self.kv_cache_dtype) * self.block_size
+        if self.draft is not None:
+            per_block += cache_bytes_per_token(self.draft.config) * self.block_size
         if num_blocks is None and memory is not None:
             num_blocks = memory // per_block
         if num_blocks is None:
@@ -209,31 +239,44 @@ class Engine:
         kinds = [("greedy", 0), ("sample", 0), ("logprobs", self.max_logprobs)]
         decode = [(B, B, 1) for B in self.seq_buckets]
         mixed = [(T, self.max_num_seqs, T) for T in self.token_buckets]
-        return ([Shape(T=T, B=B, X=self.X, Q=Q, kind=kind, top_n=top_n)
-                 for (kind, top_n), (T, B, Q) in itertools.product(kinds, decode + mixed)]
-                + [Shape(T=T, B=B, X=self.X, Q=Q, kind="prompt", top_n=self.max_logprobs) for T, B, Q in mixed])
+        shapes = ([Shape(T=T, B=B, X=self.X, Q=Q, kind=kind, top_n=top_n)
+                   for (kind, top_n), (T, B, Q) in itertools.product(kinds, decode + mixed)]
+                  + [Shape(T=T, B=B, X=self.X, Q=Q, kind="prompt", top_n=self.max_logprobs) for T, B, Q in mixed])
+        if self.speculative is None:
+            return shapes
+        # And the steps that verify proposals: decode steps by sequences (k + 1 tokens each), mixed by tokens.
+        K = self.speculative.num_tokens
+        return shapes + [dataclasses.replace(s, T=s.B * (K + 1) if s.Q == 1 else s.T, Q=K + 1 if s.Q == 1 else s.Q,
+                                             K=K) for s in shapes]
 
     def warm_up(self) -> int:
         """Compile every step program (:meth:`shapes`) by running it on padding; returns how many."""
         shapes = self.shapes()
         for shape in shapes:
             inputs = abstract_inputs(shape, self.config, bias_width=BIAS_WIDTH, end_width=END_WIDTH,
-                                     max_model_len=self.max_model_len)
-            self.cache, _, _ = self._run(inputs)
-        jax.block_until_ready(self.cache)
+                                     max_model_len=self.max_model_len, draft=self.draft is not None)
+            self._run(inputs)
+        jax.block_until_ready((self.cache, self.draft_cache))
         return len(shapes)
 
     def _run(self, inputs: StepInputs):
-        return step(self.model.weights, self.config, self.cache, inputs, backend=self.model.backend,
-                    mesh=self.model.mesh)
+        """One step on the caches, which it replaces: what the step emitted, and the prompt scores."""
+        draft = {} if self.draft is None else dict(
+            draft_weights=self.draft.weights, draft_cache=self.draft_cache, draft_config=self.draft.config,
+            draft_backend=self.draft.backend)
+        self.cache, emitted, scored, self.draft_cache = step(
+            self.model.weights, self.config, self.cache, inputs, backend=self.model.backend, mesh=self.model.mesh,
+            **draft)
+        return emitted, scored
 
     def _shape(self, plan: StepPlan, kind: str) -> Shape:
         top_n = self.max_logprobs if kind in ("logprobs", "prompt") else 0
-        if (plan.num_tokens_B == 1).all() and kind != "prompt":
+        K = self.speculative.num_tokens if plan.num_proposals_B.any() else 0
+        if (plan.num_tokens_B - plan.num_proposals_B == 1).all() and kind != "prompt":
             B = next(b for b in self.seq_buckets if b >= plan.num_seqs)
-            return Shape(T=B, B=B, X=self.X, Q=1, kind=kind, top_n=top_n)
+            return Shape(T=B * (K + 1), B=B, X=self.X, Q=K + 1, kind=kind, top_n=top_n, K=K)
         T = next(t for t in self.token_buckets if t >= plan.num_tokens)
-        return Shape(T=T, B=self.max_num_seqs, X=self.X, Q=T, kind=kind, top_n=top_n)
+        return Shape(T=T, B=self.max_num_seqs, X=self.X, Q=T, kind=kind, top_n=top_n, K=K)
 
     def _inputs(self, plan: StepPlan, shape: Shape, lives: list[_Live]) -> StepInputs:
         n, T, B = plan.num_seqs, plan.num_tokens, shape.B
@@ -275,8 +318,43 @@ class Engine:
                     next_S = plan.positions_T[span] + 1
                     targets_T[span] = np.where(next_S < len(prompt), prompt[np.minimum(next_S, len(prompt) - 1)], -1)
             extra["prompt_targets_T"] = targets_T
+        if shape.K:  # each sequence's proposals: its last tokens
+            proposals_BK = np.zeros((B, shape.K), np.int32)
+            for b in np.flatnonzero(plan.num_proposals_B):
+                end = plan.query_start_B[b] + plan.num_tokens_B[b]
+                proposals_BK[b, :plan.num_proposals_B[b]] = plan.token_ids_T[end - plan.num_proposals_B[b]:end]
+            extra.update(proposals_BK=proposals_BK, num_proposals_B=padded(plan.num_proposals_B, B))
+        if self.draft is not None:
+            extra["draft"] = self._draft_inputs(plan, shape, tables)
         return StepInputs(tokens_T=padded(plan.token_ids_T, shape.T), positions_T=padded(plan.positions_T, shape.T),
                           batch=batch, controls=controls, num_generated_B=generated_B, **extra)
+
+    def _draft_inputs(self, plan: StepPlan, shape: Shape, tables_BX: np.ndarray) -> Draft:
+        """The draft's first pass: each sequence's known tokens of the step (not its proposals), after the
+        token before them where it has proposals; padded as the step."""
+        n, B, Z = plan.num_seqs, shape.B, self.block_size
+        again_B = (plan.num_proposals_B > 0).astype(np.int32)  # the token before the latest, fed again
+        known_B = plan.num_tokens_B - plan.num_proposals_B
+        num_B = known_B + again_B
+        start_B = (np.cumsum(num_B) - num_B).astype(np.int32)
+        first_B = plan.seq_lens_B - plan.num_tokens_B - again_B  # the position each one's tokens start at
+        seq_B = np.repeat(np.arange(n), num_B)
+        positions_T = (np.arange(len(seq_B)) - start_B[seq_B] + first_B[seq_B]).astype(np.int32)
+        tokens_T = np.empty_like(positions_T)
+        for b, request_id in enumerate(plan.request_ids):
+            tokens = self.scheduler.get(request_id).token_ids
+            tokens_T[start_B[b]:start_B[b] + num_B[b]] = tokens[first_B[b]:first_B[b] + num_B[b]]
+        slots_T = tables_BX[seq_B, positions_T // Z] * Z + positions_T % Z
+
+        def padded(a, size, fill=0):
+            out = np.full((size,), fill, np.int32)
+            out[:len(a)] = a
+            return out
+
+        batch = PagedBatch(slots_T=padded(slots_T, shape.T, NULL_BLOCK), block_tables_BX=tables_BX,
+                           query_start_B=padded(start_B, B, len(seq_B)), num_tokens_B=padded(num_B, B),
+                           seq_lens_B=padded(first_B + num_B, B), max_query_len=shape.Q)
+        return Draft(tokens_T=padded(tokens_T, shape.T), positions_T=padded(positions_T, shape.T), batch=batch)
 
     def _fail(self, plan: StepPlan) -> None:
         """After a step failed: its requests end; if the cache went with it (donated to the failed
@@ -284,10 +362,13 @@ class Engine:
         for request_id in plan.request_ids:
             self.abort(request_id)
         self.scheduler.update(plan, np.zeros((plan.num_seqs,), np.int32))
-        if self.cache.k_LPZKH.is_deleted():
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves((self.cache, self.draft_cache))):
             for request in self.scheduler.running:
                 self.abort(request.request_id)
             self.scheduler.pool.forget_cached()
+            if self.draft_cache is not None:
+                self.draft_cache = jax.device_put(
+                    init_paged_cache(self.draft.config, self.cache.num_pages, self.block_size), jax.devices()[0])
             self.cache = self._new_cache(self.cache.num_pages)
 
     @staticmethod
@@ -311,8 +392,32 @@ class Engine:
         return dict(prompt_logprobs=(None, *(lp for lp, _ in scores)),
                     prompt_top_logprobs=(None, *(top for _, top in scores)))
 
+    def _propose(self) -> None:
+        """Proposals for each decoding request's next tokens (speculative decoding), as many as its length
+        limit leaves room for, unless it scores its prompt or is backing off after failures, or more than
+        ``Speculative.max_batch`` requests run."""
+        k, speculative = self.speculative.num_tokens, self.speculative
+        if speculative.max_batch is not None and self.scheduler.num_running > speculative.max_batch:
+            return
+        for request in self.scheduler.running:
+            live = self._live[request.request_id]
+            if request.num_computed_tokens != request.num_tokens - 1 or live.scores_prompt:
+                continue
+            if not live.backoff.speculate:
+                live.backoff = live.backoff.after_plain()
+                continue
+            room = min(request.max_new_tokens - request.num_output_tokens, self.max_model_len - request.num_tokens) - 1
+            if room > 0 and self.draft is not None:
+                request.spec_token_ids = [0] * min(k, room)  # placeholders: the step draws them from the draft
+            elif room > 0:
+                request.spec_token_ids = ngram_proposals(
+                    np.asarray(request.token_ids), k=min(k, room), lookup_min=speculative.prompt_lookup_min,
+                    lookup_max=speculative.prompt_lookup_max).tolist()
+
     def step(self) -> list[RequestOutput]:
         """Run one step: each request that produced something gets a :class:`RequestOutput`."""
+        if self.speculative is not None:
+            self._propose()
         plan = self.scheduler.schedule()
         if plan.num_seqs == 0:
             return []
@@ -321,15 +426,22 @@ class Engine:
         kind = next(k for k in ("prompt", "logprobs", "sample", "greedy") if k in kinds or k == "greedy")
         shape = self._shape(plan, kind)
         try:
-            self.cache, emitted, scored = self._run(self._inputs(plan, shape, lives))
+            emitted, scored = self._run(self._inputs(plan, shape, lives))
             emitted, scored = jax.device_get((emitted, scored))
         except Exception as error:
             self._fail(plan)
             raise StepError(plan.request_ids, error) from error
-        sampled_B = np.asarray(emitted.tokens_BS)[:plan.num_seqs]
+        # Each sequence's new tokens [B, J]: one, or the accepted proposals and the model's own token.
+        def by_sequence(a, *tail):
+            return None if a is None else np.asarray(a).reshape(len(emitted.tokens_BS), -1, *tail)
+
+        tokens_BJ = by_sequence(emitted.tokens_BS)
+        logprobs_BJ = by_sequence(emitted.logprobs_BS)
+        top_ids_BJN = by_sequence(emitted.top_ids_BSN, self.max_logprobs)
+        top_logprobs_BJN = by_sequence(emitted.top_logprobs_BSN, self.max_logprobs)
         if scored is not None:
             self._keep_prompt_scores(plan, lives, scored)
-        outputs, stopped = [], {}
+        outputs, stopped, new_tokens, accepted_B = [], {}, [[] for _ in lives], np.zeros((len(lives),), np.int32)
         for b, live in enumerate(lives):
             if not plan.samples_B[b]:
                 continue
@@ -337,29 +449,40 @@ class Engine:
             if live.scores_prompt:  # its prompt is done: its scores go out with its first token
                 prompt_scores = self._prompt_scores(live)
                 live.request.use_prefix_cache = True  # recomputed after a preemption, it may start from the cache
-            request, token = live.request, int(sampled_B[b])
+            request = live.request
+            tokens = [int(t) for t in tokens_BJ[b] if t != PAD_ID]
+            accepted_B[b] = len(tokens) - 1
+            if plan.num_proposals_B[b]:
+                live.backoff = live.backoff.after_speculation(accepted_B[b], 1, self.speculative)
             reason = stop_reason = None
-            if token in live.eos_ids:
-                reason = FinishReason.EOS
-            elif token in live.stop_ids:
-                reason, stop_reason = FinishReason.STOP, token
-            length = (request.num_output_tokens + 1 >= request.max_new_tokens
-                      or request.num_tokens + 1 >= self.max_model_len)
-            kept, text, hit_stop = live.text.push([token], last=reason is not None or length)
+            for i, token in enumerate(tokens):  # the first that ends it: an end id, or the length limit
+                if token in live.eos_ids:
+                    reason = FinishReason.EOS
+                elif token in live.stop_ids:
+                    reason, stop_reason = FinishReason.STOP, token
+                length = (request.num_output_tokens + i + 1 >= request.max_new_tokens
+                          or request.num_tokens + i + 1 >= self.max_model_len)
+                if reason is not None or length:
+                    tokens = tokens[:i + 1]
+                    break
+            kept, text, hit_stop = live.text.push(tokens, last=reason is not None or length)
             if hit_stop:
                 reason, stop_reason = FinishReason.STOP, live.text.matcher.stop
             if reason is not None:
                 stopped[request.request_id] = reason
+            new_tokens[b] = kept
             logprobs = top = None
             if live.logprobs is not None:
-                logprobs = (float(emitted.logprobs_BS[b]),)
-                n = live.logprobs
-                top = ({int(i): float(p) for i, p in zip(emitted.top_ids_BSN[b, :n], emitted.top_logprobs_BSN[b, :n])},)
+                n, j = live.logprobs, range(len(kept))
+                logprobs = tuple(float(logprobs_BJ[b, i]) for i in j)
+                top = tuple({} if not n else {int(t): float(p) for t, p in zip(top_ids_BJN[b, i, :n],
+                                                                                top_logprobs_BJN[b, i, :n])}
+                            for i in j)
             outputs.append(RequestOutput(
                 request_id=request.request_id, token_ids=tuple(kept), text=text, stop_reason=stop_reason,
                 logprobs=logprobs, top_logprobs=top, num_prompt_tokens=len(request.prompt_token_ids),
-                num_output_tokens=request.num_output_tokens + 1, **prompt_scores))
-        finished = {r.request_id: r for r in self.scheduler.update(plan, sampled_B, stopped)}
+                num_output_tokens=request.num_output_tokens + len(kept), **prompt_scores))
+        finished = {r.request_id: r for r in self.scheduler.update(plan, new_tokens, stopped, accepted_B=accepted_B)}
         result = []
         for out in outputs:
             request = finished.get(out.request_id)

@@ -10,9 +10,16 @@ back to the front of the queue, to recompute its prompt and the tokens it alread
 usually from the prefix cache) and continue. Its output is then what an uninterrupted run gives, provided
 the device step computes each sequence independently of its batch.
 
+Speculative decoding: a decoding request may carry proposals for its next tokens (``spec_token_ids``,
+set by the caller before ``schedule``). It is then scheduled for its latest token and as many proposals as
+the budget allows, the step verifies them, and ``update`` takes the tokens it emitted (the accepted
+proposals, then the model's own token): the K/V of the accepted ones are kept, the rejected ones' slots
+are overwritten later.
+
 The loop: ``plan = scheduler.schedule()``; the device step computes ``plan`` and samples a token for each
-sequence with ``plan.samples_B``; ``scheduler.update(plan, sampled_B)``. End-of-sequence and stop
-conditions are the caller's: it passes their reasons to ``update`` or calls ``finish``.
+sequence with ``plan.samples_B`` (or verifies its proposals); ``scheduler.update(plan, sampled)``.
+End-of-sequence and stop conditions are the caller's: it passes their reasons to ``update`` or calls
+``finish``.
 """
 
 import collections
@@ -52,6 +59,8 @@ class Request:
     use_prefix_cache: bool = True
     arrival: int = dataclasses.field(default=-1, init=False)  # order of ``add``
     token_ids: list[int] = dataclasses.field(init=False)  # the prompt, then every token produced so far
+    # Proposed next tokens for the coming step (speculative decoding; the caller sets them, update clears).
+    spec_token_ids: list[int] = dataclasses.field(default_factory=list, init=False)
     num_computed_tokens: int = dataclasses.field(default=0, init=False)  # leading tokens whose K/V are cached
     status: RequestStatus = dataclasses.field(default=RequestStatus.WAITING, init=False)
     finish_reason: FinishReason | None = dataclasses.field(default=None, init=False)
@@ -83,7 +92,7 @@ class StepPlan:
     """
 
     request_ids: tuple[str, ...]  # B
-    token_ids_T: np.ndarray  # the tokens whose K/V this step computes (and writes to slots_T)
+    token_ids_T: np.ndarray  # the tokens whose K/V this step computes (and writes to slots_T), proposals last
     positions_T: np.ndarray  # each token's position in its sequence
     slots_T: np.ndarray  # where its K/V go in the flat cache: block * block_size + position % block_size
     query_start_B: np.ndarray  # where each sequence's tokens start in T
@@ -92,6 +101,7 @@ class StepPlan:
     block_tables_BX: np.ndarray  # its blocks in order, padded with NULL_BLOCK
     samples_B: np.ndarray  # bool: this step samples its next token, from its last token's logits (False
     #                        for a chunk short of the sequence's last known token: a prompt still prefilling)
+    num_proposals_B: np.ndarray  # proposals among its last tokens (speculative decoding), to verify
     preempted: tuple[str, ...]  # requests preempted by this schedule (none of them is in B)
     finished: tuple[str, ...]  # requests finished or aborted since the previous plan
 
@@ -114,10 +124,26 @@ class SchedulerStats:
     kv_usage: float  # blocks_in_use / the pool's capacity
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    # Speculative decoding: sequence steps that verified proposals, the proposals, the accepted ones, and
+    # how often the proposal at each position (1st, 2nd, ...) was accepted.
+    spec_steps: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted proposals per verified proposal (0 without speculation)."""
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted proposals plus the model's own token."""
+        return 1 + self.spec_accepted_tokens / self.spec_steps if self.spec_steps else 0.0
 
 
 class Scheduler:
@@ -143,6 +169,8 @@ class Scheduler:
         self._finished_since_plan: list[str] = []
         self._pending: StepPlan | None = None  # the plan awaiting its update
         self._num_preemptions = 0
+        self._spec_steps = self._spec_proposed = self._spec_accepted = 0
+        self._spec_accepted_per_position: list[int] = []
 
     @property
     def num_waiting(self) -> int:
@@ -174,7 +202,10 @@ class Scheduler:
         return SchedulerStats(
             num_waiting=len(self._waiting), num_running=len(self._running), num_preemptions=self._num_preemptions,
             blocks_in_use=self.pool.num_used, blocks_cached=self.pool.num_cached, kv_usage=self.pool.usage,
-            prefix_queried_tokens=self.pool.queried_tokens, prefix_hit_tokens=self.pool.hit_tokens)
+            prefix_queried_tokens=self.pool.queried_tokens, prefix_hit_tokens=self.pool.hit_tokens,
+            spec_steps=self._spec_steps, spec_proposed_tokens=self._spec_proposed,
+            spec_accepted_tokens=self._spec_accepted,
+            spec_accepted_per_position=tuple(self._spec_accepted_per_position))
 
     def add(self, request: Request) -> None:
         """Queues a new request, or refuses one that could never complete (ValueError naming the numbers)."""
@@ -231,7 +262,7 @@ class Scheduler:
         back to ``update`` before the next ``schedule``."""
         if self._pending is not None:
             raise RuntimeError("schedule() called again before update() of the previous plan")
-        chunks: list[tuple[Request, int]] = []  # (request, tokens it computes this step)
+        chunks: list[tuple[Request, int, list[int]]] = []  # (request, known tokens it computes, its proposals)
         preempted: list[str] = []
         budget = self._schedule_running(self.max_num_batched_tokens, chunks, preempted)
         if not preempted:  # a preemption means the pool is full: admit nobody this step
@@ -241,25 +272,33 @@ class Scheduler:
         self._pending = plan if plan.num_seqs else None
         return plan
 
-    def _schedule_running(self, budget: int, chunks: list[tuple[Request, int]], preempted: list[str]) -> int:
-        """Gives each running request, oldest first, its next token or prefill chunk, preempting the newest
-        while blocks lack. Returns the budget left."""
+    def _schedule_running(self, budget: int, chunks: list[tuple[Request, int, list[int]]],
+                          preempted: list[str]) -> int:
+        """Gives each running request, oldest first, its next token (and its proposals, as far as the
+        budget and the free blocks go) or prefill chunk, preempting the newest while blocks lack. Returns
+        the budget left."""
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate(request.request_id, request.num_computed_tokens + num_new):
+            num_left = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_left, budget)
+            spec = request.spec_token_ids[:budget - num_new] if num_new == num_left else []
+            request.spec_token_ids = []
+            end = request.num_computed_tokens + num_new
+            if spec and not self.kv.allocate(request.request_id, end + len(spec)):
+                spec = []  # proposals never preempt anyone
+            while not self.kv.allocate(request.request_id, end):
                 victim = self._running.pop()  # the newest; never one already planned (they are older)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
                     return budget  # it was the newest: nobody is left after it
-            chunks.append((request, num_new))
-            budget -= num_new
+            chunks.append((request, num_new, spec))
+            budget -= num_new + len(spec)
             i += 1
         return budget
 
-    def _admit_waiting(self, budget: int, chunks: list[tuple[Request, int]]) -> None:
+    def _admit_waiting(self, budget: int, chunks: list[tuple[Request, int, list[int]]]) -> None:
         """Admits queued requests first come, first served, each from its cached prefix, while the budget,
         ``max_num_seqs`` and the free blocks allow. A request whose next uncached block is one a running
         request is computing waits (later ones may go ahead): a step or a few later that block is cached,
@@ -281,7 +320,8 @@ class Scheduler:
                 self._waiting.popleft()
                 request.status, request.num_computed_tokens = RequestStatus.RUNNING, num_cached
                 self._insert_running(request)
-                chunks.append((request, num_new))
+                request.spec_token_ids = []
+                chunks.append((request, num_new, []))
                 budget -= num_new
         finally:
             self._waiting.extendleft(reversed(deferred))
@@ -297,45 +337,51 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
         request.status, request.num_computed_tokens = RequestStatus.PREEMPTED, 0
+        request.spec_token_ids = []
         # Back in the queue by arrival: usually its front, behind any older request still deferred.
         i = next((i for i, r in enumerate(self._waiting) if r.arrival > request.arrival), len(self._waiting))
         self._waiting.insert(i, request)
         self._num_preemptions += 1
 
-    def _plan(self, chunks: list[tuple[Request, int]], preempted: list[str]) -> StepPlan:
-        num_tokens_B = np.array([n for _, n in chunks], np.int32)
-        start_B = np.array([r.num_computed_tokens for r, _ in chunks], np.int32)
-        tables = [self.kv.block_table(r.request_id) for r, _ in chunks]
+    def _plan(self, chunks: list[tuple[Request, int, list[int]]], preempted: list[str]) -> StepPlan:
+        num_proposals_B = np.array([len(spec) for _, _, spec in chunks], np.int32)
+        num_tokens_B = np.array([n for _, n, _ in chunks], np.int32) + num_proposals_B
+        start_B = np.array([r.num_computed_tokens for r, _, _ in chunks], np.int32)
+        tables = [self.kv.block_table(r.request_id) for r, _, _ in chunks]
         block_tables_BX = np.full((len(chunks), max(map(len, tables), default=0)), NULL_BLOCK, np.int32)
         for b, table in enumerate(tables):
             block_tables_BX[b, :len(table)] = table
         seq_index_T = np.repeat(np.arange(len(chunks)), num_tokens_B)
         query_start_B = (np.cumsum(num_tokens_B) - num_tokens_B).astype(np.int32)
         positions_T = (np.arange(len(seq_index_T)) - query_start_B[seq_index_T] + start_B[seq_index_T])
-        token_ids_T = [t for r, n in chunks for t in r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n]]
+        token_ids_T = [t for r, n, spec in chunks
+                       for t in (*r.token_ids[r.num_computed_tokens:r.num_computed_tokens + n], *spec)]
         slots_T = (block_tables_BX[seq_index_T, positions_T // self.block_size] * self.block_size
                    + positions_T % self.block_size)
         seq_lens_B = start_B + num_tokens_B
         return StepPlan(
-            request_ids=tuple(r.request_id for r, _ in chunks),
+            request_ids=tuple(r.request_id for r, _, _ in chunks),
             token_ids_T=np.array(token_ids_T, np.int32), positions_T=positions_T.astype(np.int32),
             slots_T=slots_T.astype(np.int32), query_start_B=query_start_B, num_tokens_B=num_tokens_B,
             seq_lens_B=seq_lens_B, block_tables_BX=block_tables_BX,
-            samples_B=seq_lens_B == np.array([r.num_tokens for r, _ in chunks], np.int32),
-            preempted=tuple(preempted), finished=tuple(self._finished_since_plan))
+            samples_B=seq_lens_B - num_proposals_B == np.array([r.num_tokens for r, _, _ in chunks], np.int32),
+            num_proposals_B=num_proposals_B, preempted=tuple(preempted), finished=tuple(self._finished_since_plan))
 
-    def update(self, plan: StepPlan, sampled_B: Sequence[int] | np.ndarray,
-               stopped: Mapping[str, FinishReason] | None = None) -> list[Request]:
-        """Records that ``plan`` was computed: advances each sequence, appends its sampled token where
-        ``plan.samples_B`` (other entries of ``sampled_B`` are ignored), caches its newly full blocks, and
+    def update(self, plan: StepPlan, sampled: Sequence | np.ndarray, stopped: Mapping[str, FinishReason] | None = None,
+               *, accepted_B: Sequence[int] | np.ndarray | None = None) -> list[Request]:
+        """Records that ``plan`` was computed: advances each sequence, appends its new tokens where
+        ``plan.samples_B`` (other entries of ``sampled`` are ignored), caches its newly full blocks, and
         finishes requests at their length limit or named in ``stopped`` (the caller's EOS and stop
         decisions, which win over the length limit). Requests aborted since the plan are skipped.
-        Returns the requests this finished."""
+
+        ``sampled``: one token per sequence ([B]) or, with proposals, each sequence's new tokens (its
+        accepted proposals, then the model's own token; the caller may cut them after a stop).
+        ``accepted_B``: how many proposals each sequence had accepted, for the counters (by default what
+        its tokens show). Returns the requests this finished."""
         if plan.num_seqs and plan is not self._pending:
             raise ValueError("update() takes the plan of the last schedule()")
-        sampled_B = np.asarray(sampled_B)
-        if sampled_B.shape != (plan.num_seqs,):
-            raise ValueError(f"sampled_B has shape {sampled_B.shape}; the plan has {plan.num_seqs} sequences")
+        if len(sampled) != plan.num_seqs:
+            raise ValueError(f"sampled has {len(sampled)} sequences; the plan has {plan.num_seqs}")
         stopped = stopped or {}
         if unknown := set(stopped) - set(plan.request_ids):
             raise ValueError(f"stopped names requests not in this plan: {sorted(unknown)}")
@@ -345,10 +391,19 @@ class Scheduler:
             request = self._requests.get(rid)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += int(plan.num_tokens_B[b])
+            num_proposals = int(plan.num_proposals_B[b])
+            tokens = [int(t) for t in np.atleast_1d(sampled[b])] if plan.samples_B[b] else []
+            if len(tokens) > num_proposals + 1:
+                raise ValueError(f"request {rid!r}: {len(tokens)} new tokens after {num_proposals} proposals")
+            tokens = tokens[:request.max_new_tokens - request.num_output_tokens]
+            # Its known tokens' K/V, and those of the proposals it accepted (they are its new tokens).
+            num_kept = min(max(len(tokens) - 1, 0), num_proposals)
+            request.num_computed_tokens += int(plan.num_tokens_B[b]) - num_proposals + num_kept
+            request.token_ids.extend(tokens)
             self.kv.cache_full_blocks(rid, request.token_ids, request.num_computed_tokens)
-            if plan.samples_B[b]:
-                request.token_ids.append(int(sampled_B[b]))
+            if num_proposals and plan.samples_B[b]:
+                accepted = num_kept if accepted_B is None else int(accepted_B[b])
+                self._count_speculation(num_proposals, accepted)
             reason = stopped.get(rid)
             if reason is None and request.num_output_tokens >= request.max_new_tokens:
                 reason = FinishReason.LENGTH
@@ -356,3 +411,12 @@ class Scheduler:
                 self.finish(rid, reason)
                 finished.append(request)
         return finished
+
+    def _count_speculation(self, num_proposals: int, accepted: int) -> None:
+        self._spec_steps += 1
+        self._spec_proposed += num_proposals
+        self._spec_accepted += accepted
+        per_position = self._spec_accepted_per_position
+        per_position.extend([0] * (accepted - len(per_position)))
+        for i in range(accepted):
+            per_position[i] += 1

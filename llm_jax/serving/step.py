@@ -3,7 +3,9 @@
 One jitted, pure function of (weights, paged cache, step inputs): the model runs every token of the step
 (decode tokens and prefill chunks together, ``llm_jax.model.forward_paged``), each sequence's last token
 gives its logits, and :func:`llm_jax.decoding.choose` — the same processors and sampling as ``generate`` —
-picks its next token. The cache is donated. Inputs are padded to a few shapes (:class:`Shape`), and the
+picks its next token. With speculative decoding a sequence's last tokens may be proposals: the step then
+verifies them (:func:`verify_proposals`) and emits the accepted ones and the model's own next token. The
+cache is donated. Inputs are padded to a few shapes (:class:`Shape`), and the
 settings of every request travel as arrays of fixed shape, so any mix of requests runs one of a few
 programs, compiled once (``Engine.warm_up``).
 """
@@ -20,12 +22,14 @@ from jax.sharding import Mesh
 
 from llm_jax.backends import Backend
 from llm_jax.config import ModelConfig
-from llm_jax.decoding import DecodeControls, DecodeState, Emitted, Logprobs, argmax_only, choose
+from llm_jax.decoding import PAD_ID, DecodeControls, DecodeState, Emitted, Logprobs, argmax_only, choose
 from llm_jax.kv_cache import PagedBatch, PagedKVCache
 from llm_jax.logits_processors import History
-from llm_jax.logprobs import TokenLogprobs, token_logprobs
+from llm_jax.logprobs import TokenLogprobs, chosen_and_top, token_logprobs
 from llm_jax.model import Params, forward_paged, greedy_tokens, unembed
+from llm_jax.sampling import filter_logits, process_logits
 from llm_jax.sharding import constrain_cache, constrain_replicated
+from llm_jax.speculative import verify_position
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +38,8 @@ class Shape:
     at most (1 for a step of decode tokens only), and what it computes: ``kind`` "greedy" (every row the
     argmax of its logits: through the backend's fastest way), "sample" (the processors and sampling, any
     mix of settings), "logprobs" (that, and ``top_n`` log-probabilities per row) or "prompt" (that, and
-    the log-probabilities of every prompt token the step computes, with their ``top_n``)."""
+    the log-probabilities of every prompt token the step computes, with their ``top_n``); ``K`` proposals
+    per sequence at most to verify (speculative decoding; 0: none)."""
 
     T: int
     B: int
@@ -42,6 +47,7 @@ class Shape:
     Q: int
     kind: str = "greedy"
     top_n: int = 0
+    K: int = 0
 
 
 @jax.tree_util.register_dataclass
@@ -62,6 +68,23 @@ class StepInputs:
     # "prompt" steps: the prompt token after each of the step's tokens, whose log-probability its logits
     # give (-1 where there is none: a prompt's last token, decode tokens, padding).
     prompt_targets_T: jax.Array | None = None
+    # Steps that verify proposals: each sequence's proposals (its last num_proposals_B tokens), padded.
+    # With a draft model they are placeholders, drawn by the draft in the step (:func:`draft_proposals`).
+    proposals_BK: jax.Array | None = None  # int32
+    num_proposals_B: jax.Array | None = None  # int32
+    # With a draft model: the tokens it runs first, every step (its cache follows the model's): each
+    # sequence's known tokens of the step, after the token before them for a sequence with proposals.
+    draft: Draft | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Draft:
+    """The draft model's own first pass of a step, padded as the step's tokens (T)."""
+
+    tokens_T: jax.Array  # int32
+    positions_T: jax.Array  # int32
+    batch: PagedBatch
 
 
 def history(tokens_BS: jax.Array, prompt_lens_B: jax.Array, lengths_B: jax.Array, V: int) -> History:
@@ -77,15 +100,30 @@ def history(tokens_BS: jax.Array, prompt_lens_B: jax.Array, lengths_B: jax.Array
     return History(length_B=lengths_B.astype(jnp.int32), seen_BV=seen_BV, counts_BV=counts_BV)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "backend", "mesh"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("config", "backend", "mesh", "draft_config", "draft_backend"),
+                   donate_argnames=("cache", "draft_cache"))
 def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: StepInputs, *, backend: Backend,
-         mesh: Mesh | None = None) -> tuple[PagedKVCache, Emitted, TokenLogprobs | None]:
+         mesh: Mesh | None = None, draft_weights: Params | None = None, draft_cache: PagedKVCache | None = None,
+         draft_config: ModelConfig | None = None, draft_backend: Backend | None = None
+         ) -> tuple[PagedKVCache, Emitted, TokenLogprobs | None, PagedKVCache | None]:
     """Run the step's tokens and choose each sequence's next token: the cache, what each sequence
-    emitted ([B] arrays; rows of padding sequences and of chunks that do not end their prompt are
-    meaningless) and, for a "prompt" step, the log-probabilities of ``inputs.prompt_targets_T`` ([1, T]
-    arrays, the model's own, before any processor). ``cache`` is donated."""
-    batch = inputs.batch
-    x_TD, cache = forward_paged(weights, config, inputs.tokens_T, inputs.positions_T, constrain_cache(cache, mesh),
+    emitted ([B] arrays, or [B, K + 1] when verifying proposals: the accepted ones, the model's own token,
+    then ``PAD_ID``; rows of padding sequences and of chunks that do not end their prompt are meaningless)
+    and, for a "prompt" step, the log-probabilities of ``inputs.prompt_targets_T`` ([1, T] arrays, the
+    model's own, before any processor); last, the draft model's cache (None without). ``cache`` and
+    ``draft_cache`` are donated."""
+    batch, tokens_T, q_BKV = inputs.batch, inputs.tokens_T, None
+    if inputs.draft is not None:
+        proposals_BK, q_BKV, draft_cache = draft_proposals(draft_weights, draft_config, draft_cache, inputs,
+                                                           draft_backend)
+        if proposals_BK is not None:  # in the rows of the placeholders
+            K = proposals_BK.shape[1]
+            num_B = inputs.num_proposals_B
+            rows_BK = (batch.query_start_B + batch.num_tokens_B - num_B)[:, None] + jnp.arange(K)
+            rows_BK = jnp.where(jnp.arange(K) < num_B[:, None], rows_BK, tokens_T.shape[0])
+            tokens_T = tokens_T.at[rows_BK].set(proposals_BK, mode="drop")
+            inputs = dataclasses.replace(inputs, proposals_BK=proposals_BK)
+    x_TD, cache = forward_paged(weights, config, tokens_T, inputs.positions_T, constrain_cache(cache, mesh),
                                 batch, mesh, backend=backend)
     cache = constrain_cache(cache, mesh)
     prompt = None
@@ -93,12 +131,15 @@ def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: Step
         prompt = token_logprobs(weights, config, x_TD[None], inputs.prompt_targets_T[None],
                                 top_n=inputs.controls.logprobs.top_n, backend=backend)
         prompt = constrain_replicated(prompt, mesh)
-    x_BD = x_TD[batch.query_start_B + jnp.maximum(batch.num_tokens_B - 1, 0)]  # each sequence's last token
     controls = inputs.controls
+    if inputs.proposals_BK is not None:
+        emitted = verify_proposals(weights, config, x_TD, inputs, backend, q_BKV=q_BKV)
+        return cache, constrain_replicated(emitted, mesh), prompt, draft_cache
+    x_BD = x_TD[batch.query_start_B + jnp.maximum(batch.num_tokens_B - 1, 0)]  # each sequence's last token
     if argmax_only(controls):
         token_B = greedy_tokens(weights, config, x_BD, backend)
         if token_B is not None:
-            return cache, constrain_replicated(Emitted(tokens_BS=token_B), mesh), prompt
+            return cache, constrain_replicated(Emitted(tokens_BS=token_B), mesh), prompt, draft_cache
     logits_BV = unembed(weights, config, x_BD[:, None], backend)[:, 0]
     B, V = logits_BV.shape
     past = (None if inputs.tokens_BS is None else
@@ -107,12 +148,118 @@ def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: Step
     state = DecodeState(tokens_B=zeros_B, num_generated_B=inputs.num_generated_B, finish_reason_B=zeros_B,
                         history=past or History(length_B=zeros_B))
     _, emitted = choose(logits_BV, state, controls, backend)
-    return cache, constrain_replicated(emitted, mesh), prompt
+    return cache, constrain_replicated(emitted, mesh), prompt, draft_cache
+
+
+def draft_proposals(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: StepInputs,
+                    backend: Backend) -> tuple[jax.Array | None, jax.Array | None, PagedKVCache]:
+    """The draft model's part of a step: its first pass over ``inputs.draft`` (every known token of the
+    step, so its cache, which shares the model's block tables, holds what the model's holds), then for the
+    sequences with proposals, the proposals one by one: [B, K] tokens and, for sampling steps, the
+    distributions they were drawn from [B, K, V] (the model's temperature and filters on the draft's
+    logits); None, None without proposals. The token before a sequence's latest is fed again: after a step
+    that accepted every proposal its last one never went through the draft."""
+    from llm_jax.speculative import draft_choice
+
+    draft, controls = inputs.draft, inputs.controls
+    x_TD, cache = forward_paged(weights, config, draft.tokens_T, draft.positions_T, cache, draft.batch,
+                                backend=backend)
+    if inputs.proposals_BK is None:
+        return None, None, cache
+    B, K = inputs.proposals_BK.shape
+    num_B = inputs.num_proposals_B
+    table_BX, Z = draft.batch.block_tables_BX, cache.page_size
+    greedy = argmax_only(controls)
+
+    def choose_next(x_BD, j):
+        if greedy:
+            token_B = greedy_tokens(weights, config, x_BD, backend)
+            if token_B is not None:
+                return token_B, None
+        logits_BV = unembed(weights, config, x_BD[:, None], backend)[:, 0]
+        return draft_choice(logits_BV, controls.sampling, inputs.num_generated_B + j, backend)
+
+    last_B = draft.batch.query_start_B + jnp.maximum(draft.batch.num_tokens_B - 1, 0)
+    token_B, q_BV = choose_next(x_TD[last_B], 0)
+    latest_B = draft.batch.seq_lens_B - 1  # the position of each sequence's latest token
+
+    def propose(carry, j):  # feed proposal j (at latest + j), draw proposal j + 1
+        cache, token_B = carry
+        active_B = j < num_B
+        position_B = latest_B + j
+        page_B = jnp.take_along_axis(table_BX, jnp.clip(position_B // Z, 0, table_BX.shape[1] - 1)[:, None], 1)[:, 0]
+        batch = PagedBatch(slots_T=jnp.where(active_B, page_B * Z + position_B % Z, 0), block_tables_BX=table_BX,
+                           query_start_B=jnp.arange(B, dtype=jnp.int32), num_tokens_B=active_B.astype(jnp.int32),
+                           seq_lens_B=jnp.where(active_B, position_B + 1, 0), max_query_len=1)
+        x_BD, cache = forward_paged(weights, config, token_B, position_B, cache, batch, backend=backend)
+        next_B, q_BV = choose_next(x_BD, j)
+        return (cache, next_B), (next_B, q_BV)
+
+    (cache, _), (rest_JB, q_JBV) = jax.lax.scan(propose, (cache, token_B), jnp.arange(1, K, dtype=jnp.int32))
+    proposals_BK = jnp.concatenate([token_B[:, None], rest_JB.T], axis=1)
+    q_BKV = None if q_BV is None else jnp.concatenate([q_BV[:, None], jnp.swapaxes(q_JBV, 0, 1)], axis=1)
+    return proposals_BK, q_BKV, cache
+
+
+def verify_proposals(weights: Params, config: ModelConfig, x_TD: jax.Array, inputs: StepInputs,
+                     backend: Backend, *, q_BKV: jax.Array | None = None) -> Emitted:
+    """Each sequence's tokens from its last known token and its proposals (``inputs.num_proposals_B`` of
+    ``inputs.proposals_BK``, the last tokens it fed; ``q_BKV`` the distributions a draft drew them from,
+    None for one-hot ones): position by position, the processors applied to the history as it stands
+    there and the proposal accepted by :func:`llm_jax.speculative.verify_position` (greedy: while it is
+    the argmax; sampling: Leviathan et al.'s rule, exact); then the model's own token
+    at the first rejection, or after the last proposal. [B, K + 1] arrays, ``PAD_ID`` after that token;
+    without proposals a row is plain decoding's step."""
+    batch, controls = inputs.batch, inputs.controls
+    proposals_BK, num_proposals_B = inputs.proposals_BK, inputs.num_proposals_B
+    B, K = proposals_BK.shape
+    j_J = jnp.arange(K + 1)
+    first_B = batch.query_start_B + jnp.maximum(batch.num_tokens_B - 1 - num_proposals_B, 0)
+    x_BJD = x_TD[first_B[:, None] + jnp.minimum(j_J, num_proposals_B[:, None])]
+    proposed_BJ = j_J < num_proposals_B[:, None]  # a proposal follows column j (none after the last)
+    proposals_BJ = jnp.concatenate([proposals_BK, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    if argmax_only(controls):
+        tokens_BJ = greedy_tokens(weights, config, x_BJD.reshape(B * (K + 1), -1), backend)
+        if tokens_BJ is None:
+            tokens_BJ = backend.argmax(unembed(weights, config, x_BJD.reshape(B * (K + 1), 1, -1), backend)[:, 0])
+        tokens_BJ = tokens_BJ.reshape(B, K + 1)
+        accepted_BJ = proposed_BJ & (tokens_BJ == proposals_BJ)
+        kept_B = jnp.sum(jnp.cumprod(accepted_BJ, axis=1), axis=1)
+        return Emitted(tokens_BS=jnp.where(j_J <= kept_B[:, None], tokens_BJ, PAD_ID).astype(jnp.int32))
+    logits_BJV = unembed(weights, config, x_BJD, backend)
+    V = logits_BJV.shape[-1]
+    params = controls.sampling
+    history_ = (History(length_B=jnp.zeros((B,), jnp.int32)) if inputs.tokens_BS is None else
+                history(inputs.tokens_BS, inputs.prompt_lens_B, inputs.lengths_B, V))
+    minimum = controls.min_new_tokens_B
+    accepting_B = jnp.ones((B,), bool)
+    columns = []
+    for j in range(K + 1):
+        step_B = inputs.num_generated_B + j
+        scores_BV = process_logits(logits_BJV[:, j], params, history_, num_generated_B=step_B,
+                                   end_ids_BE=None if minimum is None else controls.end_ids_BE,
+                                   min_new_tokens_B=minimum)
+        q_BV = None if q_BKV is None else q_BKV[:, min(j, K - 1)]  # (unread at the last column)
+        token_B, accepted_B = verify_position(scores_BV, proposals_BJ[:, j], proposed_BJ[:, j], q_BV, params, step_B,
+                                              backend=backend)
+        column = dict(tokens_BS=jnp.where(accepting_B, token_B, PAD_ID))
+        if controls.logprobs is not None:
+            reported_BV = (logits_BJV[:, j] if controls.logprobs.raw else
+                           jnp.where(params.temperature_B[:, None] > 0, filter_logits(scores_BV, params), scores_BV))
+            column["logprobs_BS"], column["top_ids_BSN"], column["top_logprobs_BSN"] = chosen_and_top(
+                reported_BV, token_B, controls.logprobs.top_n)
+        columns.append(column)
+        history_ = history_.append(proposals_BJ[:, j], proposed_BJ[:, j])  # read only once it is accepted
+        accepting_B &= accepted_B
+    stacked = {name: jnp.stack([c[name] for c in columns], axis=1)
+               for name in columns[0] if columns[0][name] is not None}
+    return Emitted(**stacked)
 
 
 def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_width: int,
-                    max_model_len: int) -> StepInputs:
-    """Zero :class:`StepInputs` of ``shape``: a step of padding only, which compiles its program."""
+                    max_model_len: int, draft: bool = False) -> StepInputs:
+    """Zero :class:`StepInputs` of ``shape`` (``draft``: with a draft model's pass): a step of padding
+    only, which compiles its program."""
     from llm_jax.sampling import GREEDY
 
     T, B, X = shape.T, shape.B, shape.X
@@ -125,7 +272,10 @@ def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_w
                       num_generated_B=zeros_B,
                       **({} if shape.kind == "greedy" else dict(tokens_BS=np.zeros((B, max_model_len), np.int32),
                                                                  prompt_lens_B=zeros_B, lengths_B=zeros_B)),
-                      **(dict(prompt_targets_T=np.full((T,), -1, np.int32)) if shape.kind == "prompt" else {}))
+                      **(dict(prompt_targets_T=np.full((T,), -1, np.int32)) if shape.kind == "prompt" else {}),
+                      **(dict(proposals_BK=np.zeros((B, shape.K), np.int32), num_proposals_B=zeros_B)
+                         if shape.K else {}),
+                      draft=Draft(tokens_T=zeros_T, positions_T=zeros_T, batch=batch) if draft else None)
 
 
 def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens_B: np.ndarray, *,

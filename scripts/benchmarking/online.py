@@ -212,9 +212,10 @@ async def _stream_one(client, server: Server, r: TextRequest, start: float) -> R
 # Launching servers.
 @contextlib.contextmanager
 def launched(kind: str, folder: pathlib.Path, *, dtype: str, limits, workdir: pathlib.Path, threads: int,
-             log: Callable[[str], None]) -> Iterator[Server]:
+             log: Callable[[str], None], flags: Sequence[str] = ()) -> Iterator[Server]:
     """``kind`` ("llm_jax" or "transformers") serving the Hugging Face ``folder`` on a free port of
-    127.0.0.1, with the engine ``limits`` (block size and count, token budget, sequences); stopped on exit."""
+    127.0.0.1, with the engine ``limits`` (block size and count, token budget, sequences) and, for
+    llm_jax, more ``flags`` of serve.py; stopped on exit."""
     port = free_port()
     log_path = workdir / f"{kind}-server.log"
     env = dict(os.environ)
@@ -227,6 +228,7 @@ def launched(kind: str, folder: pathlib.Path, *, dtype: str, limits, workdir: pa
                    "--max-waiting", "100000", "--log-level", "warning"]
         if not limits.prefix_caching:
             command.append("--no-prefix-caching")
+        command += flags
         name, dialect = "llm_jax server", "vllm"
     elif kind == "transformers":
         executable = shutil.which("transformers") or "transformers"

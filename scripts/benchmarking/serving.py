@@ -47,6 +47,7 @@ class WorkloadSpec:
     request_rate: float = math.inf  # requests per second, Poisson; inf: all at once
     seed: int = 0
     late: tuple[int, float] | None = None  # one more request: (prompt tokens, arrival s), LATE_OUTPUT tokens out
+    repeat_period: int = 0  # each prompt's own random tokens repeat with this period (0: no repetition)
 
     @property
     def longest(self) -> int:
@@ -71,7 +72,13 @@ def sample_requests(spec: WorkloadSpec, vocab_size: int) -> list[ServingRequest]
     prefix = rng.integers(0, vocab_size, spec.prefix_len).tolist()
     input_lens = rng.integers(spec.input_len[0], spec.input_len[1] + 1, n)
     output_lens = rng.integers(spec.output_len[0], spec.output_len[1] + 1, n)
-    prompts = [prefix + rng.integers(0, vocab_size, length).tolist() for length in input_lens]
+    period = spec.repeat_period
+
+    def own(length: int) -> list[int]:  # a passage repeated: what prompt lookup predicts
+        tokens = rng.integers(0, vocab_size, min(period, length) if period else length)
+        return np.resize(tokens, length).tolist()
+
+    prompts = [prefix + own(length) for length in input_lens]
     if math.isinf(spec.request_rate):
         arrivals = np.zeros(n)
     else:  # the first at once, then exponential gaps (vllm's: send, then wait)
@@ -140,6 +147,9 @@ class EngineCounters:
     preemptions: int
     new_programs: int  # step programs compiled during the run (after warm-up)
     compilations: int  # XLA compilations of any kind during the run
+    # Speculative decoding: accepted ÷ proposed, and tokens per verification step (0 without).
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -348,7 +358,8 @@ def _serve(engine: Engine, requests: Sequence[ServingRequest],
     stats = engine.stats()
     counted = {"steps": steps, "mean_batch": seqs / max(steps, 1), "mean_step_tokens": computed / max(steps, 1),
                "peak_blocks": peak, "num_blocks": scheduler.pool.capacity, "prefix_hit_rate": stats.prefix_hit_rate,
-               "preemptions": stats.num_preemptions}
+               "preemptions": stats.num_preemptions, "acceptance_rate": stats.acceptance_rate,
+               "mean_accepted_length": stats.mean_accepted_length}
     return tokens, deliveries, t, counted, sent, texts
 
 

@@ -2,6 +2,13 @@
 windows that cross blocks of 4, q/k/v bias and tied embeddings, q/k norm, Gemma's scaled embedding, (1+w)
 norms and GeGLU, Gemma 2's soft-capping, sandwich norms and local/global layers."""
 
+import jax
+import numpy as np
+
+import llm_jax
+from llm_jax.config import ModelConfig
+from llm_jax.model import init_params
+
 FAMILIES = {
     "llama": dict(),
     "mistral": dict(sliding_window=6),
@@ -12,3 +19,14 @@ FAMILIES = {
                    sandwich_norm=True, norm_weight_offset=1.0, embed_scale=True, query_pre_attn_scalar=8.0,
                    activation="gelu_tanh"),
 }
+
+
+def random_model(family: str, seed: int, scale: float = 6.0) -> llm_jax.Model:
+    """A small random model of ``family`` (vocabulary 96, 2 layers), its weights scaled up so that its
+    next-token distributions are peaked, its biases and norms away from their defaults."""
+    config = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                         max_seq_len=256, **FAMILIES[family])
+    rng = np.random.default_rng(seed)
+    params = jax.tree.map(lambda a: a * scale if a.ndim > 1 else a + 0.1 * rng.normal(size=a.shape).astype(a.dtype),
+                          init_params(config, seed=seed))
+    return llm_jax.Model(config=config, params=params, tokenizer=None, eos_ids=())

@@ -6,22 +6,20 @@ ending inside an accepted run at exactly plain decoding's token; the proposers a
 on their own; bad settings refused by name."""
 
 import dataclasses
-import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import scipy.stats
 import torch
 import transformers
 
 import llm_jax
-from llm_jax.config import ModelConfig
-from llm_jax.model import forward, init_params
 from llm_jax.sampling import Sampling, SamplingParams
-from llm_jax.speculative import propose_ngram, verify
-from family_switches import FAMILIES
+from llm_jax.speculative import ngram_proposals, propose_ngram, verify
+from distribution import (FALSE_FAILURE_RATE, SAMPLES, chi_square_p_value, exact_distribution, near_copy,
+                          tiny_model)
+from family_switches import FAMILIES, random_model
 
 PROMPTS = ["Once upon a time", "Tom and Sue went to the park. They", "One day, a big bird", "The little dog wanted to"]
 REPEATING = "Keep repeating: " + " ".join(["One, two, three, four, five."] * 4)
@@ -34,10 +32,7 @@ def stories(stories260k_dir):
 
 @pytest.fixture(scope="module")
 def near_draft(stories):
-    """stories260K with its weights perturbed: a draft that agrees with it often but not always."""
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda a: a + 0.05 * np.std(a) * rng.normal(size=a.shape).astype(a.dtype), stories.params)
-    return dataclasses.replace(stories, params=params)
+    return near_copy(stories)
 
 
 @pytest.fixture(scope="module")
@@ -122,15 +117,6 @@ def test_backing_off_and_resuming_keeps_plain_output(stories, plain, method):
 
 
 # Every family's switches, on random models (as the serving tests build them).
-def random_model(family: str, seed: int, scale: float = 6.0) -> llm_jax.Model:
-    config = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-                         max_seq_len=256, **FAMILIES[family])
-    rng = np.random.default_rng(seed)
-    params = jax.tree.map(lambda a: a * scale if a.ndim > 1 else a + 0.1 * rng.normal(size=a.shape).astype(a.dtype),
-                          init_params(config, seed=seed))
-    return llm_jax.Model(config=config, params=params, tokenizer=None, eos_ids=())
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_family_greedy_equals_plain(family):
     """The target's family decides the extend pass that verifies (windows, soft-caps, norms); the
@@ -182,46 +168,6 @@ def test_stop_ids_and_strings_inside_an_accepted_run(stories):
 
 # The sampled distribution.
 
-def tiny_model(seed: int, scale: float) -> llm_jax.Model:
-    config = ModelConfig(vocab_size=6, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=24,
-                         max_seq_len=64)
-    params = jax.tree.map(lambda a: a * scale if a.ndim > 1 else a, init_params(config, seed=seed))
-    return llm_jax.Model(config=config, params=params, tokenizer=None, eos_ids=())
-
-
-_forward = jax.jit(forward, static_argnums=1, static_argnames="backend")
-
-
-def exact_distribution(model: llm_jax.Model, prompt: list[int], temperature: float, length: int) -> np.ndarray:
-    """The target's probability of every continuation of ``length`` tokens [V ** length], from its full
-    forward pass over every prefix (no cache, no sampling code)."""
-    V = model.config.vocab_size
-    probs = np.ones([V] * length)
-    for step in range(length):
-        prefixes = np.array(list(itertools.product(range(V), repeat=step)), np.int32).reshape(V ** step, step)
-        tokens = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1).astype(np.int32)
-        logits = np.asarray(_forward(model.params, model.config, jnp.asarray(tokens)))[:, -1]
-        p = np.asarray(jax.nn.softmax(logits.astype(np.float64) / temperature, axis=-1))
-        probs = probs * p.reshape([V] * (step + 1) + [1] * (length - step - 1))
-    return probs.reshape(-1)
-
-
-SAMPLES = 24_000
-# Chi-square p-value below which the sampled distribution is declared wrong: with exact sampling and a
-# random seed the test fails once in 10^6 runs; it is run with a fixed seed, so it is deterministic.
-FALSE_FAILURE_RATE = 1e-6
-
-
-def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
-    # Cells with an expected count below 5 are pooled into one (the test's usual validity condition).
-    expected = probs * counts.sum()
-    small = expected < 5
-    observed = np.append(counts[~small], counts[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    keep = expected > 0
-    return float(scipy.stats.chisquare(observed[keep], expected[keep] * observed.sum() / expected[keep].sum()).pvalue)
-
-
 @pytest.mark.parametrize("proposer", ["ngram", "draft_far", "draft_close"])
 def test_sampled_distribution_is_the_targets(proposer):
     target = tiny_model(seed=0, scale=8.0)
@@ -257,6 +203,23 @@ def test_ngram_proposals():
     # earlier window is at 0), its continuation "4" repeats.
     np.testing.assert_array_equal(np.asarray(found)[:, 0], [True, False, True])
     np.testing.assert_array_equal(np.asarray(proposals)[[0, 2]], [[7, 8, 5], [4, 4, 4]])
+
+
+def test_host_proposals_are_the_devices():
+    """The serving engine's prompt lookup (numpy, between steps) proposes what generate's does on device."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        length, vocab = int(rng.integers(1, 40)), int(rng.integers(2, 6))
+        k, low = int(rng.integers(1, 9)), int(rng.integers(1, 4))
+        high = low + int(rng.integers(0, 3))
+        sequence = rng.integers(0, vocab, length).astype(np.int32)
+        host = ngram_proposals(sequence, k=k, lookup_min=low, lookup_max=high)
+        padded = np.zeros((1, 48), np.int32)
+        padded[0, :length] = sequence
+        proposals, found = propose_ngram(jnp.asarray(padded), jnp.asarray([length]), k=k, lookup_min=low,
+                                         lookup_max=high)
+        expected = np.asarray(proposals[0]) if bool(found[0, 0]) else np.zeros((0,), np.int32)
+        np.testing.assert_array_equal(host, expected, err_msg=f"{sequence} {k=} {low=} {high=}")
 
 
 def test_verify_greedy_counts_the_agreeing_prefix():
@@ -296,6 +259,8 @@ def test_bad_settings_are_refused_by_name(stories):
         llm_jax.Speculative(num_tokens=2, min_accepted=3)
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         llm_jax.Speculative(prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="max_batch must be >= 1 or None, got 0"):
+        llm_jax.Speculative(max_batch=0)
     with pytest.raises(ValueError, match="does not support logprobs"):
         llm_jax.generate(stories, PROMPTS[:1], logprobs=1, speculative=llm_jax.Speculative())
     other = random_model("llama", seed=0)

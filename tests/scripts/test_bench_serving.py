@@ -266,3 +266,17 @@ def test_a_late_request_arrives_when_asked_with_its_prompt_length():
     assert spec.longest == max(8 + 9, 40 + 5)
     spec = dataclasses.replace(spec, output_len=(50, 60))
     assert [r.max_new_tokens for r in sample_requests(spec, 100) if r.request_id == "late"] == [16]
+
+
+def test_speculative_decoding_side_by_side_gives_the_same_tokens(tmp_path):
+    path = tmp_path / "speculative.json"
+    tiny = [a for a in TINY if a not in ("--compare", "generate")]
+    assert bench_main([*tiny, "--repeat-period", "3", "--speculative", "ngram", "--num-speculative-tokens", "3",
+                       "--compare", "no-speculation", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["engine_options"]["speculative"].startswith("Speculative(method=<Method.NGRAM")
+    assert report["agreement"] == {f"{SERVING} (no speculation)": 1.0}
+    speculated = report["median"][SERVING]["counters"]
+    assert 0 < speculated["acceptance_rate"] <= 1 and speculated["mean_accepted_length"] > 1
+    assert speculated["new_programs"] == 0
+    assert report["median"][f"{SERVING} (no speculation)"]["counters"]["mean_accepted_length"] == 0

@@ -1,5 +1,5 @@
-"""Fixtures of the server tests: one server (stories260K, a small engine, an API key and a chat template)
-shared by a session's tests, and clients of it.
+"""Fixtures of the server tests: one server (stories260K, a small engine with n-gram speculative decoding,
+an API key and a chat template) shared by a session's tests, and clients of it.
 
 Its step programs are kept in pytest's cache folder between sessions, so a later session — or a second
 server with the same engine flags — loads them instead of compiling them (about a minute on a loaded
@@ -32,7 +32,9 @@ def server(model_path, compile_cache, tmp_path_factory):
     folder = tmp_path_factory.mktemp("server")
     template = folder / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
-    process = start_server(model_path, folder, compile_cache, "--api-key", API_KEY, "--chat-template", str(template))
+    # Speculative decoding on: every greedy answer the tests compare with generate is verified proposals.
+    process = start_server(model_path, folder, compile_cache, "--api-key", API_KEY, "--chat-template", str(template),
+                           "--speculative", "ngram", "--num-speculative-tokens", "4")
     yield process
     process.terminate()
 

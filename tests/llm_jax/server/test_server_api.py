@@ -229,6 +229,17 @@ def test_metrics_cover_latencies_queues_cache_and_tokens(client, http):
     assert metric(http, "llm_jax:prefix_cache_hits_total") >= hits + 16  # the second request hit the first's block
 
 
+def test_speculative_decoding_gives_generates_text_and_counts_proposals(client, http, model):
+    prompt = "Keep repeating: " + " ".join(["One, two, three, four, five."] * 4)
+    accepted = metric(http, "llm_jax:spec_decode_num_accepted_tokens_total")
+    answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=64, temperature=0)
+    assert answer.choices[0].text == llm_jax.generate(model, [prompt], max_new_tokens=64)[0].text
+    assert metric(http, "llm_jax:spec_decode_num_accepted_tokens_total") >= accepted + 32
+    drafts, proposed = (metric(http, f"llm_jax:spec_decode_num_{name}_total") for name in ("drafts", "draft_tokens"))
+    assert 0 < drafts <= proposed <= 4 * drafts
+    assert metric(http, "llm_jax:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+
+
 def test_continuous_usage_stats(http):
     body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}

@@ -27,7 +27,8 @@ def test_help_lists_the_flags_without_starting_jax():
     proc = _serve("--help")
     assert proc.returncode == 0
     for flag in ("--served-model-name", "--max-num-seqs", "--kv-cache-memory", "--chat-template", "--api-key",
-                 "--max-waiting", "--shutdown-timeout", "--no-prefix-caching"):
+                 "--max-waiting", "--shutdown-timeout", "--no-prefix-caching", "--kv-cache-dtype", "--speculative",
+                 "--num-speculative-tokens", "--speculative-max-batch"):
         assert flag in proc.stdout
     check = subprocess.run([sys.executable, "-c", "import sys, llm_jax.server.cli, llm_jax.serve; "
                             "print('jax' in sys.modules)"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
@@ -38,6 +39,10 @@ def test_mistakes_are_one_line():
     _one_error_line(_serve("--max-num-seqs", "0"), 2, "--max-num-seqs")
     _one_error_line(_serve("--kv-cache-memory", "lots"), 2, "--kv-cache-memory")
     _one_error_line(_serve("--num-blocks", "8", "--kv-cache-memory", "1GiB"), 2, "not allowed with")
+    _one_error_line(_serve("--kv-cache-dtype", "fp8"), 2, "--kv-cache-dtype")
+    _one_error_line(_serve("--speculative", "no/such/draft"), 2, "no/such/draft does not exist")
+    _one_error_line(_serve("--speculative", "ngram", "--prompt-lookup-min", "5"), 2, "exceeds --prompt-lookup-max 4")
+    _one_error_line(_serve("--speculative-max-batch", "0"), 2, "--speculative-max-batch")
     _one_error_line(_serve("--model", "no/such/model"), 1, "no/such/model does not exist")
     _one_error_line(_serve("--chat-template", "no/such/template.jinja"), 1, "template.jinja does not exist")
 
@@ -46,3 +51,23 @@ def test_mistakes_are_one_line():
                                             ("1.5 KiB", 1536)])
 def test_byte_sizes(text, expected):
     assert byte_size(text) == expected
+
+
+@pytest.mark.parametrize("flag, expected", [("int8", "int8"), ("bfloat16", "bfloat16"), ("auto", None)])
+def test_the_kv_cache_dtype_reaches_the_engine(monkeypatch, flag, expected):
+    """``--kv-cache-dtype`` is the engine's ``kv_cache_dtype`` (auto: None, the compute dtype); the model
+    and the engine are stand-ins here (the engine's own tests run int8 caches)."""
+    from llm_jax.server import cli
+
+    class Built(Exception):
+        pass
+
+    def engine(model, **options):
+        raise Built(options)
+
+    monkeypatch.setattr("llm_jax.compilation.enable_persistent_cache", lambda: None)
+    monkeypatch.setattr("llm_jax.loading.load", lambda *args, **kwargs: None)
+    monkeypatch.setattr("llm_jax.serving.engine.Engine", engine)
+    with pytest.raises(Built) as built:
+        cli._start_engine(cli.build_parser().parse_args(["--kv-cache-dtype", flag]))
+    assert built.value.args[0]["kv_cache_dtype"] == expected

@@ -16,7 +16,7 @@ from llm_jax.model import init_params
 from llm_jax.serving.engine import Engine
 from llm_jax.serving.step import step
 
-from family_switches import FAMILIES
+from family_switches import FAMILIES, random_model
 
 SAMPLINGS = [llm_jax.GREEDY, llm_jax.Sampling(temperature=0.9, top_p=0.9, seed=7),
              llm_jax.Sampling(temperature=1.2, top_k=20, seed=3, repetition_penalty=1.3),
@@ -125,12 +125,8 @@ def test_prompt_logprobs_are_generates(stories):
 def test_every_family(family):
     """Random models of every family's switches (biases, q/k norms, GeGLU, windows across blocks,
     soft-capping): the engine gives each request ``generate``'s tokens."""
-    config = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-                         max_seq_len=128, **FAMILIES[family])
+    model = random_model(family, seed=1)
     rng = np.random.default_rng(1)
-    params = jax.tree.map(lambda a: a * 6 if a.ndim > 1 else a + 0.1 * rng.normal(size=a.shape).astype(a.dtype),
-                          init_params(config, seed=1))
-    model = llm_jax.Model(config=config, params=params, tokenizer=None, eos_ids=())
     prompts = [rng.integers(0, 96, n).tolist() for n in (3, 17, 9)]
     engine = Engine(model, max_num_seqs=2, max_num_batched_tokens=8, block_size=4, max_model_len=64)
     kwargs = dict(max_new_tokens=25)

@@ -49,6 +49,25 @@ class FakeDevice:
         return sampled_B
 
 
+    def verify(self, plan: StepPlan) -> list[list[int]]:
+        """A step with proposals: each sampling sequence's tokens the way speculative decoding emits them
+        (the proposals while each is the model's next token, then the model's own), read through the
+        cache as ``step`` reads it, position by position."""
+        self.cache[plan.slots_T] = plan.token_ids_T
+        new = [[] for _ in plan.request_ids]
+        for b in np.flatnonzero(plan.samples_B):
+            n = int(plan.num_proposals_B[b])
+            end = plan.query_start_B[b] + plan.num_tokens_B[b]
+            proposals = plan.token_ids_T[end - n:end].tolist()
+            for j in range(n + 1):
+                positions = np.arange(plan.seq_lens_B[b] - n + j)
+                slots = plan.block_tables_BX[b, positions // BS] * BS + positions % BS
+                new[b].append(next_token(self.cache[slots].tolist(), self.vocab))
+                if j == n or new[b][-1] != proposals[j]:
+                    break
+        return new
+
+
 def run_step(scheduler: Scheduler, device: FakeDevice, stop_at_eos: bool = False):
     plan = scheduler.schedule()
     sampled_B = device.step(plan)
@@ -173,7 +192,7 @@ def test_schedule_and_update_alternate():
     plan = s.schedule()
     with pytest.raises(RuntimeError, match="before update"):
         s.schedule()
-    with pytest.raises(ValueError, match="sampled_B has shape"):
+    with pytest.raises(ValueError, match="sampled has 2 sequences; the plan has 1"):
         s.update(plan, [1, 2])
     with pytest.raises(ValueError, match=r"not in this plan: \['z'\]"):
         s.update(plan, [1], {"z": FinishReason.EOS})
@@ -421,11 +440,13 @@ def check_plan(s: Scheduler, plan: StepPlan) -> None:
         assert (plan.block_tables_BX[b, len(table):] == NULL_BLOCK).all()
         assert positions == list(range(plan.seq_lens_B[b] - len(positions), plan.seq_lens_B[b]))
         assert positions[0] == request.num_computed_tokens
-        assert tokens == request.token_ids[positions[0]:positions[-1] + 1]
+        n = int(plan.num_proposals_B[b])  # proposals follow the known tokens, only for a decoding request
+        assert tokens[:len(tokens) - n] == request.token_ids[positions[0]:positions[-1] + 1 - n]
+        assert n == 0 or len(tokens) - n == 1
         span = slice(plan.query_start_B[b], plan.query_start_B[b] + plan.num_tokens_B[b])
         expected = [table[p // BS] * BS + p % BS for p in positions]
         assert plan.slots_T[span].tolist() == expected
-        assert plan.samples_B[b] == (plan.seq_lens_B[b] == request.num_tokens)
+        assert plan.samples_B[b] == (plan.seq_lens_B[b] - n == request.num_tokens)
     check_pool(s)
 
 
@@ -498,3 +519,99 @@ def test_randomized_workload_matches_each_request_alone(seed, caching):
     # Every block is free, held by no one; the prefix cache keeps what was not evicted.
     assert stats.blocks_in_use == 0 and s.pool.num_free == s.pool.capacity
     assert (stats.blocks_cached > 0) == caching
+
+
+# Speculative decoding: proposals ride with a decoding request's latest token.
+
+def test_proposals_are_planned_after_the_latest_token_within_the_budget():
+    s = Scheduler(num_blocks=16, block_size=BS, max_num_seqs=4, max_num_batched_tokens=4, max_model_len=32)
+    s.add(make("a", [10, 11, 12], 10))
+    s.update(s.schedule(), [13])
+    s.get("a").spec_token_ids = [14, 15, 16, 17, 18]
+    plan = s.schedule()
+    # The latest token, then as many proposals as the budget of 4 leaves.
+    np.testing.assert_array_equal(plan.token_ids_T, [13, 14, 15, 16])
+    np.testing.assert_array_equal(plan.positions_T, [3, 4, 5, 6])
+    np.testing.assert_array_equal(plan.num_proposals_B, [3])
+    np.testing.assert_array_equal(plan.seq_lens_B, [7])
+    assert plan.samples_B.tolist() == [True] and s.get("a").spec_token_ids == []
+    s.update(plan, [[14, 15, 30]], accepted_B=[2])  # two accepted, then the model's own token
+    a = s.get("a")
+    assert a.output_token_ids == (13, 14, 15, 30) and a.num_computed_tokens == 6  # ... 13 14 15 cached
+    stats = s.stats()
+    assert (stats.spec_steps, stats.spec_proposed_tokens, stats.spec_accepted_tokens) == (1, 3, 2)
+    assert stats.spec_accepted_per_position == (1, 1) and stats.mean_accepted_length == 3.0
+    plan = s.schedule()  # the rejected proposal's slot is computed again, now for the token 30
+    np.testing.assert_array_equal(plan.token_ids_T, [30])
+    np.testing.assert_array_equal(plan.positions_T, [6])
+    with pytest.raises(ValueError, match="3 new tokens after 0 proposals"):
+        s.update(plan, [[1, 2, 3]])
+
+
+def test_proposals_never_preempt():
+    s = Scheduler(num_blocks=5, block_size=BS, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=32)
+    s.add(make("a", [1, 2, 3], 8))  # 4 blocks in the pool: "a" holds 1, "b" 2, then 3
+    s.add(make("b", list(range(5, 13)), 4))
+    s.update(s.schedule(), [4, 13])
+    s.get("a").spec_token_ids = [5, 6, 7, 8, 9]  # would need 2 more blocks for "a"
+    s.get("b").spec_token_ids = [14]  # fits in the block "b" takes for its latest token
+    plan = s.schedule()
+    assert plan.preempted == () and plan.num_proposals_B.tolist() == [0, 1]
+    s.update(plan, [[5], [14, 20]])
+    assert s.get("b").output_token_ids == (13, 14, 20) and s.get("a").output_token_ids == (4, 5)
+
+
+def make_proposals(request: Request, expected: list[int], k: int, rng: random.Random) -> list[int]:
+    """Up to k proposals: the request's true continuation, wrong from a random place on."""
+    done = request.num_output_tokens
+    proposals = expected[done:done + k]
+    cut = rng.randrange(len(proposals) + 1)
+    return proposals[:cut] + [(t + 1) % 7 for t in proposals[cut:]]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_randomized_workload_with_proposals_matches_each_request_alone(seed):
+    """Right and wrong proposals, preemptions, chunked prompts, the prefix cache and stops: each request's
+    tokens are what it produces alone, so accepted proposals keep their K/V and rejected ones' slots are
+    recomputed."""
+    rng = random.Random(seed)
+    vocab, num_blocks, max_model_len = 6, 17, 48
+    s = Scheduler(num_blocks=num_blocks, block_size=BS, max_num_seqs=5, max_num_batched_tokens=12,
+                  max_model_len=max_model_len)
+    device = FakeDevice(num_blocks, vocab)
+    prefixes = [[rng.randrange(1, 40) for _ in range(n)] for n in (0, 6, 13)]
+    requests, expected, stops = [], {}, set()
+    for step in range(3000):
+        if step < 300 and rng.random() < 0.3:
+            prompt = rng.choice(prefixes) + [rng.randrange(1, 40) for _ in range(rng.randint(1, 12))]
+            request = make(f"r{len(requests)}", prompt, rng.randint(1, max_model_len - len(prompt)))
+            s.add(request)
+            requests.append(request)
+            stop_at_eos = rng.random() < 0.5
+            expected[request.request_id] = solo(prompt, request.max_new_tokens, vocab, stop_at_eos)
+            if stop_at_eos:
+                stops.add(request.request_id)
+        if step >= 300 and not s.has_unfinished:
+            break
+        for request in s.running:
+            room = request.max_new_tokens - request.num_output_tokens - 1
+            if request.num_computed_tokens == request.num_tokens - 1 and room > 0:
+                request.spec_token_ids = make_proposals(request, expected[request.request_id], min(4, room), rng)
+        plan = s.schedule()
+        check_plan(s, plan)
+        new = device.verify(plan)
+        stopped = {}
+        for b, rid in enumerate(plan.request_ids):
+            if EOS in new[b] and rid in stops:
+                new[b] = new[b][:new[b].index(EOS) + 1]
+                stopped[rid] = FinishReason.EOS
+        s.update(plan, new, stopped)
+        check_pool(s)
+    else:
+        pytest.fail("the workload did not finish in 3000 steps")
+    stats = s.stats()
+    assert stats.num_preemptions > 5 and stats.spec_accepted_tokens > 100
+    assert stats.spec_accepted_tokens < stats.spec_proposed_tokens
+    for request in requests:
+        assert list(request.output_token_ids) == expected[request.request_id], request.request_id
+    assert stats.blocks_in_use == 0 and s.pool.num_free == s.pool.capacity
