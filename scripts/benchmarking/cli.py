@@ -1,4 +1,4 @@
-"""``scripts/benchmark.py``: how fast llm_jax decodes, against the memory roofline and ``transformers``.
+"""``scripts/benchmark.py``: how fast llm_jax decodes, against the memory roofline, ``transformers`` and llama.cpp.
 
 One command runs a matrix of models × dtypes × batch sizes, prints progress on stderr and a table on
 stdout, and with ``--json`` writes every number.
@@ -28,6 +28,8 @@ examples:
   benchmark.py --model 15M --batch 32 --profile
   benchmark.py --model 15M --batch 1 32 --products
   benchmark.py --model 110M --dtype float32 bfloat16 --quantize int8 int4
+  benchmark.py --model 110M --dtype bfloat16 --quantize int8 int4 --compare llama.cpp --new-tokens 97
+  benchmark.py --model model-Q8_0.gguf --compare llama.cpp
   benchmark.py --model 110M --speculative ngram --num-speculative-tokens 4
   benchmark.py --model checkpoints/stories-1m --speculative checkpoints/stories-1m-draft
 
@@ -60,6 +62,16 @@ can go here.
 --quantize int8 int4 adds each --dtype's weights quantized (llm_jax.quantization: int8 per output channel,
 int4 in groups of 32) as rows "float32+int8", ..., taking turns with the float ones; their roofline counts
 the integers and scales the projections read.
+--compare llama.cpp (batch 1; needs `pip install llama-cpp-python`, a benchmark-only dependency) writes each
+dtype's weights as a GGUF file of the same kind (llm_jax.weights.to_gguf: float32 F32, bfloat16 BF16, +int8
+Q8_0, +int4 Q4_0, rounded as llama.cpp's converter rounds them; named shapes with the Llama 2 tokenizer) and
+runs llama.cpp on it (--threads threads; OMP_WAIT_POLICY=PASSIVE unless set: llama.cpp's OpenMP threads
+spinning at a barrier slow it down many times over on a machine whose cores are shared), greedy, one token
+per llama_decode call, taking turns with llm_jax; for Q8_0 and Q4_0 also llm_jax on that very file (rows
+"llm_jax[Q8_0 file]": the same weights, where --quantize's own are llm_jax's rounding of the floats). The
+lines under the table give each llm_jax row's decode rate over llama.cpp's, repeat by repeat, and how far
+their greedy tokens agree. Rooflines of these rows count the bytes of llm_jax's own weights of the dtype.
+A .gguf model is run by llama.cpp as it is.
 --speculative runs only the speculative study: plain and speculative generate taking turns on a
 repetitive and a novel prompt, with their decode tokens/s, ratio, acceptance rate and tokens per step.
 Peak memory is the process's: with --compare hf both engines' weights are resident, and with several
@@ -96,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens generated per sequence (decode steps are rounded up to whole chunks)")
     p.add_argument("--chunk-steps", type=positive_int, default=16, help="decode steps per device call")
     p.add_argument("--repeats", type=positive_int, default=3)
-    p.add_argument("--compare", choices=["hf"], help="also run Hugging Face transformers on the same weights")
+    p.add_argument("--compare", choices=["hf", "llama.cpp"],
+                   help="also run Hugging Face transformers, or llama.cpp (llama-cpp-python; batch 1), on the same "
+                        "weights")
     p.add_argument("--backend", nargs="+", choices=BACKENDS, default=["auto"],
                    help="how llm_jax runs: auto (the CPU kernels on one CPU device where they build, Pallas on GPU "
                         "and TPU, XLA otherwise), cpu, xla (XLA's own operations) or pallas; several run as "
@@ -174,6 +188,21 @@ def dtype_ratios(rows) -> dict:
             if r.dtype == "bfloat16"}
 
 
+def quantized_ratios(rows) -> dict:
+    """Each quantized row's decode rate over the float row it was quantized from ("bfloat16+int8" over
+    "bfloat16"), repeat by repeat, per shape, engine and batch size that ran both."""
+    from benchmarking.results import paired_ratio
+
+    out = {}
+    for r in rows:
+        float_dtype, _, scheme = r.dtype.partition("+")
+        base = next((b for b in rows if b.dtype == float_dtype and (b.shape, b.engine, b.batch) == (r.shape, r.engine,
+                                                                                                  r.batch)), None)
+        if scheme and base is not None:
+            out[(r.shape, r.engine, r.batch, r.dtype, float_dtype)] = paired_ratio(r, base)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     models = args.models or ["15M"]
@@ -190,6 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--products takes named shapes ({', '.join(SHAPES)}), got "
                          f"{', '.join(m for m in models if m not in SHAPES)}")
     engines = chosen_engines(args.backend)  # before any slow work: a backend that cannot run here is an error
+    if args.compare == "llama.cpp":
+        from benchmarking import llama_cpp
+
+        llama_cpp.require()
+        if args.batch != [1] or args.speculative is not None:
+            raise ValueError(f"--compare llama.cpp runs batch 1 decode only (got --batch {' '.join(map(str, args.batch))}"
+                             f"{' and --speculative' if args.speculative is not None else ''})")
     if args.speculative is not None:
         return _speculative(models, args, engines, log_stderr)
     threads = args.threads or machine_lib.cpu_threads()
@@ -211,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
                f"arithmetic peak {_gflops(peaks)}, jax {machine.jax_version} ({machine.backend}); "
                + ", ".join(f"{name} on the {backend.name} backend" for name, backend in engines))
     options = Options(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
-                      chunk_steps=args.chunk_steps, compare_hf=args.compare == "hf", threads=threads,
+                      chunk_steps=args.chunk_steps, compare_hf=args.compare == "hf",
+                      compare_llama_cpp=args.compare == "llama.cpp", threads=threads,
                       bandwidth_gbps=bandwidth, peaks_gflops=peaks, probe_each_run=not args.bandwidth,
                       engines=engines, profile=args.profile)
     dtypes = [*args.dtype, *(f"{d}+{q}" for q in args.quantize for d in args.dtype)]
@@ -255,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"decode memory {r.shape} {r.dtype} batch {r.batch}: cache {r.kv_cache_mb:.1f} MiB, donated and "
                   f"updated in place {r.decode_aliased_mb:.1f} MiB, scratch {r.decode_temp_mb:.1f} MiB")
     extra: dict = {}
+    against_llama_cpp = _llama_cpp_report(results)
+    if against_llama_cpp:
+        extra["llama_cpp"] = against_llama_cpp
     compared = [r for r in results if r.agreement is not None]
     if compared:
         extra["agreement"] = [{"shape": r.rows[0].shape, "dtype": r.rows[0].dtype, "batch": r.rows[0].batch,
@@ -286,6 +326,13 @@ def main(argv: list[str] | None = None) -> int:
     if by_dtype:
         extra["dtype_ratios"] = [{"shape": shape, "engine": engine, "batch": batch, "bfloat16_over_float32": x.median,
                                   "min": x.min, "max": x.max} for (shape, engine, batch), x in by_dtype.items()]
+    by_scheme = quantized_ratios(rows)
+    for (shape, engine, batch, dtype, base), x in by_scheme.items():
+        print(f"decode {dtype} ÷ {base} {shape} batch {batch} {engine}: {x.median:.2f}× ({x.min:.2f}–{x.max:.2f})")
+    if by_scheme:
+        extra["quantized_ratios"] = [{"shape": shape, "engine": engine, "batch": batch, "dtype": dtype, "over": base,
+                                      "ratio": x.median, "min": x.min, "max": x.max}
+                                     for (shape, engine, batch, dtype, base), x in by_scheme.items()]
     traced = [(result.rows[0], engine, profile) for result in results for engine, profile in result.profiles]
     for row, engine, profile in traced:
         print("\n" + step_table(profile, f"{row.shape} {row.dtype} batch {row.batch}, {engine}"))
@@ -313,6 +360,24 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.json, machine, rows, extra)
         log_stderr(f"wrote {args.json}")
     return 0
+
+
+def _llama_cpp_report(results) -> list[dict]:
+    """Print each llm_jax engine's comparison with llama.cpp (``--compare llama.cpp``); the same as JSON."""
+    from benchmarking.results import describe_differences
+
+    out = []
+    for result in results:
+        r = result.rows[0]
+        for x in result.llama_cpp:
+            print(f"decode {x.engine} ÷ {x.reference} {r.shape} {r.dtype}: {x.ratio.median:.2f}× ({x.ratio.min:.2f}–"
+                  f"{x.ratio.max:.2f}); greedy tokens agree {100 * x.agreement:.0f}%"
+                  f"{describe_differences(x.differences, x.reference)}")
+            out.append({"shape": r.shape, "dtype": r.dtype, "engine": x.engine, "over": x.reference,
+                        "ratio": x.ratio.median, "min": x.ratio.min, "max": x.ratio.max,
+                        "greedy_agreement": x.agreement,
+                        "first_differences": [{**dataclasses.asdict(d), "at_tie": d.at_tie} for d in x.differences]})
+    return out
 
 
 def _gflops(peaks) -> str:

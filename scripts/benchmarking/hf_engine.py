@@ -13,7 +13,7 @@ import numpy as np
 
 from llm_jax.config import ModelConfig
 
-from benchmarking.llm_jax_engine import Compiled, Run, Workload
+from benchmarking.llm_jax_engine import EagerEngine, Run, Workload, runner_up
 
 
 def hf_config(config: ModelConfig):
@@ -52,7 +52,7 @@ def load_hf_model(folder: pathlib.Path, dtype: str, *, threads: int):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).eval()
 
 
-class HfEngine:
+class HfEngine(EagerEngine):
     name = "transformers"
 
     def __init__(self, folder: pathlib.Path, config: ModelConfig, workload: Workload, *, threads: int):
@@ -61,15 +61,6 @@ class HfEngine:
         self.model = load_hf_model(folder, config.param_dtype, threads=threads)
         self.workload = workload
         self.prompts = torch.from_numpy(workload.prompts(config.vocab_size).astype(np.int64))
-
-    def compile(self) -> Compiled:
-        """torch runs eagerly: nothing to compile, but the first call pays one-off costs (warm-up)."""
-        t0 = time.perf_counter()
-        self._generate(steps=1)
-        return Compiled(prefill_s=0.0, decode_s=0.0, first_ttft_s=time.perf_counter() - t0)
-
-    def run(self) -> Run:
-        return self._generate(steps=self.workload.decode_steps)
 
     def _generate(self, steps: int) -> Run:
         import torch
@@ -83,7 +74,7 @@ class HfEngine:
             # Each step's second choice is read from its logits as they come (keeping every step's logits
             # would hold steps × B × V floats); the time that takes is not the engine's, and is taken out.
             t_runner_up = time.perf_counter()
-            runners_up = [_runner_up(out.logits[:, -1])]
+            runners_up = [runner_up(out.logits[:, -1].float().numpy())]
             untimed = time.perf_counter() - t_runner_up
             cache, step_s = out.cache, []
             for _ in range(steps):
@@ -93,7 +84,7 @@ class HfEngine:
                 tokens.append(token_B.numpy().copy())
                 step_s.append(time.perf_counter() - t_step)
                 t_runner_up = time.perf_counter()
-                runners_up.append(_runner_up(out.logits[:, -1]))
+                runners_up.append(runner_up(out.logits[:, -1].float().numpy()))
                 untimed += time.perf_counter() - t_runner_up
             decode_s = time.perf_counter() - t0 - ttft - untimed
         tokens_BS = np.stack(tokens, axis=1)
@@ -101,12 +92,3 @@ class HfEngine:
                    tokens=tokens_BS, runner_up=np.stack([ids for ids, _ in runners_up], axis=1),
                    runner_up_gap=np.stack([gaps for _, gaps in runners_up], axis=1))
 
-
-def _runner_up(logits_BV) -> tuple[np.ndarray, np.ndarray]:
-    """Per row, of the two best tokens the one argmax does not take (on a tie, the higher id: argmax takes
-    the lower), and how far its logit lies below the best (0.0 on a tie): ids [B] and gaps [B]."""
-    best = logits_BV.float().topk(2, dim=-1)
-    values, ids = best.values.numpy(), best.indices.numpy()
-    tie = values[:, 0] == values[:, 1]
-    other = np.where(tie, np.maximum(ids[:, 0], ids[:, 1]), ids[:, 1])
-    return other, (values[:, 0] - values[:, 1]).astype(np.float64)

@@ -58,6 +58,20 @@ class Run:
     runner_up_gap: np.ndarray | None = None
 
 
+def runner_up(logits_BV: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, of the two best tokens the one argmax does not take (on a tie, the higher id: argmax takes
+    the lower), and how far its logit lies below the best (0.0 on a tie): ids [B] and gaps [B], as
+    :attr:`Run.runner_up` and :attr:`Run.runner_up_gap` hold them."""
+    logits_BV = np.asarray(logits_BV, np.float32)
+    two_B2 = np.argpartition(-logits_BV, 1, axis=-1)[:, :2]
+    values_B2 = np.take_along_axis(logits_BV, two_B2, axis=-1)
+    first = (values_B2[:, 0] > values_B2[:, 1]) | ((values_B2[:, 0] == values_B2[:, 1]) & (two_B2[:, 0] < two_B2[:, 1]))
+    best, other = np.where(first, 0, 1), np.where(first, 1, 0)
+    rows = np.arange(len(logits_BV))
+    gap = values_B2[rows, best] - values_B2[rows, other]
+    return two_B2[rows, other], gap.astype(np.float64)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeMemory:
     """XLA's buffer assignment of the compiled decode chunk: proof that the cache is updated in place."""
@@ -73,6 +87,25 @@ class Compiled:
     decode_s: float
     first_ttft_s: float  # time to first token of the very first call, compilation included
     decode_memory: DecodeMemory | None = None
+
+
+class EagerEngine:
+    """An engine that runs a step at a time as it is called (transformers, llama.cpp): nothing to compile,
+    but the first call pays one-off costs, so :meth:`compile` is a warm-up. Subclasses set ``workload`` and
+    give ``_generate(steps)``, the prompt then ``steps`` greedy decode steps."""
+
+    workload: Workload
+
+    def compile(self) -> Compiled:
+        t0 = time.perf_counter()
+        self._generate(steps=1)
+        return Compiled(prefill_s=0.0, decode_s=0.0, first_ttft_s=time.perf_counter() - t0)
+
+    def run(self) -> Run:
+        return self._generate(steps=self.workload.decode_steps)
+
+    def _generate(self, steps: int) -> Run:
+        raise NotImplementedError
 
 
 class LlmJaxEngine:

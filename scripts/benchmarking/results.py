@@ -215,17 +215,18 @@ def first_differences(ours_BS: np.ndarray, reference_BS: np.ndarray, runner_up_B
     return out
 
 
-def describe_differences(differences: Sequence[Difference]) -> str:
-    """``differences`` in words, for the agreement line of the benchmark."""
+def describe_differences(differences: Sequence[Difference], reference: str = "transformers") -> str:
+    """``differences`` from the ``reference`` engine's tokens in words, for the agreement line of the benchmark."""
     if not differences:
         return ""
     first = min(differences, key=lambda d: d.step)
     where = f"row {first.row} first at step {first.step}" if len(differences) > 1 else f"at step {first.step}"
     gaps = [d.gap for d in differences if d.gap is not None]
+    owner = f"{reference}'" if reference.endswith("s") else f"{reference}'s"
     said = f"; {len(differences)} row(s) differ, {where}; "
     if not gaps:
-        return said + "none of them first where ours is transformers' second choice"
-    return (said + f"{len(gaps)} of them first where ours is transformers' second choice, "
+        return said + f"none of them first where ours is {owner} second choice"
+    return (said + f"{len(gaps)} of them first where ours is {owner} second choice, "
             f"{', '.join(f'{g:.3g}' for g in gaps)} below its best logit (0: a tie, which its argmax breaks by the "
             f"lower id)")
 
@@ -271,5 +272,10 @@ def _percent(fraction: float | None) -> str:
 
 
 def write_json(path: pathlib.Path, machine: Machine, rows: Sequence[Row], extra: dict | None = None) -> None:
+    """The report as JSON at ``path``, whole or not at all (written beside it, then renamed)."""
+    import os
+
     payload = {"machine": machine.to_dict(), "rows": [r.to_dict() for r in rows], **(extra or {})}
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(partial, path)

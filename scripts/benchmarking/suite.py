@@ -1,10 +1,11 @@
 """Running the benchmark matrix: models × dtypes × batch sizes × engines, all taking turns.
 
 Each repeat runs every cell (dtype and batch size of one model) on every engine once, one after the
-other: llm_jax on each backend asked for, then transformers. So every ratio the report gives (llm_jax
-over transformers, one backend over another, bfloat16 over float32, batch B over batch 1) compares runs
-of the same moments, and holds on a shared machine whose memory bandwidth moves from minute to minute.
-Every dtype's weights are loaded at once for it, in each backend's prepared form.
+other: llm_jax on each backend asked for, then transformers or llama.cpp. So every ratio the report
+gives (llm_jax over transformers or llama.cpp, one backend over another, bfloat16 over float32, batch B
+over batch 1) compares runs of the same moments, and holds on a shared machine whose memory bandwidth
+moves from minute to minute. Every dtype's weights are loaded at once for it, in each backend's prepared
+form.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from llm_jax.quantization import parse_quantization, quantize_params
 
 from benchmarking import machine as machine_lib
 from benchmarking.hf_engine import HfEngine, save_random_hf_model
-from benchmarking.llm_jax_engine import LlmJaxEngine, Workload
-from benchmarking.results import Difference, Row, agreement, first_differences, summarise
+from benchmarking.llm_jax_engine import LlmJaxEngine, Run, Workload
+from benchmarking.results import Difference, Row, Spread, agreement, first_differences, paired_ratio, summarise
 from benchmarking.roofline import compute_roofline, decode_roofline, head_peak, product_peak
 from benchmarking.shapes import SHAPES, shape_config
 from benchmarking.step_profile import StepProfile, profile_decode
@@ -47,6 +48,7 @@ class Options:
     repeats: int = 3
     chunk_steps: int = 16
     compare_hf: bool = False
+    compare_llama_cpp: bool = False  # llama.cpp, and llm_jax on llama.cpp's file (benchmarking.llama_cpp)
     # llm_jax's engines: (name, the backend it runs on); the default, "auto"'s choice, named "llm_jax"
     engines: tuple[tuple[str, Backend], ...] = ()
     threads: int = 0  # torch threads (0: every CPU)
@@ -57,12 +59,24 @@ class Options:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """One llm_jax engine against a reference engine of the same cell (llama.cpp)."""
+
+    engine: str
+    reference: str
+    ratio: Spread  # the engine's decode tokens/s over the reference's, repeat by repeat
+    agreement: float  # greedy-token agreement (results.agreement)
+    differences: tuple[Difference, ...] = ()  # where its greedy tokens first differ from the reference's
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CellResult:
     rows: list[Row]
     hf_ratio: float | None  # llm_jax ÷ transformers decode tokens/s
     agreement: float | None  # greedy-token agreement between the engines
     differences: tuple[Difference, ...] = ()  # where llm_jax's greedy tokens first differ from transformers'
     profiles: tuple[tuple[str, StepProfile], ...] = ()  # (engine, where its decode step's time goes)
+    llama_cpp: tuple[Comparison, ...] = ()  # each llm_jax engine against llama.cpp (--compare llama.cpp)
 
 
 Log = Callable[[str], None]
@@ -84,6 +98,7 @@ def save_llama2_tokenizer(folder: pathlib.Path) -> None:
     model_file = shared / "tokenizers" / "llama2" / "tokenizer.model"
     if not model_file.is_file():
         raise FileNotFoundError(f"{model_file} is missing (set LLM_JAX_ASSETS to the shared/ folder)")
+    folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(model_file, folder / "tokenizer.model")
     # With the BOS id first, as sentencepiece's Llama models (and llm_jax) encode a prompt.
     transformers.AutoTokenizer.from_pretrained(model_file.parent, add_bos_token=True).save_pretrained(folder)
@@ -104,18 +119,53 @@ class ModelSource:
                 self.hf_folder = workdir / f"hf-{model}"
                 save_random_hf_model(shape_config(model, dtype="float32"), self.hf_folder)
                 if tokenizer:
-                    if SHAPES[model].vocab_size != 32000:
-                        raise ValueError(f"{model} has a vocabulary of {SHAPES[model].vocab_size}, not the Llama 2 "
-                                         f"tokenizer's 32000: text needs 15M, 110M or a checkpoint")
+                    self._check_llama2_vocabulary("text")
                     save_llama2_tokenizer(self.hf_folder)
             elif (pathlib.Path(model) / "config.json").is_file():
                 self.hf_folder = pathlib.Path(model)
             else:
                 raise ValueError(f"--compare hf needs a named shape or a Hugging Face folder, got {model}")
 
+    def _check_llama2_vocabulary(self, needed_by: str) -> None:
+        if SHAPES[self.model].vocab_size != 32000:
+            raise ValueError(f"{self.model} has a vocabulary of {SHAPES[self.model].vocab_size}, not the Llama 2 "
+                             f"tokenizer's 32000: {needed_by} needs 15M, 110M, 1B or a checkpoint")
+
     @property
     def label(self) -> str:
         return self.model if self.named else pathlib.Path(self.model).name
+
+    @property
+    def is_gguf(self) -> bool:
+        return not self.named and pathlib.Path(self.model).suffix == ".gguf"
+
+    def gguf_file(self, dtype: str) -> pathlib.Path:
+        """The model as a GGUF file of the type of ``dtype``'s weights (``llama_cpp.gguf_type``), written once
+        into the work folder from the float weights, with a tokenizer (llama.cpp needs one): the Llama 2
+        tokenizer for a named shape, the checkpoint's own otherwise. A GGUF model is its own file."""
+        from llm_jax.weights.to_gguf import save_gguf
+
+        from benchmarking.llama_cpp import gguf_type
+
+        if self.is_gguf:
+            return pathlib.Path(self.model)
+        type_name = gguf_type(dtype)
+        path = self.workdir / f"{self.label}-{type_name}.gguf"
+        if path.is_file():
+            return path
+        if self.named:
+            self._check_llama2_vocabulary("llama.cpp")
+            tokenizer = self.workdir / "llama2-tokenizer"
+            if not tokenizer.is_dir():
+                save_llama2_tokenizer(tokenizer)
+            config = shape_config(self.model, dtype="float32")
+            params = init_params(config)  # the draws of load_model's, in float32
+        else:  # the checkpoint's folder holds its tokenizer
+            tokenizer = self.hf_folder or pathlib.Path(self.model)
+            model = llm_jax.load(self.model, dtype="float32", backend="xla")
+            config, params = model.config, model.params
+        save_gguf(path, config, params, type_name, tokenizer=tokenizer, name=self.label)
+        return path
 
     def load(self, dtype: str, backends: Sequence[Backend]) -> tuple[ModelConfig, list[Params]]:
         """The config in ``dtype`` and the weights each of ``backends`` reads (``Backend.prepare``). The
@@ -157,6 +207,8 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, Sequ
         if options.compare_hf:
             threads = options.threads or machine_lib.cpu_threads()
             engines.append(HfEngine(source.hf_folder, config, workload, threads=threads))
+        if options.compare_llama_cpp:
+            engines += llama_cpp_engines(source, cell, config, workload, options)
         plans.append((cell, config, workload, engines))
     compiled, runs, peaks, bandwidths = {}, {}, {}, {}
     for c, (cell, _, _, engines) in enumerate(plans):
@@ -207,6 +259,13 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, Sequ
                           kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[c, e.name],
                           run_bandwidths=bandwidths[c, e.name], peaks_measured=measured, head_screen=screen)
                 for e in engines]
+        if options.compare_llama_cpp:
+            *ours, reference = engines
+            results.append(CellResult(rows=rows, hf_ratio=None, agreement=None, profiles=tuple(profiles[c]),
+                                      llama_cpp=tuple(compare(rows[i], rows[-1], runs[c, e.name][0],
+                                                              runs[c, reference.name][0])
+                                                      for i, e in enumerate(ours))))
+            continue
         if not options.compare_hf:
             results.append(CellResult(rows=rows, hf_ratio=None, agreement=None, profiles=tuple(profiles[c])))
             continue
@@ -217,6 +276,37 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, Sequ
                                                                        theirs.runner_up_gap)),
                                   profiles=tuple(profiles[c])))
     return results
+
+
+def llama_cpp_engines(source: ModelSource, cell: Cell, config: ModelConfig, workload: Workload,
+                      options: Options) -> list:
+    """For ``--compare llama.cpp``: llm_jax (the first of ``engines_of``'s backends) on llama.cpp's file of the
+    cell's weights where its matrices are blocks (Q8_0, Q4_0: the very same weights, which llm_jax's own
+    quantization only approximates; float files hold ours exactly), then llama.cpp on that file."""
+    from llm_jax.weights.from_gguf import open_gguf
+
+    from benchmarking.llama_cpp import LlamaCppEngine, is_block_type
+
+    path = source.gguf_file(cell.dtype)
+    type_name = open_gguf(path).tensors["blk.0.ffn_up.weight"].type_name
+    engines: list = []
+    if is_block_type(type_name) and not source.is_gguf:
+        name, backend = engines_of(options)[0]
+        model = llm_jax.load(path, dtype=cell.dtype.partition("+")[0], backend=backend)
+        engines.append(LlmJaxEngine(backend.prepare(model.params, model.config), model.config, workload,
+                                    backend=backend, name=f"{name}[{type_name} file]"))
+    engines.append(LlamaCppEngine(path, config, workload, threads=options.threads or machine_lib.cpu_threads(),
+                                  type_name=type_name))
+    return engines
+
+
+def compare(row: Row, reference: Row, run: Run, reference_run: Run) -> Comparison:
+    """``row`` 's engine against ``reference`` 's: decode rate ratio repeat by repeat, greedy agreement of
+    their first runs."""
+    return Comparison(engine=row.engine, reference=reference.engine, ratio=paired_ratio(row, reference),
+                      agreement=agreement(run.tokens, reference_run.tokens),
+                      differences=tuple(first_differences(run.tokens, reference_run.tokens, reference_run.runner_up,
+                                                          reference_run.runner_up_gap)))
 
 
 def run_matrix(models: Sequence[str], dtypes: Sequence[str], batches: Sequence[int], options: Options,

@@ -15,10 +15,10 @@ from llm_jax.backends.cpu import forms
 from llm_jax.kv_cache import cache_bytes_per_token
 from llm_jax.model import init_params, param_shapes
 
-from benchmarking import hf_engine, machine
+from benchmarking import machine
 from benchmarking.cli import BACKENDS, main as benchmark_main
 from benchmarking.compile_study import cli_ttft, compile_vs_depth
-from benchmarking.llm_jax_engine import LlmJaxEngine, Workload
+from benchmarking.llm_jax_engine import LlmJaxEngine, Workload, runner_up
 from benchmarking.product_study import product_shapes, table as product_table, time_products
 from benchmarking.results import (Difference, agreement, describe_differences, first_differences,
                                   paired_ratio)
@@ -252,16 +252,16 @@ def test_first_differences_name_the_reference_s_second_choice():
     assert "3 row(s) differ, row 1 first at step 1; 2 of them first where ours is transformers' second choice" in said
     assert "0, 0.00781 below its best logit" in said
     assert describe_differences(differences[1:2]).endswith("none of them first where ours is transformers' second choice")
+    assert describe_differences(differences[1:2], "llama.cpp[Q8_0]").endswith("ours is llama.cpp[Q8_0]'s second choice")
     assert describe_differences([]) == ""
 
 
-def test_hf_runner_up_is_the_best_token_argmax_did_not_take():
-    import torch
-
-    logits = torch.tensor([[0.5, 2.0, 1.0, 2.0], [3.0, 1.0, 2.5, 0.0]], dtype=torch.bfloat16)
-    ids, gaps = hf_engine._runner_up(logits)
-    assert ids.tolist() == [3, 2]  # row 0: argmax takes 1, 3 ties with it; row 1: argmax takes 0, 2 is next
-    assert gaps.tolist() == [0.0, 0.5]
+def test_the_runner_up_is_the_best_token_argmax_did_not_take():
+    logits = np.array([[0.5, 2.0, 1.0, 2.0], [3.0, 1.0, 2.5, 0.0], [2.0, 0.0, 0.0, 2.0]], dtype=np.float32)
+    ids, gaps = runner_up(logits)
+    # row 0: argmax takes 1, 3 ties with it; row 1: argmax takes 0, 2 is next; row 2: argmax takes 0, 3 ties
+    assert ids.tolist() == [3, 2, 3]
+    assert gaps.tolist() == [0.0, 0.5, 0.0]
 
 
 def test_json_reports_agreement_and_differences(report):

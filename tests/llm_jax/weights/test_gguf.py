@@ -3,8 +3,10 @@
 The GGUF files are written here with the ``gguf`` package's writer, the way llama.cpp's
 ``convert_hf_to_gguf.py`` writes them (our own code, following its rules): metadata from config.json,
 ``llama`` q/k rows permuted into Meta's interleaved RoPE layout, Gemma norms stored as ``1 + w``, Llama 3
-RoPE scaling as a ``rope_freqs`` tensor, tied heads omitted, the vocabulary from the sentencepiece model
-or tokenizer.json via ``gguf.vocab``. Loading must undo all of it.
+RoPE scaling as a ``rope_freqs`` tensor, tied heads omitted; tensors encoded and the vocabulary written by
+``llm_jax.weights.to_gguf``'s ``encode`` and ``add_tokenizer``. The tensors are taken from the Hugging Face
+files, not through llm_jax's own writer (``to_gguf.save_gguf``), so that these files are a reference
+independent of it (``test_to_gguf.py`` compares the two). Loading must undo all of it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from llm_jax.weights.convert import convert
 from llm_jax.weights.from_gguf import dequantize_rows, load_gguf, open_gguf
 from llm_jax.weights.layout import WeightsError
 from llm_jax.weights.placement import leaves_by_path
+from llm_jax.weights.to_gguf import add_tokenizer, encode
 from tests.llm_jax.model.test_families import FAMILIES, Family, build, greedy_decode, tokens, torch_greedy
 
 ATOL = 1e-4  # float32 max |Δlogit| against transformers
@@ -91,39 +94,6 @@ def llama3_rope_freqs(hf: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def add_vocab(writer: gguf.GGUFWriter, folder: pathlib.Path, pre: str = "gpt-2") -> None:
-    """The tokenizer of ``folder`` as convert_hf_to_gguf writes it: a sentencepiece model's pieces, scores,
-    types and normalizer flags, or tokenizer.json's tokens (control / user-defined) and merges."""
-    if (folder / "tokenizer.model").is_file():  # as convert_hf_to_gguf does for Llama-family sentencepiece
-        from sentencepiece import sentencepiece_model_pb2
-
-        vocab = gguf.vocab.SentencePieceVocab(folder)
-        pieces = list(vocab.all_tokens())
-        writer.add_tokenizer_model("llama")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list([p for p, _, _ in pieces])
-        writer.add_token_scores([s for _, s, _ in pieces])
-        writer.add_token_types([t for _, _, t in pieces])
-        proto = sentencepiece_model_pb2.ModelProto()
-        proto.ParseFromString((folder / "tokenizer.model").read_bytes())
-        writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
-        writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
-        gguf.SpecialVocab(folder, n_vocab=len(pieces)).add_to_gguf(writer, quiet=True)
-        return
-    tok = json.loads((folder / "tokenizer.json").read_text())
-    added = {t["id"]: t for t in tok["added_tokens"]}
-    ids = {**tok["model"]["vocab"], **{t["content"]: i for i, t in added.items()}}
-    names = sorted(ids, key=ids.get)
-    assert [ids[n] for n in names] == list(range(len(names)))
-    types = [gguf.TokenType.NORMAL if i not in added else
-             gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED for i in range(len(names))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(names)
-    writer.add_token_types(types)
-    gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(names)).add_to_gguf(writer, quiet=True)
-
-
 def write_gguf(path: pathlib.Path, hf_folder: pathlib.Path, qtype=Q.F32, *, vocab: pathlib.Path | None = None,
                pre: str = "gpt-2", arch: str | None = None, rope_dims: int | None = None,
                extra=None, replace: dict | None = None) -> pathlib.Path:
@@ -156,7 +126,7 @@ def write_gguf(path: pathlib.Path, hf_folder: pathlib.Path, qtype=Q.F32, *, voca
     if extra is not None:
         extra(w)
     if vocab is not None:
-        add_vocab(w, vocab, pre)
+        add_tokenizer(w, vocab, pre)
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_freqs(hf))
     tensors = load_file(hf_folder / "model.safetensors")
@@ -174,15 +144,8 @@ def write_gguf(path: pathlib.Path, hf_folder: pathlib.Path, qtype=Q.F32, *, voca
             blocks, raw = replace[gguf_name(name, arch)]
             w.add_tensor(gguf_name(name, arch), blocks, raw_dtype=raw)
             continue
-        kind = qtype if x.ndim == 2 else Q.F32
-        if kind in (Q.Q8_0, Q.Q4_0) and x.shape[-1] % 32:
-            kind = Q.F16
-        if kind == Q.F32:
-            w.add_tensor(gguf_name(name, arch), x)
-        elif kind == Q.F16:
-            w.add_tensor(gguf_name(name, arch), x.astype(np.float16))
-        else:
-            w.add_tensor(gguf_name(name, arch), gguf.quants.quantize(x, kind), raw_dtype=kind)
+        data, raw = encode(x, qtype.name if x.ndim == 2 else "F32")
+        w.add_tensor(gguf_name(name, arch), data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

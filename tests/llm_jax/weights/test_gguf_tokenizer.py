@@ -3,7 +3,7 @@
 Sentencepiece vocabularies (llama2's 32000 pieces, stories260K's 512) must encode and decode exactly as
 ``sentencepiece`` with the original model; byte-level BPE vocabularies (GPT-2, Llama 3 and Qwen 2
 pre-tokenizers) exactly as ``tokenizers`` with the original tokenizer.json. The vocabularies are written the
-way llama.cpp's converter writes them (``tests/llm_jax/weights/test_gguf.py``'s ``add_vocab``).
+way llama.cpp's converter writes them (``llm_jax.weights.to_gguf.add_tokenizer``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 import llm_jax
 from llm_jax.gguf_tokenizer import _LLAMA3_REGEX, _QWEN2_REGEX, GGUFTokenizerError, gguf_chat_template
 from llm_jax.tokenizer import load_tokenizer
+from llm_jax.weights.to_gguf import add_tokenizer
 from tests.llm_jax.conftest import BOS, CORPUS, EOS, EOT, train_byte_level_bpe, write_json
-from tests.llm_jax.weights.test_gguf import add_vocab
 
 VARIED = (*CORPUS, " leading space", "double  space and trailing ", "tabs\tand\nnewlines\n\n", "ﬁ ligature ½ ①",
           "numbers 1234567 3.14159 1,000,000", "<s> text that spells </s> and <unk>", "I'm, you're, they'll, we'd",
@@ -31,7 +31,7 @@ TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfo
 
 def write_vocab_gguf(path: pathlib.Path, folder: pathlib.Path, pre: str = "gpt-2", extra=None) -> pathlib.Path:
     writer = gguf.GGUFWriter(path, "llama")
-    add_vocab(writer, folder, pre)
+    add_tokenizer(writer, folder, pre)
     if extra is not None:
         extra(writer)
     writer.write_header_to_file()

@@ -1,0 +1,204 @@
+"""llm_jax config and float params → a GGUF file (llama.cpp's format), the reverse of ``from_gguf``.
+
+:func:`save_gguf` writes a Llama-architecture model as ``convert_hf_to_gguf.py`` would: the ``llama.*``
+metadata of the config, the tokenizer of a folder (:func:`add_tokenizer`), and every tensor under
+llama.cpp's name, its matrices stored as F32, F16, BF16, Q8_0 or Q4_0 (:func:`encode`) and its norms
+as F32. What llama.cpp then runs is the same model: ``llm_jax.load`` of the file gives back the params
+(exactly for F32; for the other types, their rounding of them).
+
+The one quirk of the ``llama`` architecture, done here and undone by ``from_gguf``: llama.cpp rotates
+adjacent pairs of a head (Meta's interleaved RoPE layout), we rotate halves, so the q and k rows of each
+head are permuted into Meta's order.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from llm_jax.config import ConfigError, DefaultRope, LinearRope, ModelConfig
+from llm_jax.weights.from_gguf import tensor_specs
+from llm_jax.weights.layout import WeightsError
+
+# The ggml types a file's matrices may be written in, with llama.cpp's name of such a file
+# (``general.file_type``, ``gguf.LlamaFileType``).
+FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
+              "Q4_0": "MOSTLY_Q4_0"}
+
+# The config fields of families other than Llama, at their Llama values: a config that sets one is not
+# a model llama.cpp's ``llama`` architecture runs.
+_LLAMA = ModelConfig(vocab_size=1, d_model=2, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2, d_ff=1,
+                     max_seq_len=1)
+_NOT_LLAMA = ("activation", "qkv_bias", "qk_norm", "norm_weight_offset", "embed_scale", "sandwich_norm",
+              "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "sliding_window")
+
+
+def encode(x: np.ndarray, type_name: str) -> tuple[np.ndarray, Any]:
+    """A float tensor as ``GGUFWriter.add_tensor`` takes it in ggml type ``type_name``: (data, raw_dtype),
+    raw_dtype None for F32 and F16 (numpy's own dtypes). Other types (BF16, Q8_0, Q4_0, and whatever else
+    ``gguf.quants`` can quantize) are rounded by ``gguf.quants``, as llama.cpp's converter rounds them; a
+    tensor whose rows are not whole blocks of the type is written F16, as llama.cpp falls back."""
+    import gguf
+
+    x = np.asarray(x, np.float32)
+    if type_name not in gguf.GGMLQuantizationType.__members__:
+        raise ValueError(f"unknown ggml type {type_name!r}; GGUF files are written as {', '.join(FILE_TYPES)}")
+    kind = gguf.GGMLQuantizationType[type_name]
+    if x.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0]:
+        kind = gguf.GGMLQuantizationType.F16
+    if kind == gguf.GGMLQuantizationType.F32:
+        return x, None
+    if kind == gguf.GGMLQuantizationType.F16:
+        return x.astype(np.float16), None
+    return gguf.quants.quantize(x, kind), kind
+
+
+def add_tokenizer(writer, folder: pathlib.Path, pre: str = "gpt-2") -> None:
+    """The tokenizer of ``folder`` as ``convert_hf_to_gguf.py`` writes it: a sentencepiece
+    ``tokenizer.model`` 's pieces, scores, types and normalizer flags, or ``tokenizer.json`` 's tokens
+    (control / user-defined) and merges with llama.cpp's pre-tokenizer name ``pre``; special token ids and
+    ``add_bos_token`` from the folder's ``tokenizer_config.json`` / ``config.json`` where it has them."""
+    import json
+
+    import gguf
+
+    if (folder / "tokenizer.model").is_file():
+        from sentencepiece import sentencepiece_model_pb2
+
+        vocab = gguf.vocab.SentencePieceVocab(folder)
+        pieces = list(vocab.all_tokens())
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list([p for p, _, _ in pieces])
+        writer.add_token_scores([s for _, s, _ in pieces])
+        writer.add_token_types([t for _, _, t in pieces])
+        proto = sentencepiece_model_pb2.ModelProto()
+        proto.ParseFromString((folder / "tokenizer.model").read_bytes())
+        writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+        writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
+        gguf.SpecialVocab(folder, n_vocab=len(pieces)).add_to_gguf(writer, quiet=True)
+        return
+    if not (folder / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{folder} holds no tokenizer.model or tokenizer.json to write into the GGUF file")
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    added = {t["id"]: t for t in tok["added_tokens"]}
+    ids = {**tok["model"]["vocab"], **{t["content"]: i for i, t in added.items()}}
+    names = sorted(ids, key=ids.get)
+    if [ids[n] for n in names] != list(range(len(names))):
+        raise WeightsError(f"{folder / 'tokenizer.json'}: token ids are not 0 ... {len(names) - 1} without gaps")
+    types = [gguf.TokenType.NORMAL if i not in added else
+             gguf.TokenType.CONTROL if added[i]["special"] else gguf.TokenType.USER_DEFINED for i in range(len(names))]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(names)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(names)).add_to_gguf(writer, quiet=True)
+
+
+def check_llama(config: ModelConfig) -> None:
+    """Refuse, naming the fields, a config that llama.cpp's ``llama`` architecture does not run as we do."""
+    other = [f"{name}={getattr(config, name)!r}" for name in _NOT_LLAMA
+             if getattr(config, name) != getattr(_LLAMA, name)]
+    if not isinstance(config.rope_scaling, DefaultRope | LinearRope):
+        other.append(f"rope_scaling={config.rope_scaling!r}")
+    if other:
+        raise ConfigError(f"only Llama-architecture models are written as GGUF; this config sets {', '.join(other)}")
+    if config.quantization is not None:
+        raise ConfigError(f"GGUF files are written from float weights; these are quantized ({config.quantization}): "
+                          "load them without quantize and choose the file's type instead")
+
+
+def _halves_to_interleaved(n_heads: int, head_dim: int):
+    """Our q/k [D, n, H] (rotate halves) → llama.cpp's rows [n*H, D] in Meta's interleaved layout: within a
+    head, row j * H/2 + i moves to row 2i + j (what ``convert_hf_to_gguf.py`` 's ``permute`` does)."""
+
+    def permute(w: np.ndarray) -> np.ndarray:
+        D = w.shape[0]
+        return w.reshape(D, n_heads, 2, head_dim // 2).transpose(1, 3, 2, 0).reshape(n_heads * head_dim, D)
+
+    return permute
+
+
+def _to_source(config: ModelConfig) -> dict[tuple[str, ...], Any]:
+    """Leaf path → the function from our layout to llama.cpp's tensor (the inverse of ``tensor_specs``' own)."""
+    D, N, K, H = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
+    transpose = np.transpose
+    return {
+        ("layers", "attn", "q_proj"): _halves_to_interleaved(N, H),
+        ("layers", "attn", "k_proj"): _halves_to_interleaved(K, H),
+        ("layers", "attn", "v_proj"): lambda w: w.reshape(D, K * H).T,
+        ("layers", "attn", "o_proj"): lambda w: w.reshape(N * H, D).T,
+        ("layers", "mlp", "gate_proj"): transpose,
+        ("layers", "mlp", "up_proj"): transpose,
+        ("layers", "mlp", "down_proj"): transpose,
+        ("lm_head",): transpose,
+    }
+
+
+def _leaf(params: dict, path: tuple[str, ...]):
+    for key in path:
+        params = params[key]
+    return params
+
+
+def save_gguf(path: str | os.PathLike, config: ModelConfig, params: dict, type_name: str, *,
+              tokenizer: str | os.PathLike | None = None, name: str | None = None) -> pathlib.Path:
+    """Write a Llama-architecture model (its float params, in any float dtype) as a GGUF file whose matrices
+    are of ggml type ``type_name`` (``FILE_TYPES``; Q8_0 / Q4_0 rounded as llama.cpp's converter does), with
+    the tokenizer of the folder ``tokenizer`` (see :func:`add_tokenizer`; llama.cpp needs one to load the
+    file). The file appears whole or not at all (written beside, then renamed). Returns ``path``."""
+    import gguf
+
+    if type_name not in FILE_TYPES:
+        raise ValueError(f"unsupported GGUF file type {type_name!r}; choose one of {', '.join(FILE_TYPES)}")
+    check_llama(config)
+    path = pathlib.Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        _write(gguf.GGUFWriter(partial, "llama"), config, params, type_name, tokenizer, name or path.stem)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+def _write(writer, config: ModelConfig, params: dict, type_name: str, tokenizer, name: str) -> None:
+    """Metadata, tokenizer and tensors of :func:`save_gguf` 's file, through ``writer``, which it closes."""
+    import gguf
+
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType[FILE_TYPES[type_name]])
+    writer.add_context_length(config.max_seq_len)
+    writer.add_embedding_length(config.d_model)
+    writer.add_block_count(config.n_layers)
+    writer.add_feed_forward_length(config.d_ff)
+    writer.add_head_count(config.n_heads)
+    writer.add_head_count_kv(config.n_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.norm_eps)
+    writer.add_rope_freq_base(config.rope_theta)
+    if isinstance(config.rope_scaling, LinearRope):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(config.rope_scaling.factor)
+    if tokenizer is not None:
+        add_tokenizer(writer, pathlib.Path(tokenizer))
+    to_source = _to_source(config)
+    for spec in tensor_specs(config, interleaved=True):
+        leaf = _leaf(params, spec.path)
+        for layer in range(config.n_layers) if spec.per_layer else [None]:
+            ours = np.asarray(leaf if layer is None else leaf[layer]).astype(np.float32)
+            x = to_source.get(spec.path, lambda w: w)(ours)
+            if x.shape != spec.source_shape:
+                raise WeightsError(f"params/{'/'.join(spec.path)} gives {spec.source} of shape {x.shape}, "
+                                   f"expected {spec.source_shape} from the config")
+            data, raw = encode(x, type_name if x.ndim == 2 else "F32")
+            writer.add_tensor(spec.source.format(layer=layer), data, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
