@@ -272,10 +272,12 @@ class Engine:
     def _shape(self, plan: StepPlan, kind: str) -> Shape:
         top_n = self.max_logprobs if kind in ("logprobs", "prompt") else 0
         K = self.speculative.num_tokens if plan.num_proposals_B.any() else 0
+        T = next(t for t in self.token_buckets if t >= plan.num_tokens)
         if (plan.num_tokens_B - plan.num_proposals_B == 1).all() and kind != "prompt":
             B = next(b for b in self.seq_buckets if b >= plan.num_seqs)
-            return Shape(T=B * (K + 1), B=B, X=self.X, Q=K + 1, kind=kind, top_n=top_n, K=K)
-        T = next(t for t in self.token_buckets if t >= plan.num_tokens)
+            # Verifying, the mixed step of fewer tokens, where some sequences propose less than k.
+            if not K or T >= B * (K + 1):
+                return Shape(T=B * (K + 1), B=B, X=self.X, Q=K + 1, kind=kind, top_n=top_n, K=K)
         return Shape(T=T, B=self.max_num_seqs, X=self.X, Q=T, kind=kind, top_n=top_n, K=K)
 
     def _inputs(self, plan: StepPlan, shape: Shape, lives: list[_Live]) -> StepInputs:

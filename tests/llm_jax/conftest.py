@@ -1,4 +1,5 @@
-"""Tokenizer folders built in the tests with ``tokenizers`` (no hub), shared by the text-layer tests."""
+"""Fixtures shared by the llm_jax tests: stories260K and a near copy of it (a draft that agrees with it
+often but not always); tokenizer folders built with ``tokenizers`` (no hub) for the text-layer tests."""
 
 import json
 import pathlib
@@ -6,6 +7,20 @@ import pathlib
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+import llm_jax
+from distribution import near_copy
+
+
+@pytest.fixture(scope="module")
+def stories(stories260k_dir):
+    return llm_jax.load(stories260k_dir / "stories260K.bin")
+
+
+@pytest.fixture(scope="module")
+def near_draft(stories):
+    return near_copy(stories)
+
 
 # Text the test tokenizers are trained on and tested with: English, Chinese, code, emoji, whitespace runs.
 CORPUS = (

@@ -17,22 +17,11 @@ import transformers
 import llm_jax
 from llm_jax.sampling import Sampling, SamplingParams
 from llm_jax.speculative import ngram_proposals, propose_ngram, verify
-from distribution import (FALSE_FAILURE_RATE, SAMPLES, chi_square_p_value, exact_distribution, near_copy,
-                          tiny_model)
+from distribution import (FALSE_FAILURE_RATE, SAMPLES, chi_square_p_value, exact_distribution, tiny_model)
 from family_switches import FAMILIES, random_model
 
 PROMPTS = ["Once upon a time", "Tom and Sue went to the park. They", "One day, a big bird", "The little dog wanted to"]
 REPEATING = "Keep repeating: " + " ".join(["One, two, three, four, five."] * 4)
-
-
-@pytest.fixture(scope="module")
-def stories(stories260k_dir):
-    return llm_jax.load(stories260k_dir / "stories260K.bin")
-
-
-@pytest.fixture(scope="module")
-def near_draft(stories):
-    return near_copy(stories)
 
 
 @pytest.fixture(scope="module")

@@ -46,11 +46,6 @@ def alone(model, prompt, **kwargs) -> llm_jax.GenerationResult:
     return llm_jax.generate(model, [prompt], **kwargs)[0]
 
 
-@pytest.fixture(scope="module")
-def stories(stories260k_dir):
-    return llm_jax.load(stories260k_dir / "stories260K.bin")
-
-
 def test_a_random_workload_gives_each_request_its_own_tokens(stories):
     rng = random.Random(0)
     shared = [1] + [rng.randrange(3, 512) for _ in range(40)]

@@ -28,11 +28,6 @@ CONFIG = ModelConfig(vocab_size=64, d_model=128, n_layers=2, n_heads=4, n_kv_hea
                      max_seq_len=64)
 
 
-@pytest.fixture(scope="module")
-def stories(stories260k_dir):
-    return llm_jax.load(stories260k_dir / "stories260K.bin")
-
-
 def _tokens(outputs) -> list[int]:
     return [t for o in outputs for t in o.token_ids]
 

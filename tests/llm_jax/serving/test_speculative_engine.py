@@ -16,7 +16,7 @@ import llm_jax
 from llm_jax.serving.engine import Engine
 from llm_jax.serving.step import step
 
-from distribution import FALSE_FAILURE_RATE, chi_square_p_value, exact_distribution, near_copy, tiny_model
+from distribution import FALSE_FAILURE_RATE, chi_square_p_value, exact_distribution, tiny_model
 from family_switches import FAMILIES, random_model
 from test_engine import alone, run_all
 
@@ -31,16 +31,6 @@ GREEDY_SETTINGS = [dict(), dict(sampling=llm_jax.Sampling(temperature=0.0, repet
 
 def ngram(k: int, **kwargs) -> llm_jax.Speculative:
     return llm_jax.Speculative(method="ngram", num_tokens=k, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def stories(stories260k_dir):
-    return llm_jax.load(stories260k_dir / "stories260K.bin")
-
-
-@pytest.fixture(scope="module")
-def near_draft(stories):
-    return near_copy(stories)
 
 
 def tokens_of(outputs) -> list[int]:
