@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -32,3 +33,23 @@ def stories260k_dir() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def llama2_tokenizer_path() -> pathlib.Path:
     return require_asset("tokenizers/llama2/tokenizer.model")
+
+
+@pytest.fixture(autouse=True)
+def _persistent_cache_left_as_found():
+    """A command run in this process (``generate``'s ``main``) turns JAX's persistent compilation cache on
+    for the whole process; after the test it is turned off again, so that later tests compile as they
+    would alone and write nothing to the user's cache folder."""
+    jax = sys.modules.get("jax")
+    before = None if jax is None else jax.config.jax_compilation_cache_dir
+    yield
+    jax = sys.modules.get("jax")
+    if jax is None or jax.config.jax_compilation_cache_dir == before:
+        return
+    from jax._src import compilation_cache
+
+    from llm_jax import executable_cache
+
+    jax.config.update("jax_compilation_cache_dir", before)
+    compilation_cache.reset_cache()
+    executable_cache.disable()
