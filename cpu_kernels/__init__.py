@@ -38,7 +38,8 @@ product they stand for.
         -> (o_BNH, k_LBSKH, v_LBSKH)  # the step's keys and values written first, the caches in place
     prefill_attention(q_BTNH, k_LBSKH, v_LBSKH, layer, ...) -> o_BTNH  # many queries per row: visible keys only
     paged_attention(q_TNH, k_LPZKH, v_LPZKH, layer, block_tables_BX, query_start_B, num_tokens_B, seq_lens_B, ...)
-        -> o_TNH  # a serving step's ragged tokens over the pages of a paged cache, read in place
+        -> o_TNH  # a serving step's ragged tokens over the pages of a paged cache, read in place (int8
+                  # pages as pairs (values, scales [L, P, Z, K]), dequantized as they are read)
     paged_attention_append(q_TNH, k_new_TKH, v_new_TKH, k_LPZKH, v_LPZKH, layer, slots_T, block_tables_BX, ...)
         -> (o_TNH, k_LPZKH, v_LPZKH)  # the step's keys and values written at their slots first, pages in place
     argmax(x_BV) -> i_B   # jnp.argmax over the last axis (float32), vectorized; XLA's off the CPU

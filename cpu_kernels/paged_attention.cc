@@ -8,25 +8,28 @@
 // as XLA's gathers clamp). The query sees keys s <= p, and p - s < window when a window is given; scores
 // q·k · scale, then softcap · tanh(score / softcap) when a softcap is given; softmax in float32 over the
 // visible keys (a query with none, and every q row no sequence owns, gives zeros); o = Σ p_s · v_s in
-// float32. Keys and values are float32 or bfloat16 (also as its bits, uint16), widened exactly, and the
-// probabilities stay float32. q is float32 [T, N, H] with N = K · G, query head n = k · G + g.
+// float32. Keys and values are float32 or bfloat16 (also as its bits, uint16), widened exactly, or int8
+// with a float32 scale per slot and kv head (scales [L, P, Z, K]: x = q · s, as llm_jax.kv_cache.Int8KV),
+// dequantized exactly as they are widened; the probabilities stay float32. q is float32 [T, N, H] with
+// N = K · G, query head n = k · G + g.
 //
 // A unit of work is up to 16 query rows of one sequence — (query, head) pairs sharing a kv head, row
 // r = i · G + g, as in prefill_attention.cc — for a group of kv heads, against the keys those rows see,
 // page by page: each page's keys, then its values, are read once for all the unit's rows and kv heads (a
 // slot's kv heads lie side by side, so a group of them is one contiguous run per slot), bfloat16 widened
-// into a page-sized scratch (one row, a decode token with one query head per kv head, reads it in place).
+// and int8 dequantized into a page-sized scratch (one row, a decode token with one query head per kv head,
+// reads it in place, int8's scales applied to its scores and probabilities).
 // A decode token is a unit of G rows; a prefill chunk is many units of 16 rows, each seeing its cached
 // prefix and its triangle of the chunk. Units of few rows score row by row with vectors along H, their
 // scores [rows, keys] softmaxed over each row's visible keys only (as decode_attention.cc); units of many
 // rows as register tiles of keys × 16 rows, their scores [keys, 16] softmaxed down the columns, masked (as
 // prefill_attention.cc). p · v is common.h's pv_columns on either layout (pv_row for a row read in place).
 //
-// Two handlers: PagedAttention reads the pages; PagedAttentionAppend (what a serving step runs) first
-// writes the step's keys and values [T, K, H] at slots[t] = page · Z + row of the layer (nothing for a
-// slot outside [0, P · Z): a padding token; where tokens share a slot the later one's row stays), into
-// pages that are also its results, aliased to its operands (XLA updates them in place), then attends the
-// same way.
+// Two handlers per dtype (int8's take the scales beside the pages): PagedAttention reads the pages;
+// PagedAttentionAppend (what a serving step runs) first writes the step's keys and values [T, K, H] (and
+// int8's scales [T, K]) at slots[t] = page · Z + row of the layer (nothing for a slot outside [0, P · Z):
+// a padding token; where tokens share a slot the later one's row stays), into pages that are also its
+// results, aliased to its operands (XLA updates them in place), then attends the same way.
 
 #include <algorithm>
 #include <cmath>
@@ -188,6 +191,42 @@ void pv_row(const float* p, const C* v, int64_t stride, int64_t n, int64_t H, fl
   }
 }
 
+// One layer of the pages as a unit reads them: the values [P, Z, K, H] and, for int8, their scales [P, Z, K].
+template <typename C>
+struct Pages {
+  const C* x = nullptr;
+  const float* scale = nullptr;
+};
+
+// n slots' runs of `width` = heads · H values from element `offset` of the layer (slots `stride` = K · H
+// apart) as float32, as as_f32_rows gives them: float32 in place, bfloat16 widened into `scratch` [n, width].
+template <typename C>
+const float* rows_f32(const Pages<C>& pages, int64_t offset, int64_t stride, int64_t n, int64_t width, int64_t,
+                      std::vector<float>& scratch, int64_t* ld) {
+  return as_f32_rows(pages.x + offset, stride, n, width, scratch, ld);
+}
+
+// int8: each head's H values times its scale (the scale of slot s, kv head k is scale[s · K + k], so that of
+// element `offset` is scale[offset / H]), into `scratch` [n, width]: q · s in float32, as the XLA reference
+// dequantizes.
+const float* rows_f32(const Pages<int8_t>& pages, int64_t offset, int64_t stride, int64_t n, int64_t width, int64_t H,
+                      std::vector<float>& scratch, int64_t* ld) {
+  scratch.resize(static_cast<size_t>(n * width));
+  const int64_t heads = width / H, K = stride / H;
+  for (int64_t j = 0; j < n; ++j) {
+    for (int64_t kh = 0; kh < heads; ++kh) {
+      const int8_t* x = pages.x + offset + j * stride + kh * H;
+      const float s = pages.scale[offset / H + j * K + kh];
+      float* out = scratch.data() + j * width + kh * H;
+      int64_t h = 0;
+      for (; h + 8 <= H; h += 8) store8(out + h, load8(x + h) * splat(s));
+      for (; h < H; ++h) out[h] = load1(x + h) * s;
+    }
+  }
+  *ld = width;
+  return scratch.data();
+}
+
 // What every unit of a step reads.
 struct Step {
   const float* q;         // [T, N, H]
@@ -209,7 +248,7 @@ struct Unit {
 // hold their scores row by row, [rows, keys] (each row's softmax over its visible keys only); units scored
 // as tiles key by key, [keys, 16] (the softmax down the columns, masked).
 template <typename C>
-void attend_unit(const Step& st, const C* k_layer, const C* v_layer, const Unit& u) {
+void attend_unit(const Step& st, const Pages<C>& k_layer, const Pages<C>& v_layer, const Unit& u) {
   const int64_t G = st.G, H = st.H, K = st.K, Z = st.Z, N = K * G, R = u.rows, heads = u.kh1 - u.kh0;
   const int64_t span = st.X * Z;  // positions the block table can name
   alignas(32) int32_t lo[kRows] = {}, hi[kRows] = {};  // row r's visible keys, of the unit's n from s_lo
@@ -254,19 +293,28 @@ void attend_unit(const Step& st, const C* k_layer, const C* v_layer, const Unit&
         fn(j_a - s_lo, j_b - j_a, ((page * Z + j_a - x * Z) * K + u.kh0) * H);
       }
     };
-    // One row of bfloat16 (a decode token, one query head per kv head) reads it in place, widened as it
-    // is read: a separate widening pass would cost as much as the row's arithmetic.
+    // One row of bfloat16 or int8 (a decode token, one query head per kv head) reads it in place, widened
+    // as it is read: a separate widening pass would cost as much as the row's arithmetic. int8's scales
+    // multiply the row's scores (q · k = s_k · (q · k_q)) and its probabilities (Σ p · v = Σ (p · s_v) · v_q).
+    constexpr bool kInt8 = std::is_same<C, int8_t>::value;
     const bool in_place = R == 1 && !std::is_same<C, float>::value;
+    // The scales of the m keys from element `offset` for kv head kh of the unit, K apart.
+    auto key_scales = [&](const Pages<C>& layer, int64_t offset, int64_t kh) { return layer.scale + offset / H + kh; };
     pages([&](int64_t j, int64_t m, int64_t offset) {
       if (in_place) {
         for (int64_t kh = 0; kh < heads; ++kh) {
           const float* q_rows[1] = {q_row(kh, 0)};
-          score_rows(q_rows, 1, k_layer + offset + kh * H, slot, m, H, scores.data() + kh * per_head + j, ld);
+          float* sc = scores.data() + kh * per_head + j;
+          score_rows(q_rows, 1, k_layer.x + offset + kh * H, slot, m, H, sc, ld);
+          if constexpr (kInt8) {
+            const float* s = key_scales(k_layer, offset, kh);
+            for (int64_t e = 0; e < m; ++e) sc[e] *= s[e * K];
+          }
         }
         return;
       }
       int64_t ld_k;
-      const float* k = as_f32_rows(k_layer + offset, slot, m, width, k_wide, &ld_k);
+      const float* k = rows_f32(k_layer, offset, slot, m, width, H, k_wide, &ld_k);
       for (int64_t kh = 0; kh < heads; ++kh) {
         float* sc = scores.data() + kh * per_head + j * p_key;
         if (tiles) {
@@ -289,12 +337,19 @@ void attend_unit(const Step& st, const C* k_layer, const C* v_layer, const Unit&
     pages([&](int64_t j, int64_t m, int64_t offset) {
       if (in_place) {
         for (int64_t kh = 0; kh < heads; ++kh) {
-          pv_row(scores.data() + kh * per_head + j, v_layer + offset + kh * H, slot, m, H, out.data() + kh * H);
+          const float* p = scores.data() + kh * per_head + j;
+          if constexpr (kInt8) {  // p · s_v, in the values' scratch (unused in place)
+            const float* s = key_scales(v_layer, offset, kh);
+            v_wide.resize(static_cast<size_t>(m));
+            for (int64_t e = 0; e < m; ++e) v_wide[e] = p[e] * s[e * K];
+            p = v_wide.data();
+          }
+          pv_row(p, v_layer.x + offset + kh * H, slot, m, H, out.data() + kh * H);
         }
         return;
       }
       int64_t ld_v;
-      const float* v = as_f32_rows(v_layer + offset, slot, m, width, v_wide, &ld_v);
+      const float* v = rows_f32(v_layer, offset, slot, m, width, H, v_wide, &ld_v);
       for (int64_t kh = 0; kh < heads; ++kh) {
         const float* p = scores.data() + kh * per_head + j * p_key;
         for (int64_t r0 = 0; r0 < R; r0 += kOutRows) {
@@ -312,7 +367,7 @@ void attend_unit(const Step& st, const C* k_layer, const C* v_layer, const Unit&
 }
 
 // The step's keys and values to write before attending: row t of k_new, v_new [T, K, H] at slot slots[t]
-// of the layer's pages (none where it lies outside [0, P · Z)).
+// of the layer's pages (none where it lies outside [0, P · Z)); for int8 also row t of their scales [T, K].
 template <typename C>
 struct Append {
   C* k_layer = nullptr;  // the layer's pages [P, Z, K, H], written
@@ -320,6 +375,10 @@ struct Append {
   const C* k_new = nullptr;
   const C* v_new = nullptr;
   const int32_t* slots = nullptr;  // [T]
+  float* k_scale_layer = nullptr;  // int8: the layer's scales [P, Z, K], written
+  float* v_scale_layer = nullptr;
+  const float* k_new_scale = nullptr;  // int8: [T, K]
+  const float* v_new_scale = nullptr;
 };
 
 // Every sequence's attention over one layer of the pages (k_layer, v_layer: [P, Z, K, H]), after the
@@ -327,8 +386,9 @@ struct Append {
 // give every thread two units and keep a unit's scores within kScoreFloats; the costliest first, so that
 // the cheap ones even out the end.
 template <typename C>
-void attend_step(ffi::ThreadPool& pool, const Step& st, const C* k_layer, const C* v_layer, const int32_t* query_start,
-                 const int32_t* num_tokens, const int32_t* seq_lens, int64_t B, const Append<C>& append) {
+void attend_step(ffi::ThreadPool& pool, const Step& st, const Pages<C>& k_layer, const Pages<C>& v_layer,
+                 const int32_t* query_start, const int32_t* num_tokens, const int32_t* seq_lens, int64_t B,
+                 const Append<C>& append) {
   const int64_t T = st.T, K = st.K, G = st.G, H = st.H, N = K * G, span = st.X * st.Z, slot = K * H;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   if (append.k_layer != nullptr && T > 0) {
@@ -340,6 +400,10 @@ void attend_step(ffi::ThreadPool& pool, const Step& st, const C* k_layer, const 
         if (s < 0 || s >= slots || s % writers != w) continue;
         std::copy_n(append.k_new + t * slot, slot, append.k_layer + s * slot);
         std::copy_n(append.v_new + t * slot, slot, append.v_layer + s * slot);
+        if (append.k_scale_layer != nullptr) {
+          std::copy_n(append.k_new_scale + t * K, K, append.k_scale_layer + s * K);
+          std::copy_n(append.v_new_scale + t * K, K, append.v_scale_layer + s * K);
+        }
       }
     });
   }
@@ -420,6 +484,46 @@ ffi::Error check_shapes(const char* name, const ffi::Buffer<ffi::S32, 0>& layer_
   return ffi::Error::Success();
 }
 
+// The checks of int8 pages' scales: [L, P, Z, K] float32 for pages `kd` [L, P, Z, K, H], k's and v's alike.
+template <typename Dims>
+ffi::Error check_scales(const char* name, const Dims& kd, const ffi::Buffer<ffi::F32, 4>& k_scales,
+                        const ffi::Buffer<ffi::F32, 4>& v_scales) {
+  const auto ks = k_scales.dimensions(), vs = v_scales.dimensions();
+  if (!std::equal(ks.begin(), ks.end(), kd.begin()) || !std::equal(vs.begin(), vs.end(), kd.begin())) {
+    return ffi::Error::InvalidArgument(std::string("cpu_kernels ") + name +
+                                       ": scales must be [L, P, Z, K] like the int8 pages [L, P, Z, K, H]");
+  }
+  return ffi::Error::Success();
+}
+
+// The checks of the append's new rows: k_new and v_new [T, K, H], slots [T].
+template <typename Dims>
+ffi::Error check_new(const Step& st, const Dims& nd, const Dims& vnd, int64_t num_slots) {
+  if (nd[0] != st.T || nd[1] != st.K || nd[2] != st.H || !std::equal(nd.begin(), nd.end(), vnd.begin()) ||
+      num_slots != st.T) {
+    return ffi::Error::InvalidArgument(
+        "cpu_kernels paged_attention_append: new keys and values must be [T, K, H] and slots [T]");
+  }
+  return ffi::Error::Success();
+}
+
+// Layer `layer` of pages [L, P, Z, K, H] (and, for int8, of their scales [L, P, Z, K]).
+template <typename C>
+Pages<C> layer_pages(const void* pages, const float* scales, const Step& st, int64_t layer) {
+  const int64_t slots = st.P * st.Z * st.K;
+  return Pages<C>{reinterpret_cast<const C*>(pages) + layer * slots * st.H,
+                  scales == nullptr ? nullptr : scales + layer * slots};
+}
+
+// A result aliased to its operand: XLA hands the operand's own buffer back (were it not, it starts as a
+// copy), to be updated in place.
+template <typename T>
+T* updated(void* result, const void* operand, int64_t size) {
+  T* out = reinterpret_cast<T*>(result);
+  if (out != operand) std::copy_n(reinterpret_cast<const T*>(operand), size, out);
+  return out;
+}
+
 // layer (int32 scalar), q [T, N, H] float32, k and v pages [L, P, Z, K, H], block_tables [B, X],
 // query_start, num_tokens, seq_lens [B] int32 → o [T, N, H] float32.
 template <ffi::DataType DT, typename C>
@@ -434,10 +538,30 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_i
                                           num_tokens, seq_lens, &layer, &B, &st);
   if (checked.failure()) return checked;
   st.o = o->typed_data(), st.scale = scale, st.softcap = softcap, st.window = window;
-  const size_t layer_size = static_cast<size_t>(st.P * st.Z * st.K * st.H);
-  attend_step(pool, st, reinterpret_cast<const C*>(k_pages.untyped_data()) + layer * layer_size,
-              reinterpret_cast<const C*>(v_pages.untyped_data()) + layer * layer_size, query_start.typed_data(),
+  attend_step(pool, st, layer_pages<C>(k_pages.untyped_data(), nullptr, st, layer),
+              layer_pages<C>(v_pages.untyped_data(), nullptr, st, layer), query_start.typed_data(),
               num_tokens.typed_data(), seq_lens.typed_data(), B, Append<C>{});
+  return ffi::Error::Success();
+}
+
+// The same over int8 pages with their scales k_scales, v_scales [L, P, Z, K] float32.
+ffi::Error PagedAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, ffi::Buffer<ffi::F32, 3> q,
+                            ffi::Buffer<ffi::S8, 5> k_pages, ffi::Buffer<ffi::S8, 5> v_pages,
+                            ffi::Buffer<ffi::F32, 4> k_scales, ffi::Buffer<ffi::F32, 4> v_scales,
+                            ffi::Buffer<ffi::S32, 2> tables, ffi::Buffer<ffi::S32, 1> query_start,
+                            ffi::Buffer<ffi::S32, 1> num_tokens, ffi::Buffer<ffi::S32, 1> seq_lens,
+                            ffi::ResultBuffer<ffi::F32, 3> o, float scale, int64_t window, float softcap) {
+  int64_t layer, B;
+  Step st;
+  ffi::Error checked = check_shapes("paged_attention", layer_index, q, k_pages, v_pages, tables, query_start,
+                                    num_tokens, seq_lens, &layer, &B, &st);
+  if (checked.failure()) return checked;
+  checked = check_scales("paged_attention", k_pages.dimensions(), k_scales, v_scales);
+  if (checked.failure()) return checked;
+  st.o = o->typed_data(), st.scale = scale, st.softcap = softcap, st.window = window;
+  attend_step(pool, st, layer_pages<int8_t>(k_pages.untyped_data(), k_scales.typed_data(), st, layer),
+              layer_pages<int8_t>(v_pages.untyped_data(), v_scales.typed_data(), st, layer),
+              query_start.typed_data(), num_tokens.typed_data(), seq_lens.typed_data(), B, Append<int8_t>{});
   return ffi::Error::Success();
 }
 
@@ -454,36 +578,67 @@ ffi::Error PagedAttentionAppend(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> l
                                 ffi::ResultBuffer<DT, 5> v_out, float scale, int64_t window, float softcap) {
   int64_t layer, B;
   Step st;
-  const ffi::Error checked = check_shapes("paged_attention_append", layer_index, q, k_pages, v_pages, tables,
-                                          query_start, num_tokens, seq_lens, &layer, &B, &st);
+  ffi::Error checked = check_shapes("paged_attention_append", layer_index, q, k_pages, v_pages, tables,
+                                    query_start, num_tokens, seq_lens, &layer, &B, &st);
   if (checked.failure()) return checked;
-  const auto nd = k_new.dimensions(), vnd = v_new.dimensions();
-  if (nd[0] != st.T || nd[1] != st.K || nd[2] != st.H || !std::equal(nd.begin(), nd.end(), vnd.begin()) ||
-      slots.dimensions()[0] != st.T) {
-    return ffi::Error::InvalidArgument(
-        "cpu_kernels paged_attention_append: new keys and values must be [T, K, H] and slots [T]");
-  }
+  checked = check_new(st, k_new.dimensions(), v_new.dimensions(), slots.dimensions()[0]);
+  if (checked.failure()) return checked;
   st.o = o->typed_data(), st.scale = scale, st.softcap = softcap, st.window = window;
-  const size_t layer_size = static_cast<size_t>(st.P * st.Z * st.K * st.H);
-  const size_t cache_size = layer_size * static_cast<size_t>(k_pages.dimensions()[0]);
-  C* k_pages_out = reinterpret_cast<C*>(k_out->untyped_data());
-  C* v_pages_out = reinterpret_cast<C*>(v_out->untyped_data());
-  // XLA hands the operands' own buffers back as results (they are aliased); were they not, the results
-  // start as copies.
-  if (k_pages_out != k_pages.untyped_data()) {
-    std::copy_n(reinterpret_cast<const C*>(k_pages.untyped_data()), cache_size, k_pages_out);
-  }
-  if (v_pages_out != v_pages.untyped_data()) {
-    std::copy_n(reinterpret_cast<const C*>(v_pages.untyped_data()), cache_size, v_pages_out);
-  }
+  const int64_t layer_size = st.P * st.Z * st.K * st.H, cache_size = layer_size * k_pages.dimensions()[0];
   Append<C> append;
-  append.k_layer = k_pages_out + layer * layer_size;
-  append.v_layer = v_pages_out + layer * layer_size;
+  append.k_layer = updated<C>(k_out->untyped_data(), k_pages.untyped_data(), cache_size) + layer * layer_size;
+  append.v_layer = updated<C>(v_out->untyped_data(), v_pages.untyped_data(), cache_size) + layer * layer_size;
   append.k_new = reinterpret_cast<const C*>(k_new.untyped_data());
   append.v_new = reinterpret_cast<const C*>(v_new.untyped_data());
   append.slots = slots.typed_data();
-  attend_step<C>(pool, st, append.k_layer, append.v_layer, query_start.typed_data(), num_tokens.typed_data(),
-                 seq_lens.typed_data(), B, append);
+  attend_step<C>(pool, st, Pages<C>{append.k_layer}, Pages<C>{append.v_layer}, query_start.typed_data(),
+                 num_tokens.typed_data(), seq_lens.typed_data(), B, append);
+  return ffi::Error::Success();
+}
+
+// The same over int8 pages: k_new, v_new [T, K, H] int8 with their scales [T, K] float32 (the quantized
+// keys and values), written with them into the pages and their scales [L, P, Z, K], all four results
+// aliased to their operands.
+ffi::Error PagedAttentionAppendInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index,
+                                  ffi::Buffer<ffi::F32, 3> q, ffi::Buffer<ffi::S8, 3> k_new,
+                                  ffi::Buffer<ffi::S8, 3> v_new, ffi::Buffer<ffi::F32, 2> k_new_scale,
+                                  ffi::Buffer<ffi::F32, 2> v_new_scale, ffi::Buffer<ffi::S8, 5> k_pages,
+                                  ffi::Buffer<ffi::S8, 5> v_pages, ffi::Buffer<ffi::F32, 4> k_scales,
+                                  ffi::Buffer<ffi::F32, 4> v_scales, ffi::Buffer<ffi::S32, 1> slots,
+                                  ffi::Buffer<ffi::S32, 2> tables, ffi::Buffer<ffi::S32, 1> query_start,
+                                  ffi::Buffer<ffi::S32, 1> num_tokens, ffi::Buffer<ffi::S32, 1> seq_lens,
+                                  ffi::ResultBuffer<ffi::F32, 3> o, ffi::ResultBuffer<ffi::S8, 5> k_out,
+                                  ffi::ResultBuffer<ffi::S8, 5> v_out, ffi::ResultBuffer<ffi::F32, 4> k_scales_out,
+                                  ffi::ResultBuffer<ffi::F32, 4> v_scales_out, float scale, int64_t window,
+                                  float softcap) {
+  int64_t layer, B;
+  Step st;
+  ffi::Error checked = check_shapes("paged_attention_append", layer_index, q, k_pages, v_pages, tables,
+                                    query_start, num_tokens, seq_lens, &layer, &B, &st);
+  if (checked.failure()) return checked;
+  checked = check_scales("paged_attention_append", k_pages.dimensions(), k_scales, v_scales);
+  if (checked.failure()) return checked;
+  checked = check_new(st, k_new.dimensions(), v_new.dimensions(), slots.dimensions()[0]);
+  if (checked.failure()) return checked;
+  const auto ksd = k_new_scale.dimensions(), vsd = v_new_scale.dimensions();
+  if (ksd[0] != st.T || ksd[1] != st.K || vsd[0] != st.T || vsd[1] != st.K) {
+    return ffi::Error::InvalidArgument("cpu_kernels paged_attention_append: new scales must be [T, K]");
+  }
+  st.o = o->typed_data(), st.scale = scale, st.softcap = softcap, st.window = window;
+  const int64_t L = k_pages.dimensions()[0], layer_slots = st.P * st.Z * st.K, layer_size = layer_slots * st.H;
+  Append<int8_t> append;
+  append.k_layer = updated<int8_t>(k_out->untyped_data(), k_pages.untyped_data(), L * layer_size) + layer * layer_size;
+  append.v_layer = updated<int8_t>(v_out->untyped_data(), v_pages.untyped_data(), L * layer_size) + layer * layer_size;
+  append.k_scale_layer =
+      updated<float>(k_scales_out->untyped_data(), k_scales.untyped_data(), L * layer_slots) + layer * layer_slots;
+  append.v_scale_layer =
+      updated<float>(v_scales_out->untyped_data(), v_scales.untyped_data(), L * layer_slots) + layer * layer_slots;
+  append.k_new = k_new.typed_data(), append.v_new = v_new.typed_data();
+  append.k_new_scale = k_new_scale.typed_data(), append.v_new_scale = v_new_scale.typed_data();
+  append.slots = slots.typed_data();
+  attend_step<int8_t>(pool, st, Pages<int8_t>{append.k_layer, append.k_scale_layer},
+                      Pages<int8_t>{append.v_layer, append.v_scale_layer}, query_start.typed_data(),
+                      num_tokens.typed_data(), seq_lens.typed_data(), B, append);
   return ffi::Error::Success();
 }
 
@@ -503,6 +658,25 @@ auto paged_binding() {
       .template Attr<float>("scale")
       .template Attr<int64_t>("window")
       .template Attr<float>("softcap");
+}
+
+auto paged_i8_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32, 0>>()  // layer
+      .Arg<ffi::Buffer<ffi::F32, 3>>()  // q [T, N, H]
+      .Arg<ffi::Buffer<ffi::S8, 5>>()   // k pages [L, P, Z, K, H]
+      .Arg<ffi::Buffer<ffi::S8, 5>>()   // v pages
+      .Arg<ffi::Buffer<ffi::F32, 4>>()  // k scales [L, P, Z, K]
+      .Arg<ffi::Buffer<ffi::F32, 4>>()  // v scales
+      .Arg<ffi::Buffer<ffi::S32, 2>>()  // block tables [B, X]
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  // query_start [B]
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  // num_tokens [B]
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  // seq_lens [B]
+      .Ret<ffi::Buffer<ffi::F32, 3>>()  // o [T, N, H]
+      .Attr<float>("scale")
+      .Attr<int64_t>("window")
+      .Attr<float>("softcap");
 }
 
 template <ffi::DataType DT>
@@ -528,14 +702,44 @@ auto paged_append_binding() {
       .template Attr<float>("softcap");
 }
 
+auto paged_append_i8_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32, 0>>()  // layer
+      .Arg<ffi::Buffer<ffi::F32, 3>>()  // q [T, N, H]
+      .Arg<ffi::Buffer<ffi::S8, 3>>()   // k_new [T, K, H]
+      .Arg<ffi::Buffer<ffi::S8, 3>>()   // v_new
+      .Arg<ffi::Buffer<ffi::F32, 2>>()  // k_new's scales [T, K]
+      .Arg<ffi::Buffer<ffi::F32, 2>>()  // v_new's scales
+      .Arg<ffi::Buffer<ffi::S8, 5>>()   // k pages [L, P, Z, K, H], aliased to k_out
+      .Arg<ffi::Buffer<ffi::S8, 5>>()   // v pages, aliased to v_out
+      .Arg<ffi::Buffer<ffi::F32, 4>>()  // k scales [L, P, Z, K], aliased to k_scales_out
+      .Arg<ffi::Buffer<ffi::F32, 4>>()  // v scales, aliased to v_scales_out
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  // slots [T]
+      .Arg<ffi::Buffer<ffi::S32, 2>>()  // block tables [B, X]
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  // query_start [B]
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  // num_tokens [B]
+      .Arg<ffi::Buffer<ffi::S32, 1>>()  // seq_lens [B]
+      .Ret<ffi::Buffer<ffi::F32, 3>>()  // o [T, N, H]
+      .Ret<ffi::Buffer<ffi::S8, 5>>()   // k pages
+      .Ret<ffi::Buffer<ffi::S8, 5>>()   // v pages
+      .Ret<ffi::Buffer<ffi::F32, 4>>()  // k scales
+      .Ret<ffi::Buffer<ffi::F32, 4>>()  // v scales
+      .Attr<float>("scale")
+      .Attr<int64_t>("window")
+      .Attr<float>("softcap");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionF32, (PagedAttention<ffi::F32, float>), paged_binding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionBF16, (PagedAttention<ffi::BF16, uint16_t>), paged_binding<ffi::BF16>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionBits, (PagedAttention<ffi::U16, uint16_t>), paged_binding<ffi::U16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionI8, PagedAttentionInt8, paged_i8_binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionAppendF32, (PagedAttentionAppend<ffi::F32, float>),
                               paged_append_binding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionAppendBF16, (PagedAttentionAppend<ffi::BF16, uint16_t>),
                               paged_append_binding<ffi::BF16>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionAppendBits, (PagedAttentionAppend<ffi::U16, uint16_t>),
                               paged_append_binding<ffi::U16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionAppendI8, PagedAttentionAppendInt8, paged_append_i8_binding());

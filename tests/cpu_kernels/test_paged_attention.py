@@ -3,7 +3,8 @@ plain-jnp oracle in the same module (paged_attention_xla), itself anchored again
 over each sequence's contiguous keys computed here with NumPy in float64. Odd shapes: decode tokens and
 prefill chunks in one step, partial last pages, block tables out of order, GQA / MQA / MHA, sliding windows
 across page boundaries, soft-capping, padding sequences and rows, stacked layers, float32 / bfloat16 /
-bfloat16-as-bits pages. Slots no sequence may read hold NaN: a kernel that reads them fails."""
+bfloat16-as-bits pages, and int8 pages with a scale per slot and kv head (as the serving engine's int8
+cache holds them). Slots no sequence may read hold NaN: a kernel that reads them fails."""
 
 import dataclasses
 import math
@@ -15,6 +16,7 @@ import pytest
 
 import cpu_kernels
 from cpu_kernels.paged_attention import paged_attention_append_xla, paged_attention_xla
+from llm_jax.kv_cache import quantize_kv
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the kernels are not built "
                                 "(test_matmul's first test checks that a compiler, where present, builds them)")
@@ -312,3 +314,83 @@ def test_bad_inputs_are_named():
         cpu_kernels.paged_attention_append(q, jnp.ones((5, 2, 8)), jnp.ones((5, 2, 8)), k, k, 0,
                                            jnp.zeros(4, jnp.int32), tables, starts, starts, starts, scale=1.0,
                                            window=None, softcap=None)
+
+
+# int8 pages: pairs (int8 [L, P, Z, K, H], float32 scales [L, P, Z, K]) as llm_jax.kv_cache.Int8KV holds them.
+def _int8(x):
+    """Keys or values quantized per slot (or row) and kv head as the serving engine writes them
+    (``quantize_kv``): an int8 pair; where x holds NaN (slots no sequence may read) the scale is NaN."""
+    q, s = quantize_kv(jnp.nan_to_num(x))
+    return q, jnp.where(jnp.isnan(x).any(-1), jnp.nan, s)
+
+
+@pytest.mark.parametrize("L,P,Z,K,G,H,seqs,window,softcap", CASES)
+def test_int8_pages_match_the_oracle(L, P, Z, K, G, H, seqs, window, softcap):
+    """The kernel dequantizes int8 pages (q · s, exactly as the oracle does) and attends as over float32
+    pages; the oracle over the pairs is the oracle over the dequantized pages."""
+    step = _step(9, seqs, L=L, P=P, Z=Z, K=K, G=G, H=H, dtype=jnp.float32)
+    k, v = _int8(step.k), _int8(step.v)
+    f = jax.jit(lambda q, k, v, layer: cpu_kernels.paged_attention(q, k, v, layer, *step.args(), scale=0.3,
+                                                                   window=window, softcap=softcap))
+    for layer in range(L):
+        expected = paged_attention_xla(step.q, k, v, layer, *step.args(), scale=0.3, window=window, softcap=softcap)
+        dequantized = paged_attention_xla(step.q, *(q.astype(jnp.float32) * s[..., None] for q, s in (k, v)), layer,
+                                          *step.args(), scale=0.3, window=window, softcap=softcap)
+        np.testing.assert_allclose(np.asarray(expected), np.asarray(dequantized), atol=1e-6, rtol=1e-6)
+        ours = f(step.q, k, v, layer)
+        assert ours.dtype == jnp.float32 and ours.shape == step.q.shape
+        np.testing.assert_allclose(np.asarray(ours), np.asarray(expected), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("L,P,Z,K,G,H,seqs,window,softcap", CASES[:4])
+def test_int8_append_writes_values_and_scales_then_attends(L, P, Z, K, G, H, seqs, window, softcap):
+    """The step's int8 rows and their scales land at their slots (nowhere else), as the oracle's scatter
+    puts them, in the donated buffers, in one call; then the attention is the oracle's."""
+    step = _step(10, seqs, L=L, P=P, Z=Z, K=K, G=G, H=H, dtype=jnp.float32)
+    T = step.q.shape[0]
+    rng = np.random.default_rng(11)
+    k_new, v_new = (_int8(jnp.asarray(rng.normal(size=(T, K, H)), jnp.float32)) for _ in range(2))
+    slots = _step_slots(step, P)
+    layer = L - 1
+
+    def append(k, v):
+        return cpu_kernels.paged_attention_append(step.q, k_new, v_new, k, v, layer, slots, *step.args(), scale=0.3,
+                                                  window=window, softcap=softcap)
+
+    k, v = _int8(step.k), _int8(step.v)
+    o_xla, k_xla, v_xla = paged_attention_append_xla(step.q, k_new, v_new, k, v, layer, slots, *step.args(),
+                                                     scale=0.3, window=window, softcap=softcap)
+    f = jax.jit(append, donate_argnums=(0, 1))
+    hlo = f.lower(k, v).compile().as_text()
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="llm_jax_paged_attention_append_i8"' in line]
+    assert len(calls) == 1 and ("output_to_operand_aliasing={{1}: (6, {}), {2}: (7, {}), {3}: (8, {}), {4}: (9, {})}"
+                                in calls[0]), hlo
+    assert not any(op in hlo for op in (" copy(", " copy-start(", " scatter(", " dynamic-update-slice(")), hlo
+    pointers = [a.unsafe_buffer_pointer() for a in (*k, *v)]
+    o, k_out, v_out = f(k, v)
+    assert [a.unsafe_buffer_pointer() for a in (*k_out, *v_out)] == pointers
+    for ours, theirs in zip((*k_out, *v_out), (*k_xla, *v_xla)):
+        assert ours.dtype == theirs.dtype
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))  # NaN scales where they were
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o_xla), atol=TOL, rtol=TOL)
+
+
+def test_bad_int8_inputs_are_named():
+    pages = _int8(jnp.ones((1, 6, 4, 2, 8)))
+    tables, starts = jnp.ones((2, 3), jnp.int32), jnp.zeros(2, jnp.int32)
+    q, new = jnp.ones((5, 4, 8)), _int8(jnp.ones((5, 2, 8)))
+
+    def call(k=pages, v=pages, k_new=new):
+        return cpu_kernels.paged_attention_append(q, k_new, new, k, v, 0, jnp.zeros(5, jnp.int32), tables, starts,
+                                                  starts, starts, scale=1.0, window=None, softcap=None)
+
+    with pytest.raises(ValueError, match=r"int8 pages must be a pair .* got \[\(\(1, 6, 4, 2, 8\), dtype\('int8'\)\), "
+                                         r"\(\(1, 6, 3, 2\), dtype\('float32'\)\)\]"):
+        call(k=(pages[0], pages[1][:, :, :3]))
+    with pytest.raises(ValueError, match="pages k and v alike, got one int8 pair and one array"):
+        call(v=pages[0])
+    with pytest.raises(ValueError, match="k_new must be an int8 pair exactly when the pages are"):
+        call(k_new=new[0])
+    with pytest.raises(ValueError, match=r"k_new must be \[T, K, H\] = \(5, 2, 8\) of the pages' dtype int8, got "
+                                         r"\(4, 2, 8\) int8"):
+        call(k_new=(new[0][:4], new[1][:4]))

@@ -138,18 +138,24 @@ class CpuKernels(Backend):
 
     def paged_attention(self, q_TNH, k_TKH, v_TKH, k_LPZKH, v_LPZKH, layer, batch: kvc.PagedBatch, *,
                         config: ModelConfig, window: int | None, mesh: Mesh | None = None):
-        # int8 pages: XLA's reference (the kernel reads float pages only).
-        if isinstance(k_LPZKH, kvc.Int8KV) or jnp.dtype(k_LPZKH.dtype) not in _KV_DTYPES:
+        int8 = isinstance(k_LPZKH, kvc.Int8KV)
+        if not int8 and jnp.dtype(k_LPZKH.dtype) not in _KV_DTYPES:
             return super().paged_attention(q_TNH, k_TKH, v_TKH, k_LPZKH, v_LPZKH, layer, batch, config=config,
                                            window=window)
-        k_new, v_new = kvc.stored(k_LPZKH, k_TKH), kvc.stored(v_LPZKH, v_TKH)
-        k_pages, v_pages = k_LPZKH, v_LPZKH
+        if int8:  # the kernel takes int8 as pairs (values, scales), the new rows quantized as write_slots does
+            k_new, v_new = kvc.quantize_kv(k_TKH), kvc.quantize_kv(v_TKH)
+            k_pages, v_pages = (k_LPZKH.q_LBSKH, k_LPZKH.s_LBSK), (v_LPZKH.q_LBSKH, v_LPZKH.s_LBSK)
+        else:
+            k_new, v_new = kvc.stored(k_LPZKH, k_TKH), kvc.stored(v_LPZKH, v_TKH)
+            k_pages, v_pages = k_LPZKH, v_LPZKH
         # One kernel writes the step's keys and values into the pages (in place) and attends, reading each
         # sequence's pages where they lie and scoring only the keys each token sees.
         o_TNH, k_pages, v_pages = cpu_kernels.paged_attention_append(
             q_TNH, k_new, v_new, k_pages, v_pages, layer, batch.slots_T, batch.block_tables_BX, batch.query_start_B,
             batch.num_tokens_B, batch.seq_lens_B, scale=config.attn_scale, window=window,
             softcap=config.attn_logit_softcap)
+        if int8:
+            k_pages, v_pages = kvc.Int8KV(*k_pages), kvc.Int8KV(*v_pages)
         return o_TNH.astype(q_TNH.dtype), k_pages, v_pages
 
     # Choosing tokens.

@@ -59,6 +59,43 @@ def test_pages_hold_quantize_kv_of_what_was_written():
     assert np.all(np.abs(expected_TKH - np.asarray(new_TKH)) <= half_step_TK1 * (1 + 1e-6))
 
 
+@pytest.mark.parametrize("n_heads", [2, 4])  # G = 1: a decode token reads its pages in place; G = 2
+def test_cpu_kernels_attend_over_int8_pages_as_the_reference(n_heads):
+    """The CPU backend's paged attention (the kernel reading int8 and scales) writes the same pages as
+    XLA's reference, bit for bit, and attends alike, prefill chunk and decode tokens in one step."""
+    import dataclasses
+
+    import cpu_kernels
+    from llm_jax.backends.cpu import CpuKernels
+
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels did not build here")
+    config = dataclasses.replace(CONFIG, n_heads=n_heads)
+    P, Z, K, H, N = 12, 4, config.n_kv_heads, config.head_dim, config.n_heads
+    rng = np.random.default_rng(1)
+    cache = kvc.init_paged_cache(CONFIG, P, Z, "int8")
+    old = jnp.asarray(rng.normal(size=(P * Z, K, H)), jnp.float32)  # every slot holds something first
+    cache = kvc.PagedKVCache(*(kvc.write_slots(pages, 1, jnp.arange(P * Z), old * w)
+                               for pages, w in ((cache.k_LPZKH, 1.0), (cache.v_LPZKH, 3.0))))
+    # Sequence 0: a chunk of 5 tokens ending at position 9; sequence 1: one decode token at position 6.
+    batch = kvc.PagedBatch(slots_T=jnp.array([5 * Z + 1, 5 * Z + 2, 5 * Z + 3, 7 * Z, 7 * Z + 1, 3 * Z + 2, -1, -1],
+                                             jnp.int32),
+                           block_tables_BX=jnp.array([[4, 5, 7], [2, 3, 0]], jnp.int32),
+                           query_start_B=jnp.array([0, 5], jnp.int32), num_tokens_B=jnp.array([5, 1], jnp.int32),
+                           seq_lens_B=jnp.array([10, 7], jnp.int32), max_query_len=5)
+    q_TNH, k_TKH, v_TKH = (jnp.asarray(rng.normal(size=(8, n, H)), jnp.float32) for n in (N, K, K))
+    outs = [jax.jit(lambda q, k, v, kp, vp, backend=backend: backend.paged_attention(
+        q, k, v, kp, vp, jnp.int32(1), batch, config=config, window=None))(q_TNH, k_TKH, v_TKH, cache.k_LPZKH,
+                                                                           cache.v_LPZKH)
+            for backend in (CpuKernels(), Xla())]
+    (o_cpu, *pages_cpu), (o_xla, *pages_xla) = outs
+    assert all(isinstance(p, kvc.Int8KV) for p in pages_cpu)
+    for a, b in zip(jax.tree.leaves(pages_cpu), jax.tree.leaves(pages_xla)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.abs(np.asarray(o_xla)[:6]).min() > 0  # every owned row attends
+    np.testing.assert_allclose(np.asarray(o_cpu), np.asarray(o_xla), atol=1e-5, rtol=1e-5)
+
+
 def _prompts() -> dict[str, list[int]]:
     """Prompts of 2 to 70 tokens; d and e share 40 and 32 tokens (5 and 4 blocks of 8) with a."""
     rng = random.Random(2)
@@ -188,6 +225,26 @@ def test_a_sharded_engine_splits_values_and_scales_by_head(stories260k_dir, read
     tokens, specs = map(json.loads, done.stdout.strip().splitlines()[-2:])
     assert specs == [[None, None, None, "model", None], [None, None, None, "model"]] * 2  # k's q and s, v's
     assert tokens == {rid: read_back_greedy[rid][:24] for rid in prompts}
+
+
+def test_the_cpu_step_reads_int8_pages_through_the_kernel(stories):
+    """On the CPU backend an int8 cache's step runs the int8 paged kernel, which writes the pages and their
+    scales in place: no XLA scatter into them."""
+    import cpu_kernels
+    from llm_jax.serving.step import Shape, abstract_inputs
+
+    if not cpu_kernels.available():
+        pytest.skip("the CPU kernels did not build here")
+    engine = Engine(stories, max_num_seqs=2, max_num_batched_tokens=16, block_size=8, max_model_len=64,
+                    kv_cache_dtype="int8")
+    inputs = abstract_inputs(Shape(T=16, B=2, X=engine.X, Q=16), stories.config, bias_width=300, end_width=32,
+                             max_model_len=64)
+    hlo = step.lower(stories.weights, stories.config, engine.cache, inputs, backend=stories.backend).compile().as_text()
+    assert "llm_jax_paged_attention_append_i8" in hlo
+    pages = (f"s8[{stories.config.n_layers},{engine.cache.num_pages},8,",
+             f"f32[{stories.config.n_layers},{engine.cache.num_pages},8,{stories.config.n_kv_heads}]")
+    assert not [line for line in hlo.splitlines()
+                if any(p in line for p in pages) and (" scatter(" in line or " copy(" in line)]
 
 
 def test_an_int8_cache_holds_h_plus_4_bytes_per_token_and_head():
