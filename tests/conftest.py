@@ -1,5 +1,6 @@
 """Shared test fixtures: where the read-only assets in ``../shared`` live."""
 
+import gc
 import os
 import pathlib
 import sys
@@ -33,6 +34,22 @@ def stories260k_dir() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def llama2_tokenizer_path() -> pathlib.Path:
     return require_asset("tokenizers/llama2/tokenizer.model")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_programs_released():
+    """Each module's compiled programs are released when it ends.
+
+    XLA:CPU maps every executable's code into a few memory regions of its own, and jit keeps every program
+    it compiled. A test worker that ran the whole suite held ~65K mappings, Linux's default
+    ``vm.max_map_count``, and the next compilation aborted inside LLVM. Clearing JAX's caches after each
+    module (whose fixtures are torn down by then) keeps a worker's mappings to what one module compiles."""
+    yield
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        gc.collect()
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(autouse=True)
