@@ -50,8 +50,6 @@ from llm_jax.config import ModelConfig, Quantization
 Params = dict[str, Any]
 
 BITS = (8, 4)
-# The largest |q| quantize() makes: symmetric, so -QMAX ... QMAX.
-QMAX = {8: 127, 4: 7}
 # The projections of every family, by module: W [*in, *out] stacked over layers.
 PROJECTIONS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -160,9 +158,16 @@ def is_quantized(leaf: Any) -> bool:
 
 def quantize(w: jax.Array, bits: int = 8, group_size: int | None = None, *, in_shape: tuple[int, ...] | None = None,
              out_shape: tuple[int, ...] | None = None, transposed: bool = False) -> QuantizedArray:
-    """``w`` [*lead, *in, *out] (``transposed``: [*lead, *out, *in]) quantized symmetrically, rounding to
-    nearest: per group, ``s = max|w| / QMAX[bits]`` and ``q = round(w / s)``. ``group_size`` None: one
-    group per output column. ``in_shape`` / ``out_shape`` default to w's last two axes."""
+    """``w`` [*lead, *in, *out] (``transposed``: [*lead, *out, *in]) quantized symmetrically, per group, by
+    llama.cpp's rules (``quantize_row_q8_0`` / ``quantize_row_q4_0``, whose blocks are groups of 32):
+
+    - 8 bits: ``s = max|w| / 127``, ``q = round(w / s)`` (halves away from zero): -127 ... 127.
+    - 4 bits: ``s = m / -8`` with ``m`` the group's value of largest magnitude, so that ``m`` is exactly
+      ``q = -8`` and every level of -8 ... 7 is used: ``q = floor(w / s + 8.5) - 8``, clipped to 7.
+
+    ``w / s`` is computed as ``w · (1 / s)``, as llama.cpp does, so a group of 32 gets llama.cpp's integers
+    bit for bit. ``group_size`` None: one group per output column. ``in_shape`` / ``out_shape`` default to
+    w's last two axes."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
     if in_shape is None or out_shape is None:
@@ -192,9 +197,17 @@ def _quantize(w, bits: int, g: int, K: int, N: int, lead: int, transposed: bool)
         w = jnp.swapaxes(w, -1, -2)  # [*lead, N, K]: groups along the last axis from here on
     G = -(-K // g)
     w_NGg = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, G * g - K)]).reshape(*w.shape[:-1], G, g)
-    s_NG = jnp.max(jnp.abs(w_NGg), axis=-1) / QMAX[bits]
-    q_NGg = jnp.round(jnp.where(s_NG[..., None] > 0, w_NGg / jnp.where(s_NG > 0, s_NG, 1)[..., None], 0))
-    q_NK = jnp.clip(q_NGg, -QMAX[bits], QMAX[bits]).astype(jnp.int8).reshape(*w.shape[:-1], G * g)[..., :K]
+    if bits == 8:
+        s_NG = jnp.max(jnp.abs(w_NGg), axis=-1) / 127
+    else:  # the value of largest magnitude, sign kept, is -8 steps
+        largest = jnp.take_along_axis(w_NGg, jnp.argmax(jnp.abs(w_NGg), axis=-1)[..., None], axis=-1)[..., 0]
+        s_NG = largest / -8
+    x_NGg = w_NGg * jnp.where(s_NG == 0, 0, 1 / jnp.where(s_NG == 0, 1, s_NG))[..., None]
+    if bits == 8:
+        q_NGg = jnp.sign(x_NGg) * jnp.floor(jnp.abs(x_NGg) + 0.5)
+    else:
+        q_NGg = jnp.minimum(jnp.floor(x_NGg + 8.5), 15) - 8
+    q_NK = q_NGg.astype(jnp.int8).reshape(*w.shape[:-1], G * g)[..., :K]
     values = q_NK if bits == 8 else pack_int4(q_NK)
     if transposed:
         return values, s_NG

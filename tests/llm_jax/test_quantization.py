@@ -86,13 +86,41 @@ def test_round_trip_within_half_a_step(bits, group_size, transposed):
     back = np.asarray(q.dequantize())
     np.testing.assert_array_equal(back, numpy_dequantize(q))  # the layout as documented
     back_KN = np.swapaxes(back, -1, -2) if transposed else back
-    step = np.repeat(np.asarray(q.scales if not transposed else np.swapaxes(q.scales, -1, -2)), g, axis=-2)[:, :K]
-    # |w - ŝq| <= s / 2 (rounding to nearest), with room for float32 rounding of w / s and s·q.
-    assert np.all(np.abs(w_KN - back_KN) <= step * (0.5 + 1e-5))
-    # Each group's largest |w| is represented: max |q| reaches QMAX.
+    step = np.abs(np.repeat(np.asarray(q.scales if not transposed else np.swapaxes(q.scales, -1, -2)), g, axis=-2)[:, :K])
     ints = np.asarray(q.ints())
     ints_KN = np.swapaxes(ints, -1, -2) if transposed else ints
-    assert np.abs(ints_KN).max() == (127 if bits == 8 else 7)
+    error = np.abs(w_KN - back_KN)
+    # |w - sq| <= |s| / 2 (rounding to nearest), with room for float32 rounding of w / s and s·q; 4 bits
+    # clip at 7: a value near the group's largest magnitude but of the other sign is up to one step off.
+    clipped = ints_KN == 7 if bits == 4 else np.zeros_like(ints_KN, bool)
+    assert np.all(error[~clipped] <= step[~clipped] * (0.5 + 1e-5))
+    assert np.all(error[clipped] <= step[clipped] * (1 + 1e-5))
+    # Each group's largest |w| is represented exactly as the end of the range: 127 steps, or -8 steps.
+    assert np.abs(ints_KN).max() == (127 if bits == 8 else 8)
+    assert bits == 8 or ints_KN.min() == -8 and ints_KN.max() <= 7
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_quantize_makes_llama_cpps_integers(kind):
+    """Groups of 32 quantized as the ``gguf`` package quantizes Q8_0 / Q4_0 blocks (bit-exact with
+    llama.cpp's reference): the same integers, and scales that round to its float16 ``d``."""
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    bits = 8 if kind == "Q8_0" else 4
+    rng = np.random.default_rng(7)
+    N, K = 24, 96
+    w_NK = rng.standard_t(df=4, size=(N, K)).astype(np.float32)
+    w_NK[3, 32:64] = 0  # an all-zero block
+    w_NK[5, :32] = np.linspace(-1, 1, 32)  # largest magnitudes of both signs: the first is kept
+    leaf = quantize(jnp.asarray(w_NK.T), bits, 32)
+    blocks = gguf.quants.quantize(w_NK, qtype).reshape(N, K // 32, -1)
+    d = blocks[..., :2].copy().view(np.float16)[..., 0]  # [N, K/32]
+    if bits == 8:
+        ints = blocks[..., 2:].view(np.int8).astype(np.int32)
+    else:
+        qs = blocks[..., 2:]
+        ints = np.concatenate([qs & 0xF, qs >> 4], axis=-1).astype(np.int32) - 8
+    np.testing.assert_array_equal(np.asarray(leaf.ints()).T, ints.reshape(N, K))
+    np.testing.assert_array_equal(np.asarray(leaf.scales).T.astype(np.float16), d)
 
 
 def test_int4_nibble_order():
