@@ -36,17 +36,29 @@ def llama2_tokenizer_path() -> pathlib.Path:
     return require_asset("tokenizers/llama2/tokenizer.model")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compiled_programs_released():
-    """Each module's compiled programs are released when it ends.
+def _memory_mappings() -> tuple[int, int] | None:
+    """(this process's memory mappings, the most Linux allows one: ``vm.max_map_count``), where readable."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            count = sum(1 for _ in maps)
+        limit = int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        return None
+    return count, limit
 
-    XLA:CPU maps every executable's code into a few memory regions of its own, and jit keeps every program
-    it compiled. A test worker that ran the whole suite held ~65K mappings, Linux's default
-    ``vm.max_map_count``, and the next compilation aborted inside LLVM. Clearing JAX's caches after each
-    module (whose fixtures are torn down by then) keeps a worker's mappings to what one module compiles."""
+
+@pytest.fixture(autouse=True)
+def _compiled_programs_released():
+    """JAX's compiled programs are released once they hold a third of the mappings a process may have.
+
+    XLA:CPU maps every executable's code into a few memory regions of its own (~7), and jit keeps every
+    program it compiled: a test worker running the whole suite reached Linux's default
+    ``vm.max_map_count`` (65,530) and the next compilation aborted inside LLVM. Tests never rely on what
+    an earlier test compiled, so clearing JAX's caches between tests only costs recompilation."""
     yield
     jax = sys.modules.get("jax")
-    if jax is not None:
+    mappings = _memory_mappings()
+    if jax is not None and mappings is not None and mappings[0] > mappings[1] // 3:
         gc.collect()
         jax.clear_caches()
         gc.collect()
