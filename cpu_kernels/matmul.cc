@@ -719,6 +719,18 @@ void panel_gemv_streams(ffi::ThreadPool& pool, const float* x, const std::vector
   });
 }
 
+// The lines of panels [q0, q1) (K · 16 values apart) that rows [k0, k1) of K read.
+template <typename W>
+Prefetcher panel_block(const W* w, int64_t K, int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
+  const int64_t size = sizeof(W);
+  Prefetcher pf;
+  pf.p = reinterpret_cast<const char*>(w + (q0 * K + k0) * kPanel);
+  pf.stride = K * kPanel * size;
+  pf.run = (k1 - k0) * kPanel * size;
+  pf.left = (q1 - q0) * ((pf.run + 63) / 64);
+  return pf;
+}
+
 // Fewer than kTiledMinRows rows: one row on short panels as long streams (above); else units of
 // kGemvPanels adjacent panels (and, when there are fewer units than twice the threads, slices of K summed
 // at the end).
@@ -729,6 +741,27 @@ constexpr int64_t kGemvPanels = 4;
 inline int64_t gemv_slices(int64_t groups, int64_t K, int64_t threads) {
   threads = std::max<int64_t>(threads, 1);
   return std::min<int64_t>(K, std::max<int64_t>(1, (2 * threads + groups - 1) / groups));
+}
+
+// Panels per tile for a tile of `mr` rows below kTiledMinRows: a tile's sums are that many chains of
+// dependent multiply-adds, and with fewer chains than the core's multiply-add latency times its
+// throughput (5 × 2 on Zen 2) the core waits on each (two rows on one panel of two 8-wide vectors: four
+// chains, 40% of the peak). More panels per tile make more chains, as far as the sums and one row of
+// each panel's vectors fit in the registers (16 with AVX2, 32 with AVX-512), up to a unit's four.
+inline int64_t few_rows_panels(int64_t mr) {
+  constexpr int64_t V = kPanel / kLanes, registers = kLanes == 16 ? 31 : 15;
+  return std::clamp<int64_t>(registers / (V * (mr + 1)), 1, kGemvPanels);
+}
+
+// fn(std::integral_constant<int, n>{}) for n = 1 ... kGemvPanels panels known only at run time.
+template <typename Fn>
+void with_panels(int64_t n, const Fn& fn) {
+  switch (n) {
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    default: return fn(std::integral_constant<int, 1>{});
+  }
 }
 
 template <typename W>
@@ -759,14 +792,25 @@ void panel_rows(ffi::ThreadPool& pool, const float* x, const std::vector<const W
       for (; q + 4 <= q1; q += 4) panel_gemv<4>(x + k0, p + q * K * kPanel, K * kPanel, kc, out + q * kPanel, kPanel);
       for (; q < q1; ++q) panel_gemv<1>(x + k0, p + q * K * kPanel, K * kPanel, kc, out + q * kPanel, kPanel);
     } else {
-      Prefetcher none;
+      // A few panels at a time, read once for every tile of rows, while the next ones are asked for: on
+      // the hardware's prefetchers alone each panel's stream stalls at every 4 KiB page.
       thread_local std::vector<float> xp;
       xp.resize(R * kc);
       for (int64_t r0 = 0; r0 < R; r0 += kMR) {
-        const int64_t mr = std::min<int64_t>(kMR, R - r0);
-        pack_rows(x + r0 * K + k0, K, mr, kc, xp.data());
-        tile_panels(mr, xp.data(), kc, p + q0 * K * kPanel, K * kPanel, q1 - q0, out + r0 * N + q0 * kPanel, N, false,
-                    none, 0);
+        pack_rows(x + r0 * K + k0, K, std::min<int64_t>(kMR, R - r0), kc, xp.data() + r0 * kc);
+      }
+      const int64_t np = few_rows_panels(std::min<int64_t>(kMR, R));
+      for (int64_t q = q0; q < q1;) {
+        const int64_t n = std::min(np, q1 - q);
+        Prefetcher next = q + n < q1 ? panel_block(ws[i], K, q + n, std::min(q1, q + 2 * n), k0, k0 + kc) : Prefetcher{};
+        const int64_t lines = next.left;
+        for (int64_t r0 = 0; r0 < R; r0 += kMR) {
+          with_panels(n, [&](auto NP) {
+            tile_rows<NP>(std::min<int64_t>(kMR, R - r0), xp.data() + r0 * kc, kc, p + q * K * kPanel, K * kPanel,
+                          out + r0 * N + q * kPanel, N, false, next, lines);
+          });
+        }
+        q += n;
       }
     }
   });
@@ -776,18 +820,6 @@ void panel_rows(ffi::ThreadPool& pool, const float* x, const std::vector<const W
       for (int64_t j = 0; j < R * ns[i]; ++j) ys[i][j] += part[j];
     }
   }
-}
-
-// The lines of panels [q0, q1) (K · 16 values apart) that rows [k0, k1) of K read.
-template <typename W>
-Prefetcher panel_block(const W* w, int64_t K, int64_t q0, int64_t q1, int64_t k0, int64_t k1) {
-  const int64_t size = sizeof(W);
-  Prefetcher pf;
-  pf.p = reinterpret_cast<const char*>(w + (q0 * K + k0) * kPanel);
-  pf.stride = K * kPanel * size;
-  pf.run = (k1 - k0) * kPanel * size;
-  pf.left = (q1 - q0) * ((pf.run + 63) / 64);
-  return pf;
 }
 
 // Outputs of few rows and many columns — the LM head's logits at batch 16 to 32, megabytes — are written

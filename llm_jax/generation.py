@@ -27,8 +27,7 @@ from llm_jax.loading import Model
 from llm_jax.model import LayerHooks
 from llm_jax.prefilling import PrefillExtras, pad_prompts, prefill, prefill_with_extras
 from llm_jax.sampling import GREEDY, Sampling
-from llm_jax.speculative import (Backoff, Method, SpecState, Speculative, catch_up, init_state, lookup_match,
-                                 speculative_decode)
+from llm_jax.speculative import Backoff, SpecState, Speculative, catch_up, init_state, speculative_decode
 from llm_jax.stop_strings import SequenceText
 
 # The jitted programs, run from llm_jax.executable_cache's files when it is enabled (the CLI enables it
@@ -315,7 +314,7 @@ class GenerationStream:
             state, emitted = _start(logits_BV, tokens_BT[self.rows], cache, self.controls, mesh=mesh,
                                     backend=model.backend)
             spec = None if self.speculative is None else self._start_speculation(tokens_BT, lengths_B, state)
-            backoff, self._accepted, self._accepting = Backoff(), 0, False
+            backoff, self._accepted = Backoff(), 0
             emitted = jax.device_get(emitted)
             t_first, compile_before_decode = time.perf_counter(), compiled.seconds
             texts = [SequenceText(model.tokenizer, self.prompt_ids[p], stops, minimum)
@@ -350,7 +349,7 @@ class GenerationStream:
                     finish_B[stopped_by_text] = FinishReason.STOP
                     state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
                 t_chunk, compile_before_chunk = time.perf_counter(), compiled.seconds
-                if spec is not None and backoff.speculate and self._worth_speculating(texts, reasons):
+                if spec is not None and backoff.speculate:
                     cache, state, spec, emitted, backoff = self._speculate(cache, state, spec, backoff)
                 else:
                     lengths_before_B = jnp.copy(cache.lengths_B)  # the cache is donated
@@ -407,15 +406,6 @@ class GenerationStream:
         return init_state(tokens_BT[self.rows], lengths_B[self.rows], state.tokens_B,
                                    capacity=self.cache_len + self.speculative.num_tokens + 2, draft_cache=draft_cache)
 
-    def _worth_speculating(self, texts: list[SequenceText], reasons: list[str | None]) -> bool:
-        """After an accepting chunk, yes; else, for prompt lookup, whether a running row's latest tokens
-        occurred before (it proposes nothing otherwise)."""
-        speculative = self.speculative
-        if speculative.method is not Method.NGRAM or self._accepting:
-            return True
-        return any(lookup_match(np.asarray(self.prompt_ids[p] + text.ids), speculative.prompt_lookup_min)
-                   for p, text, reason in zip(self.rows, texts, reasons) if reason is None)
-
     def _speculate(self, cache, state, spec: SpecState, backoff: Backoff):
         """A chunk of speculative steps, and the plan for the next chunk from what it accepted."""
         model, draft = self.model, self.speculative.draft_model
@@ -430,7 +420,6 @@ class GenerationStream:
         # Each running row's step emitted its accepted proposals and one token of the target's own.
         steps = int((emitted.tokens_BS != PAD_ID).sum()) - accepted
         backoff = backoff.after_speculation(accepted, steps, self.speculative)
-        self._accepting = backoff.skip == 0 and accepted > 0
         return cache, state, spec, emitted, backoff
 
     @staticmethod

@@ -19,14 +19,13 @@ A step, for every running row, entirely on device inside ``lax.scan`` (no host r
 3. **Roll back** by setting each row's cache length to what it accepted: the slots of rejected tokens
    are masked as stale and overwritten by the next step.
 
-Speculation backs off when it does not pay, a chunk of steps at a time (the host sees tokens once per
-chunk anyway; :class:`Backoff` is its plan): prompt lookup speculates only in chunks that start with a
-match (:func:`lookup_match`), and after a speculative chunk that accepted fewer than
-``min_accepted`` tokens per verification step, the next 1, 2, 4, ... (up to ``max_backoff``) chunks are
-plain decoding's own program (:func:`llm_jax.decoding.decode`), after which :func:`catch_up` brings the
-sequences and the draft's cache up to date; an accepting chunk resets that. (A plain branch inside the
-speculative step would cost more: XLA:CPU copies the whole KV cache into a conditional of three branches
-every step.)
+A prompt-lookup step in which no row has a proposal runs the target over one token per row, as plain
+decoding does (a conditional inside the step), so a chunk pays for verification only where something
+matched. Speculation backs off when it does not pay, a chunk of steps at a time (the host sees tokens
+once per chunk anyway; :class:`Backoff` is its plan): after a speculative chunk that accepted fewer than
+``min_accepted`` tokens per step, the next 1, 2, 4, ... (up to ``max_backoff``) chunks are plain
+decoding's own program (:func:`llm_jax.decoding.decode`), after which :func:`catch_up` brings the
+sequences and the draft's cache up to date; an accepting chunk resets that.
 
 :func:`verify` is the pure acceptance rule on target scores [B, k + 1, V] for callers with their own
 loop (the serving engine).
@@ -253,17 +252,6 @@ def ngram_proposals(sequence: np.ndarray, *, k: int, lookup_min: int, lookup_max
     return np.zeros((0,), np.int32)
 
 
-def lookup_match(sequence: np.ndarray, lookup_min: int) -> bool:
-    """Whether the last ``lookup_min`` tokens of ``sequence`` occur earlier in it (host side: whether
-    prompt lookup would propose anything now)."""
-    n = lookup_min
-    if len(sequence) <= n:
-        return False
-    suffix = sequence[-n:]
-    windows = np.lib.stride_tricks.sliding_window_view(sequence[:-1], n)
-    return bool(np.any(np.all(windows == suffix, axis=1)))
-
-
 # Verification.
 
 def verify_position(scores_BV: jax.Array, proposal_B: jax.Array, proposed_B: jax.Array, q_BV: jax.Array | None,
@@ -346,18 +334,40 @@ def _speculate(params, config, cache, state, spec, controls, draft_params, draft
     """One speculative step of the running rows: (cache, state, spec, tokens emitted [B, k + 1])."""
     k, B = plan.k, cache.batch_size
     running_B = ~state.done_B
-    length_B = cache.lengths_B
     q_BKV = None
     draft_cache = spec.draft_cache
     if plan.method is Method.NGRAM:
-        proposals_BK, proposed_BK = propose_ngram(spec.seq_BS, length_B + 1, k=k, lookup_min=plan.lookup_min,
+        proposals_BK, proposed_BK = propose_ngram(spec.seq_BS, cache.lengths_B + 1, k=k, lookup_min=plan.lookup_min,
                                                   lookup_max=plan.lookup_max)
     else:
         proposals_BK, q_BKV, draft_cache = propose_draft(
-            draft_params, draft_config, draft_cache, spec.seq_BS, length_B, running_B, controls.sampling,
+            draft_params, draft_config, draft_cache, spec.seq_BS, cache.lengths_B, running_B, controls.sampling,
             state.num_generated_B, k=k, backend=draft_backend)
         proposed_BK = jnp.ones((B, k), bool)
     proposed_BK &= running_B[:, None]
+    verify_step = functools.partial(_verify, params, config, controls=controls, draft_cache=draft_cache, mesh=mesh,
+                                    backend=backend)
+    if plan.method is Method.DRAFT:
+        return verify_step(cache, state, spec, proposals_BK, proposed_BK, q_BKV)
+
+    # A step in which no row has a proposal runs as plain decoding's step: one token per row, not k + 1.
+    def plain(cache, state, spec):
+        cache, state, spec, tokens_B1 = verify_step(cache, state, spec, proposals_BK[:, :0], proposed_BK[:, :0], None)
+        return cache, state, spec, jnp.pad(tokens_B1, ((0, 0), (0, k)), constant_values=PAD_ID)
+
+    def verified(cache, state, spec):
+        return verify_step(cache, state, spec, proposals_BK, proposed_BK, None)
+
+    return jax.lax.cond(jnp.any(proposed_BK), verified, plain, cache, state, spec)
+
+
+def _verify(params, config, cache, state, spec, proposals_BK, proposed_BK, q_BKV, *, controls, draft_cache, mesh,
+            backend):
+    """The target's pass over each row's latest token and its proposals [B, k] (k may be 0), the tokens
+    it accepts and the one of its own after them: (cache, state, spec, tokens emitted [B, k + 1])."""
+    B, k = proposals_BK.shape
+    running_B = ~state.done_B
+    length_B = cache.lengths_B
     fed_BT = jnp.concatenate([state.tokens_B[:, None], jnp.where(proposed_BK, proposals_BK, 0)], axis=1)
     x_BTD, cache = forward_extend(params, config, fed_BT, cache, running_B, mesh, backend=backend)
     T = k + 1
@@ -407,8 +417,9 @@ def _speculate(params, config, cache, state, spec, controls, draft_params, draft
     cache = dataclasses.replace(cache, lengths_B=length_B + emitted_B)
     seq_BS = spec.seq_BS.at[jnp.arange(B)[:, None], length_B[:, None] + 1 + jnp.arange(T)].set(
         jnp.where(tokens_BT == PAD_ID, 0, tokens_BT), mode="drop")
-    verified_B = running_B & proposed_BK[:, 0]  # a verification step: the row had proposals
-    spec = dataclasses.replace(spec, seq_BS=seq_BS, draft_cache=draft_cache, proposed_B=spec.proposed_B + jnp.sum(proposed_BK, axis=1, dtype=jnp.int32),
+    verified_B = running_B & jnp.any(proposed_BK, axis=1)  # a verification step: the row had proposals
+    spec = dataclasses.replace(spec, seq_BS=seq_BS, draft_cache=draft_cache,
+                               proposed_B=spec.proposed_B + jnp.sum(proposed_BK, axis=1, dtype=jnp.int32),
                                accepted_B=spec.accepted_B + accepted_B,
                                steps_B=spec.steps_B + verified_B.astype(jnp.int32))
     return cache, state, spec, tokens_BT
