@@ -274,26 +274,34 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     temperature_B1 = jnp.where(params.temperature_B > 0, params.temperature_B, 1.0)[:, None]
     logits_BV = logits_BV.astype(jnp.float32) / temperature_B1
     V = logits_BV.shape[-1]
-    sorted_BV = -jnp.sort(-logits_BV, axis=-1)  # descending
 
-    # top-k: keep logits >= the k-th largest.
-    k_B = jnp.where(params.top_k_B > 0, jnp.minimum(params.top_k_B, V), V)
-    kth_B1 = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)
-    sorted_BV = jnp.where(sorted_BV >= kth_B1, sorted_BV, -jnp.inf)
+    def sorted_threshold(logits_BV):
+        sorted_BV = -jnp.sort(-logits_BV, axis=-1)  # descending
+        # top-k: keep logits >= the k-th largest.
+        k_B = jnp.where(params.top_k_B > 0, jnp.minimum(params.top_k_B, V), V)
+        kth_B1 = jnp.take_along_axis(sorted_BV, (k_B - 1)[:, None], axis=-1)
+        sorted_BV = jnp.where(sorted_BV >= kth_B1, sorted_BV, -jnp.inf)
+        # top-p (nucleus, Holtzman et al. 2020): the smallest prefix of the sorted distribution whose mass
+        # reaches p; a token is kept when the mass before it is still below p (so the first always is).
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        keep_BV = mass_before_BV < params.top_p_B[:, None]
+        num_kept_B = jnp.sum(keep_BV, axis=-1)
+        pth_B1 = jnp.take_along_axis(sorted_BV, (num_kept_B - 1)[:, None], axis=-1)
+        return jnp.maximum(kth_B1, jnp.where(params.top_p_B[:, None] < 1, pth_B1, -jnp.inf))
 
-    # top-p (nucleus, Holtzman et al. 2020): the smallest prefix of the sorted distribution whose mass
-    # reaches p; a token is kept when the mass before it is still below p (so the first always is).
-    probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
-    mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    keep_BV = mass_before_BV < params.top_p_B[:, None]
-    num_kept_B = jnp.sum(keep_BV, axis=-1)
-    pth_B1 = jnp.take_along_axis(sorted_BV, (num_kept_B - 1)[:, None], axis=-1)
-    threshold_B1 = jnp.maximum(kth_B1, jnp.where(params.top_p_B[:, None] < 1, pth_B1, -jnp.inf))
+    def keep_all(logits_BV):
+        return jnp.full((logits_BV.shape[0], 1), -jnp.inf, logits_BV.dtype)
+
+    # The sort (most of a sampled step's time at a vocabulary of 32K) only where a row asks for top-k or
+    # top-p; every other row's threshold is -inf, as the sorted path gives it.
+    needs_sort = jnp.any((params.top_k_B > 0) & (params.top_k_B < V)) | jnp.any(params.top_p_B < 1)
+    threshold_B1 = jax.lax.cond(needs_sort, sorted_threshold, keep_all, logits_BV)
 
     # min-p (Nguyen et al. 2024): keep tokens with probability >= min_p * max probability, computed
     # on the distribution left by top-k and top-p.
     filtered_BV = jnp.where(logits_BV >= threshold_B1, logits_BV, -jnp.inf)
-    max_B1 = sorted_BV[:, :1]
+    max_B1 = jnp.max(logits_BV, axis=-1, keepdims=True)  # top-k and top-p always keep the largest
     min_p_logit_B1 = max_B1 + jnp.log(jnp.maximum(params.min_p_B[:, None], 1e-38))
     filtered_BV = jnp.where((params.min_p_B[:, None] > 0) & (filtered_BV < min_p_logit_B1), -jnp.inf,
                             filtered_BV)
