@@ -86,7 +86,8 @@ def test_round_trip_within_half_a_step(bits, group_size, transposed):
     back = np.asarray(q.dequantize())
     np.testing.assert_array_equal(back, numpy_dequantize(q))  # the layout as documented
     back_KN = np.swapaxes(back, -1, -2) if transposed else back
-    step = np.abs(np.repeat(np.asarray(q.scales if not transposed else np.swapaxes(q.scales, -1, -2)), g, axis=-2)[:, :K])
+    scales = np.asarray(q.scales if not transposed else np.swapaxes(q.scales, -1, -2))
+    step = np.abs(np.repeat(scales, g, axis=-2)[:, :K])
     ints = np.asarray(q.ints())
     ints_KN = np.swapaxes(ints, -1, -2) if transposed else ints
     error = np.abs(w_KN - back_KN)

@@ -151,16 +151,23 @@ def transformers_warpers(row: Sampling) -> tlp.LogitsProcessorList:
     return warpers
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_filter_logits_matches_transformers_warpers(seed):
-    logits = np.random.default_rng(seed).normal(0, 2.5, (len(ROWS), VOCAB)).astype(np.float32)
-    ours = np.asarray(jax.jit(filter_logits)(jnp.asarray(logits), SamplingParams.stack(ROWS)))
-    for b, row in enumerate(ROWS):
+def filtered_like_transformers(logits: np.ndarray, rows: list[Sampling]) -> np.ndarray:
+    """``filter_logits`` of the rows, checked against transformers' warpers row by row: the same tokens
+    removed, the kept ones within 1e-6."""
+    ours = np.asarray(jax.jit(filter_logits)(jnp.asarray(logits), SamplingParams.stack(rows)))
+    for b, row in enumerate(rows):
         expected = transformers_warpers(row)(torch.zeros((1, 1), dtype=torch.long), torch.tensor(logits[b:b + 1]))
         expected = expected.numpy()[0]
         np.testing.assert_array_equal(np.isneginf(ours[b]), np.isneginf(expected), err_msg=f"row {b}: {row}")
         finite = np.isfinite(expected)
         np.testing.assert_allclose(ours[b][finite], expected[finite], atol=1e-6, rtol=0, err_msg=f"row {b}")
+    return ours
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_filter_logits_matches_transformers_warpers(seed):
+    logits = np.random.default_rng(seed).normal(0, 2.5, (len(ROWS), VOCAB)).astype(np.float32)
+    ours = filtered_like_transformers(logits, ROWS)
     assert np.isneginf(ours).sum(axis=1).min() >= 0 and np.isneginf(ours[6]).sum() == VOCAB - 1
 
 
@@ -173,13 +180,7 @@ def test_top_k_and_top_p_over_a_large_vocabulary_match_transformers(scale):
             Sampling(temperature=1.2, top_k=NUCLEUS_PREFIX + 100), Sampling(temperature=1.0, top_k=NUCLEUS_PREFIX),
             Sampling(temperature=1.0, top_p=0.5, min_p=0.01)]
     logits = np.random.default_rng(11).normal(0, scale, (len(rows), V)).astype(np.float32)
-    ours = np.asarray(jax.jit(filter_logits)(jnp.asarray(logits), SamplingParams.stack(rows)))
-    for b, row in enumerate(rows):
-        expected = transformers_warpers(row)(torch.zeros((1, 1), dtype=torch.long), torch.tensor(logits[b:b + 1]))
-        expected = expected.numpy()[0]
-        np.testing.assert_array_equal(np.isneginf(ours[b]), np.isneginf(expected), err_msg=f"row {b}: {row}")
-        finite = np.isfinite(expected)
-        np.testing.assert_allclose(ours[b][finite], expected[finite], atol=1e-6, rtol=0, err_msg=f"row {b}")
+    ours = filtered_like_transformers(logits, rows)
     kept = np.isfinite(ours).sum(axis=1)
     assert kept[0] < NUCLEUS_PREFIX if scale > 1 else kept[0] > NUCLEUS_PREFIX  # both regimes are exercised
 
