@@ -131,7 +131,9 @@ class Backoff:
 
     def after_speculation(self, accepted: int, steps: int, speculative: Speculative) -> "Backoff":
         """The plan after a speculative chunk that accepted ``accepted`` proposals in ``steps`` steps of
-        its rows (those without a proposal included: they cost a verification too)."""
+        its rows. Steps without a proposal count too: they decode one token each, but inside the
+        speculative program, whose conditionals copy the KV cache, so a chunk that rarely matches backs
+        off to plain decoding's own program."""
         if steps == 0 or accepted >= speculative.min_accepted * steps:
             return Backoff()
         return Backoff(skip=min(self.next, speculative.max_backoff), next=min(2 * self.next, speculative.max_backoff))
