@@ -1,6 +1,6 @@
 """Speculative decoding: propose k tokens cheaply, verify them with one target pass, keep what is exact.
 
-A step, for every running row, entirely on device inside ``lax.scan`` (no host round trip per step):
+A step, for every running row, entirely on device inside a loop (no host round trip per step):
 
 1. **Propose** k tokens. :attr:`Method.NGRAM` (prompt lookup): the last n tokens (n from
    ``prompt_lookup_max`` down to ``prompt_lookup_min``) are looked for earlier in the sequence, and the
@@ -25,7 +25,9 @@ matched. Speculation backs off when it does not pay, a chunk of steps at a time 
 once per chunk anyway; :class:`Backoff` is its plan): after a speculative chunk that accepted fewer than
 ``min_accepted`` tokens per step, the next 1, 2, 4, ... (up to ``max_backoff``) chunks are plain
 decoding's own program (:func:`llm_jax.decoding.decode`), after which :func:`catch_up` brings the
-sequences and the draft's cache up to date; an accepting chunk resets that.
+sequences and the draft's cache up to date; an accepting chunk resets that. A failing chunk does not run
+to its end: it stops once ``PROBE_STEPS`` steps or more have accepted too little, so a try costs a few
+steps, not a chunk.
 
 :func:`verify` is the pure acceptance rule on target scores [B, k + 1, V] for callers with their own
 loop (the serving engine).
@@ -49,6 +51,10 @@ from llm_jax.decoding import PAD_ID, DecodeControls, DecodeState, Emitted, advan
 from llm_jax.kv_cache import KVCache
 from llm_jax.model import Params, forward_extend, greedy_tokens, resolve_backend, unembed
 from llm_jax.sampling import SamplingParams, filter_logits, process_logits, row_keys, sample
+
+
+# A speculative chunk that has accepted too little after this many steps ends early (the host backs off).
+PROBE_STEPS = 4
 
 
 class Method(enum.Enum):
@@ -101,7 +107,7 @@ class Speculative:
     @property
     def plan(self) -> "Plan":
         return Plan(method=self.method, k=self.num_tokens, lookup_min=self.prompt_lookup_min,
-                    lookup_max=self.prompt_lookup_max)
+                    lookup_max=self.prompt_lookup_max, min_accepted=self.min_accepted if self.max_backoff else 0.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,6 +118,7 @@ class Plan:
     k: int
     lookup_min: int
     lookup_max: int
+    min_accepted: float  # a chunk ends early below this (0: never; backing off is off)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -462,36 +469,42 @@ def speculative_decode(params: Params, config: ModelConfig, cache: KVCache, stat
                        draft_config: ModelConfig | None = None, num_steps: int, mesh: Mesh | None = None,
                        backend: Backend | str | None = None, draft_backend: Backend | str | None = None
                        ) -> tuple[KVCache, DecodeState, SpecState, Emitted]:
-    """``num_steps`` speculative steps (:func:`llm_jax.decoding.decode` with k + 1 tokens per step at
+    """Up to ``num_steps`` speculative steps (:func:`llm_jax.decoding.decode` with k + 1 tokens per step at
     most): the new cache, decode state and speculation state, and the tokens each row emitted,
-    [B, num_steps · (k + 1)] with ``PAD_ID`` where a step emitted fewer. ``cache``, ``state`` and ``spec``
-    are donated."""
+    [B, num_steps · (k + 1)] with ``PAD_ID`` where a step emitted fewer. The chunk ends early once every row
+    has finished, or after ``PROBE_STEPS`` steps or more that accepted fewer than ``plan.min_accepted``
+    tokens per step (the host then backs off). ``cache``, ``state`` and ``spec`` are donated."""
     backend = resolve_backend(backend)
     draft_backend = resolve_backend(draft_backend)
     if controls.logprobs is not None or controls.hooks is not None:
         raise ValueError("speculative decoding does not report logprobs or hidden states, nor steers")
     kw = dict(plan=plan, mesh=mesh, backend=backend, draft_backend=draft_backend)
+    B, T = cache.batch_size, plan.k + 1
 
-    def step(carry, _):
-        cache, state, spec = carry
+    def going_on(carry):
+        i, _, state, _, _, accepted, emitted = carry
+        failing = (i >= PROBE_STEPS) & (accepted < plan.min_accepted * (emitted - accepted))
+        return (i < num_steps) & ~jnp.all(state.done_B) & ~failing
 
-        def idle(cache, state, spec):
-            return cache, state, spec, jnp.full((cache.batch_size, plan.k + 1), PAD_ID, jnp.int32)
-
-        def speculate(cache, state, spec):
-            return _speculate(params, config, cache, state, spec, controls, draft_params, draft_config, **kw)
-
-        # Once every row has finished, the remaining steps of the chunk cost nothing.
-        cache, state, spec, tokens_BT = jax.lax.cond(jnp.all(state.done_B), idle, speculate, cache, state, spec)
-        return (cache, state, spec), tokens_BT
+    def step(carry):
+        i, cache, state, spec, tokens_SBT, accepted, emitted = carry
+        before = jnp.sum(spec.accepted_B)
+        cache, state, spec, tokens_BT = _speculate(params, config, cache, state, spec, controls, draft_params,
+                                                   draft_config, **kw)
+        tokens_SBT = jax.lax.dynamic_update_index_in_dim(tokens_SBT, tokens_BT, i, axis=0)
+        accepted += jnp.sum(spec.accepted_B) - before
+        emitted += jnp.sum(tokens_BT != PAD_ID, dtype=jnp.int32)
+        return i + 1, cache, state, spec, tokens_SBT, accepted, emitted
 
     dtype = cache.k_LBSKH.dtype
     draft_dtype = None if spec.draft_cache is None else spec.draft_cache.k_LBSKH.dtype
     if spec.draft_cache is not None:
         spec = dataclasses.replace(spec, draft_cache=kvc.as_bits(spec.draft_cache))
-    (cache, state, spec), tokens_SBT = jax.lax.scan(step, (kvc.as_bits(cache), state, spec), None, length=num_steps)
+    zero = jnp.zeros((), jnp.int32)
+    unused_SBT = jnp.full((num_steps, B, T), PAD_ID, jnp.int32)
+    _, cache, state, spec, tokens_SBT, _, _ = jax.lax.while_loop(
+        going_on, step, (zero, kvc.as_bits(cache), state, spec, unused_SBT, zero, zero))
     if spec.draft_cache is not None:
         spec = dataclasses.replace(spec, draft_cache=kvc.from_bits(spec.draft_cache, draft_dtype))
-    B = cache.batch_size
-    tokens_BS = jnp.swapaxes(tokens_SBT, 0, 1).reshape(B, num_steps * (plan.k + 1))
+    tokens_BS = jnp.swapaxes(tokens_SBT, 0, 1).reshape(B, num_steps * T)
     return kvc.from_bits(cache, dtype), state, spec, Emitted(tokens_BS=tokens_BS)

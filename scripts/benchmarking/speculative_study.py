@@ -7,6 +7,9 @@ rate, tokens per verification step, and whether the ids were identical (they mus
 
 Prompt kinds: ``repetitive`` repeats a passage ("Keep repeating: ..." for a model with a tokenizer, a
 passage of random ids otherwise) and ``novel`` has no repeated token (a story opening, or distinct ids).
+A model with a tokenizer also runs ``story``: four openings of children's stories in turn (repeat r
+starts from opening r mod 4), each told to its end (EOS stops it; the budget caps it), the setting in
+which the shipped model's draft is measured.
 Random weights decode greedily into a loop, which prompt lookup predicts whatever the prompt; so on a
 model without a tokenizer (a named shape) the novel prompt samples at temperature 1 from the same seed,
 which matches nothing (and gives plain decoding's tokens, as no proposal is made).
@@ -28,6 +31,10 @@ PASSAGE = ("The little girl took her red ball to the park. She threw it high int
            "her dog ran after it.")
 REPETITIVE_TEXT = "Keep repeating: " + " ".join([PASSAGE] * 3)
 NOVEL_TEXT = "Once upon a time, in a small village near the mountains, there lived"
+STORY_OPENINGS = ("Once upon a time, there was a curious girl named Lucy.",
+                  "Once upon a time, there was a bear named Sunny.",
+                  "Once upon a time, there lived a boy named Max.",
+                  "There once was a curious boy named Noah.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -35,7 +42,7 @@ class SpeculativeRow:
     model: str
     dtype: str
     batch: int
-    prompt: str  # "repetitive" or "novel"
+    prompt: str  # "repetitive", "novel" or "story"
     sampling: str  # "greedy" or "t=1"
     proposer: str  # "ngram" or the draft's name
     k: int
@@ -50,8 +57,10 @@ class SpeculativeRow:
     identical: bool  # the ids equal plain decoding's
 
 
-def prompts_for(model: Model, kind: str, batch: int, seed: int = 0) -> list:
+def prompts_for(model: Model, kind: str, batch: int, seed: int = 0, repeat: int = 0) -> list:
     """``batch`` prompts of ``kind``: text for a model with a tokenizer, ids otherwise (rows differ in length)."""
+    if kind == "story":
+        return [STORY_OPENINGS[(repeat + row) % len(STORY_OPENINGS)] for row in range(batch)]
     if model.tokenizer is not None:
         text = REPETITIVE_TEXT if kind == "repetitive" else NOVEL_TEXT
         return [text] * batch
@@ -72,16 +81,18 @@ def study(model: Model, label: str, dtype: str, batches: Sequence[int], speculat
           log: Callable[[str], None]) -> list[SpeculativeRow]:
     rows = []
     for batch in batches:
-        for kind in ("repetitive", "novel"):
+        for kind in ("repetitive", "novel") + (("story",) if model.tokenizer is not None else ()):
             prompts = prompts_for(model, kind, batch)
             sampled = kind == "novel" and model.tokenizer is None
             sampling = llm_jax.Sampling(temperature=1.0, seed=0) if sampled else llm_jax.GREEDY
-            kwargs = dict(max_new_tokens=new_tokens, ignore_eos=True, chunk_steps=chunk_steps, sampling=sampling)
+            kwargs = dict(max_new_tokens=new_tokens, ignore_eos=kind != "story", chunk_steps=chunk_steps,
+                          sampling=sampling)
             log(f"{label} {dtype} batch {batch} {kind}: compiling plain and speculative...")
             llm_jax.generate(model, prompts, **kwargs)
             llm_jax.generate(model, prompts, speculative=speculative, **kwargs)
             plain_rates, spec_rates, ratios, identical, metrics = [], [], [], True, None
             for repeat in range(repeats):
+                prompts = prompts_for(model, kind, batch, repeat=repeat)
                 plain = llm_jax.generate(model, prompts, **kwargs)
                 spec = llm_jax.generate(model, prompts, speculative=speculative, **kwargs)
                 plain_rates.append(plain[0].metrics.decode_tokens_per_s)
@@ -94,8 +105,9 @@ def study(model: Model, label: str, dtype: str, batches: Sequence[int], speculat
             decode_steps = metrics.speculative_steps + (metrics.generated_tokens - batch - metrics.accepted_tokens
                                                         - metrics.speculative_steps)
             rows.append(SpeculativeRow(
-                model=label, dtype=dtype, batch=batch, prompt=kind, sampling="t=1" if sampled else "greedy", proposer=proposer, k=speculative.num_tokens,
-                plain_tokens_per_s=statistics.median(plain_rates), speculative_tokens_per_s=statistics.median(spec_rates),
+                model=label, dtype=dtype, batch=batch, prompt=kind, sampling="t=1" if sampled else "greedy",
+                proposer=proposer, k=speculative.num_tokens, plain_tokens_per_s=statistics.median(plain_rates),
+                speculative_tokens_per_s=statistics.median(spec_rates),
                 ratio=statistics.median(ratios), ratio_min=min(ratios), ratio_max=max(ratios),
                 acceptance_rate=metrics.acceptance_rate, mean_accepted_length=metrics.mean_accepted_length,
                 speculative_share=metrics.speculative_steps / max(decode_steps, 1), identical=identical))
@@ -103,14 +115,16 @@ def study(model: Model, label: str, dtype: str, batches: Sequence[int], speculat
 
 
 def table(rows: Sequence[SpeculativeRow]) -> str:
-    head = (f"{'model':<12} {'dtype':<8} {'batch':>5} {'prompt':<10} {'sampling':<8} {'proposer':<12} {'k':>2} {'plain tok/s':>11} "
-            f"{'spec tok/s':>10} {'ratio (min–max)':>17} {'accept':>6} {'tok/step':>8} {'spec steps':>10} same")
+    head = (f"{'model':<12} {'dtype':<8} {'batch':>5} {'prompt':<10} {'sampling':<8} {'proposer':<16} {'k':>2} "
+            f"{'plain tok/s':>11} {'spec tok/s':>10} {'ratio (min–max)':>17} {'accept':>6} {'tok/step':>8} "
+            f"{'spec steps':>10} same")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.model:<12} {r.dtype:<8} {r.batch:>5} {r.prompt:<10} {r.sampling:<8} {r.proposer:<12} {r.k:>2} "
-                     f"{r.plain_tokens_per_s:>11.1f} {r.speculative_tokens_per_s:>10.1f} "
-                     f"{f'{r.ratio:.2f}× ({r.ratio_min:.2f}–{r.ratio_max:.2f})':>17} {r.acceptance_rate:>6.2f} "
-                     f"{r.mean_accepted_length:>8.2f} {100 * r.speculative_share:>9.0f}% {'yes' if r.identical else 'NO'}")
+        ratio = f"{r.ratio:.2f}× ({r.ratio_min:.2f}–{r.ratio_max:.2f})"
+        lines.append(f"{r.model:<12} {r.dtype:<8} {r.batch:>5} {r.prompt:<10} {r.sampling:<8} {r.proposer:<16} "
+                     f"{r.k:>2} {r.plain_tokens_per_s:>11.1f} {r.speculative_tokens_per_s:>10.1f} {ratio:>17} "
+                     f"{r.acceptance_rate:>6.2f} {r.mean_accepted_length:>8.2f} {100 * r.speculative_share:>9.0f}% "
+                     f"{'yes' if r.identical else 'NO'}")
     return "\n".join(lines)
 
 

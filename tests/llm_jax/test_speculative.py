@@ -16,7 +16,7 @@ import transformers
 
 import llm_jax
 from llm_jax.sampling import Sampling, SamplingParams
-from llm_jax.speculative import ngram_proposals, propose_ngram, verify
+from llm_jax.speculative import PROBE_STEPS, ngram_proposals, propose_ngram, verify
 from distribution import (FALSE_FAILURE_RATE, SAMPLES, chi_square_p_value, exact_distribution, tiny_model)
 from family_switches import FAMILIES, random_model
 
@@ -103,6 +103,23 @@ def test_backing_off_and_resuming_keeps_plain_output(stories, plain, method):
     all_steps = 4 * 127  # every row runs the whole budget
     assert 0 < metrics.speculative_steps < all_steps - metrics.accepted_tokens
     assert metrics.accepted_tokens > 0
+
+
+def test_a_failing_chunk_ends_after_its_probe_steps(stories, plain):
+    """A speculative chunk that accepts too little stops after PROBE_STEPS steps, not at its end: with
+    every chunk failing (min_accepted = k: only all-accepted steps pass) and one plain chunk of 16 after
+    each, a cycle emits at least 16 + PROBE_STEPS tokens per row, so at most 7 cycles of 128 tokens and at
+    most 7 · PROBE_STEPS verification steps per row (running whole chunks: 16 per cycle, 256 in all). The
+    draft proposes at every step, so each step counts (prompt lookup verifies only where it matched)."""
+    rng = np.random.default_rng(1)
+    far = dataclasses.replace(stories, params=jax.tree.map(
+        lambda a: a + 0.3 * np.std(a) * rng.normal(size=a.shape).astype(a.dtype), stories.params))
+    speculative = llm_jax.Speculative(method="draft", draft_model=far, num_tokens=3, min_accepted=3, max_backoff=1)
+    results = llm_jax.generate(stories, PROMPTS, max_new_tokens=128, ignore_eos=True, chunk_steps=16,
+                               speculative=speculative)
+    assert [r.output_ids for r in results] == plain
+    metrics = results[0].metrics
+    assert 0 < metrics.speculative_steps <= len(PROMPTS) * 7 * PROBE_STEPS, metrics
 
 
 # Every family's switches, on random models (as the serving tests build them).

@@ -2,10 +2,11 @@
 combinations are refused by name, and both run end to end (no timing assertions)."""
 
 import json
+import pathlib
 
 import pytest
 
-from llm_jax.cli.generate import build_parser, check_flags, main, speculative_options
+from llm_jax.cli.generate import DEFAULT_MODEL, build_parser, check_flags, main, speculative_options
 from llm_jax.speculative import Method, Speculative
 
 
@@ -67,3 +68,18 @@ def test_benchmark_reports_plain_and_speculative_side_by_side(tmp_path, capsys):
         assert row["identical"] and row["plain_tokens_per_s"] > 0 and row["speculative_tokens_per_s"] > 0
         assert 0 <= row["acceptance_rate"] <= 1
     assert "spec tok/s" in capsys.readouterr().out  # the table
+
+
+def test_benchmark_runs_story_prompts_for_a_model_with_a_tokenizer(tmp_path):
+    """Story openings told to their end (EOS honoured), the setting of the shipped draft's target."""
+    from benchmarking.cli import main as benchmark_main
+    from benchmarking.speculative_study import STORY_OPENINGS
+
+    out = tmp_path / "spec.json"
+    draft = pathlib.Path(DEFAULT_MODEL).parent / "stories-1m-draft"
+    assert benchmark_main(["--model", str(DEFAULT_MODEL), "--speculative", str(draft),
+                           "--new-tokens", "24", "--chunk-steps", "4", "--repeats", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["speculative"]
+    assert [r["prompt"] for r in rows] == ["repetitive", "novel", "story"]
+    assert all(r["identical"] and r["proposer"] == "stories-1m-draft" for r in rows)
+    assert len(set(STORY_OPENINGS)) == 4
