@@ -12,8 +12,7 @@
 // quarter (int8) or an eighth (int4) of float32's.
 //
 // Each panel row is two 8-wide float vectors; AVX2 widens the bytes (and splits the nibbles) with its
-// own instructions, other targets with a plain loop (the portable path). 4-bit nibbles are summed as
-// they are stored (q + 8) and the offset taken off once per group, 8 · Σ x over the group.
+// own instructions, other targets with a plain loop (the portable path).
 
 #include <algorithm>
 #include <cstdint>
@@ -37,27 +36,63 @@ struct Row16 {
   f32x8 a, b;
 };
 
-inline Row16 row_i8(const int8_t* p) { return {load8(p), load8(p + 8)}; }
+// Integers to floats without a conversion instruction (Zen 2 converts on one pipe; these run on the
+// integer and add pipes): the bits 0x4B000000 | v are the float 2^23 + v for v < 2^23, and subtracting
+// 2^23 + offset leaves v - offset exactly.
+constexpr uint32_t kMagic = 0x4B000000;
 
-// One byte row of a 4-bit panel: the nibbles u (q + 8) of inputs 2j (low) and 2j + 1 (high), as floats.
-// The offset of 8 is taken off once per group (group_sums): Σ x (u - 8) = Σ x u - 8 Σ x.
-inline void rows_u4(const uint8_t* p, Row16* lo, Row16* hi) {
 #if defined(__AVX2__)
-  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
-  const __m256i mask = _mm256_set1_epi32(15);
-  auto as_floats = [](__m256i v) {
-    const __m256 f = _mm256_cvtepi32_ps(v);
-    f32x8 out;
-    std::memcpy(&out, &f, sizeof out);
-    return out;
-  };
-  *lo = {as_floats(_mm256_and_si256(a, mask)), as_floats(_mm256_and_si256(b, mask))};
-  *hi = {as_floats(_mm256_srli_epi32(a, 4)), as_floats(_mm256_srli_epi32(b, 4))};
+inline f32x8 magic_float(__m256i bits, __m256 bias) {
+  const __m256 f = _mm256_sub_ps(_mm256_castsi256_ps(bits), bias);
+  f32x8 out;
+  std::memcpy(&out, &f, sizeof out);
+  return out;
+}
+
+// 16 bytes zero-extended to two vectors of 8 32-bit lanes (bytes 0-7, 8-15): one load into both halves,
+// then a byte shuffle per vector.
+inline void widen16(const uint8_t* p, __m256i* a, __m256i* b) {
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i lo = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                      4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i hi = _mm256_setr_epi8(8, -1, -1, -1, 9, -1, -1, -1, 10, -1, -1, -1, 11, -1, -1, -1,
+                                      12, -1, -1, -1, 13, -1, -1, -1, 14, -1, -1, -1, 15, -1, -1, -1);
+  *a = _mm256_shuffle_epi8(v, lo);
+  *b = _mm256_shuffle_epi8(v, hi);
+}
+#endif
+
+// One row of an 8-bit panel: q[k, 0:16]. The byte b of q (two's complement) gives q + 128 = b ^ 0x80.
+inline Row16 row_q8(const int8_t* p) {
+#if defined(__AVX2__)
+  const auto* u = reinterpret_cast<const uint8_t*>(p);
+  const __m256i flip = _mm256_set1_epi32(kMagic | 0x80);
+  const __m256 bias = _mm256_set1_ps(8388608.f + 128.f);
+  __m256i a, b;
+  widen16(u, &a, &b);
+  return {magic_float(_mm256_xor_si256(a, flip), bias), magic_float(_mm256_xor_si256(b, flip), bias)};
+#else
+  Row16 w;
+  for (int i = 0; i < 8; ++i) w.a[i] = static_cast<float>(p[i]), w.b[i] = static_cast<float>(p[8 + i]);
+  return w;
+#endif
+}
+
+// One byte row of a 4-bit panel: q of inputs 2j (low nibbles, u - 8) and 2j + 1 (high nibbles).
+inline void rows_q4(const uint8_t* p, Row16* lo, Row16* hi) {
+#if defined(__AVX2__)
+  __m256i a, b;
+  widen16(p, &a, &b);
+  const __m256i mask = _mm256_set1_epi32(15), magic = _mm256_set1_epi32(kMagic);
+  const __m256 bias = _mm256_set1_ps(8388608.f + 8.f);
+  auto low = [&](__m256i v) { return magic_float(_mm256_or_si256(_mm256_and_si256(v, mask), magic), bias); };
+  auto high = [&](__m256i v) { return magic_float(_mm256_or_si256(_mm256_srli_epi32(v, 4), magic), bias); };
+  *lo = {low(a), low(b)};
+  *hi = {high(a), high(b)};
 #else
   for (int i = 0; i < 8; ++i) {
-    lo->a[i] = static_cast<float>(p[i] & 15), lo->b[i] = static_cast<float>(p[8 + i] & 15);
-    hi->a[i] = static_cast<float>(p[i] >> 4), hi->b[i] = static_cast<float>(p[8 + i] >> 4);
+    lo->a[i] = static_cast<float>((p[i] & 15) - 8), lo->b[i] = static_cast<float>((p[8 + i] & 15) - 8);
+    hi->a[i] = static_cast<float>((p[i] >> 4) - 8), hi->b[i] = static_cast<float>((p[8 + i] >> 4) - 8);
   }
 #endif
 }
@@ -67,54 +102,63 @@ inline void fma_row(Row16& acc, float x, const Row16& w) {
   acc.b += splat(x) * w.b;
 }
 
-// Σ_{k in [k0, k1)} x_r[k] · q[k, 0:16] for the RB rows x_r = x + r · K, into part[r]: one group. Even and
-// odd inputs go to separate sums (added at the end), so that consecutive multiply-adds do not wait on
-// each other.
+// Independent sums per row of x, so that several multiply-add chains run at once: 2 for one or two rows
+// (4 sums for one row spill to memory), 1 for more.
+template <int RB>
+constexpr int kSplits = RB <= 2 ? 2 : 1;
+
+// Σ_{k in [k0, k1)} x_r[k] · q[k, 0:16] for the RB rows x_r = x + r · K, into part[r]: one group. Input
+// k goes to sum k mod S (4 bits: byte row j's low and high nibbles to sums 2j and 2j + 1 mod S).
 template <int kBits, int RB>
 inline void group_sums(const float* x, int64_t K, const void* panel, int64_t k0, int64_t k1, Row16* part) {
-  Row16 odd[RB];
-  for (int r = 0; r < RB; ++r) part[r] = odd[r] = Row16{};
+  constexpr int S = kSplits<RB>;
+  Row16 sums[RB][S];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < S; ++j) sums[r][j] = Row16{};
   int64_t k = k0;
   if constexpr (kBits == 8) {
     const int8_t* q = static_cast<const int8_t*>(panel);
-    for (; k + 1 < k1; k += 2) {
-      const Row16 w0 = row_i8(q + k * kWidth), w1 = row_i8(q + (k + 1) * kWidth);
-      for (int r = 0; r < RB; ++r) {
-        fma_row(part[r], x[r * K + k], w0);
-        fma_row(odd[r], x[r * K + k + 1], w1);
+    for (; k + S <= k1; k += S) {
+      for (int j = 0; j < S; ++j) {
+        const Row16 w = row_q8(q + (k + j) * kWidth);
+        for (int r = 0; r < RB; ++r) fma_row(sums[r][j], x[r * K + k + j], w);
       }
     }
-    if (k < k1) {
-      const Row16 w0 = row_i8(q + k * kWidth);
-      for (int r = 0; r < RB; ++r) fma_row(part[r], x[r * K + k], w0);
+    for (; k < k1; ++k) {
+      const Row16 w = row_q8(q + k * kWidth);
+      for (int r = 0; r < RB; ++r) fma_row(sums[r][0], x[r * K + k], w);
     }
   } else {  // k0 even: pairs of inputs from one byte; an odd k1 ends on a low nibble
     const uint8_t* q = static_cast<const uint8_t*>(panel);
+    constexpr int kPairs = S >= 2 ? S / 2 : 1;  // byte rows per round
     Row16 lo, hi;
-    float x_sum[RB] = {};
+    for (; k + 2 * kPairs <= k1; k += 2 * kPairs) {
+      for (int j = 0; j < kPairs; ++j) {
+        rows_q4(q + ((k / 2) + j) * kWidth, &lo, &hi);
+        for (int r = 0; r < RB; ++r) {
+          fma_row(sums[r][(2 * j) % S], x[r * K + k + 2 * j], lo);
+          fma_row(sums[r][(2 * j + 1) % S], x[r * K + k + 2 * j + 1], hi);
+        }
+      }
+    }
     for (; k + 1 < k1; k += 2) {
-      rows_u4(q + (k / 2) * kWidth, &lo, &hi);
+      rows_q4(q + (k / 2) * kWidth, &lo, &hi);
       for (int r = 0; r < RB; ++r) {
-        fma_row(part[r], x[r * K + k], lo);
-        fma_row(odd[r], x[r * K + k + 1], hi);
-        x_sum[r] += x[r * K + k] + x[r * K + k + 1];
+        fma_row(sums[r][0], x[r * K + k], lo);
+        fma_row(sums[r][S - 1], x[r * K + k + 1], hi);
       }
     }
     if (k < k1) {
-      rows_u4(q + (k / 2) * kWidth, &lo, &hi);
-      for (int r = 0; r < RB; ++r) {
-        fma_row(part[r], x[r * K + k], lo);
-        x_sum[r] += x[r * K + k];
-      }
-    }
-    for (int r = 0; r < RB; ++r) {  // the offset: Σ x (u - 8) = Σ x u - 8 Σ x
-      part[r].a -= splat(8.f * x_sum[r]);
-      part[r].b -= splat(8.f * x_sum[r]);
+      rows_q4(q + (k / 2) * kWidth, &lo, &hi);
+      for (int r = 0; r < RB; ++r) fma_row(sums[r][0], x[r * K + k], lo);
     }
   }
   for (int r = 0; r < RB; ++r) {
-    part[r].a += odd[r].a;
-    part[r].b += odd[r].b;
+    part[r] = sums[r][0];
+    for (int j = 1; j < S; ++j) {
+      part[r].a += sums[r][j].a;
+      part[r].b += sums[r][j].b;
+    }
   }
 }
 
@@ -138,12 +182,103 @@ inline void panel_rows(const float* x, int64_t K, const void* panel, const float
   }
 }
 
+// One row of x (decode) against NP panels `panel_bytes` apart, read side by side: NP streams at once, and
+// NP · S · 2 multiply-add chains (S sums per panel, as group_sums splits them), each stream asked for
+// kAheadBytes ahead (the hardware's prefetchers stop at every 4 KiB page). On Zen 2 the conversions bound
+// it, not the chains: about 4 cycles per 16 int8 weights and 8 per 32 int4 ones, with the data in cache.
+constexpr int64_t kAheadBytes = 1024;
+
+template <int kBits, int NP, int S>
+void panels_one_row(const float* x, int64_t K, const uint8_t* q, int64_t panel_bytes, const float* scales,
+                    int64_t scale_stride, int64_t G, float* y) {
+  constexpr int64_t kRowBytes = kWidth;  // bytes per row of a panel: one input (8 bits) or two (4 bits)
+  Row16 acc[NP];
+  for (int i = 0; i < NP; ++i) acc[i] = Row16{};
+  for (int64_t g = 0; g * G < K; ++g) {
+    const int64_t k0 = g * G, k1 = std::min(K, k0 + G);
+    Row16 sums[NP][S];
+    for (int i = 0; i < NP; ++i)
+      for (int j = 0; j < S; ++j) sums[i][j] = Row16{};
+    if constexpr (kBits == 8) {
+      int64_t k = k0;
+      for (; k + S <= k1; k += S) {
+        if (k % 4 < S) {  // a cache line holds 4 rows
+          for (int i = 0; i < NP; ++i) __builtin_prefetch(q + i * panel_bytes + k * kRowBytes + kAheadBytes, 0, 2);
+        }
+        for (int j = 0; j < S; ++j) {
+          for (int i = 0; i < NP; ++i) {
+            fma_row(sums[i][j], x[k + j], row_q8(reinterpret_cast<const int8_t*>(q + i * panel_bytes) + (k + j) * kRowBytes));
+          }
+        }
+      }
+      for (; k < k1; ++k) {
+        for (int i = 0; i < NP; ++i) {
+          fma_row(sums[i][0], x[k], row_q8(reinterpret_cast<const int8_t*>(q + i * panel_bytes) + k * kRowBytes));
+        }
+      }
+    } else {  // k0 even; an odd k1 ends on a low nibble
+      Row16 lo, hi;
+      int64_t k = k0;
+      for (; k + 1 < k1; k += 2) {
+        const int64_t b = (k / 2) * kRowBytes;
+        if ((k / 2) % 4 == 0) {
+          for (int i = 0; i < NP; ++i) __builtin_prefetch(q + i * panel_bytes + b + kAheadBytes, 0, 2);
+        }
+        for (int i = 0; i < NP; ++i) {
+          rows_q4(q + i * panel_bytes + b, &lo, &hi);
+          fma_row(sums[i][0], x[k], lo);
+          fma_row(sums[i][S - 1], x[k + 1], hi);
+        }
+      }
+      if (k < k1) {
+        for (int i = 0; i < NP; ++i) {
+          rows_q4(q + i * panel_bytes + (k / 2) * kRowBytes, &lo, &hi);
+          fma_row(sums[i][0], x[k], lo);
+        }
+      }
+    }
+    for (int i = 0; i < NP; ++i) {
+      for (int j = 1; j < S; ++j) {
+        sums[i][0].a += sums[i][j].a;
+        sums[i][0].b += sums[i][j].b;
+      }
+      const float* sc = scales + i * scale_stride + g * kWidth;
+      acc[i].a += sums[i][0].a * load8(sc);
+      acc[i].b += sums[i][0].b * load8(sc + 8);
+    }
+  }
+  for (int i = 0; i < NP; ++i) {
+    store8(y + i * kWidth, acc[i].a);
+    store8(y + i * kWidth + 8, acc[i].b);
+  }
+}
+
+// Panels [p0, p1) for one row of x: a few at a time (8 bits: 4 panels, 4 bits: 3; one sum each, as many
+// as the 16 vector registers hold without spilling a sum to memory), the rest one by one.
+template <int kBits>
+void panels_row(const float* x, int64_t K, const uint8_t* q, int64_t panel_bytes, const float* s, int64_t groups,
+                int64_t G, float* y, int64_t p0, int64_t p1) {
+  constexpr int NP = kBits == 8 ? 4 : 3, S = 1;
+  const int64_t ss = groups * kWidth;
+  int64_t p = p0;
+  for (; p + NP <= p1; p += NP) {
+    panels_one_row<kBits, NP, S>(x, K, q + p * panel_bytes, panel_bytes, s + p * ss, ss, G, y + p * kWidth);
+  }
+  for (; p < p1; ++p) panels_one_row<kBits, 1, 2>(x, K, q + p * panel_bytes, panel_bytes, s + p * ss, ss, G, y + p * kWidth);
+}
+
+// Every row of x against one panel: blocks of 4 rows, then the 1-3 left in one pass.
 template <int kBits>
 void panel_all_rows(const float* x, int64_t R, int64_t K, const void* panel, const float* scales, int64_t G, float* y,
                     int64_t N) {
   int64_t r = 0;
   for (; r + kRowBlock <= R; r += kRowBlock) panel_rows<kBits, kRowBlock>(x + r * K, K, panel, scales, G, y + r * N, N);
-  for (; r < R; ++r) panel_rows<kBits, 1>(x + r * K, K, panel, scales, G, y + r * N, N);
+  switch (R - r) {
+    case 3: panel_rows<kBits, 3>(x + r * K, K, panel, scales, G, y + r * N, N); break;
+    case 2: panel_rows<kBits, 2>(x + r * K, K, panel, scales, G, y + r * N, N); break;
+    case 1: panel_rows<kBits, 1>(x + r * K, K, panel, scales, G, y + r * N, N); break;
+    default: break;
+  }
 }
 
 template <ffi::DataType T, int kBits>
@@ -174,7 +309,12 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_inde
   const int64_t per_unit = std::max<int64_t>(1, kUnitBytes / std::max<int64_t>(panel_bytes, 1));
   const int64_t units = (P + per_unit - 1) / per_unit;
   auto unit = [&](int64_t u) {
-    for (int64_t p = u * per_unit; p < std::min(P, (u + 1) * per_unit); ++p) {
+    const int64_t p0 = u * per_unit, p1 = std::min(P, (u + 1) * per_unit);
+    if (R == 1) {
+      panels_row<kBits>(xs, K, reinterpret_cast<const uint8_t*>(q_data), panel_bytes, s_data, groups, G, out, p0, p1);
+      return;
+    }
+    for (int64_t p = p0; p < p1; ++p) {
       panel_all_rows<kBits>(xs, R, K, q_data + p * panel_bytes, s_data + p * groups * kWidth, G, out + p * kWidth, N);
     }
   };

@@ -31,7 +31,9 @@ def make(rng, L: int, K: int, N: int, bits: int, G: int):
         if K % 2:
             u = np.concatenate([u, np.full((L, 1, N), 8, np.uint8)], axis=1)
         stored = u[:, 0::2] | (u[:, 1::2] << 4)
-    panels = lambda a: np.asarray(cpu_kernels.to_panels(jnp.asarray(a)))
+    def panels(a):
+        return np.asarray(cpu_kernels.to_panels(jnp.asarray(a)))
+
     return q, s, panels(stored), panels(s)
 
 
@@ -40,14 +42,15 @@ def oracle(x, q, s, G: int, layer: int) -> np.ndarray:
     return x.astype(np.float64) @ w
 
 
-CASES = [(8, 32, 96, 1), (8, 20, 100, 3), (8, 96, 96, 9), (4, 32, 172, 1), (4, 64, 128, 5), (4, 128, 768, 2),
-         (4, 32, 33, 4)]
+# One row takes panels several at a time (int8: 4, int4: 3) and the rest one by one: N = 112 is 7 panels.
+CASES = [(8, 32, 96, 1), (8, 20, 101, 1), (8, 20, 100, 3), (8, 96, 96, 9), (4, 32, 172, 1), (4, 32, 33, 1),
+         (4, 64, 128, 5), (4, 128, 768, 2), (4, 32, 33, 4)]
 
 
 @pytest.mark.parametrize("bits,G,K,R", CASES)
 def test_kernel_against_float64(bits, G, K, R):
     rng = np.random.default_rng(bits * 100 + K)
-    L, N = 3, 48
+    L, N = 3, 112
     q, s, qp, sp = make(rng, L, K, N, bits, G)
     x = rng.normal(size=(R, K)).astype(np.float32)
     run = jax.jit(lambda x, a, b, layer: cpu_kernels.quant_matmul(x, a, b, bits=bits, group_size=G, layer=layer))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import pathlib
@@ -52,6 +53,13 @@ class ServerProcess:
             pytest.fail(f"the server did not stop within {timeout} s of SIGTERM; its log:\n{self.log()[-3000:]}")
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: Linux sends it SIGTERM when the test process dies (a crashed xdist worker
+    would otherwise leave its server running)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def start_server(model: pathlib.Path, folder: pathlib.Path, cache: pathlib.Path, *flags: str) -> ServerProcess:
     """Start a server on a free port (``--port 0``) and wait until ``/health`` answers 200."""
     log_path = folder / "server.log"
@@ -60,7 +68,8 @@ def start_server(model: pathlib.Path, folder: pathlib.Path, cache: pathlib.Path,
     with open(log_path, "wb") as log:
         process = subprocess.Popen([sys.executable, "-m", "llm_jax.serve", "--model", str(model), "--port", "0",
                                     "--served-model-name", MODEL_NAME, *ENGINE_FLAGS, *flags],
-                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
+                                   preexec_fn=_die_with_parent)
     server = ServerProcess(process=process, url="", log_path=log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not server.url:
