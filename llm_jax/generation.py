@@ -266,7 +266,8 @@ class GenerationStream:
             raise TypeError(f"speculative must be an llm_jax.Speculative, got {type(speculative).__name__}")
         unsupported = {"beam search": self.beams is not None, "logprobs": logprobs is not None,
                        "hidden_layers": bool(hidden_layers), "steering": steering is not None,
-                       "return_kv_cache": return_kv_cache, "a mesh (it runs on one device)": self.model.mesh is not None}
+                       "return_kv_cache": return_kv_cache,
+                       "a mesh (it runs on one device)": self.model.mesh is not None}
         named = [name for name, used in unsupported.items() if used]
         if named:
             raise ValueError(f"speculative decoding does not support {', '.join(named)}")
@@ -349,8 +350,14 @@ class GenerationStream:
                     finish_B[stopped_by_text] = FinishReason.STOP
                     state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
                 t_chunk, compile_before_chunk = time.perf_counter(), compiled.seconds
+                steps_run = self.chunk_steps
                 if spec is not None and backoff.speculate:
                     cache, state, spec, emitted, backoff = self._speculate(cache, state, spec, backoff)
+                    # A speculative chunk ends early when it fails or every row has finished: its steps
+                    # are the ones in which some row emitted a token.
+                    k1 = self.speculative.num_tokens + 1
+                    per_step = np.asarray(emitted.tokens_BS).reshape(len(self.rows), -1, k1) != PAD_ID
+                    steps_run = max(int(per_step.any(axis=(0, 2)).sum()), 1)
                 else:
                     lengths_before_B = jnp.copy(cache.lengths_B)  # the cache is donated
                     cache, state, emitted = _decode(model.weights, config, cache, state, self.controls,
@@ -366,7 +373,7 @@ class GenerationStream:
                 host_syncs += 1
                 # A chunk that compiled decode says nothing about step time: take the compilation out.
                 chunk_s = time.perf_counter() - t_chunk - (compiled.seconds - compile_before_chunk)
-                step_times.append(chunk_s / self.chunk_steps)
+                step_times.append(chunk_s / steps_run)
                 decode_tokens += int((emitted.tokens_BS != PAD_ID).sum())
         t_end = time.perf_counter()
         steps = np.array(step_times or [0.0])
