@@ -102,8 +102,8 @@ inline void fma_row(Row16& acc, float x, const Row16& w) {
   acc.b += splat(x) * w.b;
 }
 
-// Independent sums per row of x, so that several multiply-add chains run at once: 2 for one or two rows
-// (4 sums for one row spill to memory), 1 for more.
+// Independent sums per row of x, so that several multiply-add chains run at once: 2 for two rows, 1 for
+// more (one row: panels_one_row).
 template <int RB>
 constexpr int kSplits = RB <= 2 ? 2 : 1;
 
@@ -267,7 +267,8 @@ void panels_row(const float* x, int64_t K, const uint8_t* q, int64_t panel_bytes
   for (; p < p1; ++p) panels_one_row<kBits, 1, 2>(x, K, q + p * panel_bytes, panel_bytes, s + p * ss, ss, G, y + p * kWidth);
 }
 
-// Every row of x against one panel: blocks of 4 rows, then the 1-3 left in one pass.
+// Every row of x against one panel: blocks of 4 rows, then the 1-3 left in one pass (one row as decode
+// reads it, panels_one_row).
 template <int kBits>
 void panel_all_rows(const float* x, int64_t R, int64_t K, const void* panel, const float* scales, int64_t G, float* y,
                     int64_t N) {
@@ -276,7 +277,9 @@ void panel_all_rows(const float* x, int64_t R, int64_t K, const void* panel, con
   switch (R - r) {
     case 3: panel_rows<kBits, 3>(x + r * K, K, panel, scales, G, y + r * N, N); break;
     case 2: panel_rows<kBits, 2>(x + r * K, K, panel, scales, G, y + r * N, N); break;
-    case 1: panel_rows<kBits, 1>(x + r * K, K, panel, scales, G, y + r * N, N); break;
+    case 1:
+      panels_one_row<kBits, 1, 2>(x + r * K, K, static_cast<const uint8_t*>(panel), 0, scales, 0, G, y + r * N);
+      break;
     default: break;
   }
 }
