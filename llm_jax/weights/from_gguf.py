@@ -2,9 +2,11 @@
 
 The file is read through the ``gguf`` package's reader (a memory map). Its metadata (``{arch}.block_count``,
 ``{arch}.attention.head_count``, ...) becomes a :class:`ModelConfig` for the architectures our decoder
-runs: ``llama`` (Llama 1-3, Mistral), ``qwen2``, ``qwen3``, ``gemma`` and ``gemma2``. Tensors of type
-F32, F16, BF16, Q8_0 and Q4_0 become our leaves, one tensor at a time (``layout.assemble``); Q8_0 and
-Q4_0 blocks are dequantized here (:func:`dequantize_rows`), exactly as ``gguf.quants.dequantize`` does.
+runs: ``llama`` (Llama 1-3, Mistral), ``qwen2``, ``qwen3``, ``gemma`` and ``gemma2``. Tensors become our
+leaves one at a time (``layout.assemble``): F32, F16 and BF16 as they are; projections all in Q8_0, or all
+in Q4_0, as quantized leaves holding the file's integers and scales; every other block type llama.cpp
+writes (the other legacy quants, the K-quants, the i-quants) as float32, through the ``gguf`` package's own
+dequantization (:func:`dequantize_rows`).
 
 The quirks of llama.cpp's converter (``convert_hf_to_gguf.py``) undone here:
 
@@ -34,10 +36,16 @@ from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, Lla
 from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out,
                                     interleaved_to_halves, transpose)
 
-# Types we read. Every other ggml type (Q5_K, Q2_K, IQ*, ...) is refused by name.
+# Types we read. Every other ggml type (the ternary and FP4 types of architectures we do not run) is refused
+# by name.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0")  # map onto QuantizedArray leaves exactly
-SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES + ("Q4_K", "Q6_K")  # the K-quants are read as floats
+# Read as float32 (gguf.quants.dequantize): what llama.cpp's Q2_K ... Q6_K and IQ1_S ... IQ4_XS files hold,
+# with the legacy types it falls back to where a row is not whole super-blocks of 256 values (Q4_K → Q5_0,
+# Q5_K → Q5_1, Q6_K → Q8_0 for widths such as 64, 576 or 896).
+DEQUANTIZED_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS",
+                     "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
+SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES + DEQUANTIZED_TYPES
 BLOCK_SIZE = 32  # values per Q8_0 / Q4_0 block, along a row (the input dimension)
 
 
@@ -347,77 +355,22 @@ _NOT_PARAMS = ("rope_freqs.weight",)
 _ROWS_PER_CHUNK = 4096  # dequantize this many rows at a time, so temporaries stay small
 
 
-def _scaled_blocks(blocks: np.ndarray, type_name: str) -> np.ndarray:
-    """Q8_0 / Q4_0 blocks [m, bytes] → values [m, 32]: ``d * q``, d the float16 scale in front."""
-    scale = np.ascontiguousarray(blocks[:, :2]).view("<f2").astype(np.float32)  # [m, 1]
-    return scale * unpack_quants(type_name, blocks[:, 2:]).astype(np.float32)
-
-
-def _q4_k_blocks(blocks: np.ndarray) -> np.ndarray:
-    """Q4_K super-blocks [m, 144] → values [m, 256].
-
-    Bytes: d and dmin (float16), 12 bytes of eight 6-bit scales and eight 6-bit mins, then 128 bytes of 4-bit
-    quants; sub-block j (32 values) is ``(d * scale_j) * q - dmin * min_j``. Scales and mins 0-3 are the low 6
-    bits of bytes 0-3 and 4-7; 4-7 take their low 4 bits from the nibbles of bytes 8-11 and their top 2 from
-    the top bits of bytes 0-3 (scales) and 4-7 (mins). Quant bytes 32c ... 32c + 31 hold sub-block 2c in
-    their low nibbles and 2c + 1 in their high ones.
-    """
-    m = len(blocks)
-    d = np.ascontiguousarray(blocks[:, 0:2]).view("<f2").astype(np.float32)  # [m, 1]
-    dmin = np.ascontiguousarray(blocks[:, 2:4]).view("<f2").astype(np.float32)
-    first, second, packed = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]
-    scales = np.concatenate([first & 0x3F, (packed & 0x0F) | ((first >> 6) << 4)], axis=1)  # [m, 8]
-    mins = np.concatenate([second & 0x3F, (packed >> 4) | ((second >> 6) << 4)], axis=1)
-    qs = blocks[:, 16:].reshape(m, 4, 1, 32)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(m, 8, 32).astype(np.float32)
-    step = (d * scales.astype(np.float32))[..., None]
-    offset = (dmin * mins.astype(np.float32))[..., None]
-    return (step * q - offset).reshape(m, 256)
-
-
-def _q6_k_blocks(blocks: np.ndarray) -> np.ndarray:
-    """Q6_K super-blocks [m, 210] → values [m, 256].
-
-    Bytes: 128 of low 4 bits (``ql``), 64 of high 2 bits (``qh``), 16 int8 scales, d (float16); value e is
-    ``(d * scale[e // 16]) * (q - 32)``. Each half of 128 values reads 64 ``ql`` and 32 ``qh`` bytes: its
-    four runs of 32 take the low nibbles of ``ql`` 0-31, of ``ql`` 32-63, the high nibbles of 0-31, of
-    32-63, and bits 0-1, 2-3, 4-5, 6-7 of ``qh``.
-    """
-    m = len(blocks)
-    ql = blocks[:, :128].reshape(m, 2, 1, 2, 32)  # [m, half, nibble, part, 32]
-    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(m, 2, 4, 32)  # runs: (nibble, part)
-    qh = blocks[:, 128:192].reshape(m, 2, 1, 32)
-    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03
-    q = ((low | (high << 4)).astype(np.int8) - np.int8(32)).reshape(m, 16, 16).astype(np.float32)
-    scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)  # [m, 16]
-    d = np.ascontiguousarray(blocks[:, 208:210]).view("<f2").astype(np.float32)  # [m, 1]
-    return ((d * scales)[..., None] * q).reshape(m, 256)
-
-
-# ggml block type → (values per block, bytes per block, decoder of blocks [m, bytes] → values [m, n])
-_BLOCKS = {
-    "Q8_0": (BLOCK_SIZE, 2 + 32, functools.partial(_scaled_blocks, type_name="Q8_0")),
-    "Q4_0": (BLOCK_SIZE, 2 + 16, functools.partial(_scaled_blocks, type_name="Q4_0")),
-    "Q4_K": (256, 144, _q4_k_blocks),
-    "Q6_K": (256, 210, _q6_k_blocks),
-}
-
-
 def dequantize_rows(tensor: GGUFTensor, where: str = "") -> np.ndarray:
-    """A block-quantized tensor's float32 values, computed in float32 as ggml defines them (Q8_0 and Q4_0:
-    ``d * q`` per block of 32, see ``unpack_quants``; Q4_K and Q6_K: super-blocks of 256, see their decoders)."""
+    """A block-quantized tensor's float32 values, as ggml defines them: the ``gguf`` package's dequantization,
+    ``_ROWS_PER_CHUNK`` rows at a time (the blocks run along each row)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[tensor.type_name]
+    per_block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     *rows_shape, cols = tensor.shape
-    rows = int(np.prod(rows_shape)) if rows_shape else 1
-    per_block, block_bytes, decode = _BLOCKS[tensor.type_name]
     if cols % per_block:
         raise WeightsError(f"{where}: tensor {tensor.name!r} ({tensor.type_name}) has rows of {cols} values, "
                            f"not a multiple of the block size {per_block}")
-    blocks = np.asarray(tensor.data).reshape(rows * (cols // per_block), block_bytes)
+    rows = math.prod(rows_shape)
+    data = np.asarray(tensor.data).reshape(rows, cols // per_block * block_bytes)
     out = np.empty((rows, cols), np.float32)
     for start in range(0, rows, _ROWS_PER_CHUNK):
-        chunk = blocks[start * (cols // per_block):(start + _ROWS_PER_CHUNK) * (cols // per_block)]
-        values = decode(chunk)
-        out[start:start + len(values) * per_block // cols] = values.reshape(-1, cols)
+        out[start:start + _ROWS_PER_CHUNK] = gguf.quants.dequantize(data[start:start + _ROWS_PER_CHUNK], qtype)
     return out.reshape(tensor.shape)
 
 
@@ -439,7 +392,7 @@ def read_tensor(tensor: GGUFTensor, where: str = "") -> np.ndarray:
             import ml_dtypes
 
             return np.asarray(tensor.data).view(ml_dtypes.bfloat16).reshape(tensor.shape)
-        case "Q8_0" | "Q4_0" | "Q4_K" | "Q6_K":
+        case name if name in BLOCK_TYPES + DEQUANTIZED_TYPES:
             return dequantize_rows(tensor, where)
     raise WeightsError(f"{where}: tensor {tensor.name!r} has ggml type {tensor.type_name}, which llm_jax does not "
                        f"read; supported: {', '.join(SUPPORTED_TYPES)}")
@@ -480,7 +433,7 @@ def quantized_projection(tensor: GGUFTensor, bits: int, rows: np.ndarray | None 
     """A Q8_0 / Q4_0 matrix [out, in] as a :class:`QuantizedArray`'s (values, scales): int8 [in, out] or
     packed uint8 [in / 2, out], and float32 scales [in / 32, out]. ``rows`` reorders the outputs first."""
     n_out, k = tensor.shape
-    blocks = np.asarray(tensor.data).reshape(n_out, k // BLOCK_SIZE, _BLOCKS[tensor.type_name][1])
+    blocks = np.asarray(tensor.data).reshape(n_out, k // BLOCK_SIZE, 2 + (32 if bits == 8 else 16))
     if rows is not None:
         blocks = blocks[rows]
     scales = np.ascontiguousarray(blocks[..., :2]).view("<f2")[..., 0].astype(np.float32)  # [out, in / 32]
