@@ -349,6 +349,9 @@ void quads_units(ffi::ThreadPool& pool, const float* x, const int8_t* q, int64_t
 struct PanelOptions {
   bool amx = true;
   bool bf16_dot = true;
+  // The call's weights are too large to stay in the caches between calls (matmul.cc's kStreamedBytes): its
+  // few-rows tiles ask for their panels ahead. How the sums run does not depend on it.
+  bool streamed = false;
 };
 
 // matmul.cc's product on panels, one row and one panel: y[0:16] = x [K] · p [K, 16], panel of a matrix

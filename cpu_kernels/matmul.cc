@@ -297,9 +297,10 @@ class PrefetchOverK {
 // y[0:MR, 0:16 NP] (+= when `add`) x[0:MR, 0:kc] · [P_0 … P_NP-1][0:kc, 0:16], NP packed panels ps values
 // apart (float32, or bfloat16 widened as it is read), x packed k-major (xp[k · MR + r], pack_rows) so that
 // every broadcast comes from one pointer (12 rows of x, each its own pointer, need more registers than
-// the core has); y rows ldy apart. Asks `pf` for `lines` lines on the way, spread over k. `stream`: y
-// written with non-temporal stores (AVX-512; y and ldy 64-byte aligned; the caller fences).
-template <int MR, int NP, typename P>
+// the core has); y rows ldy apart. Asks `pf` for `lines` lines on the way, spread over k; with kAhead > 0
+// each of its own panels' streams, a line at a time, kAhead bytes ahead of where it reads instead. `stream`:
+// y written with non-temporal stores (AVX-512; y and ldy 64-byte aligned; the caller fences).
+template <int MR, int NP, typename P, int64_t kAhead = 0>
 __attribute__((noinline)) void tile(const float* xp, int64_t kc, const P* p, int64_t ps, float* y, int64_t ldy, bool add, Prefetcher& pf,
           int64_t lines, bool stream = false) {
   constexpr int V = kPanel / kLanes, NV = NP * V;  // vectors per row of a panel, of the tile
@@ -309,7 +310,13 @@ __attribute__((noinline)) void tile(const float* xp, int64_t kc, const P* p, int
   }
   PrefetchOverK ahead(pf, lines, kc);
   for (int64_t k = 0; k < kc; ++k) {
-    ahead.at(k);
+    if constexpr (kAhead > 0) {  // every row of k, though a line may hold two: a branch here spills the sums
+      for (int j = 0; j < NP; ++j) {  // it may lie past W: a prefetch cannot fault
+        __builtin_prefetch(reinterpret_cast<const char*>(p + j * ps + k * kPanel) + kAhead, 0, 0);
+      }
+    } else {
+      ahead.at(k);
+    }
     fvec b[NV];
     for (int j = 0; j < NP; ++j) {
       for (int c = 0; c < V; ++c) b[j * V + c] = loadv(p + j * ps + k * kPanel + c * kLanes);
@@ -332,10 +339,10 @@ __attribute__((noinline)) void tile(const float* xp, int64_t kc, const P* p, int
   }
 }
 
-template <int NP, typename P>
+template <int NP, typename P, int64_t kAhead = 0>
 void tile_rows(int64_t mr, const float* xp, int64_t kc, const P* p, int64_t ps, float* y, int64_t ldy, bool add,
                Prefetcher& pf, int64_t lines, bool stream = false) {
-  with_rows<kMR>(mr, [&](auto MR) { tile<MR, NP>(xp, kc, p, ps, y, ldy, add, pf, lines, stream); });
+  with_rows<kMR>(mr, [&](auto MR) { tile<MR, NP, P, kAhead>(xp, kc, p, ps, y, ldy, add, pf, lines, stream); });
 }
 
 // mr rows of y over n whole panels (ps values apart; their columns side by side in y): kTilePanels
@@ -746,12 +753,32 @@ inline int64_t gemv_slices(int64_t groups, int64_t K, int64_t threads) {
 // Panels per tile for a tile of `mr` rows below kTiledMinRows: a tile's sums are that many chains of
 // dependent multiply-adds, and with fewer chains than the core's multiply-add latency times its
 // throughput (5 × 2 on Zen 2) the core waits on each (two rows on one panel of two 8-wide vectors: four
-// chains, 40% of the peak). More panels per tile make more chains, as far as the sums and one row of
-// each panel's vectors fit in the registers (16 with AVX2, 32 with AVX-512), up to a unit's four.
-inline int64_t few_rows_panels(int64_t mr) {
-  constexpr int64_t V = kPanel / kLanes, registers = kLanes == 16 ? 31 : 15;
+// chains, 40% of the peak). More panels per tile make more chains and more streams from memory at once,
+// as far as the sums and one row of each panel's vectors fit in the registers (16 with AVX2, 32 with
+// AVX-512, one kept for the broadcast of x), up to a unit's four. With AVX2, float32 panels take all 16:
+// the multiply-adds read the broadcast from memory, and three rows run on two panels instead of one (35
+// against 29 GB/s on Zen 2, 768 × 4096); bfloat16 widens each panel row into registers first.
+template <typename W>
+int64_t few_rows_panels(int64_t mr) {
+  constexpr int64_t V = kPanel / kLanes, registers = kLanes == 16 ? 31 : sizeof(W) == 4 ? 16 : 15;
   return std::clamp<int64_t>(registers / (V * (mr + 1)), 1, kGemvPanels);
 }
+
+// How far ahead of its reads a float32 few-rows tile asks for each of its panels' streams, a line at a
+// time and past the caches (prefetchnta), where the weights come from memory at every call: the hardware's
+// prefetchers stop at each 4 KiB page, and a tile that does a few rows' multiply-adds per line leaves the
+// core waiting at each page without it. Measured on Zen 2 (110M's products, weights from memory, both
+// cores): 2 rows 26 → 37 GB/s, 3 rows 25 → 34 (two panels a tile, above), 5 rows 24 → 28, 7 rows
+// 18.5 → 19.5, against asking for the unit's next panels spread over the tile's steps; 256 B and 1 KiB
+// ahead, or into the caches, did no better. With weights that stay in the caches the same tiles run a
+// third slower at 5 rows (what they read is not kept), so only calls whose stacks (every layer of the
+// call's matrices) are larger than most last-level caches take them: kStreamedBytes, which 110M's
+// q/k/v, gate/up and down stacks pass and 15M's do not (a CPU whose cache holds a model that passes loses
+// that reuse). bfloat16 does not take them: its tiles spill sums with the requests, and ran no faster
+// where they did not.
+template <typename W>
+constexpr int64_t kFewRowsAhead = sizeof(W) == 4 ? 512 : 0;
+constexpr int64_t kStreamedBytes = int64_t{32} << 20;
 
 // fn(std::integral_constant<int, n>{}) for n = 1 ... kGemvPanels panels known only at run time.
 template <typename Fn>
@@ -766,7 +793,7 @@ void with_panels(int64_t n, const Fn& fn) {
 
 template <typename W>
 void panel_rows(ffi::ThreadPool& pool, const float* x, const std::vector<const W*>& ws, const std::vector<float*>& ys,
-                const std::vector<int64_t>& ns, int64_t R, int64_t K) {
+                const std::vector<int64_t>& ns, int64_t R, int64_t K, bool streamed) {
   const size_t M = ws.size();
   std::vector<int64_t> first_unit(M + 1, 0);
   for (size_t i = 0; i < M; ++i) first_unit[i + 1] = first_unit[i] + (ns[i] / kPanel + kGemvPanels - 1) / kGemvPanels;
@@ -792,22 +819,32 @@ void panel_rows(ffi::ThreadPool& pool, const float* x, const std::vector<const W
       for (; q + 4 <= q1; q += 4) panel_gemv<4>(x + k0, p + q * K * kPanel, K * kPanel, kc, out + q * kPanel, kPanel);
       for (; q < q1; ++q) panel_gemv<1>(x + k0, p + q * K * kPanel, K * kPanel, kc, out + q * kPanel, kPanel);
     } else {
-      // A few panels at a time, read once for every tile of rows, while the next ones are asked for: on
-      // the hardware's prefetchers alone each panel's stream stalls at every 4 KiB page.
+      // A few panels at a time, read once for every tile of rows, while the next ones are asked for (on the
+      // hardware's prefetchers alone each panel's stream stalls at every 4 KiB page), or with weights that
+      // stream from memory each tile asking for its own panels ahead (kFewRowsAhead).
       thread_local std::vector<float> xp;
       xp.resize(R * kc);
       for (int64_t r0 = 0; r0 < R; r0 += kMR) {
         pack_rows(x + r0 * K + k0, K, std::min<int64_t>(kMR, R - r0), kc, xp.data() + r0 * kc);
       }
-      const int64_t np = few_rows_panels(std::min<int64_t>(kMR, R));
+      const int64_t np = few_rows_panels<W>(std::min<int64_t>(kMR, R));
+      const bool ahead = streamed && kFewRowsAhead<W> > 0;
       for (int64_t q = q0; q < q1;) {
         const int64_t n = std::min(np, q1 - q);
-        Prefetcher next = q + n < q1 ? panel_block(ws[i], K, q + n, std::min(q1, q + 2 * n), k0, k0 + kc) : Prefetcher{};
+        Prefetcher next = !ahead && q + n < q1 ? panel_block(ws[i], K, q + n, std::min(q1, q + 2 * n), k0, k0 + kc)
+                                               : Prefetcher{};
         const int64_t lines = next.left;
         for (int64_t r0 = 0; r0 < R; r0 += kMR) {
           with_panels(n, [&](auto NP) {
-            tile_rows<NP>(std::min<int64_t>(kMR, R - r0), xp.data() + r0 * kc, kc, p + q * K * kPanel, K * kPanel,
-                          out + r0 * N + q * kPanel, N, false, next, lines);
+            const int64_t mr = std::min<int64_t>(kMR, R - r0);
+            const float* xr = xp.data() + r0 * kc;
+            const W* pq = p + q * K * kPanel;
+            float* y = out + r0 * N + q * kPanel;
+            if (ahead) {
+              tile_rows<NP, W, kFewRowsAhead<W>>(mr, xr, kc, pq, K * kPanel, y, N, false, next, lines);
+            } else {
+              tile_rows<NP>(mr, xr, kc, pq, K * kPanel, y, N, false, next, lines);
+            }
           });
         }
         q += n;
@@ -1412,7 +1449,7 @@ void panel_matmul(ffi::ThreadPool& pool, const float* x, const std::vector<const
     case PanelPath::kAmx: return amx_matmul(pool, x, ws, ys, ns, R, K);
     case PanelPath::kBf16Dot: return bf16_dot_matmul(pool, x, ws, ys, ns, R, K);
     case PanelPath::kTiled: return panel_tiled(pool, x, ws, ys, ns, R, K);
-    case PanelPath::kRows: return panel_rows(pool, x, ws, ys, ns, R, K);
+    case PanelPath::kRows: return panel_rows(pool, x, ws, ys, ns, R, K, options.streamed);
   }
 }
 
@@ -1479,6 +1516,7 @@ struct Operands {
   std::vector<const W*> ws;
   std::vector<float*> ys;
   std::vector<int64_t> ns;
+  int64_t stack_bytes = 0;  // of the weights' whole stacks, every layer
 };
 
 template <typename Weight, typename W, typename Shape>
@@ -1502,6 +1540,7 @@ ffi::Error read_operands(const char* name, const char* layout, int64_t R, int64_
     ops->ws.push_back(reinterpret_cast<const W*>(w->untyped_data()) + layer * N * K);
     ops->ys.push_back((*y)->typed_data());
     ops->ns.push_back(N);
+    ops->stack_bytes += L * N * K * static_cast<int64_t>(sizeof(W));
   }
   return ffi::Error::Success();
 }
@@ -1546,7 +1585,7 @@ template <ffi::DataType T, typename W, bool kPairs = false>
 ffi::Error MatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, Matrix<ffi::F32> x,
                         ffi::RemainingArgs weights, ffi::RemainingRets outs, bool amx, bool bf16_dot) {
   const int64_t R = x.dimensions()[0], K = x.dimensions()[1];
-  const PanelOptions options{amx, bf16_dot};
+  PanelOptions options{amx, bf16_dot};
   Operands<W> ops;
   auto shape = [](auto wd, int64_t* L, int64_t* N, int64_t* k) {
     if (wd.size() != 4 || wd[3] != kPanel) return false;
@@ -1557,6 +1596,7 @@ ffi::Error MatmulPanels(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_ind
   const ffi::Error read = read_operands<ffi::Buffer<T>>(name, "[L, N / 16, K, 16] stacks", R, K,
                                                         *layer_index.typed_data(), weights, outs, shape, &ops);
   if (read.failure()) return read;
+  options.streamed = ops.stack_bytes >= kStreamedBytes;
   if (kPairs && K % 2 != 0) {
     return ffi::Error::InvalidArgument("cpu_kernels matmul (pairs): K must be even, got " + std::to_string(K));
   }

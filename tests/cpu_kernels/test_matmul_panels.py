@@ -79,6 +79,24 @@ def test_a_layer_of_stacked_panels_several_weights(dtype, options, R):
     assert_one_call_on_whole_stacks(f.lower(x, ps, 0), "llm_jax_matmul_panels", dtype, L, stacks=3)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_stacks_too_large_for_the_caches_give_the_same_sums(dtype):
+    """Stacks of at least 32 MiB (matmul.cc's kStreamedBytes) take few-rows tiles that ask for their panels
+    ahead: every row count below the register tiles gives, bit for bit, what the same layer gives as a small
+    stack (the sums panel_row_product repeats for the greedy heads), and NumPy's product."""
+    L, K, N = 8, 520, 2064  # 8 · 520 · 2064 · 4 bytes ≥ 32 MiB in float32; bfloat16 half (not streamed)
+    _, w = case(1, K, N, dtype, L=L, seed=5)
+    stack = cpu_kernels.to_panels(w)
+    assert dtype != jnp.float32 or stack.nbytes >= 32 << 20
+    f = jax.jit(lambda x, p, layer: cpu_kernels.matmul(x, p, panels=True, layer=layer))
+    for R in range(1, 8):
+        x, _ = case(R, K, 16, dtype, seed=R)
+        ours = np.asarray(f(x, stack, L - 1))
+        alone = np.asarray(f(x, stack[L - 1:], 0))
+        np.testing.assert_array_equal(ours.view(np.uint32), alone.view(np.uint32), err_msg=f"{R} rows")
+        np.testing.assert_allclose(ours, reference(x, w[L - 1]), rtol=RTOL, atol=ATOL)
+
+
 def test_gradients_are_those_of_the_plain_layout():
     x, w = case(2, 12, 32, jnp.float32, L=2)
     loss = lambda f: lambda x, w: jnp.sum(jnp.sin(f(x, w)))
