@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import pathlib
@@ -53,11 +52,18 @@ class ServerProcess:
             pytest.fail(f"the server did not stop within {timeout} s of SIGTERM; its log:\n{self.log()[-3000:]}")
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: Linux sends it SIGTERM when the test process dies (a crashed xdist worker
-    would otherwise leave its server running)."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# What the child runs first, given the test process's pid: it asks Linux for SIGTERM when the test process
+# dies (PR_SET_PDEATHSIG, kept across exec; a crashed xdist worker would otherwise leave its server
+# running), then becomes the server. Not a preexec_fn: that runs Python between fork and exec, which can
+# deadlock a multithreaded parent such as JAX's.
+_LAUNCHER = """
+import ctypes, os, signal, sys
+if sys.platform == "linux":
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+    if os.getppid() != int(sys.argv[1]):  # the test process died before that
+        sys.exit(1)
+os.execv(sys.executable, [sys.executable, "-m", "llm_jax.serve", *sys.argv[2:]])
+"""
 
 
 def start_server(model: pathlib.Path, folder: pathlib.Path, cache: pathlib.Path, *flags: str) -> ServerProcess:
@@ -66,10 +72,9 @@ def start_server(model: pathlib.Path, folder: pathlib.Path, cache: pathlib.Path,
     env = {**os.environ, "LLM_JAX_COMPILATION_CACHE": str(cache),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "llm_jax.serve", "--model", str(model), "--port", "0",
-                                    "--served-model-name", MODEL_NAME, *ENGINE_FLAGS, *flags],
-                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                                   preexec_fn=_die_with_parent)
+        process = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(os.getpid()), "--model", str(model),
+                                    "--port", "0", "--served-model-name", MODEL_NAME, *ENGINE_FLAGS, *flags],
+                                   stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     server = ServerProcess(process=process, url="", log_path=log_path)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not server.url:
