@@ -36,8 +36,8 @@ from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, Lla
 from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out,
                                     interleaved_to_halves, transpose)
 
-# Types we read. Every other ggml type (the ternary and FP4 types of architectures we do not run) is refused
-# by name.
+# Types we read. Every other ggml type (for example the ternary and FP4 types of architectures we do not run)
+# is refused by name.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0")  # map onto QuantizedArray leaves exactly
 # Read as float32 (gguf.quants.dequantize): what llama.cpp's Q2_K ... Q6_K and IQ1_S ... IQ4_XS files hold,
