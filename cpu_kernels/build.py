@@ -70,6 +70,8 @@ HANDLERS = {  # registered target name → symbol in the library
     "llm_jax_glu_gelu_tanh_f32": "GluGeluTanhF32",
     "llm_jax_quant_matmul_i8": "QuantMatmulI8",
     "llm_jax_quant_matmul_i4": "QuantMatmulI4",
+    "llm_jax_quant_matmul_i8_offsets": "QuantMatmulI8Offsets",
+    "llm_jax_quant_matmul_i4_offsets": "QuantMatmulI4Offsets",
 }
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 

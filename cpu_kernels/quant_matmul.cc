@@ -6,6 +6,8 @@
 //      uint8 [L, N / 16, K / 2, 16]      (4 bits: byte j of a column holds inputs 2j (low nibble) and
 //                                         2j + 1 (high nibble), each q + 8)
 //   s  float32 [L, N / 16, ceil(K / G), 16]  one scale per group of G inputs and column.
+//   o  float32 [L, N / 16, ceil(K / G), 16]  (the _offsets handlers) an offset per group and column:
+//      W[k, n] = s[k / G, n] · q[k, n] + o[k / G, n], summed as s_g · (Σ x_k q_k) + o_g · (Σ x_k).
 // Each panel's 16 columns are converted to float32 in registers (no dequantized copy in memory) and
 // summed group by group: y = Σ_groups s_g · (Σ_{k in g} x_k q_k), the order the XLA path's
 // dequantize-then-multiply reaches within float32 rounding. Decode reads the bytes once per step: a
@@ -18,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
@@ -163,9 +166,10 @@ inline void group_sums(const float* x, int64_t K, const void* panel, int64_t k0,
 }
 
 // y[r, 0:16] for RB rows of one panel: group by group, each group's sums scaled and added.
+// Offsets (or nullptr): the panel's [groups, 16]; xsums: each row's group sums of x, rows `groups` apart.
 template <int kBits, int RB>
 inline void panel_rows(const float* x, int64_t K, const void* panel, const float* scales, int64_t G, float* y,
-                       int64_t N) {
+                       int64_t N, const float* offsets, const float* xsums, int64_t groups) {
   Row16 acc[RB], part[RB];
   for (int r = 0; r < RB; ++r) acc[r] = Row16{};
   for (int64_t g = 0; g * G < K; ++g) {
@@ -174,6 +178,14 @@ inline void panel_rows(const float* x, int64_t K, const void* panel, const float
     for (int r = 0; r < RB; ++r) {
       acc[r].a += part[r].a * s0;
       acc[r].b += part[r].b * s1;
+    }
+    if (offsets != nullptr) {
+      const f32x8 o0 = load8(offsets + g * kWidth), o1 = load8(offsets + g * kWidth + 8);
+      for (int r = 0; r < RB; ++r) {
+        const f32x8 xs = splat(xsums[r * groups + g]);
+        acc[r].a += xs * o0;
+        acc[r].b += xs * o1;
+      }
     }
   }
   for (int r = 0; r < RB; ++r) {
@@ -190,7 +202,7 @@ constexpr int64_t kAheadBytes = 1024;
 
 template <int kBits, int NP, int S>
 void panels_one_row(const float* x, int64_t K, const uint8_t* q, int64_t panel_bytes, const float* scales,
-                    int64_t scale_stride, int64_t G, float* y) {
+                    int64_t scale_stride, int64_t G, float* y, const float* offsets, const float* xsums) {
   constexpr int64_t kRowBytes = kWidth;  // bytes per row of a panel: one input (8 bits) or two (4 bits)
   Row16 acc[NP];
   for (int i = 0; i < NP; ++i) acc[i] = Row16{};
@@ -245,6 +257,12 @@ void panels_one_row(const float* x, int64_t K, const uint8_t* q, int64_t panel_b
       const float* sc = scales + i * scale_stride + g * kWidth;
       acc[i].a += sums[i][0].a * load8(sc);
       acc[i].b += sums[i][0].b * load8(sc + 8);
+      if (offsets != nullptr) {  // laid out as the scales
+        const float* o = offsets + i * scale_stride + g * kWidth;
+        const f32x8 xs = splat(xsums[g]);
+        acc[i].a += xs * load8(o);
+        acc[i].b += xs * load8(o + 8);
+      }
     }
   }
   for (int i = 0; i < NP; ++i) {
@@ -257,48 +275,60 @@ void panels_one_row(const float* x, int64_t K, const uint8_t* q, int64_t panel_b
 // as the 16 vector registers hold without spilling a sum to memory), the rest one by one.
 template <int kBits>
 void panels_row(const float* x, int64_t K, const uint8_t* q, int64_t panel_bytes, const float* s, int64_t groups,
-                int64_t G, float* y, int64_t p0, int64_t p1) {
+                int64_t G, float* y, int64_t p0, int64_t p1, const float* o, const float* xsums) {
   constexpr int NP = kBits == 8 ? 4 : 3, S = 1;
   const int64_t ss = groups * kWidth;
+  auto at = [&](int64_t p) { return o == nullptr ? nullptr : o + p * ss; };
   int64_t p = p0;
   for (; p + NP <= p1; p += NP) {
-    panels_one_row<kBits, NP, S>(x, K, q + p * panel_bytes, panel_bytes, s + p * ss, ss, G, y + p * kWidth);
+    panels_one_row<kBits, NP, S>(x, K, q + p * panel_bytes, panel_bytes, s + p * ss, ss, G, y + p * kWidth, at(p),
+                                 xsums);
   }
-  for (; p < p1; ++p) panels_one_row<kBits, 1, 2>(x, K, q + p * panel_bytes, panel_bytes, s + p * ss, ss, G, y + p * kWidth);
+  for (; p < p1; ++p) {
+    panels_one_row<kBits, 1, 2>(x, K, q + p * panel_bytes, panel_bytes, s + p * ss, ss, G, y + p * kWidth, at(p),
+                                xsums);
+  }
 }
 
 // Every row of x against one panel: blocks of 4 rows, then the 1-3 left in one pass (one row as decode
 // reads it, panels_one_row).
 template <int kBits>
 void panel_all_rows(const float* x, int64_t R, int64_t K, const void* panel, const float* scales, int64_t G, float* y,
-                    int64_t N) {
+                    int64_t N, const float* offsets, const float* xsums, int64_t groups) {
   int64_t r = 0;
-  for (; r + kRowBlock <= R; r += kRowBlock) panel_rows<kBits, kRowBlock>(x + r * K, K, panel, scales, G, y + r * N, N);
+  auto sums = [&](int64_t row) { return xsums == nullptr ? nullptr : xsums + row * groups; };
+  for (; r + kRowBlock <= R; r += kRowBlock) {
+    panel_rows<kBits, kRowBlock>(x + r * K, K, panel, scales, G, y + r * N, N, offsets, sums(r), groups);
+  }
   switch (R - r) {
-    case 3: panel_rows<kBits, 3>(x + r * K, K, panel, scales, G, y + r * N, N); break;
-    case 2: panel_rows<kBits, 2>(x + r * K, K, panel, scales, G, y + r * N, N); break;
+    case 3: panel_rows<kBits, 3>(x + r * K, K, panel, scales, G, y + r * N, N, offsets, sums(r), groups); break;
+    case 2: panel_rows<kBits, 2>(x + r * K, K, panel, scales, G, y + r * N, N, offsets, sums(r), groups); break;
     case 1:
-      panels_one_row<kBits, 1, 2>(x + r * K, K, static_cast<const uint8_t*>(panel), 0, scales, 0, G, y + r * N);
+      panels_one_row<kBits, 1, 2>(x + r * K, K, static_cast<const uint8_t*>(panel), 0, scales, 0, G, y + r * N,
+                                  offsets, sums(r));
       break;
     default: break;
   }
 }
 
+// The product, with offsets `o` (laid out as s) where `o` is not null.
 template <ffi::DataType T, int kBits>
-ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, ffi::Buffer<ffi::F32, 2> x,
-                       ffi::Buffer<T, 4> q, ffi::Buffer<ffi::F32, 4> s, ffi::ResultBuffer<ffi::F32, 2> y,
-                       int64_t group_size) {
+ffi::Error QuantMatmulImpl(ffi::ThreadPool& pool, ffi::Buffer<ffi::S32, 0>& layer_index, ffi::Buffer<ffi::F32, 2>& x,
+                           ffi::Buffer<T, 4>& q, ffi::Buffer<ffi::F32, 4>& s, const ffi::Buffer<ffi::F32, 4>* o,
+                           ffi::ResultBuffer<ffi::F32, 2>& y, int64_t group_size) {
   const int64_t R = x.dimensions()[0], K = x.dimensions()[1];
   const auto qd = q.dimensions(), sd = s.dimensions();
   const int64_t L = qd[0], P = qd[1], N = P * kWidth, G = group_size;
   const int64_t k_rows = kBits == 8 ? K : (K + 1) / 2, groups = G > 0 ? (K + G - 1) / G : 0;
   const int64_t layer = *layer_index.typed_data();
+  const bool offsets_fit = o == nullptr || (o->dimensions()[0] == L && o->dimensions()[1] == P &&
+                                             o->dimensions()[2] == groups && o->dimensions()[3] == kWidth);
   if (G <= 0 || (kBits == 4 && G % 2) || qd[2] != k_rows || qd[3] != kWidth || sd[0] != L || sd[1] != P ||
-      sd[2] != groups || sd[3] != kWidth || y->dimensions()[0] != R || y->dimensions()[1] != N) {
+      sd[2] != groups || sd[3] != kWidth || y->dimensions()[0] != R || y->dimensions()[1] != N || !offsets_fit) {
     return ffi::Error::InvalidArgument(
         "cpu_kernels quant_matmul: x [R, K] = [" + std::to_string(R) + ", " + std::to_string(K) +
-        "], q [L, N / 16, " + (kBits == 8 ? "K" : "K / 2") + ", 16], s [L, N / 16, ceil(K / G), 16] and y [R, N] "
-        "(an even G for 4 bits) do not fit: G = " + std::to_string(G));
+        "], q [L, N / 16, " + (kBits == 8 ? "K" : "K / 2") + ", 16], s (and o) [L, N / 16, ceil(K / G), 16] and "
+        "y [R, N] (an even G for 4 bits) do not fit: G = " + std::to_string(G));
   }
   if (layer < 0 || layer >= L) {
     return ffi::Error::InvalidArgument("cpu_kernels quant_matmul: layer " + std::to_string(layer) +
@@ -308,17 +338,29 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_inde
   const float* s_data = s.typed_data() + layer * P * groups * kWidth;
   const float* xs = x.typed_data();
   float* out = y->typed_data();
+  const float* o_data = o == nullptr ? nullptr : o->typed_data() + layer * P * groups * kWidth;
+  std::vector<float> xsums;  // with offsets: each row's sums of x over each group, [R, groups]
+  if (o_data != nullptr) {
+    xsums.assign(R * groups, 0.f);
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t k = 0; k < K; ++k) xsums[r * groups + k / G] += xs[r * K + k];
+    }
+  }
+  const float* sums = o_data == nullptr ? nullptr : xsums.data();
   const int64_t panel_bytes = k_rows * kWidth;
   const int64_t per_unit = std::max<int64_t>(1, kUnitBytes / std::max<int64_t>(panel_bytes, 1));
   const int64_t units = (P + per_unit - 1) / per_unit;
   auto unit = [&](int64_t u) {
     const int64_t p0 = u * per_unit, p1 = std::min(P, (u + 1) * per_unit);
     if (R == 1) {
-      panels_row<kBits>(xs, K, reinterpret_cast<const uint8_t*>(q_data), panel_bytes, s_data, groups, G, out, p0, p1);
+      panels_row<kBits>(xs, K, reinterpret_cast<const uint8_t*>(q_data), panel_bytes, s_data, groups, G, out, p0, p1,
+                        o_data, sums);
       return;
     }
     for (int64_t p = p0; p < p1; ++p) {
-      panel_all_rows<kBits>(xs, R, K, q_data + p * panel_bytes, s_data + p * groups * kWidth, G, out + p * kWidth, N);
+      const float* op = o_data == nullptr ? nullptr : o_data + p * groups * kWidth;
+      panel_all_rows<kBits>(xs, R, K, q_data + p * panel_bytes, s_data + p * groups * kWidth, G, out + p * kWidth, N,
+                            op, sums, groups);
     }
   };
   if (units > 1) {
@@ -329,21 +371,48 @@ ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_inde
   return ffi::Error::Success();
 }
 
-// x, then q (int8 or packed uint8) and s; the group size as an attribute.
-#define QUANT_BINDING(T)                  \
-  ffi::Ffi::Bind()                        \
-      .Ctx<ffi::ThreadPool>()             \
-      .Arg<ffi::Buffer<ffi::S32, 0>>()    \
-      .Arg<ffi::Buffer<ffi::F32, 2>>()    \
-      .Arg<ffi::Buffer<T, 4>>()           \
-      .Arg<ffi::Buffer<ffi::F32, 4>>()    \
-      .Ret<ffi::Buffer<ffi::F32, 2>>()    \
-      .Attr<int64_t>("group_size")
+template <ffi::DataType T, int kBits>
+ffi::Error QuantMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, ffi::Buffer<ffi::F32, 2> x,
+                       ffi::Buffer<T, 4> q, ffi::Buffer<ffi::F32, 4> s, ffi::ResultBuffer<ffi::F32, 2> y,
+                       int64_t group_size) {
+  return QuantMatmulImpl<T, kBits>(pool, layer_index, x, q, s, nullptr, y, group_size);
+}
 
-auto BindingI8() { return QUANT_BINDING(ffi::S8); }
-auto BindingI4() { return QUANT_BINDING(ffi::U8); }
+template <ffi::DataType T, int kBits>
+ffi::Error QuantMatmulOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::S32, 0> layer_index, ffi::Buffer<ffi::F32, 2> x,
+                              ffi::Buffer<T, 4> q, ffi::Buffer<ffi::F32, 4> s, ffi::Buffer<ffi::F32, 4> o,
+                              ffi::ResultBuffer<ffi::F32, 2> y, int64_t group_size) {
+  return QuantMatmulImpl<T, kBits>(pool, layer_index, x, q, s, &o, y, group_size);
+}
+
+// The layer index, x, q (int8 or packed uint8) and s; then o for the _offsets handlers, y, and the group size
+// as an attribute.
+template <ffi::DataType T>
+auto QuantArgs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32, 0>>()
+      .Arg<ffi::Buffer<ffi::F32, 2>>()
+      .Arg<ffi::Buffer<T, 4>>()
+      .template Arg<ffi::Buffer<ffi::F32, 4>>();
+}
+
+template <ffi::DataType T>
+auto Binding() {
+  return QuantArgs<T>().template Ret<ffi::Buffer<ffi::F32, 2>>().template Attr<int64_t>("group_size");
+}
+
+template <ffi::DataType T>
+auto BindingOffsets() {
+  return QuantArgs<T>()
+      .template Arg<ffi::Buffer<ffi::F32, 4>>()
+      .template Ret<ffi::Buffer<ffi::F32, 2>>()
+      .template Attr<int64_t>("group_size");
+}
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulI8, (QuantMatmul<ffi::S8, 8>), BindingI8());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulI4, (QuantMatmul<ffi::U8, 4>), BindingI4());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulI8, (QuantMatmul<ffi::S8, 8>), Binding<ffi::S8>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulI4, (QuantMatmul<ffi::U8, 4>), Binding<ffi::U8>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulI8Offsets, (QuantMatmulOffsets<ffi::S8, 8>), BindingOffsets<ffi::S8>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulI4Offsets, (QuantMatmulOffsets<ffi::U8, 4>), BindingOffsets<ffi::U8>());

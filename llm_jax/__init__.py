@@ -25,7 +25,8 @@ import importlib
 # The public surface, grouped: submodule → the names it contributes.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # Configuration.
-    "config": ("Activation", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig", "Quantization"),
+    "config": ("Activation", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig", "Quantization",
+               "QuantScheme"),
     # Integer weights.
     "quantization": ("QuantizedArray", "quantize", "quantize_params"),
     # How the model runs: the backend seam.

@@ -49,23 +49,70 @@ class Llama3Rope:
 RopeScaling = DefaultRope | LinearRope | Llama3Rope
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Quantization:
-    """Weights stored as integers with a float32 scale per group of inputs (``llm_jax.quantization``).
+# The projections of every family's layers, by name (``llm_jax.quantization.PROJECTIONS`` groups them).
+PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-    ``bits`` 8 or 4; ``group_size`` inputs share a scale (None: one scale per output channel, the group
-    spanning all inputs); ``embedding``: the embedding table and an untied LM head too (int8, per row).
-    """
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantScheme:
+    """How one weight is stored as integers (``llm_jax.quantization``): ``bits`` 8 or 4; ``group_size``
+    inputs share a float32 scale (None: one scale per output channel, the group spanning all inputs);
+    ``offsets``: each group also has a float32 offset (asymmetric: W = s · q + o, as llama.cpp's Q4_1 and
+    K-quants store it), else symmetric (W = s · q)."""
 
     bits: int
     group_size: int | None = None
-    embedding: bool = False
+    offsets: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in (8, 4):
             raise ConfigError(f"quantization bits must be 8 or 4, got {self.bits!r}")
         if self.group_size is not None and (not isinstance(self.group_size, int) or self.group_size <= 0):
             raise ConfigError(f"quantization group_size must be a positive integer or None, got {self.group_size!r}")
+        if not isinstance(self.offsets, bool):
+            raise ConfigError(f"quantization offsets must be true or false, got {self.offsets!r}")
+
+    @property
+    def plain(self) -> QuantScheme:
+        """The scheme alone (a :class:`Quantization` without its other fields)."""
+        return QuantScheme(bits=self.bits, group_size=self.group_size, offsets=self.offsets)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Quantization(QuantScheme):
+    """Weights stored as integers (``llm_jax.quantization``): every projection in this scheme, except
+    those ``projections`` names ((name, scheme) pairs, a scheme None keeping that projection in floats: the
+    mixes of a GGUF file); ``embedding``: the embedding table and an untied LM head too (int8, per row)."""
+
+    embedding: bool = False
+    projections: tuple[tuple[str, QuantScheme | None], ...] = ()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        names = [name for name, _ in self.projections]
+        unknown = sorted(set(names) - set(PROJECTION_NAMES))
+        if unknown or len(set(names)) != len(names):
+            raise ConfigError(f"quantization projections must name each of {PROJECTION_NAMES} at most once, got "
+                              f"{names}")
+        if any(s is not None and (not isinstance(s, QuantScheme) or isinstance(s, Quantization))
+               for _, s in self.projections):
+            raise ConfigError(f"quantization projections must map names to QuantScheme s or None, got "
+                              f"{self.projections!r}")
+
+    def scheme(self, name: str) -> QuantScheme | None:
+        """The scheme of projection ``name`` (None: kept in floats)."""
+        return dict(self.projections).get(name, self.plain)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Quantization:
+        data = dict(data)
+        pairs = data.pop("projections", ())
+        try:
+            projections = tuple((str(name), None if scheme is None else QuantScheme(**scheme))
+                                for name, scheme in pairs)
+            return cls(**data, projections=projections)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"invalid quantization {data!r}: {e}") from None
 
 # Runtime choices that configs saved by earlier versions hold; how a model runs is its backend's
 # (``llm_jax.backends``), not the model's, and reading such a config ignores them.
@@ -243,8 +290,5 @@ class ModelConfig:
         if data.get("sliding_layers") is not None:
             data["sliding_layers"] = tuple(data["sliding_layers"])
         if data.get("quantization") is not None:
-            try:
-                data["quantization"] = Quantization(**data["quantization"])
-            except TypeError as e:
-                raise ConfigError(f"invalid quantization {data['quantization']!r}: {e}") from None
+            data["quantization"] = Quantization.from_dict(data["quantization"])
         return cls(**data)

@@ -7,15 +7,19 @@ inputs (along K, row-major over the input axes) sharing one scale per output col
     W[k, n] = s[k // group_size, n] * q[k, n]
 
 Per output channel is one group spanning all of K (``group_size == K``). The last group may be shorter
-(K not a multiple of the group size: stories260K's MLP width of 172). Symmetric: no zero point.
+(K not a multiple of the group size: stories260K's MLP width of 172). Symmetric, or with ``offsets``
+(asymmetric: a float32 offset ``o`` per group and output column as well):
+
+    W[k, n] = s[k // group_size, n] * q[k, n] + o[k // group_size, n]
 
 Storage (``values``, with the leaf's leading axes first, e.g. [L] for stacked layers):
 
 - **8 bits**: int8 [*lead, K, N], ``q`` itself (-127 ... 127 when made by :func:`quantize`).
 - **4 bits**: uint8 [*lead, ceil(K / 2), N], two inputs per byte: input 2j in the low nibble, input
   2j + 1 in the high nibble, each stored offset by 8 (nibble ``u`` in 0 ... 15 means ``q = u - 8``, so
-  -8 ... 7; an odd K's last high nibble is 8, a zero).
-- ``scales``: float32 [*lead, ceil(K / group_size), N].
+  -8 ... 7; an odd K's last high nibble is 8, a zero). With offsets the nibble is ``q`` itself, unsigned
+  (0 ... 15, as llama.cpp's Q4_1 and Q4_K store it).
+- ``scales``: float32 [*lead, ceil(K / group_size), N]; ``offsets`` (or None) likewise.
 - ``transposed``: the leaf stands for a matrix stored as [*out, *in] (the embedding table E [V, D], whose
   input, as the tied LM head, is D): ``values`` [*lead, N, K] (or [*lead, N, ceil(K / 2)]) and ``scales``
   [*lead, N, ceil(K / group_size)], the same rules along the last axis.
@@ -29,6 +33,12 @@ running along the input: blocks run along K, as our groups do; its float16 scale
   the low nibble of ``qs[i]`` for input i < 16 and the high nibble of ``qs[i - 16]`` for input i >= 16:
   4 bits, ``group_size=32``, ``s = float32(d)``, and the same nibbles ``u`` reordered into our pairs (input
   2j low, 2j + 1 high); the offset of 8 is the same as ours.
+
+The other types llama.cpp writes that are integers times per-block scales (and offsets) map onto leaves
+exactly too (``llm_jax.weights.from_gguf``): Q5_0, Q6_K, IQ4_NL and IQ4_XS as 8 bits (Q6_K in groups of
+16), Q3_K as 4 bits in groups of 16, Q4_1 and Q4_K as 4 bits with offsets, Q5_1 and Q5_K as 8 bits with
+offsets, Q2_K as 4 bits with offsets in groups of 16. The sub-block scales of the K-quants are products
+of a float16 and a 6-bit integer, exact in float32.
 
 :meth:`QuantizedArray.dequantize` is the one definition of what a leaf stands for; the XLA products
 dequantize then multiply (:mod:`llm_jax.backends.base`), the CPU kernels dequantize in registers.
@@ -45,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llm_jax.config import ModelConfig, Quantization
+from llm_jax.config import ModelConfig, Quantization, QuantScheme
 
 Params = dict[str, Any]
 
@@ -71,6 +81,11 @@ class QuantizedArray:
     bits: int = _static()
     group_size: int = _static()
     transposed: bool = _static(default=False)
+    offsets: jax.Array | None = None
+
+    @property
+    def scheme(self) -> QuantScheme:
+        return QuantScheme(bits=self.bits, group_size=self.group_size, offsets=self.offsets is not None)
 
     @property
     def K(self) -> int:
@@ -105,12 +120,13 @@ class QuantizedArray:
 
     @property
     def nbytes(self) -> int:
-        return self.values.nbytes + self.scales.nbytes
+        return self.values.nbytes + self.scales.nbytes + (0 if self.offsets is None else self.offsets.nbytes)
 
     def layer(self, index: jax.Array | int) -> QuantizedArray:
         """Entry ``index`` of the leading axis (a layer of a stack; a traced index is fine)."""
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
-        return dataclasses.replace(self, values=take(self.values), scales=take(self.scales))
+        return dataclasses.replace(self, values=take(self.values), scales=take(self.scales),
+                                   offsets=None if self.offsets is None else take(self.offsets))
 
     def rows(self, index: jax.Array) -> QuantizedArray:
         """Outputs ``index`` [*I] of a ``transposed`` matrix (rows of an embedding table [V, D]): a
@@ -121,6 +137,7 @@ class QuantizedArray:
         flat = index.reshape(-1)
         take = functools.partial(jnp.take, indices=flat, axis=0, mode="fill", fill_value=0)
         return dataclasses.replace(self, values=take(self.values), scales=take(self.scales),
+                                   offsets=None if self.offsets is None else take(self.offsets),
                                    out_shape=tuple(index.shape))
 
     def ints(self) -> jax.Array:
@@ -128,8 +145,9 @@ class QuantizedArray:
         if self.bits == 8:
             return self.values
         k_axis = -1 if self.transposed else -2
-        low = (self.values & 0xF).astype(jnp.int8) - 8
-        high = (self.values >> 4).astype(jnp.int8) - 8
+        zero = 0 if self.offsets is not None else 8
+        low = (self.values & 0xF).astype(jnp.int8) - zero
+        high = (self.values >> 4).astype(jnp.int8) - zero
         if self.transposed:  # [..., N, K / 2, 2] → [..., N, K]: inputs 2j, 2j + 1
             q = jnp.stack([low, high], axis=-1).reshape(*self.values.shape[:-1], -1)
         else:  # [..., K / 2, 2, N] → [..., K, N]
@@ -137,7 +155,7 @@ class QuantizedArray:
         return jax.lax.slice_in_dim(q, 0, self.K, axis=k_axis)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The array it stands for, ``s * q`` computed in float32 then cast to ``dtype``."""
+        """The array it stands for, ``s * q`` (``s * q + o``) computed in float32 then cast to ``dtype``."""
         q = self.ints()
         g, G, K = self.group_size, self.n_groups, self.K
         k_axis = q.ndim - 1 if self.transposed else q.ndim - 2
@@ -145,9 +163,15 @@ class QuantizedArray:
         pad[k_axis] = (0, G * g - K)
         q = jnp.pad(q, pad).astype(jnp.float32)
         if self.transposed:
-            w = (q.reshape(*q.shape[:-1], G, g) * self.scales[..., None]).reshape(*q.shape[:-1], G * g)
+            w = q.reshape(*q.shape[:-1], G, g) * self.scales[..., None]
+            if self.offsets is not None:
+                w = w + self.offsets[..., None]
+            w = w.reshape(*q.shape[:-1], G * g)
         else:
-            w = (q.reshape(*self.lead, G, g, self.N) * self.scales[..., None, :]).reshape(*self.lead, G * g, self.N)
+            w = q.reshape(*self.lead, G, g, self.N) * self.scales[..., None, :]
+            if self.offsets is not None:
+                w = w + self.offsets[..., None, :]
+            w = w.reshape(*self.lead, G * g, self.N)
         w = jax.lax.slice_in_dim(w, 0, K, axis=k_axis)
         return w.reshape(self.shape).astype(dtype)
 
@@ -157,7 +181,8 @@ def is_quantized(leaf: Any) -> bool:
 
 
 def quantize(w: jax.Array, bits: int = 8, group_size: int | None = None, *, in_shape: tuple[int, ...] | None = None,
-             out_shape: tuple[int, ...] | None = None, transposed: bool = False) -> QuantizedArray:
+             out_shape: tuple[int, ...] | None = None, transposed: bool = False,
+             offsets: bool = False) -> QuantizedArray:
     """``w`` [*lead, *in, *out] (``transposed``: [*lead, *out, *in]) quantized symmetrically, per group, by
     llama.cpp's rules (``quantize_row_q8_0`` / ``quantize_row_q4_0``, whose blocks are groups of 32):
 
@@ -166,7 +191,13 @@ def quantize(w: jax.Array, bits: int = 8, group_size: int | None = None, *, in_s
       ``q = -8`` and every level of -8 ... 7 is used: ``q = floor(w / s + 8.5) - 8``, clipped to 7.
 
     ``w / s`` is computed as ``w · (1 / s)``, as llama.cpp does, so a group of 32 gets llama.cpp's integers
-    bit for bit. ``group_size`` None: one group per output column. ``in_shape`` / ``out_shape`` default to
+    bit for bit. With ``offsets`` (asymmetric), each group's range [lo, hi] is cut into equal steps:
+
+    - 8 bits: ``o = (lo + hi) / 2``, ``s = (hi - lo) / 254``, ``q = round((w - o) / s)``: -127 ... 127.
+    - 4 bits: ``o = lo``, ``s = (hi - lo) / 15``, ``q = min(15, floor((w - lo) / s + 0.5))``: 0 ... 15,
+      llama.cpp's ``quantize_row_q4_1`` rule.
+
+    ``group_size`` None: one group per output column. ``in_shape`` / ``out_shape`` default to
     w's last two axes."""
     if bits not in BITS:
         raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
@@ -185,18 +216,33 @@ def quantize(w: jax.Array, bits: int = 8, group_size: int | None = None, *, in_s
     group_size = K if group_size is None else int(group_size)
     if group_size <= 0:
         raise ValueError(f"group_size must be positive, got {group_size}")
-    values, scales = _quantize(w, bits, group_size, K, math.prod(out_shape), lead, transposed)
-    return QuantizedArray(values, scales, in_shape, out_shape, bits, group_size, transposed)
+    values, scales, zero = _quantize(w, bits, group_size, K, math.prod(out_shape), lead, transposed, bool(offsets))
+    return QuantizedArray(values, scales, in_shape, out_shape, bits, group_size, transposed, zero)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6))
-def _quantize(w, bits: int, g: int, K: int, N: int, lead: int, transposed: bool):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5, 6, 7))
+def _quantize(w, bits: int, g: int, K: int, N: int, lead: int, transposed: bool, offsets: bool):
     lead_shape = w.shape[:lead]
     w = w.astype(jnp.float32).reshape(*lead_shape, *((N, K) if transposed else (K, N)))
     if not transposed:
         w = jnp.swapaxes(w, -1, -2)  # [*lead, N, K]: groups along the last axis from here on
     G = -(-K // g)
     w_NGg = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, G * g - K)]).reshape(*w.shape[:-1], G, g)
+    if offsets:  # the padding of a short last group repeats its first value, so the range is its own
+        w_NGg = jnp.pad(w, [(0, 0)] * (w.ndim - 1) + [(0, G * g - K)], mode="edge").reshape(*w.shape[:-1], G, g)
+        lo, hi = jnp.min(w_NGg, axis=-1), jnp.max(w_NGg, axis=-1)
+        o_NG = (lo + hi) / 2 if bits == 8 else lo
+        s_NG = (hi - lo) / (254 if bits == 8 else 15)
+        x_NGg = (w_NGg - o_NG[..., None]) * jnp.where(s_NG == 0, 0, 1 / jnp.where(s_NG == 0, 1, s_NG))[..., None]
+        if bits == 8:
+            q_NGg = jnp.clip(jnp.sign(x_NGg) * jnp.floor(jnp.abs(x_NGg) + 0.5), -127, 127)
+        else:
+            q_NGg = jnp.minimum(jnp.floor(x_NGg + 0.5), 15)
+        q_NK = q_NGg.astype(jnp.int8).reshape(*w.shape[:-1], G * g)[..., :K]
+        values = q_NK if bits == 8 else pack_int4(q_NK - 8)
+        if transposed:
+            return values, s_NG, o_NG
+        return jnp.swapaxes(values, -1, -2), jnp.swapaxes(s_NG, -1, -2), jnp.swapaxes(o_NG, -1, -2)
     if bits == 8:
         s_NG = jnp.max(jnp.abs(w_NGg), axis=-1) / 127
     else:  # the value of largest magnitude, sign kept, is -8 steps
@@ -210,8 +256,8 @@ def _quantize(w, bits: int, g: int, K: int, N: int, lead: int, transposed: bool)
     q_NK = q_NGg.astype(jnp.int8).reshape(*w.shape[:-1], G * g)[..., :K]
     values = q_NK if bits == 8 else pack_int4(q_NK)
     if transposed:
-        return values, s_NG
-    return jnp.swapaxes(values, -1, -2), jnp.swapaxes(s_NG, -1, -2)
+        return values, s_NG, None
+    return jnp.swapaxes(values, -1, -2), jnp.swapaxes(s_NG, -1, -2), None
 
 
 def pack_int4(q: jax.Array) -> jax.Array:
@@ -233,8 +279,12 @@ def quantize_params(params: Params, config: ModelConfig, quantization: Quantizat
         group = dict(layers[module])
         for name in names:
             ins, outs = projection_dims(name, config)
+            scheme = quantization.scheme(name)
+            if scheme is None:  # kept in floats
+                _checked(group.get(name), f"layers/{module}/{name}", (config.n_layers, *ins, *outs))
+                continue
             group[name] = quantize(_checked(group.get(name), f"layers/{module}/{name}", (config.n_layers, *ins, *outs)),
-                                   quantization.bits, quantization.group_size, in_shape=ins, out_shape=outs)
+                                   scheme.bits, scheme.group_size, in_shape=ins, out_shape=outs, offsets=scheme.offsets)
         layers[module] = group
     out = {**params, "layers": layers}
     if quantization.embedding:
@@ -247,8 +297,8 @@ def quantize_params(params: Params, config: ModelConfig, quantization: Quantizat
     return config.replace(quantization=quantization), out
 
 
-# The schemes the command lines name, and their default group sizes (int8: per output channel).
-SCHEMES = {"int8": (8, None), "int4": (4, 32)}
+# The schemes the command lines name: (bits, default group size (int8: per output channel), offsets).
+SCHEMES = {"int8": (8, None, False), "int4": (4, 32, False), "int4-asym": (4, 32, True)}
 
 
 def parse_quantization(name: str, group_size: int | None = None, *, embedding: bool = False) -> Quantization:
@@ -256,8 +306,9 @@ def parse_quantization(name: str, group_size: int | None = None, *, embedding: b
     the scheme's default (int8: per output channel; int4: 32)."""
     if name not in SCHEMES:
         raise ValueError(f"unknown quantization {name!r}; choose one of {', '.join(map(repr, SCHEMES))}")
-    bits, default = SCHEMES[name]
-    return Quantization(bits=bits, group_size=default if group_size is None else group_size, embedding=embedding)
+    bits, default, offsets = SCHEMES[name]
+    return Quantization(bits=bits, group_size=default if group_size is None else group_size, offsets=offsets,
+                        embedding=embedding)
 
 
 def projection_dims(name: str, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -226,7 +226,8 @@ def quantized_specs(q: QuantizedArray, logical: PartitionSpec, mesh: Mesh | Abst
     def of(k: str | None) -> PartitionSpec:
         return PartitionSpec(*axes[:lead], *((n_out_axis, k) if q.transposed else (k, n_out_axis)))
 
-    return dataclasses.replace(q, values=of(k_axis), scales=of(k_scales))
+    return dataclasses.replace(q, values=of(k_axis), scales=of(k_scales),
+                               offsets=None if q.offsets is None else of(k_scales))
 
 
 def _named(specs: Any, mesh: Mesh) -> Any:
@@ -402,10 +403,13 @@ def _place_quantized(q: QuantizedArray, name: str, mesh: Mesh, repeats: int) -> 
             a = jnp.asarray(a)
             return jnp.repeat(a.reshape(*a.shape[:-1], K, H), repeats, axis=-2).reshape(*a.shape[:-1], -1)
 
-        q = dataclasses.replace(q, values=repeat(q.values), scales=repeat(q.scales), out_shape=(K * repeats, H))
+        q = dataclasses.replace(q, values=repeat(q.values), scales=repeat(q.scales),
+                                offsets=None if q.offsets is None else repeat(q.offsets), out_shape=(K * repeats, H))
     specs = quantized_specs(q, spec(_dims(PARAM_DIMS, "PARAM_DIMS", name, q.shape), q.shape, mesh), mesh)
     return dataclasses.replace(q, values=jax.device_put(q.values, NamedSharding(mesh, specs.values)),
-                               scales=jax.device_put(q.scales, NamedSharding(mesh, specs.scales)))
+                               scales=jax.device_put(q.scales, NamedSharding(mesh, specs.scales)),
+                               offsets=None if q.offsets is None else jax.device_put(
+                                   q.offsets, NamedSharding(mesh, specs.offsets)))
 
 
 def _shard_reader(x: np.ndarray, dtype, heads_axis: int | None, repeats: int) -> Callable:

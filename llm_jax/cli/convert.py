@@ -15,8 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dest", help="checkpoint folder to create, e.g. checkpoints/llama-3.2-1b")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default=None,
                    help="stored dtype (default: the source's own; float32 for llama2.c)")
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="store the projections as integers: int8 per output channel, int4 in groups of --group-size")
+    p.add_argument("--quantize", choices=["int8", "int4", "int4-asym"], default=None,
+                   help="store the projections as integers: int8 per output channel, int4 in groups of --group-size "
+                        "(int4-asym: with an offset per group as well, as llama.cpp's Q4_1)")
     p.add_argument("--group-size", type=positive_int, default=None, metavar="G",
                    help="inputs sharing one scale (default: int8 per output channel, int4 32)")
     p.add_argument("--quantize-embedding", action="store_true",

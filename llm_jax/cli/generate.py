@@ -90,8 +90,9 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--backend", choices=["auto", "xla", "cpu", "pallas"], default="auto",
                        help="how the model runs: the CPU kernels on one CPU device, Pallas attention kernels on "
                             "GPU/TPU, or XLA's own operations (default: %(default)s, which picks by platform)")
-    group.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                       help="quantize the weights on load: int8 per output channel, int4 in groups (see --group-size)")
+    group.add_argument("--quantize", choices=["int8", "int4", "int4-asym"], default=None,
+                       help="quantize the weights on load: int8 per output channel, int4 in groups (see --group-size; "
+                            "int4-asym: with an offset per group)")
     group.add_argument("--group-size", type=positive_int, default=None, metavar="G",
                        help="inputs sharing one scale with --quantize (default: int8 per channel, int4 32)")
 

@@ -196,10 +196,10 @@ def _check_params(params: Params, config: ModelConfig, *, where: str) -> str:
 
 
 def _quantized_dtypes(config: ModelConfig) -> dict[Path, str]:
-    """The dtype of each quantized weight's tensors (its ``values`` and ``scales``), by path; the other
+    """The dtype of each quantized weight's tensors (its ``values``, ``scales`` and ``offsets``), by path; the other
     tensors have the params' float dtype."""
     return {path: np.dtype(s.dtype).name for path, s in leaves_by_path(param_shapes(config)).items()
-            if path[-1] in ("values", "scales")}
+            if path[-1] in ("values", "scales", "offsets")}
 
 
 def _dtypes(config: ModelConfig, manifest: Mapping[Path, Any], float_dtype: str) -> dict[Path, str]:

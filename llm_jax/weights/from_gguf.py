@@ -3,10 +3,12 @@
 The file is read through the ``gguf`` package's reader (a memory map). Its metadata (``{arch}.block_count``,
 ``{arch}.attention.head_count``, ...) becomes a :class:`ModelConfig` for the architectures our decoder
 runs: ``llama`` (Llama 1-3, Mistral), ``qwen2``, ``qwen3``, ``gemma`` and ``gemma2``. Tensors become our
-leaves one at a time (``layout.assemble``): F32, F16 and BF16 as they are; projections all in Q8_0, or all
-in Q4_0, as quantized leaves holding the file's integers and scales; every other block type llama.cpp
-writes (the other legacy quants, the K-quants, the i-quants) as float32, through the ``gguf`` package's own
-dequantization (:func:`dequantize_rows`).
+leaves one at a time (``layout.assemble``): F32, F16 and BF16 as they are; projections in the integer
+block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K ... Q6_K, IQ4_NL and IQ4_XS) as quantized
+leaves holding the file's integers, scales and offsets value for value (``llm_jax.weights.gguf_blocks``;
+a projection whose layers mix types in the narrowest scheme that holds them all); every other tensor of
+a block type (the 1- to 3-bit i-quants, an embedding table) as float32, through the ``gguf`` package's
+own dequantization (:func:`dequantize_rows`).
 
 The quirks of llama.cpp's converter (``convert_hf_to_gguf.py``) undone here:
 
@@ -32,21 +34,22 @@ from typing import Any
 
 import numpy as np
 
-from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig, Quantization
+from llm_jax.config import (PROJECTION_NAMES, Activation, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig,
+                            Quantization)
+from llm_jax.weights import gguf_blocks
 from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out,
                                     interleaved_to_halves, transpose)
 
 # Types we read. Every other ggml type (for example the ternary and FP4 types of architectures we do not run)
 # is refused by name.
 FLOAT_TYPES = ("F32", "F16", "BF16")
-BLOCK_TYPES = ("Q8_0", "Q4_0")  # map onto QuantizedArray leaves exactly
-# Read as float32 (gguf.quants.dequantize): what llama.cpp's Q2_K ... Q6_K and IQ1_S ... IQ4_XS files hold,
-# with the legacy types it falls back to where a row is not whole super-blocks of 256 values (Q4_K → Q5_0,
-# Q5_K → Q5_1, Q6_K → Q8_0 for widths such as 64, 576 or 896).
-DEQUANTIZED_TYPES = ("Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS",
-                     "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
+# Integers times per-block scales (and offsets): quantized leaves exactly (``gguf_blocks``), or float32.
+# llama.cpp's K-quant files hold the legacy types too where a row is not whole super-blocks of 256 values
+# (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0 for widths such as 64, 576 or 896).
+BLOCK_TYPES = gguf_blocks.TYPES
+# Read as float32 always (gguf.quants.dequantize): the 1- to 3-bit i-quants, whose values come from grids.
+DEQUANTIZED_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
 SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES + DEQUANTIZED_TYPES
-BLOCK_SIZE = 32  # values per Q8_0 / Q4_0 block, along a row (the input dimension)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,8 +288,9 @@ def config_from_gguf(f: GGUFFile) -> ModelConfig:
 def read_gguf_config(path: str | os.PathLike, *, dequantize: bool = False) -> ModelConfig:
     """The config of a GGUF file; dtypes float32, or bfloat16 when every matrix is stored in BF16.
 
-    A file whose projections are all Q8_0 (or all Q4_0) gets ``quantization`` int8 (int4) in groups of 32,
-    its blocks becoming QuantizedArray leaves as they are; ``dequantize`` reads it as floats instead.
+    A file whose projections are all of integer block types gets the ``quantization`` that holds them
+    (:func:`block_quantization`), its blocks becoming QuantizedArray leaves; ``dequantize`` reads it as
+    floats instead.
     """
     f = open_gguf(path)
     config = config_from_gguf(f)
@@ -374,15 +378,6 @@ def dequantize_rows(tensor: GGUFTensor, where: str = "") -> np.ndarray:
     return out.reshape(tensor.shape)
 
 
-def unpack_quants(type_name: str, packed: np.ndarray) -> np.ndarray:
-    """The int8 quants of Q8_0 / Q4_0 blocks: ``packed`` [..., bytes] → [..., 32]. Q8_0: the bytes as int8;
-    Q4_0: 16 bytes whose low nibbles are values 0-15 and high nibbles values 16-31, each ``nibble - 8``."""
-    if type_name == "Q8_0":
-        return np.ascontiguousarray(packed).view(np.int8)
-    low, high = packed & 0x0F, packed >> 4
-    return np.concatenate([low, high], axis=-1).astype(np.int8) - np.int8(8)
-
-
 def read_tensor(tensor: GGUFTensor, where: str = "") -> np.ndarray:
     """A tensor's values in a float dtype numpy reads: a view for F32/F16/BF16, float32 for block types."""
     match tensor.type_name:
@@ -409,17 +404,34 @@ def check_types(f: GGUFFile, names: set[str]) -> None:
 
 
 def block_quantization(f: GGUFFile, config: ModelConfig) -> Quantization | None:
-    """The :class:`Quantization` of the file's projections when all of them are Q8_0, or all Q4_0 (blocks
-    of 32 along the input: our groups of 32), else None (the file then loads as floats)."""
-    names = {s.source.format(layer=l) for s in tensor_specs(config, interleaved=False) if s.path[1:2] in (
-        ("attn",), ("mlp",)) and s.path[-1] in _PROJECTIONS for l in range(config.n_layers)}
-    types = {f.tensors[n].type_name for n in names if n in f.tensors}
-    if len(types) != 1 or not types <= set(BLOCK_TYPES):
+    """The :class:`Quantization` holding the file's projections of integer block types exactly
+    (``gguf_blocks.SCHEMES``; a projection whose layers mix types in the scheme common to them): the scheme
+    of most projections the default, the others named, a projection with a layer of any other type (F16
+    where a row is not whole blocks: stories260K's ``ffn_down``) named as floats. None when no projection
+    is of integer block types (the file loads as floats)."""
+    schemes = {}
+    for name in _PROJECTIONS:
+        types = {f.tensors[t].type_name for t in _sources(config, name) if t in f.tensors}
+        if not types:
+            return None
+        schemes[name] = (gguf_blocks.common_scheme(gguf_blocks.SCHEMES[t] for t in sorted(types))
+                         if types <= set(BLOCK_TYPES) else None)  # floats, or i-quants: read as floats
+    held = [s for s in schemes.values() if s is not None]
+    if not held:
         return None
-    return Quantization(bits=8 if types == {"Q8_0"} else 4, group_size=BLOCK_SIZE)
+    counts = [held.count(s) for s in held]
+    default = held[counts.index(max(counts))]
+    return Quantization(bits=default.bits, group_size=default.group_size, offsets=default.offsets,
+                        projections=tuple((n, s) for n, s in schemes.items() if s != default))
 
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PROJECTIONS = PROJECTION_NAMES
+
+
+def _sources(config: ModelConfig, name: str) -> list[str]:
+    """The file's tensors (one per layer) of projection ``name``."""
+    (spec,) = [s for s in tensor_specs(config, interleaved=False) if s.path[-1] == name]
+    return [spec.source.format(layer=layer) for layer in range(config.n_layers)]
 
 
 def _halves_rows(n_heads: int, head_dim: int) -> np.ndarray:
@@ -428,20 +440,26 @@ def _halves_rows(n_heads: int, head_dim: int) -> np.ndarray:
     return (n * head_dim + 2 * i + j).reshape(-1)
 
 
-def quantized_projection(tensor: GGUFTensor, bits: int, rows: np.ndarray | None = None
-                         ) -> tuple[np.ndarray, np.ndarray]:
-    """A Q8_0 / Q4_0 matrix [out, in] as a :class:`QuantizedArray`'s (values, scales): int8 [in, out] or
-    packed uint8 [in / 2, out], and float32 scales [in / 32, out]. ``rows`` reorders the outputs first."""
+def quantized_projection(tensor: GGUFTensor, scheme, rows: np.ndarray | None = None, where: str = ""
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A block-quantized matrix [out, in] as a :class:`QuantizedArray`'s (values, scales, offsets) of a
+    [in, out] weight in ``scheme`` (its type's own, or one that widens it): ``rows`` reorders the outputs."""
     n_out, k = tensor.shape
-    blocks = np.asarray(tensor.data).reshape(n_out, k // BLOCK_SIZE, 2 + (32 if bits == 8 else 16))
+    data = np.asarray(tensor.data).reshape(n_out, -1)
+    per_block = _per_block(tensor.type_name)
+    if k % per_block:
+        raise WeightsError(f"{where}: tensor {tensor.name!r} ({tensor.type_name}) has rows of {k} values, "
+                           f"not a multiple of the block size {per_block}")
     if rows is not None:
-        blocks = blocks[rows]
-    scales = np.ascontiguousarray(blocks[..., :2]).view("<f2")[..., 0].astype(np.float32)  # [out, in / 32]
-    q = unpack_quants(tensor.type_name, blocks[..., 2:]).reshape(n_out, k)  # [out, in], in input order
-    if bits == 8:
-        return np.ascontiguousarray(q.T), np.ascontiguousarray(scales.T)
-    u = (q + 8).astype(np.uint8)  # our 4-bit pairs: input 2j in the low nibble, 2j + 1 in the high one
-    return np.ascontiguousarray((u[:, 0::2] | (u[:, 1::2] << 4)).T), np.ascontiguousarray(scales.T)
+        data = data[rows]
+    blocks = gguf_blocks.widen(gguf_blocks.decode(tensor.type_name, data, k), scheme)
+    return gguf_blocks.leaf_arrays(blocks)
+
+
+def _per_block(type_name: str) -> int:
+    import gguf
+
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
 
 
 def _quantized_leaves(f: GGUFFile, config: ModelConfig, quantization: Quantization, specs: list[TensorSpec],
@@ -454,26 +472,30 @@ def _quantized_leaves(f: GGUFFile, config: ModelConfig, quantization: Quantizati
     for spec in specs:
         name = spec.path[-1]
         ins, outs = projection_dims(name, config)
+        scheme = quantization.scheme(name)
         rows = None
         if interleaved and name in ("q_proj", "k_proj"):
             rows = _halves_rows(config.n_heads if name == "q_proj" else config.n_kv_heads, config.head_dim)
-        values = scales = None
+        stacks: list[np.ndarray | None] = [None, None, None]
         for layer in range(config.n_layers):
             source = spec.source.format(layer=layer)
             tensor = f.tensors[source]
             if tensor.shape != tuple(spec.source_shape):
                 raise WeightsError(f"{f.path}: tensor {source!r} has shape {tensor.shape}, expected "
                                    f"{tuple(spec.source_shape)} from the config")
-            v, s = quantized_projection(tensor, quantization.bits, rows)
-            if values is None:
-                values = np.empty((config.n_layers, *v.shape), v.dtype)
-                scales = np.empty((config.n_layers, *s.shape), s.dtype)
-            values[layer], scales[layer] = v, s
+            for i, a in enumerate(quantized_projection(tensor, scheme, rows, str(f.path))):
+                if a is None:
+                    continue
+                if stacks[i] is None:
+                    stacks[i] = np.empty((config.n_layers, *a.shape), a.dtype)
+                stacks[i][layer] = a
             if progress is not None:
                 progress(source)
+        values, scales, offsets = stacks
         if place is not None:  # each tensor of the leaf at its own path, as the checkpoint stores it
             values, scales = place((*spec.path, "values"), values), place((*spec.path, "scales"), scales)
-        out[spec.path] = QuantizedArray(values, scales, ins, outs, quantization.bits, quantization.group_size)
+            offsets = None if offsets is None else place((*spec.path, "offsets"), offsets)
+        out[spec.path] = QuantizedArray(values, scales, ins, outs, scheme.bits, scheme.group_size, offsets=offsets)
     return out
 
 
@@ -482,7 +504,7 @@ def load_gguf_params(path: str | os.PathLike, config: ModelConfig, *, dtype=np.f
                      place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None) -> dict:
     """The params of a GGUF file, tensor by tensor (see ``layout.assemble``): floats cast to ``dtype``, and
     when ``config.quantization`` is set (``read_gguf_config``) the projections as QuantizedArray leaves
-    holding the file's Q8_0 / Q4_0 blocks unchanged."""
+    holding the file's integer blocks value for value."""
     f = open_gguf(path)
     names = set(f.tensors) - set(_NOT_PARAMS)
     check_types(f, names)
@@ -492,8 +514,9 @@ def load_gguf_params(path: str | os.PathLike, config: ModelConfig, *, dtype=np.f
     if config.quantization is not None:
         if config.quantization != block_quantization(f, config):
             raise WeightsError(f"{where}: the projections are not all stored as {config.quantization}")
-        quantized = [s for s in specs if s.path[-1] in _PROJECTIONS]
-        specs = [s for s in specs if s.path[-1] not in _PROJECTIONS]
+        held = {name for name in _PROJECTIONS if config.quantization.scheme(name) is not None}
+        quantized = [s for s in specs if s.path[-1] in held]
+        specs = [s for s in specs if s.path[-1] not in held]
         names -= {s.source.format(layer=l) for s in quantized for l in range(config.n_layers)}
     params = assemble(specs, config, lambda name: read_tensor(f.tensors[name], where), names, where=where,
                       dtype=dtype, progress=progress, place=place)

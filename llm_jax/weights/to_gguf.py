@@ -26,7 +26,7 @@ from llm_jax.weights.layout import WeightsError
 # The ggml types a file's matrices may be written in, with llama.cpp's name of such a file
 # (``general.file_type``, ``gguf.LlamaFileType``).
 FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
-              "Q4_0": "MOSTLY_Q4_0"}
+              "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1"}
 
 # The config fields of families other than Llama, at their Llama values: a config that sets one is not
 # a model llama.cpp's ``llama`` architecture runs.

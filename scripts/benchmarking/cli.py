@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", dest="models", action="append", help="named shape or checkpoint (repeatable)")
     p.add_argument("--dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"])
-    p.add_argument("--quantize", nargs="+", choices=["int8", "int4"], default=[],
-                   help="also run each --dtype's weights quantized (llm_jax.quantization; int4 in groups of 32), "
+    p.add_argument("--quantize", nargs="+", choices=["int8", "int4", "int4-asym"], default=[],
+                   help="also run each --dtype's weights quantized (llm_jax.quantization; int4 in groups of 32, "
+                        "int4-asym with an offset per group), "
                         "taking turns with the float ones: rows 'bfloat16+int8'")
     p.add_argument("--batch", nargs="+", type=positive_int, default=[1])
     p.add_argument("--prompt-len", type=positive_int, default=16)

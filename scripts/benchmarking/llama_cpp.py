@@ -26,7 +26,7 @@ from benchmarking.llm_jax_engine import EagerEngine, Run, Workload, runner_up
 INSTALL = "pip install llama-cpp-python"
 
 # ``--quantize`` scheme → the GGUF type of the same kind (blocks of 32 along the input, float16 scales)
-_BLOCK_TYPES = {"int8": "Q8_0", "int4": "Q4_0"}
+_BLOCK_TYPES = {"int8": "Q8_0", "int4": "Q4_0", "int4-asym": "Q4_1"}
 _FLOAT_TYPES = {"float32": "F32", "bfloat16": "BF16"}
 
 

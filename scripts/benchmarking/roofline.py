@@ -20,11 +20,13 @@ each) are not counted: how many depends on the logits.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax.numpy as jnp
 
-from llm_jax.config import ModelConfig
+from llm_jax.config import PROJECTION_NAMES, ModelConfig
 from llm_jax.kv_cache import cache_bytes_per_token
+from llm_jax.quantization import projection_dims
 
 
 def weight_bytes_per_step(config: ModelConfig, batch: int, *, screen: str | None = None) -> int:
@@ -36,12 +38,16 @@ def weight_bytes_per_step(config: ModelConfig, batch: int, *, screen: str | None
     if config.tie_embeddings:  # the table is the LM head, read whole
         read += embedding
     quantized = 0
-    if config.quantization is not None:  # the projections as integers and float32 scales (not the head)
-        D, N, K, H, F = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
-        projections = config.n_layers * (D * H * (N + 2 * K) + N * H * D + 3 * D * F)
-        group = config.quantization.group_size or D
-        read -= projections
-        quantized = projections * config.quantization.bits // 8 + 4 * projections // group
+    if config.quantization is not None:  # the projections as integers, float32 scales and offsets (not the head)
+        for name in PROJECTION_NAMES:
+            scheme = config.quantization.scheme(name)
+            if scheme is None:  # kept in floats
+                continue
+            ins, outs = projection_dims(name, config)
+            K, count = math.prod(ins), config.n_layers * math.prod(ins) * math.prod(outs)
+            groups_per_input = math.ceil(K / (scheme.group_size or K)) / K
+            read -= count
+            quantized += count * scheme.bits // 8 + round(count * groups_per_input * 4 * (1 + scheme.offsets))
     if screen is None:
         return read * itemsize + quantized
     per_weight, per_column = SCREEN_BYTES[screen]

@@ -65,6 +65,32 @@ def test_kernel_against_float64(bits, G, K, R):
     np.testing.assert_array_equal(np.asarray(y0), np.asarray(run(x, qp, sp, 0)))
 
 
+@pytest.mark.parametrize("bits,G,K,R", [(8, 16, 96, 1), (8, 32, 101, 3), (4, 32, 172, 1), (4, 16, 64, 5),
+                                         (4, 32, 33, 4)])
+def test_offsets_against_float64(bits, G, K, R):
+    """With an offset per group and column: W = s · q + o, each group's offset times its sum of x."""
+    rng = np.random.default_rng(bits * 100 + K + 7)
+    L, N = 2, 112
+    q, s, qp, sp = make(rng, L, K, N, bits, G)
+    o = rng.normal(scale=0.1, size=s.shape).astype(np.float32)
+    op = np.asarray(cpu_kernels.to_panels(jnp.asarray(o)))
+    x = rng.normal(size=(R, K)).astype(np.float32)
+    run = jax.jit(lambda x, a, b, c, layer: cpu_kernels.quant_matmul(x, a, b, bits=bits, group_size=G, layer=layer,
+                                                                     offsets=c))
+    for layer in range(L):
+        w = (q[layer].astype(np.float64) * np.repeat(s[layer], G, axis=0)[:K]
+             + np.repeat(o[layer], G, axis=0)[:K].astype(np.float64))
+        expected = x.astype(np.float64) @ w
+        tol = 2e-6 * np.abs(x).sum(1, keepdims=True) * np.abs(w).max() * 8
+        for y in (run(x, qp, sp, op, layer), qm._xla(jnp.asarray(x), jnp.asarray(qp), jnp.asarray(sp),
+                                                     jnp.asarray(layer, jnp.int32), jnp.asarray(op), bits=bits,
+                                                     group_size=G)):
+            assert np.all(np.abs(np.asarray(y) - expected) <= tol + 1e-5)
+    y0 = cpu_kernels.quant_matmul(jnp.asarray(x), jnp.asarray(qp[1]), jnp.asarray(sp[1]), bits=bits, group_size=G,
+                                  offsets=jnp.asarray(op[1]))
+    np.testing.assert_array_equal(np.asarray(y0), np.asarray(run(x, qp, sp, op, 1)))
+
+
 def test_bad_shapes_are_named():
     rng = np.random.default_rng(0)
     _, _, qp, sp = make(rng, 1, 64, 16, 4, 32)
@@ -73,3 +99,6 @@ def test_bad_shapes_are_named():
         cpu_kernels.quant_matmul(x, jnp.asarray(qp[0]), jnp.asarray(sp[0]), bits=4, group_size=31)
     with pytest.raises(ValueError, match="got x"):
         cpu_kernels.quant_matmul(x, jnp.asarray(qp[0]).astype(jnp.int8), jnp.asarray(sp[0]), bits=4, group_size=32)
+    with pytest.raises(ValueError, match=r"offsets float32 \(4, 2, 16\)"):
+        cpu_kernels.quant_matmul(x, jnp.asarray(qp[0]), jnp.asarray(sp[0]), bits=4, group_size=32,
+                                 offsets=jnp.zeros((4, 2, 16), jnp.float32))

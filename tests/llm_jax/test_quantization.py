@@ -25,7 +25,7 @@ import pytest
 from multi_device import PYTHON, REPO, cpu_devices_env
 
 import llm_jax
-from llm_jax import ModelConfig, Quantization
+from llm_jax import ModelConfig, Quantization, QuantScheme
 from llm_jax.backends.cpu.quantized import QuantizedPanels
 from llm_jax.cli.convert import main as convert_main
 from llm_jax.cli.generate import DEFAULT_MODEL
@@ -42,7 +42,12 @@ from llm_jax.sampling import GREEDY
 
 SCHEMES = {"int8": Quantization(bits=8), "int8+embedding": Quantization(bits=8, embedding=True),
            "int4 g32": Quantization(bits=4, group_size=32), "int4 g64": Quantization(bits=4, group_size=64),
-           "int4 g128": Quantization(bits=4, group_size=128)}
+           "int4 g128": Quantization(bits=4, group_size=128),
+           "int4 g32 offsets": Quantization(bits=4, group_size=32, offsets=True),
+           # a GGUF file's kind of mix: a scheme per projection, one kept in floats
+           "mixed": Quantization(bits=4, group_size=32, offsets=True, projections=(
+               ("v_proj", QuantScheme(bits=8, group_size=16)),
+               ("o_proj", QuantScheme(bits=8, group_size=32, offsets=True)), ("down_proj", None)))}
 
 
 def dequantized(params):
@@ -54,18 +59,23 @@ def dequantized(params):
 
 
 def numpy_dequantize(q: QuantizedArray) -> np.ndarray:
-    """The module docstring's layout, read with numpy: W[k, n] = s[k // g, n] * q[k, n]."""
+    """The module docstring's layout, read with numpy: W[k, n] = s[k // g, n] * q[k, n] (+ o[k // g, n])."""
     values, scales = np.asarray(q.values), np.asarray(q.scales)
+    offsets = None if q.offsets is None else np.asarray(q.offsets)
     if q.transposed:
         values, scales = np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)
+        offsets = None if offsets is None else np.swapaxes(offsets, -1, -2)
     if q.bits == 4:
+        zero = 0 if offsets is not None else 8  # with offsets the nibbles are the integers, unsigned
         ints = np.empty((*values.shape[:-2], 2 * values.shape[-2], values.shape[-1]), np.int32)
-        ints[..., 0::2, :] = (values & 0xF).astype(np.int32) - 8
-        ints[..., 1::2, :] = (values >> 4).astype(np.int32) - 8
+        ints[..., 0::2, :] = (values & 0xF).astype(np.int32) - zero
+        ints[..., 1::2, :] = (values >> 4).astype(np.int32) - zero
         ints = ints[..., : q.K, :]
     else:
         ints = values.astype(np.int32)
     w = ints.astype(np.float32) * np.repeat(scales, q.group_size, axis=-2)[..., : q.K, :]
+    if offsets is not None:
+        w = w + np.repeat(offsets, q.group_size, axis=-2)[..., : q.K, :]
     if q.transposed:
         w = np.swapaxes(w, -1, -2)
     return w.reshape(q.shape)
@@ -74,12 +84,13 @@ def numpy_dequantize(q: QuantizedArray) -> np.ndarray:
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("group_size", [None, 32, 64, 128, 20])
 @pytest.mark.parametrize("transposed", [False, True])
-def test_round_trip_within_half_a_step(bits, group_size, transposed):
+@pytest.mark.parametrize("offsets", [False, True])
+def test_round_trip_within_half_a_step(bits, group_size, transposed, offsets):
     rng = np.random.default_rng(bits * 1000 + (group_size or 0))
     K, N = 172, 24  # stories260K's MLP width: a group size that does not divide K leaves a short last group
     w_KN = rng.standard_t(df=4, size=(2, K, N)).astype(np.float32)  # heavy tails, as real weights have
     w = np.swapaxes(w_KN, -1, -2) if transposed else w_KN
-    q = quantize(jnp.asarray(w), bits, group_size, transposed=transposed)
+    q = quantize(jnp.asarray(w), bits, group_size, transposed=transposed, offsets=offsets)
     g = group_size or K
     assert q.shape == w.shape and q.group_size == g and q.scales.dtype == jnp.float32
     assert q.values.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
@@ -91,6 +102,12 @@ def test_round_trip_within_half_a_step(bits, group_size, transposed):
     ints = np.asarray(q.ints())
     ints_KN = np.swapaxes(ints, -1, -2) if transposed else ints
     error = np.abs(w_KN - back_KN)
+    if offsets:  # each group's range in equal steps: every value within half a step, its ends reached
+        assert (q.offsets is not None and q.offsets.shape == q.scales.shape and np.all(scales >= 0))
+        assert np.all(error <= step * (0.5 + 1e-5) + 1e-6 * np.abs(w_KN))
+        low, high = (-127, 127) if bits == 8 else (0, 15)
+        assert ints_KN.min() == low and ints_KN.max() == high
+        return
     # |w - sq| <= |s| / 2 (rounding to nearest), with room for float32 rounding of w / s and s·q; 4 bits
     # clip at 7: a value near the group's largest magnitude but of the other sign is up to one step off.
     clipped = ints_KN == 7 if bits == 4 else np.zeros_like(ints_KN, bool)
@@ -143,6 +160,13 @@ def test_bad_arguments_are_named():
         Quantization(bits=2)
     with pytest.raises(llm_jax.ConfigError, match="group_size"):
         Quantization(bits=4, group_size=0)
+    with pytest.raises(llm_jax.ConfigError, match="offsets must be true or false"):
+        Quantization(bits=4, offsets="yes")
+    with pytest.raises(llm_jax.ConfigError, match=r"projections must name each of .* at most once, got \['x_proj'\]"):
+        Quantization(bits=4, projections=(("x_proj", None),))
+    with pytest.raises(llm_jax.ConfigError, match="invalid quantization"):
+        ModelConfig.from_dict({**ModelConfig(**BASE).to_dict(), "quantization": {
+            "bits": 4, "projections": [["v_proj", {"bits": 5}]]}})
 
 
 # --- GGUF's Q8_0 and Q4_0 -------------------------------------------------------------------------------
@@ -190,14 +214,15 @@ FAMILIES = {
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("scheme", ["int8+embedding", "int4 g32"])
+@pytest.mark.parametrize("scheme", ["int8+embedding", "int4 g32", "mixed"])
 def test_forward_on_quantized_leaves_is_the_dequantized_forward(family, scheme):
     config = ModelConfig(**{**BASE, **FAMILIES[family]})
     params = init_params(config, seed=3)
     qconfig, qparams = quantize_params(params, config, SCHEMES[scheme])
     quantized = [k for k, leaf in jax.tree_util.tree_flatten_with_path(qparams, is_leaf=is_quantized)[0]
                  if is_quantized(leaf)]
-    assert len(quantized) == 7 + (1 if SCHEMES[scheme].embedding else 0) + (
+    floats = sum(s is None for _, s in SCHEMES[scheme].projections)
+    assert len(quantized) == 7 - floats + (1 if SCHEMES[scheme].embedding else 0) + (
         0 if config.tie_embeddings or not SCHEMES[scheme].embedding else 1)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 11)), jnp.int32)
     expected = forward(dequantized(qparams), config, tokens, backend="xla")
@@ -224,7 +249,7 @@ def test_quantizing_twice_or_wrong_params_is_an_error():
         quantize_params(init_params(config), small, SCHEMES["int8"])
 
 
-@pytest.mark.parametrize("scheme", ["int8+embedding", "int4 g32"])
+@pytest.mark.parametrize("scheme", ["int8+embedding", "int4 g32", "mixed"])
 def test_greedy_generation_on_the_cpu_backend_equals_xla(scheme):
     model = llm_jax.load(DEFAULT_MODEL, quantize=SCHEMES[scheme])
     prompts = ["Once upon a time", "The little dog"]
@@ -255,7 +280,7 @@ TINY_STORY = (
     "sugar and put the cookies in the oven. The kitchen smelled sweet and warm.")
 
 # Targets of issue 47: perplexity within 1% (int8) and 5% (int4, groups of 32) of the float model's.
-TARGETS = {"int8": 0.01, "int8+embedding": 0.01, "int4 g32": 0.05}
+TARGETS = {"int8": 0.01, "int8+embedding": 0.01, "int4 g32": 0.05, "int4 g32 offsets": 0.05}
 
 
 def perplexity_and_kl(model, texts: list[str]) -> dict[str, tuple[float, float]]:
@@ -304,15 +329,16 @@ def test_accuracy_on_stories260k(stories260k_dir):
     check_targets(results, STORIES260K_TARGETS)
 
 
-# stories260K (dim 64) loses more to 4 bits than the targets allow: see docs/quantization.md.
-STORIES260K_TARGETS = {"int8": 0.01, "int8+embedding": 0.01}
+# stories260K (dim 64) loses more to symmetric 4 bits than the targets allow (docs/quantization.md); with an
+# offset per group (llama.cpp's Q4_1 rule) it is within them on this story (+4.7%; +6.5% over 16 stories).
+STORIES260K_TARGETS = {"int8": 0.01, "int8+embedding": 0.01, "int4 g32 offsets": 0.05}
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("flags", [["--quantize", "int8", "--quantize-embedding"], ["--quantize", "int4"],
-                                   ["--quantize", "int4", "--group-size", "64"]])
+                                   ["--quantize", "int4", "--group-size", "64"], ["--quantize", "int4-asym"]])
 def test_converted_checkpoints_load_as_the_same_leaves(stories260k_dir, tmp_path, flags):
     source = stories260k_dir / "stories260K.bin"
     assert convert_main([str(source), str(tmp_path / "q"), "--quiet", *flags]) == 0
@@ -320,7 +346,7 @@ def test_converted_checkpoints_load_as_the_same_leaves(stories260k_dir, tmp_path
     model = llm_jax.load(tmp_path / "q")
     float_model = llm_jax.load(source)
     qconfig, qparams = quantize_params(float_model.params, float_model.config, model.config.quantization)
-    assert recorded == dataclasses.asdict(qconfig.quantization)
+    assert Quantization.from_dict(recorded) == qconfig.quantization
     assert model.config == qconfig
     assert jax.tree.structure(model.params) == jax.tree.structure(qparams)
     for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(qparams)):
@@ -350,11 +376,11 @@ import llm_jax
 from llm_jax.model import forward
 from llm_jax.sharding import make_mesh
 path, scheme, tokens = sys.argv[1], json.loads(sys.argv[2]), jnp.asarray(json.loads(sys.argv[3]), jnp.int32)
-single = llm_jax.load(path, backend="xla", quantize=llm_jax.Quantization(**scheme))
+single = llm_jax.load(path, backend="xla", quantize=llm_jax.Quantization.from_dict(scheme))
 expected = np.asarray(forward(single.params, single.config, tokens, backend="xla"))
 out = {}
 for spec in ("model=4", "data=2,model=2"):
-    model = llm_jax.load(path, mesh=spec, quantize=llm_jax.Quantization(**scheme))
+    model = llm_jax.load(path, mesh=spec, quantize=llm_jax.Quantization.from_dict(scheme))
     q = model.params["layers"]["attn"]["k_proj"]
     got = np.asarray(jax.jit(lambda p, t: forward(p, model.config, t, backend="xla"))(model.params, tokens))
     out[spec] = [float(np.abs(got - expected).max()), str(q.values.sharding.spec), model.config.n_kv_heads,
@@ -363,7 +389,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("scheme", ["int8+embedding", "int4 g32"])
+@pytest.mark.parametrize("scheme", ["int8+embedding", "mixed"])
 def test_sharded_quantized_forward_equals_one_device(scheme):
     """Quantized params laid out by the sharding table (K/V heads repeated on model=4: the shipped model has
     2) give one device's logits."""

@@ -8,7 +8,10 @@ of float32's bytes per step:
 
 - 8 bits per output channel (one group): the kernels' int8 panel product (``cpu_kernels.matmuls``, x · q,
   every projection of one input in one call), each output column then scaled: ``(x · q) · s = x · W``;
-- groups, and 4 bits: ``cpu_kernels.quant_matmul``, group by group, each group's sums scaled.
+- groups, and 4 bits: ``cpu_kernels.quant_matmul``, group by group, each group's sums scaled;
+- offsets (asymmetric leaves): ``quant_matmul`` adds each group's ``o_g · Σ_{k in g} x_k`` as it goes.
+  The kernels read 4-bit nibbles as ``u - 8``; the 4-bit offsets the panels hold are ``o + 8 s``, the
+  same function (within float32 rounding).
 
 Other quantized leaves (the embedding table) stay :class:`QuantizedArray` s, which the backend multiplies
 as XLA does (dequantized). The LM head of a model whose embedding is not quantized keeps its float panels
@@ -18,6 +21,7 @@ and screen (:mod:`llm_jax.backends.cpu.forms`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -35,7 +39,8 @@ Params = dict[str, Any]
 @dataclasses.dataclass(frozen=True)
 class QuantizedPanels:
     """A quantized [*lead, *in, *out] weight in panels: ``data`` its integers [*lead, N / 16, K (or
-    ceil(K / 2) for 4 bits), 16], ``scales`` float32 [*lead, N / 16, ceil(K / group_size), 16]."""
+    ceil(K / 2) for 4 bits), 16], ``scales`` float32 [*lead, N / 16, ceil(K / group_size), 16], ``offsets``
+    None or float32 like the scales (the offsets of the integers as the kernels read them)."""
 
     data: jax.Array
     scales: jax.Array
@@ -43,6 +48,7 @@ class QuantizedPanels:
     out_shape: tuple[int, ...] = dataclasses.field(metadata={"static": True})
     bits: int = dataclasses.field(metadata={"static": True})
     group_size: int = dataclasses.field(metadata={"static": True})
+    offsets: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -55,7 +61,7 @@ class QuantizedPanels:
     @property
     def per_channel(self) -> bool:
         """8 bits, one scale per output column: the int8 panel product, then the scales."""
-        return self.bits == 8 and self.scales.shape[-2] == 1
+        return self.bits == 8 and self.scales.shape[-2] == 1 and self.offsets is None
 
 
 def takes_panels(w: Any) -> bool:
@@ -71,12 +77,20 @@ def prepare(params: Params, config: ModelConfig) -> Params:
         for name in names:
             w = layers[module][name]
             if takes_panels(w):
+                offsets = None if w.offsets is None else _panels(_kernel_offsets(w.offsets, w.scales, w.bits))
                 layers[module][name] = QuantizedPanels(_panels(w.values), _panels(w.scales), w.in_shape, w.out_shape,
-                                                       w.bits, w.group_size)
+                                                       w.bits, w.group_size, offsets)
     return {**params, "layers": layers}
 
 
 _panels = jax.jit(cpu_kernels.to_panels)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _kernel_offsets(offsets: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
+    """A leaf's offsets for integers as the kernels read them (4 bits: ``u - 8``, so ``o + 8 s``)."""
+    return offsets + 8 * scales if bits == 4 else offsets
+
 
 
 def products(x: jax.Array, ws: list[QuantizedPanels], out_dtype, layer: jax.Array | None) -> list[jax.Array]:
@@ -94,5 +108,6 @@ def products(x: jax.Array, ws: list[QuantizedPanels], out_dtype, layer: jax.Arra
             out[i] = y_RN * s.reshape(-1)  # [N / 16, 1, 16]: the columns in order
     for i, w in enumerate(ws):
         if out[i] is None:
-            out[i] = cpu_kernels.quant_matmul(x_RK, w.data, w.scales, bits=w.bits, group_size=w.group_size, layer=layer)
+            out[i] = cpu_kernels.quant_matmul(x_RK, w.data, w.scales, bits=w.bits, group_size=w.group_size, layer=layer,
+                                              offsets=w.offsets)
     return [y.reshape(*rows, *w.out_shape).astype(out_dtype) for w, y in zip(ws, out)]

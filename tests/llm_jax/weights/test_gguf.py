@@ -31,7 +31,9 @@ from llm_jax.model import forward
 from llm_jax.model.rope import inverse_frequencies
 from llm_jax.weights.checkpoint import load_checkpoint
 from llm_jax.weights.convert import convert
-from llm_jax.weights import from_gguf
+from llm_jax.backends.cpu.quantized import QuantizedPanels
+from llm_jax.quantization import is_quantized
+from llm_jax.weights import from_gguf, gguf_blocks
 from llm_jax.weights.from_gguf import dequantize_rows, load_gguf, open_gguf
 from llm_jax.weights.layout import WeightsError
 from llm_jax.weights.placement import leaves_by_path
@@ -285,6 +287,7 @@ SCALE_OFFSETS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: 
                  Q.IQ2_XXS: [0], Q.IQ2_XS: [0], Q.IQ2_S: [0], Q.IQ3_XXS: [0], Q.IQ3_S: [0], Q.IQ4_NL: [0],
                  Q.IQ4_XS: [0]}
 READ_AS_FLOATS = [Q[name] for name in from_gguf.DEQUANTIZED_TYPES]
+LEAF_TYPES = [Q[name] for name in from_gguf.BLOCK_TYPES]
 
 
 def random_blocks(rng, qtype, rows: int, cols: int, scale: float = 0.05) -> np.ndarray:
@@ -303,7 +306,7 @@ def random_blocks(rng, qtype, rows: int, cols: int, scale: float = 0.05) -> np.n
     return blocks.reshape(rows, cols // per_block * block_bytes)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, *READ_AS_FLOATS], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [*LEAF_TYPES, *READ_AS_FLOATS], ids=lambda q: q.name)
 def test_random_blocks_dequantize_bit_exactly(tmp_path, qtype, monkeypatch):
     """Every bit pattern of every block type we read, K- and i-quants included (the gguf package cannot
     quantize those; it dequantizes them), over several chunks of rows."""
@@ -320,6 +323,36 @@ def test_random_blocks_dequantize_bit_exactly(tmp_path, qtype, monkeypatch):
     theirs = gguf.quants.dequantize(tensor.data, qtype).astype(np.float32)
     assert np.isfinite(theirs).all()
     np.testing.assert_array_equal(dequantize_rows(tensor).view(np.uint32), theirs.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", LEAF_TYPES, ids=lambda q: q.name)
+def test_integer_blocks_are_quantized_leaves_value_for_value(qtype):
+    """Every integer block type, every bit pattern: the leaf of its own scheme stands for gguf's
+    dequantization bit for bit, and so (value for value) does the leaf of every wider scheme a projection
+    mixing it with another type gets; the integers lie in the scheme's range."""
+    from llm_jax.quantization import QuantizedArray
+
+    rows, cols = 6, 512
+    raw = random_blocks(np.random.default_rng(4), qtype, rows, cols)
+    theirs = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+    own = gguf_blocks.decode(qtype.name, raw, cols)
+    assert own.scheme == gguf_blocks.SCHEMES[qtype.name]
+    for other in LEAF_TYPES:
+        scheme = gguf_blocks.common_scheme([own.scheme, gguf_blocks.SCHEMES[other.name]])
+        blocks = gguf_blocks.widen(own, scheme)
+        low, high = {(8, False): (-128, 127), (8, True): (-128, 127), (4, False): (-8, 7), (4, True): (0, 15)}[
+            (scheme.bits, scheme.offsets)]
+        assert low <= blocks.q.min() and blocks.q.max() <= high
+        values, scales, offsets = gguf_blocks.leaf_arrays(blocks)
+        leaf = QuantizedArray(jnp.asarray(values), jnp.asarray(scales), (cols,), (rows,), scheme.bits,
+                              scheme.group_size, offsets=None if offsets is None else jnp.asarray(offsets))
+        assert leaf.scheme == scheme
+        ours = np.asarray(leaf.dequantize()).T
+        if scheme == own.scheme:  # bit for bit; a widened leaf adds an offset of 0 to -0.0
+            ours, theirs_as = ours.view(np.uint32), theirs.view(np.uint32)
+        else:
+            theirs_as = theirs
+        np.testing.assert_array_equal(ours, theirs_as)
 
 
 def test_q4_0_file_with_a_q6_k_head_loads(tmp_path):
@@ -367,32 +400,34 @@ def expected_logits(path: pathlib.Path, folder: pathlib.Path, source, config, id
 @pytest.mark.parametrize("name", ["llama3_gqa_rope_scaling", "qwen2_bias_tied"])  # q/k permuted and not
 def test_dequantized_gguf_params_are_the_gguf_dequantization(built, name, qtype):
     """With ``dequantize``, every param is gguf's own dequantization of its tensor moved into our layout:
-    logits equal transformers' with those values as weights. Types other than Q8_0 and Q4_0 load so
-    without asking."""
+    logits equal transformers' with those values as weights. Without it the projections are leaves of the
+    type's scheme."""
     name, folder, source = built(name)
     path = write_gguf(folder / f"{qtype.name}.gguf", folder / "hf", qtype)
     config, params = load_gguf(path, dequantize=True)
     ids = tokens(config.vocab_size, 0, 40)
     ours = np.asarray(jit_forward(jax.tree.map(jnp.asarray, params), config, jnp.asarray(ids)))
     assert float(np.abs(ours - expected_logits(path, folder, source, config, ids)).max()) <= ATOL
-    if qtype.name in from_gguf.DEQUANTIZED_TYPES:
-        as_loaded = load_gguf(path)
-        assert as_loaded[0] == config and config.quantization is None
-        jax.tree.map(np.testing.assert_array_equal, as_loaded[1], params)
+    assert config.quantization is None
+    assert load_gguf(path)[0].quantization.plain == gguf_blocks.SCHEMES[qtype.name]
 
 
 WIDE_LLAMA = Family(transformers.LlamaConfig, dict(FAMILIES["llama2_mha"].fields, hidden_size=256,
                                                    intermediate_size=256), {})
 
 
-def test_k_and_i_quant_projections_are_their_dequantization(tmp_path):
-    """A file of llama.cpp's K- and i-quants (rows of whole super-blocks: d_model and d_ff 256), one type per
-    projection and layer, q and k rows in the interleaved layout: the logits are transformers' with gguf's
-    dequantization of every tensor as the weights."""
+@pytest.mark.parametrize("kind", ["K", "i"])
+def test_k_and_i_quant_projections_are_their_dequantization(tmp_path, kind):
+    """A file of llama.cpp's K-quants, or of its i-quants (rows of whole super-blocks: d_model and d_ff 256),
+    one type per projection and layer, q and k rows in the interleaved layout: the logits are transformers'
+    with gguf's dequantization of every tensor as the weights. K-quants load as quantized leaves (each
+    projection in the scheme its layers' types share; the CPU kernels' products the same function), the
+    i-quants as floats."""
     source = build(WIDE_LLAMA, tmp_path / "hf")
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     rng = np.random.default_rng(3)
-    super_block = [q for q in READ_AS_FLOATS if gguf.GGML_QUANT_SIZES[q][0] == 256]
+    types = LEAF_TYPES if kind == "K" else READ_AS_FLOATS
+    super_block = [q for q in types if gguf.GGML_QUANT_SIZES[q][0] == 256]
     names = [f"blk.{layer}.{n}" for layer in range(hf["num_hidden_layers"]) for n in (
         "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
         "ffn_down.weight")]
@@ -404,12 +439,32 @@ def test_k_and_i_quant_projections_are_their_dequantization(tmp_path):
     assert {qtype for _, qtype in replace.values()} == set(super_block)
     path = write_gguf(tmp_path / "k.gguf", tmp_path / "hf", replace=replace)
     model = llm_jax.load(path, dtype="float32")
-    assert model.config.quantization is None
     ids = tokens(model.config.vocab_size, 0, 40)
     ours = np.asarray(jit_forward(model.params, model.config, jnp.asarray(ids)))
     expected = expected_logits(path, tmp_path, source, model.config, ids)
     assert float(np.abs(expected).max()) > 0.1, "degenerate weights; the test would prove little"
     assert float(np.abs(ours - expected).max()) <= ATOL
+    if kind == "i":
+        assert model.config.quantization is None
+        return
+    quantization = model.config.quantization
+    for module, group in model.params["layers"].items():
+        for name in group if module in ("attn", "mlp") else ():
+            layer_types = {t for n, (_, t) in replace.items() if n.endswith(PROJECTION_SOURCES[name])}
+            expected_scheme = gguf_blocks.common_scheme(gguf_blocks.SCHEMES[t.name] for t in layer_types)
+            assert quantization.scheme(name) == expected_scheme == group[name].scheme, name
+    assert {s.offsets for _, s in quantization.projections} | {quantization.offsets} == {False, True}
+    weights = llm_jax.CpuKernels().prepare(model.params, model.config)
+    assert all(isinstance(w, QuantizedPanels) for w in weights["layers"]["attn"].values())
+    kernels = np.asarray(jax.jit(forward, static_argnums=1, static_argnames="backend")(
+        weights, model.config, jnp.asarray(ids), backend="cpu"))
+    assert float(np.abs(kernels - ours).max()) <= ATOL
+
+
+# Our projection → its tensor's name in a layer of the file.
+PROJECTION_SOURCES = {"q_proj": "attn_q.weight", "k_proj": "attn_k.weight", "v_proj": "attn_v.weight",
+                      "o_proj": "attn_output.weight", "gate_proj": "ffn_gate.weight", "up_proj": "ffn_up.weight",
+                      "down_proj": "ffn_down.weight"}
 
 
 # --- stories260K: a real model and its sentencepiece vocabulary ------------------------------------------
@@ -435,21 +490,24 @@ def test_stories260k_gguf_generates_as_the_source(stories_gguf, stories260k_dir)
     assert model.eos_ids == (2,) and model.tokenizer.bos_id == 1 and model.tokenizer.add_bos_by_default
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q3_K_M"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q5_K_M", "Q3_K_M", "IQ4_NL"])
 def test_stories260k_as_llama_cpp_quantizes_it_runs_as_llama_cpp_runs_it(stories_gguf, tmp_path, ftype):
     """A file quantized by llama.cpp itself (``llama-cpp-python``, a benchmark dependency: skipped without
     it). stories260K's width of 64 is not whole super-blocks, so llama.cpp falls back to Q5_0, Q5_1, Q4_0 and
-    Q8_0 as its users' files of such models hold. Our logits on a prompt against llama.cpp's: the greedy
-    token at every position the same, and within 0.5 (llama.cpp rounds activations to 8 bits in its
-    products; measured 0.16–0.24)."""
+    Q8_0 as its users' files of such models hold (IQ4_NL's blocks are 32 wide). Our logits on a prompt
+    against llama.cpp's: the greedy token at every position the same, and within 0.5 (llama.cpp rounds
+    activations to 8 bits in its products; measured 0.16–0.24); greedy generation on the CPU kernels equals
+    XLA's."""
     llama_cpp = pytest.importorskip("llama_cpp")
     path = tmp_path / f"{ftype}.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     assert llama_cpp.llama_model_quantize(str(stories_gguf).encode(), str(path).encode(), params) == 0
     types = {t.type_name for t in open_gguf(path).tensors.values()}
-    assert types - {"F32", "F16", "Q8_0", "Q4_0"}, types  # a type we read as floats
+    assert types - {"F32", "F16", "Q8_0", "Q4_0"}, types  # types beyond Q8_0 and Q4_0
     model = llm_jax.load(path)
+    # ffn_down's rows (d_ff 172) are not whole blocks: llama.cpp keeps them in F16, and so do we.
+    assert model.config.quantization is not None and model.config.quantization.scheme("down_proj") is None
     ids = model.tokenizer.encode("Once upon a time, there was a little girl named Lily.")
     ours = np.asarray(jit_forward(model.params, model.config, jnp.asarray([ids])))[0]
     llm = llama_cpp.Llama(str(path), logits_all=True, verbose=False, n_ctx=128, n_threads=2)
@@ -457,6 +515,9 @@ def test_stories260k_as_llama_cpp_quantizes_it_runs_as_llama_cpp_runs_it(stories
     theirs = np.asarray(llm.scores[:len(ids)])
     np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
     assert float(np.abs(ours - theirs).max()) <= 0.5
+    greedy = {backend: llm_jax.generate(model.with_backend(backend), ["Once upon a time"], max_new_tokens=32,
+                                        sampling=llm_jax.GREEDY)[0].output_ids for backend in ("xla", "cpu")}
+    assert greedy["xla"] == greedy["cpu"]
 
 
 def test_convert_gguf_writes_a_checkpoint_with_its_tokenizer(stories_gguf, tmp_path):
@@ -500,7 +561,7 @@ def test_unsupported_tensor_type_is_named(tiny_hf, tmp_path):
     path = write_gguf(tmp_path / "fp4.gguf", tiny_hf, Q.MXFP4)  # gpt-oss's type, for an architecture we do not run
     with pytest.raises(WeightsError, match=r"unsupported GGUF tensor types \['MXFP4'\] in \d+ tensors: "
                                            r"blk.0.attn_k.weight \(MXFP4\).*supported: F32, F16, BF16, Q8_0, Q4_0, "
-                                           r"Q4_1, Q5_0, Q5_1, Q2_K, .*, IQ4_XS$"):
+                                           r"Q4_1, Q5_0, Q5_1, Q2_K, .*, IQ4_XS, IQ1_S, .*, IQ3_S$"):
         llm_jax.load(path)
 
 
@@ -528,18 +589,20 @@ def test_not_a_gguf_file(tmp_path):
         llm_jax.load(bad)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 @pytest.mark.parametrize("name", ["llama3_gqa_rope_scaling", "qwen3_qk_norm"])  # q/k permuted and not
 def test_block_tensors_become_quantized_leaves_holding_the_same_values(built, name, qtype):
-    """Q8_0 / Q4_0 projections load as QuantizedArray leaves (int8 / int4, groups of 32) whose dequantize()
-    equals the float path's exact dequantization bit for bit; the logits are the float path's."""
+    """Projections of the types the gguf package writes load as QuantizedArray leaves of the type's scheme
+    (Q8_0 / Q5_0 int8, Q4_0 int4, Q4_1 int4 with offsets, Q5_1 int8 with offsets; groups of 32) whose
+    dequantize() equals the float path's exact dequantization bit for bit; the logits are the float path's."""
     from llm_jax.quantization import QuantizedArray
 
     _, folder, _ = built(name)
     path = write_gguf(folder / f"{qtype.name}.gguf", folder / "hf", qtype)
     model = llm_jax.load(path)
-    bits = {Q.Q8_0: 8, Q.Q4_0: 4}[qtype]
-    assert model.config.quantization == llm_jax.Quantization(bits=bits, group_size=32)
+    scheme = gguf_blocks.SCHEMES[qtype.name]
+    bits = scheme.bits
+    assert model.config.quantization == llm_jax.Quantization(bits=bits, group_size=32, offsets=scheme.offsets)
     float_config, float_params = load_gguf(path, dequantize=True)
     assert float_config.quantization is None
     for module, names in (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj",
@@ -570,10 +633,31 @@ def test_dequantize_and_quantize_give_float_leaves_first(built, tmp_path):
     assert llm_jax.load(tmp_path / "float").config == float_config
 
 
-def test_quantized_gguf_converts_to_a_quantized_checkpoint(built, tmp_path):
+@pytest.mark.parametrize("mix", [False, True])
+def test_quantized_gguf_converts_to_a_quantized_checkpoint(built, tmp_path, mix):
+    """Q4_0 projections; or Q4_1 ones but v_proj of Q5_1 and Q8_0 layers (int8 with offsets), ffn_down Q5_0
+    (int8) and o_proj with an F16 layer (floats): the checkpoint records each projection's scheme, and
+    holds the offsets."""
     _, folder, _ = built("qwen3_qk_norm")
-    path = write_gguf(folder / "Q4_0.gguf", folder / "hf", Q.Q4_0)
+    replace = None
+    if mix:
+        tensors = {n: t for n, t in open_gguf(write_gguf(folder / "f32.gguf", folder / "hf")).tensors.items()}
+
+        def stored(name, qtype):
+            return gguf.quants.quantize(np.asarray(tensors[name].data, np.float32), qtype), qtype
+
+        replace = {"blk.0.attn_v.weight": stored("blk.0.attn_v.weight", Q.Q5_1),
+                   "blk.1.attn_v.weight": stored("blk.1.attn_v.weight", Q.Q8_0),
+                   "blk.1.attn_output.weight": stored("blk.1.attn_output.weight", Q.F16),
+                   **{f"blk.{i}.ffn_down.weight": stored(f"blk.{i}.ffn_down.weight", Q.Q5_0) for i in range(2)}}
+    path = write_gguf(folder / f"mix{mix}.gguf", folder / "hf", Q.Q4_1 if mix else Q.Q4_0, replace=replace)
     model = llm_jax.load(path)
+    if mix:
+        q = model.config.quantization
+        assert q.plain == gguf_blocks.SCHEMES["Q4_1"] and dict(q.projections) == {
+            "v_proj": llm_jax.QuantScheme(bits=8, group_size=32, offsets=True), "o_proj": None,
+            "down_proj": gguf_blocks.SCHEMES["Q5_0"]}
+        assert not is_quantized(model.params["layers"]["attn"]["o_proj"])
     loaded = llm_jax.load(convert(path, tmp_path / "ckpt"))
     assert loaded.config == model.config
     for p, x in leaves_by_path(model.params).items():
