@@ -90,6 +90,11 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--backend", choices=["auto", "xla", "cpu", "pallas"], default="auto",
                        help="how the model runs: the CPU kernels on one CPU device, Pallas attention kernels on "
                             "GPU/TPU, or XLA's own operations (default: %(default)s, which picks by platform)")
+    add_quantize_flags(group)
+
+
+def add_quantize_flags(group: argparse._ArgumentGroup) -> None:
+    """``--quantize`` and ``--group-size`` (the server takes them too); :func:`quantization` reads them."""
     group.add_argument("--quantize", choices=["int8", "int4", "int4-asym"], default=None,
                        help="quantize the weights on load: int8 per output channel, int4 in groups (see --group-size; "
                             "int4-asym: with an offset per group)")
@@ -316,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every process runs the same program; several processes always shard over all their devices.
     mesh = args.mesh if args.mesh is not None or jax.process_count() == 1 else make_mesh()
     try:
-        model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=mesh, quantize=_quantization(args))
+        model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=mesh, quantize=quantization(args))
         if args.chat:
             return run_chat(model, template, system=args.system, first_messages=prompts,
                             generation=generation_options(args), quiet=args.quiet)
@@ -345,7 +350,8 @@ def speculative_fields(m) -> dict[str, float | int]:
             "acceptance_rate": m.acceptance_rate, "mean_accepted_length": m.mean_accepted_length}
 
 
-def _quantization(args: argparse.Namespace):
+def quantization(args: argparse.Namespace):
+    """The ``Quantization`` that ``--quantize`` / ``--group-size`` ask for, or None."""
     if args.quantize is None:
         return None
     from llm_jax.quantization import parse_quantization

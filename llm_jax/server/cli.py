@@ -31,7 +31,8 @@ from llm_jax.cli.common import (
     positive_int,
     run_main,
 )
-from llm_jax.cli.generate import DEFAULT_MODEL, _add_speculative_flags, speculative_options
+from llm_jax.cli.generate import DEFAULT_MODEL, _add_speculative_flags, add_quantize_flags, quantization, \
+    speculative_options
 
 API_KEY_ENV = "LLM_JAX_API_KEY"
 DESCRIPTION = "Serve a model over HTTP with an OpenAI-compatible API (continuous batching, SSE streaming)."
@@ -77,6 +78,7 @@ def build_parser() -> CliParser:
     model.add_argument("--backend", choices=["auto", "xla", "cpu", "pallas"], default="auto",
                        help="how the model runs (default: %(default)s, by platform)")
     model.add_argument("--mesh", metavar="SPEC", help="shard over devices: 'model=8', ... (default: one device)")
+    add_quantize_flags(model)
     model.add_argument("--chat-template", metavar="FILE",
                        help="a Jinja chat template for /v1/chat/completions (default: the model's own)")
     engine = parser.add_argument_group("engine")
@@ -159,6 +161,8 @@ def _with_special_tokens(template, model):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.group_size is not None and args.quantize is None:
+        parser.error("--group-size needs --quantize")
     if args.speculative is not None:
         if args.speculative != "ngram" and not pathlib.Path(args.speculative).exists():
             parser.error(f"--speculative takes 'ngram' or a draft model's path; {args.speculative} does not exist")
@@ -203,7 +207,7 @@ def _start_engine(args: argparse.Namespace):
 
     enable_persistent_cache()  # a restart loads its step programs instead of compiling them
     t0 = time.perf_counter()
-    model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=args.mesh)
+    model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=args.mesh, quantize=quantization(args))
     engine = Engine(model, max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
                     kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,

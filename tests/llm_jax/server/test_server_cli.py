@@ -8,6 +8,7 @@ import sys
 import pytest
 from server_process import REPO_ROOT
 
+import llm_jax
 from llm_jax.server.cli import byte_size
 
 
@@ -28,7 +29,7 @@ def test_help_lists_the_flags_without_starting_jax():
     assert proc.returncode == 0
     for flag in ("--served-model-name", "--max-num-seqs", "--kv-cache-memory", "--chat-template", "--api-key",
                  "--max-waiting", "--shutdown-timeout", "--no-prefix-caching", "--kv-cache-dtype", "--speculative",
-                 "--num-speculative-tokens", "--speculative-max-batch"):
+                 "--num-speculative-tokens", "--speculative-max-batch", "--quantize", "--group-size"):
         assert flag in proc.stdout
     check = subprocess.run([sys.executable, "-c", "import sys, llm_jax.server.cli, llm_jax.serve; "
                             "print('jax' in sys.modules)"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
@@ -43,6 +44,8 @@ def test_mistakes_are_one_line():
     _one_error_line(_serve("--speculative", "no/such/draft"), 2, "no/such/draft does not exist")
     _one_error_line(_serve("--speculative", "ngram", "--prompt-lookup-min", "5"), 2, "exceeds --prompt-lookup-max 4")
     _one_error_line(_serve("--speculative-max-batch", "0"), 2, "--speculative-max-batch")
+    _one_error_line(_serve("--quantize", "int3"), 2, "--quantize")
+    _one_error_line(_serve("--group-size", "32"), 2, "--group-size needs --quantize")
     _one_error_line(_serve("--model", "no/such/model"), 1, "no/such/model does not exist")
     _one_error_line(_serve("--chat-template", "no/such/template.jinja"), 1, "template.jinja does not exist")
 
@@ -71,3 +74,24 @@ def test_the_kv_cache_dtype_reaches_the_engine(monkeypatch, flag, expected):
     with pytest.raises(Built) as built:
         cli._start_engine(cli.build_parser().parse_args(["--kv-cache-dtype", flag]))
     assert built.value.args[0]["kv_cache_dtype"] == expected
+
+
+def test_quantize_reaches_the_loader(monkeypatch):
+    """``--quantize int4-asym --group-size 64`` loads the model quantized so (stand-ins for the loader and
+    the engine; the engine's own tests run quantized models)."""
+    from llm_jax.server import cli
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        raise Loaded(kwargs)
+
+    monkeypatch.setattr("llm_jax.compilation.enable_persistent_cache", lambda: None)
+    monkeypatch.setattr("llm_jax.loading.load", load)
+    with pytest.raises(Loaded) as loaded:
+        cli._start_engine(cli.build_parser().parse_args(["--quantize", "int4-asym", "--group-size", "64"]))
+    assert loaded.value.args[0]["quantize"] == llm_jax.Quantization(bits=4, group_size=64, offsets=True)
+    with pytest.raises(Loaded) as loaded:
+        cli._start_engine(cli.build_parser().parse_args([]))
+    assert loaded.value.args[0]["quantize"] is None

@@ -201,7 +201,7 @@ def test_a_sharded_engine_gives_the_same_tokens(stories260k_dir):
     assert "model" in spec
 
 
-@pytest.mark.parametrize("quantize", ["int8", "int4"])
+@pytest.mark.parametrize("quantize", ["int8", "int4", "int4-asym"])
 def test_quantized_weights_serve_as_generate_runs_them(stories260k_dir, quantize):
     """The engine takes quantized leaves as they are: on the default backend (the CPU kernels here) and on
     XLA, each request's tokens are generate's on the same quantized model."""
