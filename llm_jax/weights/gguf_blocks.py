@@ -21,9 +21,19 @@ Q5_K     d·sc_j · u - dmin·m_j, u 5 bits, j of 8       8, 32, offsets
 Q6_K     d·sc_j · (u - 32), u 6 bits, j of 16          8, 16
 IQ4_NL   d · kvalues[u], u 4 bits                      8, 32
 IQ4_XS   d·(sc_j - 32) · kvalues[u], j of 8            8, 32
+IQ2_XXS  d·(1/2 + sc_j)/4 · ±grid, j of 8              8, 32
+IQ2_XS   d·(1/2 + sc_j)/4 · ±grid, j of 16             8, 16
+IQ2_S    d·(1/2 + sc_j)/4 · ±grid, j of 16             8, 16
+IQ3_XXS  d·(1/2 + sc_j)/2 · ±grid, j of 8              8, 32
+IQ3_S    d·(1 + 2 sc_j) · ±grid, j of 8                8, 32
 =======  ===========================================  =========================================
 
-``kvalues`` is ggml's table of 16 non-uniform levels (-127 ... 113), read from the ``gguf`` package.
+``kvalues`` is ggml's table of 16 non-uniform levels (-127 ... 113), read from the ``gguf`` package. The
+grids of the 2- and 3-bit i-quants hold small integers (at most 62), chosen by indices and signed by
+sign bits in ways that differ from type to type: their integers are read back from the ``gguf`` package's
+own dequantization, each value divided by its sub-block's scale (a float16 times a 5-bit number, so the
+value, a product of at most 22 significant bits, is exact in float32 and the quotient an integer). IQ1_S
+and IQ1_M (grids of -1, 0, 1 shifted by a fraction) stay floats.
 
 The layouts of the bits inside each block are ggml's (``ggml-common.h``); :func:`decode` unpacks them.
 A projection whose layers are stored in different types (llama.cpp's Q4_K_M gives some layers of
@@ -55,6 +65,11 @@ SCHEMES: dict[str, QuantScheme] = {
     "Q6_K": QuantScheme(bits=8, group_size=16),
     "IQ4_NL": QuantScheme(bits=8, group_size=32),
     "IQ4_XS": QuantScheme(bits=8, group_size=32),
+    "IQ2_XXS": QuantScheme(bits=8, group_size=32),
+    "IQ2_XS": QuantScheme(bits=8, group_size=16),
+    "IQ2_S": QuantScheme(bits=8, group_size=16),
+    "IQ3_XXS": QuantScheme(bits=8, group_size=32),
+    "IQ3_S": QuantScheme(bits=8, group_size=32),
 }
 TYPES = tuple(SCHEMES)
 
@@ -167,11 +182,37 @@ def decode(type_name: str, raw: np.ndarray, K: int) -> Blocks:
                 s = _f16(b[:, 0:2])[:, None] * (sc.astype(np.float32) - 32)
                 u = _nibbles(b[:, 8:].reshape(n, 8, 16)).reshape(n, SUPER)  # 8 × (low 16, high 16)
             q = levels[u]
+        case "IQ2_XXS" | "IQ2_XS" | "IQ2_S" | "IQ3_XXS" | "IQ3_S":
+            s = _f16(b[:, 0:2])[:, None] * _grid_scales(type_name, b)
+            values = gguf.quants.dequantize(b, gguf.GGMLQuantizationType[type_name]).reshape(*s.shape, -1)
+            q = np.rint(values / np.where(s == 0, 1, s)[..., None]) * (s != 0)[..., None]
         case _:
             raise ValueError(f"ggml type {type_name} is not one of {TYPES}")
     G = K // scheme.group_size
     return Blocks(np.asarray(q, np.int8).reshape(R, K), np.asarray(s, np.float32).reshape(R, G),
                   None if o is None else np.asarray(o, np.float32).reshape(R, G), scheme)
+
+
+def _grid_scales(type_name: str, b: np.ndarray) -> np.ndarray:
+    """The 2- and 3-bit i-quants' sub-block scales over ``d``: float32 [n, sub-blocks per 256]."""
+    def words(start: int, stop: int) -> np.ndarray:  # little-endian uint32s
+        return np.ascontiguousarray(b[:, start:stop]).view("<u4")
+
+    def nibbles(start: int, stop: int) -> np.ndarray:  # low then high nibble of each byte, in byte order
+        return _nibbles(b[:, start:stop]).transpose(0, 2, 1).reshape(len(b), -1).astype(np.float32)
+
+    match type_name:
+        case "IQ2_XXS":  # qs: 8 pairs of uint32, the second's top 4 bits the scale
+            return (0.5 + (words(2, 66)[:, 1::2] >> 28).astype(np.float32)) * 0.25
+        case "IQ2_XS":  # qs [64], scales [8]
+            return (0.5 + nibbles(66, 74)) * 0.25
+        case "IQ2_S":  # qs [32], signs [32], qh [8], scales [8]
+            return (0.5 + nibbles(74, 82)) * 0.25
+        case "IQ3_XXS":  # qs [64], then 8 uint32 of signs topped by the scale
+            return (0.5 + (words(66, 98) >> 28).astype(np.float32)) * 0.5
+        case "IQ3_S":  # qs [64], qh [8], signs [32], scales [4]
+            return 1 + 2 * nibbles(106, 110)
+    raise ValueError(type_name)
 
 
 def common_scheme(schemes) -> QuantScheme:

@@ -418,11 +418,11 @@ WIDE_LLAMA = Family(transformers.LlamaConfig, dict(FAMILIES["llama2_mha"].fields
 
 @pytest.mark.parametrize("kind", ["K", "i"])
 def test_k_and_i_quant_projections_are_their_dequantization(tmp_path, kind):
-    """A file of llama.cpp's K-quants, or of its i-quants (rows of whole super-blocks: d_model and d_ff 256),
-    one type per projection and layer, q and k rows in the interleaved layout: the logits are transformers'
-    with gguf's dequantization of every tensor as the weights. K-quants load as quantized leaves (each
-    projection in the scheme its layers' types share; the CPU kernels' products the same function), the
-    i-quants as floats."""
+    """A file of llama.cpp's integer super-block types (the K-quants, IQ2_XXS ... IQ4_XS), or of IQ1_S and
+    IQ1_M (rows of whole super-blocks: d_model and d_ff 256), one type per projection and layer, q and k rows
+    in the interleaved layout: the logits are transformers' with gguf's dequantization of every tensor as
+    the weights. The integer types load as quantized leaves (each projection in the scheme its layers'
+    types share; the CPU kernels' products the same function), IQ1_S and IQ1_M as floats."""
     source = build(WIDE_LLAMA, tmp_path / "hf")
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     rng = np.random.default_rng(3)
@@ -561,7 +561,7 @@ def test_unsupported_tensor_type_is_named(tiny_hf, tmp_path):
     path = write_gguf(tmp_path / "fp4.gguf", tiny_hf, Q.MXFP4)  # gpt-oss's type, for an architecture we do not run
     with pytest.raises(WeightsError, match=r"unsupported GGUF tensor types \['MXFP4'\] in \d+ tensors: "
                                            r"blk.0.attn_k.weight \(MXFP4\).*supported: F32, F16, BF16, Q8_0, Q4_0, "
-                                           r"Q4_1, Q5_0, Q5_1, Q2_K, .*, IQ4_XS, IQ1_S, .*, IQ3_S$"):
+                                           r"Q4_1, Q5_0, Q5_1, Q2_K, .*, IQ3_S, IQ1_S, IQ1_M$"):
         llm_jax.load(path)
 
 
