@@ -4,10 +4,10 @@ The file is read through the ``gguf`` package's reader (a memory map). Its metad
 ``{arch}.attention.head_count``, ...) becomes a :class:`ModelConfig` for the architectures our decoder
 runs: ``llama`` (Llama 1-3, Mistral), ``qwen2``, ``qwen3``, ``gemma`` and ``gemma2``. Tensors become our
 leaves one at a time (``layout.assemble``): F32, F16 and BF16 as they are; projections in the integer
-block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K ... Q6_K, the i-quants IQ2_XXS ... IQ4_XS)
+block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K ... Q6_K, the i-quants IQ1_S ... IQ4_XS)
 as quantized leaves holding the file's integers, scales and offsets value for value
 (``llm_jax.weights.gguf_blocks``; a projection whose layers mix types in the narrowest scheme that holds
-them all); every other tensor of a block type (IQ1_S, IQ1_M, an embedding table) as float32, through the
+them all); the other tensors of those types (the embedding table, an LM head) as float32, through the
 ``gguf`` package's own dequantization (:func:`dequantize_rows`).
 
 The quirks of llama.cpp's converter (``convert_hf_to_gguf.py``) undone here:
@@ -43,13 +43,12 @@ from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bi
 # Types we read. Every other ggml type (for example the ternary and FP4 types of architectures we do not run)
 # is refused by name.
 FLOAT_TYPES = ("F32", "F16", "BF16")
-# Integers times per-block scales (and offsets): quantized leaves exactly (``gguf_blocks``), or float32.
-# llama.cpp's K-quant files hold the legacy types too where a row is not whole super-blocks of 256 values
-# (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0 for widths such as 64, 576 or 896).
+# Integers times per-block scales (and offsets): every block type llama.cpp writes for the architectures we
+# run, as quantized leaves exactly (``gguf_blocks``), or float32 (``gguf.quants.dequantize``). Its K-quant
+# files hold the legacy types too where a row is not whole super-blocks of 256 values (Q4_K → Q5_0,
+# Q5_K → Q5_1, Q6_K → Q8_0 for widths such as 64, 576 or 896).
 BLOCK_TYPES = gguf_blocks.TYPES
-# Read as float32 always (gguf.quants.dequantize): the 1-bit i-quants, grids of -1, 0, 1 shifted by a fraction.
-DEQUANTIZED_TYPES = ("IQ1_S", "IQ1_M")
-SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES + DEQUANTIZED_TYPES
+SUPPORTED_TYPES = FLOAT_TYPES + BLOCK_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,7 +386,7 @@ def read_tensor(tensor: GGUFTensor, where: str = "") -> np.ndarray:
             import ml_dtypes
 
             return np.asarray(tensor.data).view(ml_dtypes.bfloat16).reshape(tensor.shape)
-        case name if name in BLOCK_TYPES + DEQUANTIZED_TYPES:
+        case name if name in BLOCK_TYPES:
             return dequantize_rows(tensor, where)
     raise WeightsError(f"{where}: tensor {tensor.name!r} has ggml type {tensor.type_name}, which llm_jax does not "
                        f"read; supported: {', '.join(SUPPORTED_TYPES)}")

@@ -26,6 +26,8 @@ IQ2_XS   d·(1/2 + sc_j)/4 · ±grid, j of 16             8, 16
 IQ2_S    d·(1/2 + sc_j)/4 · ±grid, j of 16             8, 16
 IQ3_XXS  d·(1/2 + sc_j)/2 · ±grid, j of 8              8, 32
 IQ3_S    d·(1 + 2 sc_j) · ±grid, j of 8                8, 32
+IQ1_S    d·(1 + 2 sc_j) · (grid ± 1/8), j of 8         8, 32 (the scale over 8, q = 8·grid ± 1)
+IQ1_M    d·(1 + 2 sc_j) · (grid ± 1/8), j of 16        8, 16 (likewise)
 =======  ===========================================  =========================================
 
 ``kvalues`` is ggml's table of 16 non-uniform levels (-127 ... 113), read from the ``gguf`` package. The
@@ -33,7 +35,7 @@ grids of the 2- and 3-bit i-quants hold small integers (at most 62), chosen by i
 sign bits in ways that differ from type to type: their integers are read back from the ``gguf`` package's
 own dequantization, each value divided by its sub-block's scale (a float16 times a 5-bit number, so the
 value, a product of at most 22 significant bits, is exact in float32 and the quotient an integer). IQ1_S
-and IQ1_M (grids of -1, 0, 1 shifted by a fraction) stay floats.
+and IQ1_M shift their grids of -1, 0, 1 by ±1/8: over a scale of an eighth the integers are 8·grid ± 1.
 
 The layouts of the bits inside each block are ggml's (``ggml-common.h``); :func:`decode` unpacks them.
 A projection whose layers are stored in different types (llama.cpp's Q4_K_M gives some layers of
@@ -70,6 +72,8 @@ SCHEMES: dict[str, QuantScheme] = {
     "IQ2_S": QuantScheme(bits=8, group_size=16),
     "IQ3_XXS": QuantScheme(bits=8, group_size=32),
     "IQ3_S": QuantScheme(bits=8, group_size=32),
+    "IQ1_S": QuantScheme(bits=8, group_size=32),
+    "IQ1_M": QuantScheme(bits=8, group_size=16),
 }
 TYPES = tuple(SCHEMES)
 
@@ -182,8 +186,8 @@ def decode(type_name: str, raw: np.ndarray, K: int) -> Blocks:
                 s = _f16(b[:, 0:2])[:, None] * (sc.astype(np.float32) - 32)
                 u = _nibbles(b[:, 8:].reshape(n, 8, 16)).reshape(n, SUPER)  # 8 × (low 16, high 16)
             q = levels[u]
-        case "IQ2_XXS" | "IQ2_XS" | "IQ2_S" | "IQ3_XXS" | "IQ3_S":
-            s = _f16(b[:, 0:2])[:, None] * _grid_scales(type_name, b)
+        case "IQ2_XXS" | "IQ2_XS" | "IQ2_S" | "IQ3_XXS" | "IQ3_S" | "IQ1_S" | "IQ1_M":
+            s = _grid_scales(type_name, b)
             values = gguf.quants.dequantize(b, gguf.GGMLQuantizationType[type_name]).reshape(*s.shape, -1)
             q = np.rint(values / np.where(s == 0, 1, s)[..., None]) * (s != 0)[..., None]
         case _:
@@ -194,24 +198,36 @@ def decode(type_name: str, raw: np.ndarray, K: int) -> Blocks:
 
 
 def _grid_scales(type_name: str, b: np.ndarray) -> np.ndarray:
-    """The 2- and 3-bit i-quants' sub-block scales over ``d``: float32 [n, sub-blocks per 256]."""
+    """The 1- to 3-bit i-quants' sub-block scales: float32 [n, sub-blocks per 256]."""
     def words(start: int, stop: int) -> np.ndarray:  # little-endian uint32s
         return np.ascontiguousarray(b[:, start:stop]).view("<u4")
 
     def nibbles(start: int, stop: int) -> np.ndarray:  # low then high nibble of each byte, in byte order
         return _nibbles(b[:, start:stop]).transpose(0, 2, 1).reshape(len(b), -1).astype(np.float32)
 
+    def halves(start: int, stop: int) -> np.ndarray:  # little-endian uint16s
+        return np.ascontiguousarray(b[:, start:stop]).view("<u2")
+
+    d = _f16(b[:, 0:2])[:, None]
     match type_name:
-        case "IQ2_XXS":  # qs: 8 pairs of uint32, the second's top 4 bits the scale
-            return (0.5 + (words(2, 66)[:, 1::2] >> 28).astype(np.float32)) * 0.25
-        case "IQ2_XS":  # qs [64], scales [8]
-            return (0.5 + nibbles(66, 74)) * 0.25
-        case "IQ2_S":  # qs [32], signs [32], qh [8], scales [8]
-            return (0.5 + nibbles(74, 82)) * 0.25
-        case "IQ3_XXS":  # qs [64], then 8 uint32 of signs topped by the scale
-            return (0.5 + (words(66, 98) >> 28).astype(np.float32)) * 0.5
-        case "IQ3_S":  # qs [64], qh [8], signs [32], scales [4]
-            return 1 + 2 * nibbles(106, 110)
+        case "IQ2_XXS":  # d, qs: 8 pairs of uint32, the second's top 4 bits the scale
+            return d * ((0.5 + (words(2, 66)[:, 1::2] >> 28).astype(np.float32)) * 0.25)
+        case "IQ2_XS":  # d, qs [64], scales [8]
+            return d * ((0.5 + nibbles(66, 74)) * 0.25)
+        case "IQ2_S":  # d, qs [32], signs [32], qh [8], scales [8]
+            return d * ((0.5 + nibbles(74, 82)) * 0.25)
+        case "IQ3_XXS":  # d, qs [64], then 8 uint32 of signs topped by the scale
+            return d * ((0.5 + (words(66, 98) >> 28).astype(np.float32)) * 0.5)
+        case "IQ3_S":  # d, qs [64], qh [8], signs [32], scales [4]
+            return d * (1 + 2 * nibbles(106, 110))
+        case "IQ1_S":  # d, qs [32], qh: 8 uint16, bits 12-14 the scale
+            return d * (2 * ((halves(34, 50) >> 12) & 7).astype(np.float32) + 1) / 8
+        case "IQ1_M":  # qs [32], qh [16], 4 uint16: 3-bit scales in bits 0-11, d's 16 bits in the top nibbles
+            w = halves(48, 56)
+            d_bits = (w[:, 0] >> 12) | ((w[:, 1] >> 12) << 4) | ((w[:, 2] >> 12) << 8) | ((w[:, 3] >> 12) << 12)
+            d = d_bits.astype(np.uint16).view(np.float16).astype(np.float32)[:, None]
+            sc = (w[:, :, None] >> (3 * np.arange(4, dtype=np.uint16))) & 7  # word i, field j: scale 4i + j
+            return d * (2 * sc.reshape(len(b), 16).astype(np.float32) + 1) / 8
     raise ValueError(type_name)
 
 

@@ -286,7 +286,6 @@ SCALE_OFFSETS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: 
                  Q.Q3_K: [108], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ1_S: [0], Q.IQ1_M: [],
                  Q.IQ2_XXS: [0], Q.IQ2_XS: [0], Q.IQ2_S: [0], Q.IQ3_XXS: [0], Q.IQ3_S: [0], Q.IQ4_NL: [0],
                  Q.IQ4_XS: [0]}
-READ_AS_FLOATS = [Q[name] for name in from_gguf.DEQUANTIZED_TYPES]
 LEAF_TYPES = [Q[name] for name in from_gguf.BLOCK_TYPES]
 
 
@@ -306,7 +305,7 @@ def random_blocks(rng, qtype, rows: int, cols: int, scale: float = 0.05) -> np.n
     return blocks.reshape(rows, cols // per_block * block_bytes)
 
 
-@pytest.mark.parametrize("qtype", [*LEAF_TYPES, *READ_AS_FLOATS], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", LEAF_TYPES, ids=lambda q: q.name)
 def test_random_blocks_dequantize_bit_exactly(tmp_path, qtype, monkeypatch):
     """Every bit pattern of every block type we read, K- and i-quants included (the gguf package cannot
     quantize those; it dequantizes them), over several chunks of rows."""
@@ -416,18 +415,16 @@ WIDE_LLAMA = Family(transformers.LlamaConfig, dict(FAMILIES["llama2_mha"].fields
                                                    intermediate_size=256), {})
 
 
-@pytest.mark.parametrize("kind", ["K", "i"])
-def test_k_and_i_quant_projections_are_their_dequantization(tmp_path, kind):
-    """A file of llama.cpp's integer super-block types (the K-quants, IQ2_XXS ... IQ4_XS), or of IQ1_S and
-    IQ1_M (rows of whole super-blocks: d_model and d_ff 256), one type per projection and layer, q and k rows
-    in the interleaved layout: the logits are transformers' with gguf's dequantization of every tensor as
-    the weights. The integer types load as quantized leaves (each projection in the scheme its layers'
-    types share; the CPU kernels' products the same function), IQ1_S and IQ1_M as floats."""
+def test_k_and_i_quant_projections_are_their_dequantization(tmp_path):
+    """A file of llama.cpp's super-block types (the K-quants and the i-quants; rows of whole super-blocks:
+    d_model and d_ff 256), one type per projection and layer, q and k rows in the interleaved layout: the
+    logits are transformers' with gguf's dequantization of every tensor as the weights. The projections
+    load as quantized leaves, each in the scheme its layers' types share; the CPU kernels' products give
+    the same logits."""
     source = build(WIDE_LLAMA, tmp_path / "hf")
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     rng = np.random.default_rng(3)
-    types = LEAF_TYPES if kind == "K" else READ_AS_FLOATS
-    super_block = [q for q in types if gguf.GGML_QUANT_SIZES[q][0] == 256]
+    super_block = [q for q in LEAF_TYPES if gguf.GGML_QUANT_SIZES[q][0] == 256]
     names = [f"blk.{layer}.{n}" for layer in range(hf["num_hidden_layers"]) for n in (
         "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
         "ffn_down.weight")]
@@ -444,9 +441,6 @@ def test_k_and_i_quant_projections_are_their_dequantization(tmp_path, kind):
     expected = expected_logits(path, tmp_path, source, model.config, ids)
     assert float(np.abs(expected).max()) > 0.1, "degenerate weights; the test would prove little"
     assert float(np.abs(ours - expected).max()) <= ATOL
-    if kind == "i":
-        assert model.config.quantization is None
-        return
     quantization = model.config.quantization
     for module, group in model.params["layers"].items():
         for name in group if module in ("attn", "mlp") else ():
@@ -561,7 +555,7 @@ def test_unsupported_tensor_type_is_named(tiny_hf, tmp_path):
     path = write_gguf(tmp_path / "fp4.gguf", tiny_hf, Q.MXFP4)  # gpt-oss's type, for an architecture we do not run
     with pytest.raises(WeightsError, match=r"unsupported GGUF tensor types \['MXFP4'\] in \d+ tensors: "
                                            r"blk.0.attn_k.weight \(MXFP4\).*supported: F32, F16, BF16, Q8_0, Q4_0, "
-                                           r"Q4_1, Q5_0, Q5_1, Q2_K, .*, IQ3_S, IQ1_S, IQ1_M$"):
+                                           r"Q4_1, Q5_0, Q5_1, Q2_K, .*, IQ1_S, IQ1_M$"):
         llm_jax.load(path)
 
 
