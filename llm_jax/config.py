@@ -82,13 +82,25 @@ class QuantScheme:
 class Quantization(QuantScheme):
     """Weights stored as integers (``llm_jax.quantization``): every projection in this scheme, except
     those ``projections`` names ((name, scheme) pairs, a scheme None keeping that projection in floats: the
-    mixes of a GGUF file); ``embedding``: the embedding table and an untied LM head too (int8, per row)."""
+    mixes of a GGUF file). ``embedding``: the embedding table's scheme (groups along d_model), None for
+    floats; ``lm_head``: an untied LM head's. ``embedding=True`` is both in int8 per row (per output
+    channel of the head), ``False`` neither."""
 
-    embedding: bool = False
+    embedding: QuantScheme | None = None
+    lm_head: QuantScheme | None = None
     projections: tuple[tuple[str, QuantScheme | None], ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if isinstance(self.embedding, bool):  # the int8 tables of --quantize-embedding
+            table = QuantScheme(bits=8) if self.embedding else None
+            object.__setattr__(self, "embedding", table)
+            if self.lm_head is None:
+                object.__setattr__(self, "lm_head", table)
+        for name in ("embedding", "lm_head"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, QuantScheme) or isinstance(value, Quantization)):
+                raise ConfigError(f"quantization {name} must be a QuantScheme, true, false or None, got {value!r}")
         names = [name for name, _ in self.projections]
         unknown = sorted(set(names) - set(PROJECTION_NAMES))
         if unknown or len(set(names)) != len(names):
@@ -110,6 +122,9 @@ class Quantization(QuantScheme):
         try:
             projections = tuple((str(name), None if scheme is None else QuantScheme(**scheme))
                                 for name, scheme in pairs)
+            for name in ("embedding", "lm_head"):  # a scheme, or (configs of earlier versions) true / false
+                if isinstance(data.get(name), dict):
+                    data[name] = QuantScheme(**data[name])
             return cls(**data, projections=projections)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"invalid quantization {data!r}: {e}") from None

@@ -270,8 +270,8 @@ def pack_int4(q: jax.Array) -> jax.Array:
 
 def quantize_params(params: Params, config: ModelConfig, quantization: Quantization) -> tuple[ModelConfig, Params]:
     """Every projection of ``params`` (canonical; stacked over layers) quantized as ``quantization`` says,
-    and with ``quantization.embedding`` the embedding table (int8 per row) and an untied LM head (int8 per
-    output channel): ``(config recording it, params)``. Other leaves (norms, biases) are kept as they are."""
+    and the embedding table and an untied LM head where ``quantization.embedding`` / ``lm_head`` give them
+    a scheme: ``(config recording it, params)``. Other leaves (norms, biases) are kept as they are."""
     if config.quantization is not None:
         raise ValueError(f"the params are already quantized ({config.quantization})")
     layers = dict(params["layers"])
@@ -287,13 +287,14 @@ def quantize_params(params: Params, config: ModelConfig, quantization: Quantizat
                                    scheme.bits, scheme.group_size, in_shape=ins, out_shape=outs, offsets=scheme.offsets)
         layers[module] = group
     out = {**params, "layers": layers}
-    if quantization.embedding:
-        V, D = config.vocab_size, config.d_model
-        table = _checked(params["embedder"].get("embedding"), "embedder/embedding", (V, D))
-        out["embedder"] = {**params["embedder"], "embedding": quantize(table, 8, in_shape=(D,), out_shape=(V,),
-                                                                       transposed=True)}
-        if "lm_head" in params:
-            out["lm_head"] = quantize(_checked(params["lm_head"], "lm_head", (D, V)), 8)
+    V, D = config.vocab_size, config.d_model
+    if (table := quantization.embedding) is not None:  # rows of E [V, D]: inputs D, as the tied head reads it
+        out["embedder"] = {**params["embedder"], "embedding": quantize(
+            _checked(params["embedder"].get("embedding"), "embedder/embedding", (V, D)), table.bits,
+            table.group_size, in_shape=(D,), out_shape=(V,), transposed=True, offsets=table.offsets)}
+    if (head := quantization.lm_head) is not None and "lm_head" in params:
+        out["lm_head"] = quantize(_checked(params["lm_head"], "lm_head", (D, V)), head.bits, head.group_size,
+                                  offsets=head.offsets)
     return config.replace(quantization=quantization), out
 
 

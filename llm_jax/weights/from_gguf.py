@@ -406,8 +406,9 @@ def block_quantization(f: GGUFFile, config: ModelConfig) -> Quantization | None:
     """The :class:`Quantization` holding the file's projections of integer block types exactly
     (``gguf_blocks.SCHEMES``; a projection whose layers mix types in the scheme common to them): the scheme
     of most projections the default, the others named, a projection with a layer of any other type (F16
-    where a row is not whole blocks: stories260K's ``ffn_down``) named as floats. None when no projection
-    is of integer block types (the file loads as floats)."""
+    where a row is not whole blocks: stories260K's ``ffn_down``) named as floats; the embedding table and an
+    untied LM head in their type's scheme where it is one. None when no projection is of integer block
+    types (the file loads as floats)."""
     schemes = {}
     for name in _PROJECTIONS:
         types = {f.tensors[t].type_name for t in _sources(config, name) if t in f.tensors}
@@ -421,7 +422,17 @@ def block_quantization(f: GGUFFile, config: ModelConfig) -> Quantization | None:
     counts = [held.count(s) for s in held]
     default = held[counts.index(max(counts))]
     return Quantization(bits=default.bits, group_size=default.group_size, offsets=default.offsets,
-                        projections=tuple((n, s) for n, s in schemes.items() if s != default))
+                        embedding=_table_scheme(f, TABLE), lm_head=None if config.tie_embeddings else _table_scheme(
+                            f, HEAD), projections=tuple((n, s) for n, s in schemes.items() if s != default))
+
+
+TABLE, HEAD = "token_embd.weight", "output.weight"
+
+
+def _table_scheme(f: GGUFFile, name: str):
+    """The scheme of the embedding table or LM head ``name`` where it is of an integer block type, else None."""
+    tensor = f.tensors.get(name)
+    return None if tensor is None else gguf_blocks.SCHEMES.get(tensor.type_name)
 
 
 _PROJECTIONS = PROJECTION_NAMES
@@ -509,20 +520,54 @@ def load_gguf_params(path: str | os.PathLike, config: ModelConfig, *, dtype=np.f
     check_types(f, names)
     where = str(f.path)
     specs = tensor_specs(config, interleaved=rope_is_interleaved(f.architecture))
-    quantized = []
+    quantized, tables = [], []
     if config.quantization is not None:
         if config.quantization != block_quantization(f, config):
             raise WeightsError(f"{where}: the projections are not all stored as {config.quantization}")
         held = {name for name in _PROJECTIONS if config.quantization.scheme(name) is not None}
         quantized = [s for s in specs if s.path[-1] in held]
-        specs = [s for s in specs if s.path[-1] not in held]
+        tables = [s for s in specs if _table_of(s, config.quantization) is not None]
+        specs = [s for s in specs if s.path[-1] not in held and s not in tables]
         names -= {s.source.format(layer=l) for s in quantized for l in range(config.n_layers)}
+        names -= {s.source for s in tables}
     params = assemble(specs, config, lambda name: read_tensor(f.tensors[name], where), names, where=where,
                       dtype=dtype, progress=progress, place=place)
     for (_, module, name), leaf in _quantized_leaves(f, config, config.quantization, quantized, progress,
                                                      place).items():
         params["layers"].setdefault(module, {})[name] = leaf
+    for spec in tables:
+        leaf = _table_leaf(f, config, spec, _table_of(spec, config.quantization), place)
+        if spec.path == ("lm_head",):
+            params["lm_head"] = leaf
+        else:
+            params.setdefault("embedder", {})["embedding"] = leaf
+        if progress is not None:
+            progress(spec.source)
     return params
+
+
+def _table_of(spec: TensorSpec, quantization: Quantization):
+    """The scheme ``quantization`` gives the embedding table or LM head ``spec`` (None: floats, or not one)."""
+    return {("embedder", "embedding"): quantization.embedding, ("lm_head",): quantization.lm_head}.get(spec.path)
+
+
+def _table_leaf(f: GGUFFile, config: ModelConfig, spec: TensorSpec, scheme, place):
+    """The embedding table (a ``transposed`` leaf: its rows, inputs d_model) or an untied LM head (W [D, V])
+    as a QuantizedArray holding the file's blocks."""
+    from llm_jax.quantization import QuantizedArray
+
+    tensor = f.tensors[spec.source]
+    if tensor.shape != tuple(spec.source_shape):
+        raise WeightsError(f"{f.path}: tensor {spec.source!r} has shape {tensor.shape}, expected "
+                           f"{tuple(spec.source_shape)} from the config")
+    V, D = tensor.shape
+    blocks = gguf_blocks.widen(gguf_blocks.decode(tensor.type_name, np.asarray(tensor.data).reshape(V, -1), D), scheme)
+    transposed = spec.path != ("lm_head",)
+    arrays = dict(zip(("values", "scales", "offsets"), gguf_blocks.leaf_arrays(blocks, transposed=transposed)))
+    if place is not None:
+        arrays = {k: None if a is None else place((*spec.path, k), a) for k, a in arrays.items()}
+    return QuantizedArray(arrays["values"], arrays["scales"], (D,), (V,), scheme.bits, scheme.group_size,
+                          transposed=transposed, offsets=arrays["offsets"])
 
 
 def load_gguf(path: str | os.PathLike, *, dtype=np.float32, dequantize: bool = False,

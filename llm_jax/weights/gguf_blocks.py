@@ -260,18 +260,19 @@ def widen(blocks: Blocks, scheme: QuantScheme) -> Blocks:
     return Blocks(q, s, o, scheme)
 
 
-def leaf_arrays(blocks: Blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def leaf_arrays(blocks: Blocks, *, transposed: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The rows [R = outputs, K = inputs] as a :class:`QuantizedArray`'s (values, scales, offsets) of a
     [K, R] weight: int8 [K, R] or packed uint8 [K / 2, R] (input 2j low nibble, 2j + 1 high, each stored
-    as ``q + 8``, or ``q`` itself with offsets), and float32 [K / g, R]."""
+    as ``q + 8``, or ``q`` itself with offsets), and float32 [K / g, R]. ``transposed``: of a ``transposed``
+    leaf, the rows as they are ([R, K] or [R, K / 2], and [R, K / g]; an embedding table's rows)."""
     q = blocks.q
     if blocks.scheme.bits == 4:
         u = (q if blocks.scheme.offsets else q + 8).astype(np.uint8)
         values = u[:, 0::2] | (u[:, 1::2] << 4)
     else:
         values = q
-    o = None if blocks.o is None else np.ascontiguousarray(blocks.o.T)
-    return np.ascontiguousarray(values.T), np.ascontiguousarray(blocks.s.T), o
+    arrays = (values, blocks.s, blocks.o)
+    return tuple(None if a is None else np.ascontiguousarray(a if transposed else a.T) for a in arrays)
 
 
 def bits_per_value(scheme: QuantScheme, K: int) -> float:

@@ -38,20 +38,30 @@ def weight_bytes_per_step(config: ModelConfig, batch: int, *, screen: str | None
     if config.tie_embeddings:  # the table is the LM head, read whole
         read += embedding
     quantized = 0
-    if config.quantization is not None:  # the projections as integers, float32 scales and offsets (not the head)
+    if config.quantization is not None:  # the projections (and a quantized head) as integers, scales, offsets
         for name in PROJECTION_NAMES:
             scheme = config.quantization.scheme(name)
             if scheme is None:  # kept in floats
                 continue
             ins, outs = projection_dims(name, config)
             K, count = math.prod(ins), config.n_layers * math.prod(ins) * math.prod(outs)
-            groups_per_input = math.ceil(K / (scheme.group_size or K)) / K
             read -= count
-            quantized += count * scheme.bits // 8 + round(count * groups_per_input * 4 * (1 + scheme.offsets))
+            quantized += _quantized_bytes(count, K, scheme)
+        head = config.quantization.embedding if config.tie_embeddings else config.quantization.lm_head
+        if head is not None:  # the LM head as integers (no screen then)
+            read -= embedding
+            quantized += _quantized_bytes(embedding, config.d_model, head)
     if screen is None:
         return read * itemsize + quantized
     per_weight, per_column = SCREEN_BYTES[screen]
     return (read - embedding) * itemsize + quantized + embedding * per_weight + config.vocab_size * per_column
+
+
+def _quantized_bytes(count: int, K: int, scheme) -> int:
+    """Bytes of ``count`` weights held in ``scheme`` with ``K`` inputs per output: integers, float32 scales
+    (and offsets) per group."""
+    groups_per_input = math.ceil(K / (scheme.group_size or K)) / K
+    return count * scheme.bits // 8 + round(count * groups_per_input * 4 * (1 + scheme.offsets))
 
 
 # Bytes a screen reads per weight of the head and per column (scales, norms).

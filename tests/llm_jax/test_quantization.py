@@ -44,8 +44,9 @@ SCHEMES = {"int8": Quantization(bits=8), "int8+embedding": Quantization(bits=8, 
            "int4 g32": Quantization(bits=4, group_size=32), "int4 g64": Quantization(bits=4, group_size=64),
            "int4 g128": Quantization(bits=4, group_size=128),
            "int4 g32 offsets": Quantization(bits=4, group_size=32, offsets=True),
-           # a GGUF file's kind of mix: a scheme per projection, one kept in floats
-           "mixed": Quantization(bits=4, group_size=32, offsets=True, projections=(
+           # a GGUF file's kind of mix: a scheme per projection, one kept in floats, the tables in theirs
+           "mixed": Quantization(bits=4, group_size=32, offsets=True, embedding=QuantScheme(
+               bits=4, group_size=32, offsets=True), lm_head=QuantScheme(bits=8, group_size=16), projections=(
                ("v_proj", QuantScheme(bits=8, group_size=16)),
                ("o_proj", QuantScheme(bits=8, group_size=32, offsets=True)), ("down_proj", None)))}
 
@@ -221,9 +222,10 @@ def test_forward_on_quantized_leaves_is_the_dequantized_forward(family, scheme):
     qconfig, qparams = quantize_params(params, config, SCHEMES[scheme])
     quantized = [k for k, leaf in jax.tree_util.tree_flatten_with_path(qparams, is_leaf=is_quantized)[0]
                  if is_quantized(leaf)]
-    floats = sum(s is None for _, s in SCHEMES[scheme].projections)
-    assert len(quantized) == 7 - floats + (1 if SCHEMES[scheme].embedding else 0) + (
-        0 if config.tie_embeddings or not SCHEMES[scheme].embedding else 1)
+    q = SCHEMES[scheme]
+    floats = sum(s is None for _, s in q.projections)
+    assert len(quantized) == 7 - floats + (q.embedding is not None) + (
+        not config.tie_embeddings and q.lm_head is not None)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 11)), jnp.int32)
     expected = forward(dequantized(qparams), config, tokens, backend="xla")
     for backend in ("xla", "cpu"):

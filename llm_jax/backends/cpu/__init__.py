@@ -65,7 +65,8 @@ class CpuKernels(Backend):
             return params  # the kernels read float32 and bfloat16; other dtypes run XLA's products
         if config.quantization is not None:  # int8 panels where they serve; the float head's panels and screen
             weights = quantized.prepare(params, config)
-            if not config.quantization.embedding:
+            q = config.quantization
+            if (q.embedding if config.tie_embeddings else q.lm_head) is None:
                 weights = forms.prepare_head(weights, config)
                 head = forms.head_panels(weights, config)
                 if self.greedy_screen and head is not None and greedy_head.applies(config):
@@ -103,6 +104,8 @@ class CpuKernels(Backend):
         return cpu_kernels.glu(y_RE, activation.value).reshape(*x_BTD.shape[:-1], F)
 
     def embed(self, table_VD: Any, tokens_BT: jax.Array, out_dtype) -> jax.Array:
+        if isinstance(table_VD, quantized.QuantizedPanels):
+            return quantized.table_rows(table_VD, tokens_BT, out_dtype)
         if isinstance(table_VD, Panels):  # row t of E is column t of the head: panel t // 16, lane t % 16
             bits = as_bits(table_VD.data)
             rows_BTD = bits.at[tokens_BT // cpu_kernels.PANEL, :, tokens_BT % cpu_kernels.PANEL].get(mode="fill")

@@ -13,8 +13,9 @@ of float32's bytes per step:
   The kernels read 4-bit nibbles as ``u - 8``; the 4-bit offsets the panels hold are ``o + 8 s``, the
   same function (within float32 rounding).
 
-Other quantized leaves (the embedding table) stay :class:`QuantizedArray` s, which the backend multiplies
-as XLA does (dequantized). The LM head of a model whose embedding is not quantized keeps its float panels
+A quantized LM head (an untied one, or the tied embedding table, whose rows the embedding lookup then
+gathers from the panels) is held the same way. A quantized table that is not the head stays a
+:class:`QuantizedArray`, whose rows the backend gathers as XLA does. A float LM head keeps its float panels
 and screen (:mod:`llm_jax.backends.cpu.forms`).
 """
 
@@ -71,16 +72,49 @@ def takes_panels(w: Any) -> bool:
 
 
 def prepare(params: Params, config: ModelConfig) -> Params:
-    """``params`` with each projection the kernels read in panels in that form (others unchanged)."""
+    """``params`` with each projection the kernels read in panels in that form, and a quantized LM head
+    (others unchanged)."""
     layers = {name: dict(module) if isinstance(module, dict) else module for name, module in params["layers"].items()}
     for module, names in PROJECTIONS.items():
         for name in names:
             w = layers[module][name]
             if takes_panels(w):
-                offsets = None if w.offsets is None else _panels(_kernel_offsets(w.offsets, w.scales, w.bits))
-                layers[module][name] = QuantizedPanels(_panels(w.values), _panels(w.scales), w.in_shape, w.out_shape,
-                                                       w.bits, w.group_size, offsets)
-    return {**params, "layers": layers}
+                layers[module][name] = _as_panels(w)
+    out = {**params, "layers": layers}
+    head = out.get("lm_head")
+    if takes_panels(head):
+        out["lm_head"] = _as_panels(head)
+    table = params["embedder"].get("embedding")
+    if config.tie_embeddings and isinstance(table, QuantizedArray) and table.transposed and not table.lead \
+            and table.N % cpu_kernels.PANEL == 0 and (table.bits == 8 or table.group_size % 2 == 0):
+        # rows of E [V, D] are the columns of the head W = Eᵀ [D, V]
+        w = dataclasses.replace(table, values=table.values.T, scales=table.scales.T, transposed=False,
+                                offsets=None if table.offsets is None else table.offsets.T)
+        out["embedder"] = {**params["embedder"], "embedding": _as_panels(w)}
+    return out
+
+
+def _as_panels(w: QuantizedArray) -> QuantizedPanels:
+    offsets = None if w.offsets is None else _panels(_kernel_offsets(w.offsets, w.scales, w.bits))
+    return QuantizedPanels(_panels(w.values), _panels(w.scales), w.in_shape, w.out_shape, w.bits, w.group_size,
+                           offsets)
+
+
+def table_rows(table: QuantizedPanels, tokens_BT: jax.Array, out_dtype) -> jax.Array:
+    """Rows ``tokens_BT`` [B, T] of an embedding table held as its head's panels: column t of W [D, V] is
+    panel t // 16, lane t % 16. [B, T, D] in ``out_dtype`` (an index past the table reads zeros)."""
+    P, (D,) = cpu_kernels.PANEL, table.in_shape
+
+    def lanes(a: jax.Array) -> jax.Array:  # [V / 16, X, 16] → [B · T, X]
+        return a.at[tokens_BT // P, :, tokens_BT % P].get(mode="fill", fill_value=0).reshape(-1, a.shape[1])
+
+    rows = lanes(table.data).shape[0]
+    # The integers as the kernels read them (4 bits: u - 8) times the scales, plus the kernels' offsets.
+    x = QuantizedArray(lanes(table.data), lanes(table.scales), (D,), (rows,), table.bits, table.group_size,
+                       transposed=True).dequantize(jnp.float32)
+    if table.offsets is not None:
+        x = x + jnp.repeat(lanes(table.offsets), table.group_size, axis=-1)[:, :D]
+    return x.reshape(*tokens_BT.shape, D).astype(out_dtype)
 
 
 _panels = jax.jit(cpu_kernels.to_panels)

@@ -355,16 +355,22 @@ def test_integer_blocks_are_quantized_leaves_value_for_value(qtype):
 
 
 def test_q4_0_file_with_a_q6_k_head_loads(tmp_path):
-    """What llama.cpp's Q4_0 files look like: Q4_0 projections (quantized leaves), the head in Q6_K (floats)."""
+    """What llama.cpp's Q4_0 files look like: Q4_0 projections and embedding, the head in Q6_K: quantized leaves
+    of their schemes."""
     wide = Family(transformers.LlamaConfig, dict(FAMILIES["llama2_mha"].fields, hidden_size=256), {})
     build(wide, tmp_path / "hf")  # d_model 256: one Q6_K super-block per row of the head
     vocab_size = json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
     head = random_blocks(np.random.default_rng(2), Q.Q6_K, vocab_size, 256)
     path = write_gguf(tmp_path / "q6k.gguf", tmp_path / "hf", Q.Q4_0, replace={"output.weight": (head, Q.Q6_K)})
     model = llm_jax.load(path)
-    assert model.config.quantization == llm_jax.Quantization(bits=4, group_size=32)
+    q4 = gguf_blocks.SCHEMES["Q4_0"]
+    assert model.config.quantization == llm_jax.Quantization(bits=4, group_size=32, embedding=q4,
+                                                             lm_head=gguf_blocks.SCHEMES["Q6_K"])
     expected = gguf.quants.dequantize(head, Q.Q6_K).astype(np.float32).T
-    np.testing.assert_array_equal(np.asarray(model.params["lm_head"]), expected)
+    np.testing.assert_array_equal(np.asarray(model.params["lm_head"].dequantize()), expected)
+    f = open_gguf(path)
+    table = gguf.quants.dequantize(f.tensors["token_embd.weight"].data, Q.Q4_0).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(model.params["embedder"]["embedding"].dequantize()), table)
 
 
 def expected_logits(path: pathlib.Path, folder: pathlib.Path, source, config, ids: np.ndarray) -> np.ndarray:
@@ -417,10 +423,10 @@ WIDE_LLAMA = Family(transformers.LlamaConfig, dict(FAMILIES["llama2_mha"].fields
 
 def test_k_and_i_quant_projections_are_their_dequantization(tmp_path):
     """A file of llama.cpp's super-block types (the K-quants and the i-quants; rows of whole super-blocks:
-    d_model and d_ff 256), one type per projection and layer, q and k rows in the interleaved layout: the
-    logits are transformers' with gguf's dequantization of every tensor as the weights. The projections
-    load as quantized leaves, each in the scheme its layers' types share; the CPU kernels' products give
-    the same logits."""
+    d_model and d_ff 256), one type per projection and layer, q and k rows in the interleaved layout, the
+    embedding in Q4_K and the head in Q6_K: the logits are transformers' with gguf's dequantization of
+    every tensor as the weights. The projections load as quantized leaves, each in the scheme its layers'
+    types share, and so do the tables; the CPU kernels' products give the same logits."""
     source = build(WIDE_LLAMA, tmp_path / "hf")
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     rng = np.random.default_rng(3)
@@ -434,6 +440,9 @@ def test_k_and_i_quant_projections_are_their_dequantization(tmp_path):
         # scales small enough that the weights are of the usual size (the largest codes are ~64 · 16 steps)
         replace[name] = (random_blocks(rng, qtype, 256, 256, scale=2e-4), qtype)
     assert {qtype for _, qtype in replace.values()} == set(super_block)
+    V = hf["vocab_size"]  # the tables as llama.cpp's Q4_K_M files hold them
+    replace["token_embd.weight"] = (random_blocks(rng, Q.Q4_K, V, 256, scale=2e-4), Q.Q4_K)
+    replace["output.weight"] = (random_blocks(rng, Q.Q6_K, V, 256, scale=2e-4), Q.Q6_K)
     path = write_gguf(tmp_path / "k.gguf", tmp_path / "hf", replace=replace)
     model = llm_jax.load(path, dtype="float32")
     ids = tokens(model.config.vocab_size, 0, 40)
@@ -448,8 +457,10 @@ def test_k_and_i_quant_projections_are_their_dequantization(tmp_path):
             expected_scheme = gguf_blocks.common_scheme(gguf_blocks.SCHEMES[t.name] for t in layer_types)
             assert quantization.scheme(name) == expected_scheme == group[name].scheme, name
     assert {s.offsets for _, s in quantization.projections} | {quantization.offsets} == {False, True}
+    assert (quantization.embedding, quantization.lm_head) == (gguf_blocks.SCHEMES["Q4_K"], gguf_blocks.SCHEMES["Q6_K"])
     weights = llm_jax.CpuKernels().prepare(model.params, model.config)
     assert all(isinstance(w, QuantizedPanels) for w in weights["layers"]["attn"].values())
+    assert isinstance(weights["lm_head"], QuantizedPanels)
     kernels = np.asarray(jax.jit(forward, static_argnums=1, static_argnames="backend")(
         weights, model.config, jnp.asarray(ids), backend="cpu"))
     assert float(np.abs(kernels - ours).max()) <= ATOL
@@ -586,9 +597,10 @@ def test_not_a_gguf_file(tmp_path):
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1], ids=lambda q: q.name)
 @pytest.mark.parametrize("name", ["llama3_gqa_rope_scaling", "qwen3_qk_norm"])  # q/k permuted and not
 def test_block_tensors_become_quantized_leaves_holding_the_same_values(built, name, qtype):
-    """Projections of the types the gguf package writes load as QuantizedArray leaves of the type's scheme
-    (Q8_0 / Q5_0 int8, Q4_0 int4, Q4_1 int4 with offsets, Q5_1 int8 with offsets; groups of 32) whose
-    dequantize() equals the float path's exact dequantization bit for bit; the logits are the float path's."""
+    """Projections, the embedding table and an untied head of the types the gguf package writes load as
+    QuantizedArray leaves of the type's scheme (Q8_0 / Q5_0 int8, Q4_0 int4, Q4_1 int4 with offsets, Q5_1
+    int8 with offsets; groups of 32) whose dequantize() equals the float path's exact dequantization bit
+    for bit; the logits are the float path's, on XLA and on the CPU kernels."""
     from llm_jax.quantization import QuantizedArray
 
     _, folder, _ = built(name)
@@ -596,9 +608,15 @@ def test_block_tensors_become_quantized_leaves_holding_the_same_values(built, na
     model = llm_jax.load(path)
     scheme = gguf_blocks.SCHEMES[qtype.name]
     bits = scheme.bits
-    assert model.config.quantization == llm_jax.Quantization(bits=bits, group_size=32, offsets=scheme.offsets)
+    tied = model.config.tie_embeddings
+    assert model.config.quantization == llm_jax.Quantization(bits=bits, group_size=32, offsets=scheme.offsets,
+                                                             embedding=scheme, lm_head=None if tied else scheme)
     float_config, float_params = load_gguf(path, dequantize=True)
     assert float_config.quantization is None
+    np.testing.assert_array_equal(np.asarray(model.params["embedder"]["embedding"].dequantize()),
+                                  float_params["embedder"]["embedding"])
+    if not tied:
+        np.testing.assert_array_equal(np.asarray(model.params["lm_head"].dequantize()), float_params["lm_head"])
     for module, names in (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj",
                                                                                        "down_proj"))):
         for proj in names:
@@ -609,6 +627,12 @@ def test_block_tensors_become_quantized_leaves_holding_the_same_values(built, na
     ours = np.asarray(jit_forward(model.params, model.config, jnp.asarray(ids)))
     dequantized = np.asarray(jit_forward(jax.tree.map(jnp.asarray, float_params), float_config, jnp.asarray(ids)))
     np.testing.assert_allclose(ours, dequantized, atol=ATOL, rtol=0)
+    weights = llm_jax.CpuKernels().prepare(model.params, model.config)
+    head = weights["embedder"]["embedding"] if tied else weights["lm_head"]
+    assert isinstance(head, QuantizedPanels)
+    kernels = np.asarray(jax.jit(forward, static_argnums=1, static_argnames="backend")(
+        weights, model.config, jnp.asarray(ids), backend="cpu"))
+    np.testing.assert_allclose(kernels, dequantized, atol=ATOL, rtol=0)
 
 
 def test_dequantize_and_quantize_give_float_leaves_first(built, tmp_path):
