@@ -81,7 +81,9 @@ def test_block_files_decode_as_gguf_does_and_near_the_params(tmp_path, type_name
 def test_quantized_leaves_load_from_a_q8_0_file(tmp_path):
     path = save_gguf(tmp_path / "m.gguf", CONFIG, random_model(), "Q8_0")
     model = llm_jax.load(path, backend="xla")
-    assert model.config.quantization == parse_quantization("int8", 32)
+    blocks = llm_jax.QuantScheme(bits=8, group_size=32)  # every matrix in Q8_0, the tables too
+    assert model.config.quantization == llm_jax.Quantization(
+        bits=8, group_size=32, embedding=blocks, lm_head=None if CONFIG.tie_embeddings else blocks)
 
 
 def test_every_tensor_is_the_converters(tmp_path, llama2_tokenizer_path):
