@@ -35,10 +35,9 @@ running along the input: blocks run along K, as our groups do; its float16 scale
   2j low, 2j + 1 high); the offset of 8 is the same as ours.
 
 The other types llama.cpp writes that are integers times per-block scales (and offsets) map onto leaves
-exactly too (``llm_jax.weights.from_gguf``): Q5_0, Q6_K, IQ4_NL and IQ4_XS as 8 bits (Q6_K in groups of
-16), Q3_K as 4 bits in groups of 16, Q4_1 and Q4_K as 4 bits with offsets, Q5_1 and Q5_K as 8 bits with
-offsets, Q2_K as 4 bits with offsets in groups of 16. The sub-block scales of the K-quants are products
-of a float16 and a 6-bit integer, exact in float32.
+exactly too, every one in one scheme (the table in ``llm_jax.weights.gguf_blocks``): for example Q4_1 and
+Q4_K as 4 bits with offsets, Q6_K as 8 bits in groups of 16, the i-quants as 8 bits. The sub-block scales
+of the K-quants are products of a float16 and a 6-bit integer, exact in float32.
 
 :meth:`QuantizedArray.dequantize` is the one definition of what a leaf stands for; the XLA products
 dequantize then multiply (:mod:`llm_jax.backends.base`), the CPU kernels dequantize in registers.

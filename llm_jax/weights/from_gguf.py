@@ -7,8 +7,9 @@ leaves one at a time (``layout.assemble``): F32, F16 and BF16 as they are; proje
 block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K ... Q6_K, the i-quants IQ1_S ... IQ4_XS)
 as quantized leaves holding the file's integers, scales and offsets value for value
 (``llm_jax.weights.gguf_blocks``; a projection whose layers mix types in the narrowest scheme that holds
-them all); the other tensors of those types (the embedding table, an LM head) as float32, through the
-``gguf`` package's own dequantization (:func:`dequantize_rows`).
+them all), and so the embedding table and an untied LM head; with ``dequantize`` (or where no projection
+is of those types) every tensor as float32, through the ``gguf`` package's own dequantization
+(:func:`dequantize_rows`).
 
 The quirks of llama.cpp's converter (``convert_hf_to_gguf.py``) undone here:
 
@@ -415,7 +416,7 @@ def block_quantization(f: GGUFFile, config: ModelConfig) -> Quantization | None:
         if not types:
             return None
         schemes[name] = (gguf_blocks.common_scheme(gguf_blocks.SCHEMES[t] for t in sorted(types))
-                         if types <= set(BLOCK_TYPES) else None)  # floats, or i-quants: read as floats
+                         if types <= set(BLOCK_TYPES) else None)  # a layer in a float type: floats
     held = [s for s in schemes.values() if s is not None]
     if not held:
         return None
@@ -513,8 +514,8 @@ def load_gguf_params(path: str | os.PathLike, config: ModelConfig, *, dtype=np.f
                      progress: Callable[[str], None] | None = None,
                      place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None) -> dict:
     """The params of a GGUF file, tensor by tensor (see ``layout.assemble``): floats cast to ``dtype``, and
-    when ``config.quantization`` is set (``read_gguf_config``) the projections as QuantizedArray leaves
-    holding the file's integer blocks value for value."""
+    when ``config.quantization`` is set (``read_gguf_config``) the projections (and the tables it names) as
+    QuantizedArray leaves holding the file's integer blocks value for value."""
     f = open_gguf(path)
     names = set(f.tensors) - set(_NOT_PARAMS)
     check_types(f, names)
