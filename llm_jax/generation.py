@@ -22,7 +22,7 @@ from llm_jax import buckets, executable_cache, sharding
 from llm_jax.beams import BeamSearch, EarlyStopping, beam_search
 from llm_jax.compile_stats import measure_compilation
 from llm_jax.decoding import PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, decode, start, take_cache_rows
-from llm_jax.kv_cache import KVCache, init_cache
+from llm_jax.kv_cache import KVCache, cache_dtype, init_cache
 from llm_jax.loading import Model
 from llm_jax.model import LayerHooks
 from llm_jax.prefilling import PrefillExtras, pad_prompts, prefill, prefill_with_extras
@@ -183,11 +183,7 @@ class GenerationStream:
                  steering: np.ndarray | None = None, return_kv_cache: bool = False,
                  beams: BeamSearch | None = None, mesh: Mesh | str | None = None,
                  speculative: Speculative | None = None, kv_cache_dtype: str | None = None):
-        if kv_cache_dtype not in (None, "int8"):
-            raise ValueError(f"kv_cache_dtype must be None (the compute dtype) or 'int8', got {kv_cache_dtype!r}")
-        if kv_cache_dtype is not None and (mesh is not None or model.mesh is not None or speculative is not None):
-            raise ValueError("an int8 KV cache runs on one device, without speculative decoding")
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype = cache_dtype(model.config, kv_cache_dtype)  # names the choices when unknown
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
         if chunk_steps < 1:
@@ -241,9 +237,12 @@ class GenerationStream:
                                        record_layers=tuple(hidden_layers))
         self.prompt_logprobs, self.return_kv_cache = prompt_logprobs, return_kv_cache
         self.max_new_tokens = max(budgets)
-        self.speculative = speculative
+        self.speculative, self.draft = speculative, None
         if speculative is not None:
             self._check_speculative(speculative, logprobs, hidden_layers, steering, return_kv_cache)
+            # A draft model runs where the target does: on its mesh (a copy laid out there) when it has one.
+            draft, mesh = speculative.draft_model, self.model.mesh
+            self.draft = draft if draft is None or draft.mesh == mesh else draft.shard(mesh)
         self.results: list[GenerationResult] | None = None
         self.metrics: GenerationMetrics | None = None
         self.kv_cache: KVCache | None = None
@@ -266,8 +265,7 @@ class GenerationStream:
             raise TypeError(f"speculative must be an llm_jax.Speculative, got {type(speculative).__name__}")
         unsupported = {"beam search": self.beams is not None, "logprobs": logprobs is not None,
                        "hidden_layers": bool(hidden_layers), "steering": steering is not None,
-                       "return_kv_cache": return_kv_cache,
-                       "a mesh (it runs on one device)": self.model.mesh is not None}
+                       "return_kv_cache": return_kv_cache}
         named = [name for name, used in unsupported.items() if used]
         if named:
             raise ValueError(f"speculative decoding does not support {', '.join(named)}")
@@ -280,8 +278,9 @@ class GenerationStream:
             if draft.config.max_seq_len < self.cache_len:
                 raise ValueError(f"the draft model's context of {draft.config.max_seq_len} tokens is shorter than "
                                  f"this generation's cache of {self.cache_len} slots")
-            if draft.mesh is not None:
-                raise ValueError("the draft model must be on one device (load it without a mesh)")
+            if draft.mesh is not None and draft.mesh != self.model.mesh:
+                raise ValueError("the draft model must be on the target's mesh, or on one device (load it without "
+                                 "a mesh: it is laid out on the target's)")
 
     def __iter__(self) -> Iterator[StreamEvent]:
         if self._started:
@@ -292,7 +291,8 @@ class GenerationStream:
     def _prefill(self, tokens_BT, lengths_B) -> tuple[jax.Array, KVCache, PrefillExtras | None]:
         config, params, mesh, backend = self.model.config, self.model.weights, self.model.mesh, self.model.backend
         P = len(self.prompt_ids)
-        layout = None if mesh is None else sharding.cache_shardings(config, P, self.cache_len, mesh)
+        layout = None if mesh is None else sharding.cache_shardings(config, P, self.cache_len, mesh,
+                                                                     self.kv_cache_dtype)
         cache = init_cache(config, P, self.cache_len, self.kv_cache_dtype, sharding=layout)
         hooks = self.prompt_hooks
         if hooks.steering_BLD is None and not hooks.record_layers and self.prompt_logprobs is None:
@@ -363,7 +363,7 @@ class GenerationStream:
                     cache, state, emitted = _decode(model.weights, config, cache, state, self.controls,
                                                    num_steps=self.chunk_steps, mesh=mesh, backend=model.backend)
                     if spec is not None:
-                        draft = self.speculative.draft_model
+                        draft = self.draft
                         spec = _catch_up(spec, emitted.tokens_BS, lengths_before_B, cache.lengths_B,
                                          None if draft is None else draft.weights,
                                          draft_config=None if draft is None else draft.config,
@@ -404,22 +404,26 @@ class GenerationStream:
 
     def _start_speculation(self, tokens_BT: np.ndarray, lengths_B: np.ndarray, state) -> SpecState:
         """Speculation's state after the first token: the sequences so far and the draft's prefilled cache."""
-        draft, rows = self.speculative.draft_model, jnp.asarray(self.rows)
+        draft, rows, mesh = self.draft, jnp.asarray(self.rows), self.model.mesh
         draft_cache = None
         if draft is not None:
-            empty = init_cache(draft.config, len(self.prompt_ids), self.cache_len)
-            _, draft_cache = _prefill(draft.weights, draft.config, tokens_BT, lengths_B, empty, backend=draft.backend)
+            P = len(self.prompt_ids)
+            layout = None if mesh is None else sharding.cache_shardings(draft.config, P, self.cache_len, mesh)
+            empty = init_cache(draft.config, P, self.cache_len, sharding=layout)
+            _, draft_cache = _prefill(draft.weights, draft.config, tokens_BT, lengths_B, empty, mesh=mesh,
+                                      backend=draft.backend)
             draft_cache = take_cache_rows(draft_cache, rows) if self.n > 1 else draft_cache
         return init_state(tokens_BT[self.rows], lengths_B[self.rows], state.tokens_B,
                                    capacity=self.cache_len + self.speculative.num_tokens + 2, draft_cache=draft_cache)
 
     def _speculate(self, cache, state, spec: SpecState, backoff: Backoff):
         """A chunk of speculative steps, and the plan for the next chunk from what it accepted."""
-        model, draft = self.model, self.speculative.draft_model
+        model, draft = self.model, self.draft
         cache, state, spec, emitted = _speculative_decode(
             model.weights, model.config, cache, state, spec, self.controls, None if draft is None else draft.weights,
             plan=self.speculative.plan, draft_config=None if draft is None else draft.config,
-            num_steps=self.chunk_steps, backend=model.backend, draft_backend=None if draft is None else draft.backend)
+            num_steps=self.chunk_steps, mesh=model.mesh, backend=model.backend,
+            draft_backend=None if draft is None else draft.backend)
         accepted = int(jax.device_get(spec.accepted_B).sum())
         emitted = jax.device_get(emitted)
         accepted, before = accepted - self._accepted, accepted
@@ -556,10 +560,11 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
     ``speculative`` (an :class:`llm_jax.Speculative`) proposes tokens by prompt lookup or with a draft
     model and verifies them with one target pass per step (:mod:`llm_jax.speculative`): greedy output is
     plain decoding's, sampled output has the target's distribution; the metrics count what was proposed
-    and accepted.
+    and accepted. Under a mesh the draft model is laid out on it too.
 
     ``kv_cache_dtype="int8"`` holds the KV cache as int8 with a scale per token and head
-    (:class:`llm_jax.kv_cache.Int8KV`; one device).
+    (:class:`llm_jax.kv_cache.Int8KV`), with a mesh too (the scales split as the values) and with
+    speculative decoding (the draft model's cache stays in its compute dtype).
     """
     beams = None
     if num_beams > 1 or num_return_sequences > 1:

@@ -114,12 +114,14 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None, *
     dtype = jnp.dtype(dtype or config.compute_dtype)
     stored = jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
     shape = (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim)
-    if dtype == jnp.int8:
-        if sharding is not None:
-            raise ValueError("an int8 KV cache runs on one device (no sharding)")
-        return KVCache(k_LBSKH=Int8KV.zeros(shape), v_LBSKH=Int8KV.zeros(shape),
-                       lengths_B=jnp.zeros((batch_size,), jnp.int32))
     on = sharding or KVCache(k_LBSKH=None, v_LBSKH=None, lengths_B=None)
+    if sharding is not None and isinstance(sharding.k_LBSKH, Int8KV) != (dtype == jnp.int8):
+        raise ValueError(f"the shardings of a {dtype} cache must be made for it: "
+                         f"cache_shardings(..., dtype={dtype.name!r})")
+    if dtype == jnp.int8:
+        return KVCache(k_LBSKH=Int8KV.zeros(shape, sharding=on.k_LBSKH),
+                       v_LBSKH=Int8KV.zeros(shape, sharding=on.v_LBSKH),
+                       lengths_B=jnp.zeros((batch_size,), jnp.int32, device=on.lengths_B))
     return KVCache(k_LBSKH=jnp.zeros(shape, stored, device=on.k_LBSKH),
                    v_LBSKH=jnp.zeros(shape, stored, device=on.v_LBSKH),
                    lengths_B=jnp.zeros((batch_size,), jnp.int32, device=on.lengths_B))
@@ -275,6 +277,24 @@ class PagedBatch:
     num_tokens_B: jax.Array  # int32
     seq_lens_B: jax.Array  # int32
     max_query_len: int = dataclasses.field(metadata=dict(static=True))
+
+
+def rows_as_pages(slots_BT: jax.Array, positions_BT: jax.Array, max_len: int) -> PagedBatch:
+    """A step of :func:`llm_jax.model.transformer.forward_extend` over a :class:`KVCache` of ``max_len``
+    slots, as a :class:`PagedBatch` over the same arrays read as pages: row b of [L, B, S, K, H] is page b
+    of S tokens ([L, P = B, Z = S, K, H]), so paged attention kernels serve the contiguous cache in place.
+    Row b's T tokens (consecutive positions ``positions_BT[b]``) are tokens b·T … b·T + T − 1 of the flat
+    step. Only tokens with a slot in the cache are the row's: a finished row (its slots past the cache,
+    writing nothing) has none, and tokens past the cache's end (speculative verification there, whose
+    outputs no emitted token depends on) are no sequence's, so attention gives them 0."""
+    B, T = slots_BT.shape
+    rows_B = jnp.arange(B, dtype=jnp.int32)
+    in_cache_BT = (slots_BT >= 0) & (slots_BT < max_len)
+    num_tokens_B = jnp.sum(in_cache_BT, axis=1, dtype=jnp.int32)
+    return PagedBatch(slots_T=jnp.where(in_cache_BT, rows_B[:, None] * max_len + slots_BT, -1).reshape(B * T),
+                      block_tables_BX=rows_B[:, None], query_start_B=rows_B * T, num_tokens_B=num_tokens_B,
+                      seq_lens_B=jnp.where(num_tokens_B > 0, positions_BT[:, 0] + num_tokens_B, 0).astype(jnp.int32),
+                      max_query_len=T)
 
 
 def write_slots(pages_LPZKH: jax.Array, layer: jax.Array, slots_T: jax.Array, new_TKH: jax.Array) -> jax.Array:

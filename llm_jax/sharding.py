@@ -82,6 +82,9 @@ PARAM_DIMS: Mapping[str, str] = {
 }
 # The KV cache, by field.
 CACHE_DIMS: Mapping[str, str] = {"k_LBSKH": "LBSKH", "v_LBSKH": "LBSKH", "lengths_B": "B",
+                                  # an int8 cache: values and their scales split alike, by row and K/V head
+                                  "k_LBSKH/q_LBSKH": "LBSKH", "k_LBSKH/s_LBSK": "LBSK",
+                                  "v_LBSKH/q_LBSKH": "LBSKH", "v_LBSKH/s_LBSK": "LBSK",
                                   "k_LPZKH": "LPZKH", "v_LPZKH": "LPZKH",  # the paged cache: P, Z whole
                                   # an int8 paged cache: values and their scales split alike, by K/V head
                                   "k_LPZKH/q_LBSKH": "LPZKH", "k_LPZKH/s_LBSK": "LPZK",
@@ -245,18 +248,26 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
     return _named(param_specs(params, mesh), mesh)
 
 
-def cache_specs(config: ModelConfig, batch_size: int, max_len: int, mesh: Mesh | AbstractMesh) -> KVCache:
-    """A :class:`KVCache` holding the ``PartitionSpec`` of each of its fields."""
-    shape = (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim)
-    shapes = KVCache(k_LBSKH=jax.ShapeDtypeStruct(shape, jnp.float32),
-                     v_LBSKH=jax.ShapeDtypeStruct(shape, jnp.float32),
-                     lengths_B=jax.ShapeDtypeStruct((batch_size,), jnp.int32))
+def _kv_shapes(config: ModelConfig, shape: tuple[int, ...], dtype) -> jax.ShapeDtypeStruct | Int8KV:
+    """The shape of a cache's keys (or values) ``shape`` [..., H] holding ``dtype`` (int8: with its scales)."""
+    if cache_dtype(config, dtype) == jnp.int8:
+        return Int8KV(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def cache_specs(config: ModelConfig, batch_size: int, max_len: int, mesh: Mesh | AbstractMesh,
+                dtype=None) -> KVCache:
+    """A :class:`KVCache` of ``dtype`` (None: the compute dtype; int8: an :class:`Int8KV` of values and
+    scales) holding the ``PartitionSpec`` of each of its fields."""
+    kv = _kv_shapes(config, (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim), dtype)
+    shapes = KVCache(k_LBSKH=kv, v_LBSKH=kv, lengths_B=jax.ShapeDtypeStruct((batch_size,), jnp.int32))
     return _specs(shapes, CACHE_DIMS, "CACHE_DIMS", mesh)
 
 
-def cache_shardings(config: ModelConfig, batch_size: int, max_len: int, mesh: Mesh) -> KVCache:
-    """A :class:`KVCache` holding the ``NamedSharding`` of each of its fields (pass to ``init_cache``)."""
-    return _named(cache_specs(config, batch_size, max_len, mesh), mesh)
+def cache_shardings(config: ModelConfig, batch_size: int, max_len: int, mesh: Mesh, dtype=None) -> KVCache:
+    """A :class:`KVCache` holding the ``NamedSharding`` of each of its fields (pass to ``init_cache`` with the
+    same ``dtype``)."""
+    return _named(cache_specs(config, batch_size, max_len, mesh, dtype), mesh)
 
 
 def paged_cache_shardings(config: ModelConfig, num_pages: int, page_size: int, mesh: Mesh,
@@ -264,11 +275,7 @@ def paged_cache_shardings(config: ModelConfig, num_pages: int, page_size: int, m
     """A :class:`PagedKVCache` holding the ``NamedSharding`` of each of its fields (pass to
     ``init_paged_cache`` with the same ``dtype``): K/V heads split over ``model``, as the params' and the
     other cache's (an int8 cache's scales as its values)."""
-    shape = (config.n_layers, num_pages, page_size, config.n_kv_heads, config.head_dim)
-    if cache_dtype(config, dtype) == jnp.int8:
-        pages = Int8KV(jax.ShapeDtypeStruct(shape, jnp.int8), jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
-    else:
-        pages = jax.ShapeDtypeStruct(shape, jnp.float32)
+    pages = _kv_shapes(config, (config.n_layers, num_pages, page_size, config.n_kv_heads, config.head_dim), dtype)
     return _named(_specs(PagedKVCache(k_LPZKH=pages, v_LPZKH=pages), CACHE_DIMS, "CACHE_DIMS", mesh), mesh)
 
 
@@ -336,14 +343,19 @@ def paged_attention_on_shards(kernel: Callable, mesh: Mesh | None, q_TNH: jax.Ar
                               v_LPZKH: jax.Array, layer: jax.Array, batch: PagedBatch) -> jax.Array:
     """``kernel(q, k, v, block_tables, query_start, num_tokens, seq_lens, layer=layer)`` — a ragged paged
     attention kernel — on every device's shard: query and K/V heads over ``model`` (together or not at
-    all), tokens, pages and the batch's tables whole. Without a mesh, one plain call."""
+    all), tokens, pages and the batch's tables whole. Int8 pages come as pairs (values [L, P, Z, K, H],
+    scales [L, P, Z, K]), the scales split by K/V head as the values are. Without a mesh, one plain call."""
     tables = (batch.block_tables_BX, batch.query_start_B, batch.num_tokens_B, batch.seq_lens_B)
     if mesh is None:
         return kernel(q_TNH, k_LPZKH, v_LPZKH, *tables, layer=layer)
-    heads_split = (MODEL in spec("TNH", q_TNH.shape, mesh)) and (MODEL in spec("LPZKH", k_LPZKH.shape, mesh))
+    pair = isinstance(k_LPZKH, tuple)
+    values_shape = k_LPZKH[0].shape if pair else k_LPZKH.shape
+    heads_split = (MODEL in spec("TNH", q_TNH.shape, mesh)) and (MODEL in spec("LPZKH", values_shape, mesh))
     heads = MODEL if heads_split else None
     q_spec, kv_spec = PartitionSpec(None, heads, None), PartitionSpec(None, None, None, heads, None)
-    on_shards = jax.shard_map(lambda q, k, v, l, *t: kernel(q, k, v, *t, layer=l), mesh=mesh,
+    if pair:
+        kv_spec = (kv_spec, PartitionSpec(None, None, None, heads))
+    on_shards = jax.shard_map(lambda q, k, v, at, *t: kernel(q, k, v, *t, layer=at), mesh=mesh,
                               in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(), *[PartitionSpec()] * 4),
                               out_specs=q_spec, check_vma=False)
     return on_shards(q_TNH, k_LPZKH, v_LPZKH, layer, *tables)
@@ -437,4 +449,7 @@ def _reshard_jit(x, *, sharding, dtype, heads_axis, repeats):
 def _reshard(x: jax.Array, sharding: NamedSharding, dtype, heads_axis: int | None, repeats: int) -> jax.Array:
     if heads_axis is None and x.dtype == dtype:
         return jax.device_put(x, sharding)
+    if x.sharding.device_set != sharding.device_set:  # not on the mesh yet (one device's params): there first
+        x = x.astype(dtype)
+        return jax.device_put(x if heads_axis is None else jnp.repeat(x, repeats, axis=heads_axis), sharding)
     return _reshard_jit(x, sharding=sharding, dtype=dtype, heads_axis=heads_axis, repeats=repeats)

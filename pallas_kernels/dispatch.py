@@ -113,8 +113,8 @@ def decode_attention(
 
 def ragged_paged_attention(
     q_TNH: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: jax.Array | tuple[jax.Array, jax.Array],
+    v_pages: jax.Array | tuple[jax.Array, jax.Array],
     block_tables_BX: jax.Array,
     query_start_B: jax.Array,
     num_tokens_B: jax.Array,
@@ -134,8 +134,10 @@ def ragged_paged_attention(
     (decode tokens and prefill chunks mix freely); rows no sequence owns are padding and give 0.
     Its key at position s is row s % Z of page block_tables_BX[b, s // Z] of ``k_pages``
     [P, Z, K, H], or with ``layer`` (an int32 scalar, may be traced) of the stacked pages
-    [L, P, Z, K, H], read in place; pages may hold bfloat16 as uint16 bits. Causal within each
-    sequence, with the optional sliding window and logit soft-cap: semantics are
+    [L, P, Z, K, H], read in place; pages may hold bfloat16 as uint16 bits, or be int8: then k
+    and v are each a pair (int8 values [..., Z, K, H], float32 scales [..., Z, K]), x = values *
+    scales (llm_jax's ``kv_cache.Int8KV``), and the kernels dequantize each tile as they load it.
+    Causal within each sequence, with the optional sliding window and logit soft-cap: semantics are
     ``reference.ragged_paged_attention_reference``. Tiles default per variant; see
     ``ragged_paged_attention_gpu`` and ``ragged_paged_attention_tpu``.
     """

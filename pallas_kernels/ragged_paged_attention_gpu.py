@@ -13,9 +13,11 @@ each program covers one of C splits of the tile's keys and the splits are merged
 
 Triton has no scalar prefetch to steer block indices, so every program's refs span the whole
 arrays (a Triton block is a pointer and strides, not a copy) and the kernel computes its rows: the
-work-list entry, the layer and the page ids are loaded from operands. Letters: T query tokens, N
-query heads, K kv heads, G = N / K, H head dim (Hp padded), B sequences, X pages per sequence, P
-pages, Z tokens per page, L layers, W query tiles, C key splits.
+work-list entry, the layer and the page ids are loaded from operands. Int8 pages come with float32
+scales [L * P * Z] per kv head, loaded with the same row indices as the tile and multiplied into it
+in registers. Letters: T query tokens, N query heads, K kv heads, G = N / K, H head dim (Hp
+padded), B sequences, X pages per sequence, P pages, Z tokens per page, L layers, W query tiles,
+C key splits.
 """
 
 import functools
@@ -29,15 +31,23 @@ from pallas_kernels import gpu_tiles, online_softmax, poison, ragged_paging, sha
 from pallas_kernels.decode_attention_gpu import default_num_splits
 
 
+def _load_scales(ref, rows_ok):
+    """Load a [rows] vector of scales, reading 0 (and no memory) where masked."""
+    if rows_ok is None:
+        return plgpu.load(ref)
+    return plgpu.load(ref, mask=rows_ok, other=jnp.zeros((), ref.dtype))
+
+
 def _ragged_paged_kernel(
     work_ref,  # [5] int32: this program's query tile, the fields of ragged_paging.WorkList
     layer_ref,  # [] int32: the layer of the stacked pages to read
     block_tables_ref,  # [B * X] int32: each sequence's page ids in order, clamped to [0, P)
     q_ref,  # [T * N, Hp]: head n of query token t at row t * N + n
     k_ref,  # [L * P * Z, Hp]: this kv head's keys; row z of page p of layer l is (l P + p) Z + z
-    v_ref,  # [L * P * Z, Hp]  (k and v: uint16 holds bfloat16 bits)
-    o_ref,  # [T * N * C, Hp]: head n of token t, split c, at row (t N + n) C + c
-    *lse_ref,  # with C > 1: [T * N * C] float32, each split's base-2 log-sum-exp (-inf: no key)
+    v_ref,  # [L * P * Z, Hp]  (k and v: uint16 holds bfloat16 bits; or int8, then scaled)
+    *refs,  # int8 pages: their scales, ks and vs [L * P * Z] float32 (rows as k's); then
+    #         o [T * N * C, Hp]: head n of token t, split c, at row (t N + n) C + c; with C > 1,
+    #         lse [T * N * C] float32, each split's base-2 log-sum-exp (-inf: no key)
     sm_scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,
@@ -45,7 +55,10 @@ def _ragged_paged_kernel(
     rows: int,
     num_splits: int,
     dims: shapes.PagedDims,
+    int8: bool,
 ):
+    ks_ref, vs_ref = refs[:2] if int8 else (None, None)
+    o_ref, *lse_ref = refs[2:] if int8 else refs
     G, Z = dims.G, dims.Z
     head_dim_padded = q_ref.shape[1]
     seq, token, tokens, pos, kv_len = (work_ref[field] for field in range(5))
@@ -64,10 +77,18 @@ def _ragged_paged_kernel(
         def body(k_block, state):
             k_pos = k_block * block_k + jnp.arange(block_k)
             page = block_tables_ref[table_base + jnp.minimum(k_pos // Z, dims.X - 1)]
-            key_row = (layer_base + page * Z + k_pos % Z)[:, None]
+            key_rows = layer_base + page * Z + k_pos % Z
+            key_row = key_rows[:, None]
             keys_ok = k_pos < kv_len if masked else None
-            k = shapes.as_values(gpu_tiles.load(k_ref.at[key_row, cols[None, :]], keys_ok, cols_ok))
-            v = shapes.as_values(gpu_tiles.load(v_ref.at[key_row, cols[None, :]], keys_ok, cols_ok))
+            k = gpu_tiles.load(k_ref.at[key_row, cols[None, :]], keys_ok, cols_ok)
+            v = gpu_tiles.load(v_ref.at[key_row, cols[None, :]], keys_ok, cols_ok)
+            if int8:  # each key's scale, from the same rows: dequantized as loaded
+                k_scale, v_scale = (_load_scales(ref.at[key_rows], keys_ok)[:, None]
+                                    for ref in (ks_ref, vs_ref))
+                k, v = (shapes.dequantize(x, scale, q.dtype)
+                        for x, scale in ((k, k_scale), (v, v_scale)))
+            else:
+                k, v = shapes.as_values(k), shapes.as_values(v)
             s = online_softmax.scores(q, k, sm_scale=sm_scale, logit_softcap=logit_softcap)
             vis = ragged_paging.visible(r[:, None], k_pos[None, :], pos=pos, kv_len=kv_len,
                                         group=G, sliding_window=sliding_window) if masked else None
@@ -130,8 +151,8 @@ def choose_tiles(dims: shapes.PagedDims, dtype, *, block_q: int | None, block_k:
 )
 def ragged_paged_attention_gpu(
     q_TNH: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: jax.Array | tuple[jax.Array, jax.Array],
+    v_pages: jax.Array | tuple[jax.Array, jax.Array],
     block_tables_BX: jax.Array,
     query_start_B: jax.Array,
     num_tokens_B: jax.Array,
@@ -153,7 +174,9 @@ def ragged_paged_attention_gpu(
 
     Semantics are those of ``reference.ragged_paged_attention_reference``. The pages are
     [P, Z, K, H], or with ``layer`` (an int32 scalar, traced or not) the stacked [L, P, Z, K, H],
-    read in place; they may hold bfloat16 as uint16 bits. ``block_q`` is query tokens per tile,
+    read in place; they may hold bfloat16 as uint16 bits, or be int8 pairs (values, float32 scales
+    [..., Z, K]) for k and v both: each tile is loaded as int8 with its rows' scales and
+    dequantized in registers (in float32, then q's dtype). ``block_q`` is query tokens per tile,
     ``block_k`` (a power of two >= 16) keys per step; they and ``num_stages`` default to
     ``choose_tiles``, ``num_splits`` to ``decode_attention_gpu.default_num_splits`` over the tiles.
     ``poison_output`` starts the kernel's outputs as NaN (see ``poison``).
@@ -161,6 +184,8 @@ def ragged_paged_attention_gpu(
     dims = shapes.check_ragged_paged(
         q_TNH, k_pages, v_pages, block_tables_BX, query_start_B, num_tokens_B, seq_lens_B,
         layer=layer, sliding_window=sliding_window, logit_softcap=logit_softcap)
+    k_pages, v_pages, k_scales, v_scales = shapes.split_int8_pages(k_pages, v_pages)
+    int8 = k_scales is not None
     shapes.check_positive("num_splits", num_splits)
     tiles, tokens_per_tile = choose_tiles(dims, q_TNH.dtype, block_q=block_q, block_k=block_k,
                                           num_stages=num_stages)
@@ -181,6 +206,8 @@ def ragged_paged_attention_gpu(
     in_specs = [pl.BlockSpec((None, 5), lambda w, k, c: (w, 0)),
                 pl.BlockSpec((None,), lambda w, k, c: (0,)),
                 whole(dims.B * dims.X), whole(T * N, Hp), kv_spec, kv_spec]
+    if int8:  # the scales of this kv head, [L * P * Z], indexed by the same rows as the pages
+        in_specs += [pl.BlockSpec((L * P * Z, None), lambda w, k, c: (0, k))] * 2
     out_shapes = [jax.ShapeDtypeStruct((T * N * C, H), q_TNH.dtype if C == 1 else jnp.float32)]
     out_specs = [whole(T * N * C, Hp)]
     if C > 1:
@@ -189,7 +216,7 @@ def ragged_paged_attention_gpu(
     kernel = functools.partial(
         _ragged_paged_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
         logit_softcap=logit_softcap, block_k=tiles.block_k, rows=tiles.block_q, num_splits=C,
-        dims=dims)
+        dims=dims, int8=int8)
     args = [
         jnp.stack(work, axis=1),
         shapes.as_layer(layer, L),
@@ -198,6 +225,8 @@ def ragged_paged_attention_gpu(
         k_pages.reshape(L * P * Z, K, H),  # free: the row-major pages are already rows
         v_pages.reshape(L * P * Z, K, H),
     ]
+    if int8:
+        args += [k_scales.reshape(L * P * Z, K), v_scales.reshape(L * P * Z, K)]  # free as well
     aliases = {}
     if poison_output:
         kernel, args, in_specs, aliases = poison.alias_nan_outputs(

@@ -11,7 +11,9 @@ past the tile's last visible page re-name it, which Pallas does not fetch again,
 nothing. Each step folds its block into the online-softmax state kept in VMEM scratch and the last
 step writes the tile (FlashAttention-2, Dao 2023, Algorithm 1, with the query tiles in the grid,
 section 3.2). Pages read in place when H % 128 == 0 ([L, P, Z, K*H], head k a lane block);
-otherwise the layer's pages are transposed to [P, K, Z, H] first, a copy (``tpu_tiles``).
+otherwise the layer's pages are transposed to [P, K, Z, H] first, a copy (``tpu_tiles``). Int8
+pages come with their float32 scales [L, P, Z, K]: each page's [Z, K] block of them is fetched
+beside it and the page is dequantized in VMEM as it is read.
 
 Letters: T query tokens, N query heads, K kv heads, G = N / K, H head dim, B sequences, X pages per
 sequence, P pages, Z tokens per page, L layers, W query tiles, R rows of a tile.
@@ -40,23 +42,33 @@ def _ragged_paged_kernel(
     block_tables_ref,  # [B * X] int32 in SMEM: each sequence's page ids (index maps only)
     layer_ref,  # [1] int32 in SMEM: the layer of the stacked pages (index maps only)
     q_ref,  # [R, H]: tile rows for one kv head; row j G + g is head g of token j (0 past tokens)
-    *refs,  # pages_per_step K pages [Z, H], as many V pages, then o [R, H] (q's dtype) and the
-    #         float32 scratch m [R, 128], l [R, 128] and acc [R, H]
+    *refs,  # pages_per_step K pages [Z, H], as many V pages; int8 pages: then the scales of the
+    #         K pages [Z, K] (every kv head's) and of the V pages; then o [R, H] (q's dtype) and
+    #         the float32 scratch m [R, 128], l [R, 128] and acc [R, H]
     sm_scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,
     pages_per_step: int,
     group: int,
+    int8: bool,
 ):
     del seq_ref, block_tables_ref, layer_ref  # read by the index maps only
-    k_refs, v_refs = refs[:pages_per_step], refs[pages_per_step:2 * pages_per_step]
-    o_ref, m_ref, l_ref, acc_ref = refs[2 * pages_per_step:]
+    pages = 2 * pages_per_step
+    k_refs, v_refs = refs[:pages_per_step], refs[pages_per_step:pages]
+    if int8:
+        ks_refs = refs[pages:pages + pages_per_step]
+        vs_refs = refs[pages + pages_per_step:2 * pages]
+        refs = refs[2 * pages:]
+    else:
+        ks_refs = vs_refs = [None] * pages_per_step
+        refs = refs[pages:]
+    o_ref, m_ref, l_ref, acc_ref = refs
     rows, page_size = q_ref.shape[0], k_refs[0].shape[0]
-    w, step = pl.program_id(0), pl.program_id(2)
+    w, head, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     pos, tokens, kv_len = pos_ref[w], tokens_ref[w], kv_len_ref[w]
-    pages = ragged_paging.key_blocks(pos, tokens, kv_len, block_k=page_size,
-                                     sliding_window=sliding_window)
-    first_slot = pages.first + step * pages_per_step
+    blocks = ragged_paging.key_blocks(pos, tokens, kv_len, block_k=page_size,
+                                      sliding_window=sliding_window)
+    first_slot = blocks.first + step * pages_per_step
     # Keys at hi and past are visible to no row of the tile: a partial page's stale rows, or the
     # re-named page of a slot past the tile's range.
     hi = jnp.minimum(pos + tokens, kv_len)
@@ -65,7 +77,7 @@ def _ragged_paged_kernel(
     def _init():
         tpu_tiles.init_state(m_ref, l_ref, acc_ref)
 
-    @pl.when(first_slot < pages.end)
+    @pl.when(first_slot < blocks.end)
     def _fold_pages():
         # The step's pages are consecutive slots, so their keys are one run of positions.
         block_k = pages_per_step * page_size
@@ -74,8 +86,10 @@ def _ragged_paged_kernel(
         row = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
         visible = ragged_paging.visible(row, k_pos, pos=pos, kv_len=kv_len, group=group,
                                         sliding_window=sliding_window)
-        k = jnp.concatenate([shapes.as_values(ref[...]) for ref in k_refs], axis=0)
-        v = jnp.concatenate([shapes.as_values(ref[...]) for ref in v_refs], axis=0)
+        k = jnp.concatenate([_load_page(ref, s_ref, head, q_ref.dtype)
+                             for ref, s_ref in zip(k_refs, ks_refs)], axis=0)
+        v = jnp.concatenate([_load_page(ref, s_ref, head, q_ref.dtype)
+                             for ref, s_ref in zip(v_refs, vs_refs)], axis=0)
         # A 0 weight times a stale NaN would still be NaN.
         v_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
         v = jnp.where(v_pos < hi, v, jnp.zeros_like(v))
@@ -89,13 +103,47 @@ def _ragged_paged_kernel(
         o_ref[...] = online_softmax.finalize(state, row_valid=True).astype(o_ref.dtype)
 
 
-def vmem_bytes(*, rows: int, page_size: int, pages_per_step: int, head_dim: int, dtype) -> int:
-    """VMEM of one program's tiles: q, the K and V pages, o, and the online-softmax scratch."""
-    tile, page = ((rows, head_dim), dtype), ((page_size, head_dim), dtype)
+def _load_page(ref, scales_ref, head, dtype) -> jax.Array:
+    """A page [Z, H] as values: bfloat16 bits bitcast; int8 times its rows' scales of kv head
+    ``head`` (the program's).
+
+    The scales' block is the page's [Z, K] of every kv head (see ``scales_spec``); this head's
+    column is picked with a select and a lane sum (exact: one nonzero term), not a dynamic lane
+    slice, then multiplied into the tile in float32.
+    """
+    if scales_ref is None:
+        return shapes.as_values(ref[...])
+    scales = scales_ref[...]
+    ours = lax.broadcasted_iota(jnp.int32, scales.shape, 1) == head
+    column = jnp.sum(jnp.where(ours, scales, 0.0), axis=1, keepdims=True)
+    return shapes.dequantize(ref[...], column, dtype)
+
+
+def vmem_bytes(*, rows: int, page_size: int, pages_per_step: int, head_dim: int, dtype,
+               int8_kv_heads: int | None = None) -> int:
+    """VMEM of one program's tiles: q, the K and V pages, o, and the online-softmax scratch.
+
+    With ``int8_kv_heads`` (K) the pages are int8 and each comes with its float32 block of scales
+    [page_size, K].
+    """
+    tile = ((rows, head_dim), dtype)
+    page = ((page_size, head_dim), dtype if int8_kv_heads is None else jnp.int8)
+    scales = [] if int8_kv_heads is None else [((page_size, int8_kv_heads), jnp.float32)]
     return tpu_tiles.vmem_bytes(
-        blocks=[tile, *[page] * (2 * pages_per_step), tile],
+        blocks=[tile, *[page, *scales] * (2 * pages_per_step), tile],
         scratch=[((rows, tpu_tiles.NUM_LANES), jnp.float32)] * 2
         + [((rows, head_dim), jnp.float32)])
+
+
+def _stacked_scales(scales: jax.Array, layer, head_dim: int) -> jax.Array:
+    """The scales [L, P, Z, K] the kernel reads at ``to_tiled_cache``'s layer: read in place where
+    it reads the pages in place; where it slices the layer out, that layer's scales ([1, P, Z, K],
+    a copy 1/H the size of the pages' own)."""
+    if layer is None:
+        return scales.reshape(1, *scales.shape)
+    if tpu_tiles.fuses_heads(head_dim):
+        return scales
+    return lax.dynamic_index_in_dim(scales, layer[0], keepdims=True)
 
 
 def tile_queries(q_TNH: jax.Array, work: ragged_paging.WorkList, *, block_q: int, kv_heads: int
@@ -128,8 +176,8 @@ def untile_output(o_WKRH: jax.Array, tiles: ragged_paging.TokenTiles, *, block_q
 )
 def ragged_paged_attention_tpu(
     q_TNH: jax.Array,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    k_pages: jax.Array | tuple[jax.Array, jax.Array],
+    v_pages: jax.Array | tuple[jax.Array, jax.Array],
     block_tables_BX: jax.Array,
     query_start_B: jax.Array,
     num_tokens_B: jax.Array,
@@ -148,7 +196,9 @@ def ragged_paged_attention_tpu(
 
     Semantics are those of ``reference.ragged_paged_attention_reference``. The pages are
     [P, Z, K, H], or with ``layer`` (an int32 scalar, traced or not) the stacked [L, P, Z, K, H];
-    they may hold bfloat16 as uint16 bits. ``block_q`` is query tokens per tile (default
+    they may hold bfloat16 as uint16 bits, or be int8 pairs (values, float32 scales [..., Z, K])
+    for k and v both: each page is fetched as int8 with its scales and dequantized in VMEM (in
+    float32, then q's dtype). ``block_q`` is query tokens per tile (default
     ``DEFAULT_ROWS // G``, at most T), ``pages_per_step`` the pages each key step fetches (default
     ``DEFAULT_KEYS_PER_STEP // Z``, at most X). ``interpret`` runs Pallas' TPU interpreter;
     ``poison_output`` starts the output as NaN (see ``poison`` and ``tpu_tiles.interpreter``).
@@ -156,6 +206,8 @@ def ragged_paged_attention_tpu(
     dims = shapes.check_ragged_paged(
         q_TNH, k_pages, v_pages, block_tables_BX, query_start_B, num_tokens_B, seq_lens_B,
         layer=layer, sliding_window=sliding_window, logit_softcap=logit_softcap)
+    k_pages, v_pages, k_scales, v_scales = shapes.split_int8_pages(k_pages, v_pages)
+    int8 = k_scales is not None
     shapes.check_positive("block_q", block_q)
     shapes.check_positive("pages_per_step", pages_per_step)
     T, K, G, H, X, Z = dims.T, dims.K, dims.G, dims.H, dims.X, dims.Z
@@ -163,7 +215,8 @@ def ragged_paged_attention_tpu(
     pages_per_step = min(pages_per_step or max(1, DEFAULT_KEYS_PER_STEP // Z), X)
     tpu_tiles.check_vmem("ragged_paged_attention_tpu", vmem_bytes(
         rows=block_q * G, page_size=Z, pages_per_step=pages_per_step, head_dim=H,
-        dtype=q_TNH.dtype), block_q=block_q, pages_per_step=pages_per_step)
+        dtype=q_TNH.dtype, int8_kv_heads=K if int8 else None), block_q=block_q,
+        pages_per_step=pages_per_step)
     W = ragged_paging.max_tiles(T, dims.B, block_q)
     work = ragged_paging.work_list(query_start_B, num_tokens_B, seq_lens_B, block_q=block_q,
                                    size=W)
@@ -171,7 +224,7 @@ def ragged_paged_attention_tpu(
         block_q=block_q, block_k=Z, pages_per_seq=X, page_size=Z, sliding_window=sliding_window),
         pages_per_step)
 
-    def page_spec(i: int) -> pl.BlockSpec:
+    def page_index(i: int):
         """Page i of each key step: slot first + step * pages_per_step + i of the block table,
         held at the tile's last visible slot past its range."""
         def index(w, k, step, seq_ref, pos_ref, tokens_ref, kv_len_ref, tables_ref, layer_ref):
@@ -181,17 +234,36 @@ def ragged_paged_attention_tpu(
             slot = jnp.clip(pages.first + step * pages_per_step + i, 0, last)
             return layer_ref[0], tables_ref[seq_ref[w] * X + slot], k, 0
 
-        return tpu_tiles.cache_tile_spec(H, Z, index)
+        return index
+
+    def page_spec(i: int) -> pl.BlockSpec:
+        return tpu_tiles.cache_tile_spec(H, Z, page_index(i))
+
+    def scales_spec(i: int) -> pl.BlockSpec:
+        """The scales of page i of each key step: its [Z, K] block of the [L, P, Z, K] scales,
+        every kv head's, as they lie. Mosaic DMAs blocks whose last two dims are multiples of
+        (8, 128) or whole: a [Z] block of one head cannot be cut from any layout (with Z last,
+        e.g. [L, P, K, Z], a copy, the second-to-last dim is cut to 1), so each program fetches
+        the page's whole (Z, K), both dims whole: no copy of the scales, a DMA of K x 4 bytes per
+        slot next to the page's H (in VMEM the block pads to 128 lanes, see ``vmem_bytes``), and
+        ``_load_page`` picks its head's column."""
+        def index(*args):
+            layer, page, _, _ = page_index(i)(*args)
+            return layer, page, 0, 0
+
+        return pl.BlockSpec((None, None, Z, K), index)
 
     def per_tile(w, k, step, *prefetch_refs):
         return w, k, 0, 0
 
     tile_spec = pl.BlockSpec((None, None, block_q * G, H), per_tile)
     in_specs = [tile_spec, *[page_spec(i) for i in range(pages_per_step)] * 2]
+    if int8:
+        in_specs += [scales_spec(i) for i in range(pages_per_step)] * 2
     out_shape = jax.ShapeDtypeStruct((W, K, block_q * G, H), q_TNH.dtype)
     kernel = functools.partial(
         _ragged_paged_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
-        logit_softcap=logit_softcap, pages_per_step=pages_per_step, group=G)
+        logit_softcap=logit_softcap, pages_per_step=pages_per_step, group=G, int8=int8)
     layer = None if layer is None else shapes.as_layer(layer, dims.L)
     k_tiled, read_layer = tpu_tiles.to_tiled_cache(k_pages, layer)  # pages as the batch axis
     v_tiled, _ = tpu_tiles.to_tiled_cache(v_pages, layer)
@@ -199,6 +271,9 @@ def ragged_paged_attention_tpu(
     args = [work.seq_W, work.pos_W, work.tokens_W, work.kv_len_W, tables, read_layer,
             tile_queries(q_TNH, work, block_q=block_q, kv_heads=K),
             *[k_tiled] * pages_per_step, *[v_tiled] * pages_per_step]
+    if int8:
+        args += [*[_stacked_scales(k_scales, layer, H)] * pages_per_step,
+                 *[_stacked_scales(v_scales, layer, H)] * pages_per_step]
     aliases = {}
     if poison_output:
         kernel, args, in_specs, aliases = poison.alias_nan_outputs(

@@ -118,16 +118,22 @@ def ragged_paged_attention_reference(
     ``seq_lens_B[b] - num_tokens_B[b] + i``. Its key at position s is row s % Z of page
     ``block_tables_BX[b, s // Z]`` of ``k_pages`` [P, Z, K, H] (with ``layer``, of
     ``k_pages[layer]`` [L, P, Z, K, H], indexed as ``shapes.as_layer`` says); pages may be uint16
-    holding bfloat16 bits. A query at p sees the keys s <= p of its sequence (and p - s <
-    sliding_window). Rows of q that no sequence owns, and queries that see no key, are 0.
+    holding bfloat16 bits, or int8 pairs (values [..., Z, K, H], float32 scales [..., Z, K]) for k
+    and v both, read as values * scales in float32. A query at p sees the keys s <= p of its
+    sequence (and p - s < sliding_window). Rows of q that no sequence owns, and queries that see no
+    key, are 0.
 
     It gathers each token's sequence's keys, [T, X * Z, K, H]: for tests and small shapes only.
     """
+    k_pages, v_pages, k_scales, v_scales = shapes.split_int8_pages(k_pages, v_pages)
     if layer is not None:
         index = shapes.as_layer(layer, k_pages.shape[0])[0]
-        k_pages, v_pages = (lax.dynamic_index_in_dim(p, index, keepdims=False)
-                            for p in (k_pages, v_pages))
-    k_pages, v_pages = (shapes.as_values(p).astype(jnp.float32) for p in (k_pages, v_pages))
+        k_pages, v_pages, k_scales, v_scales = (
+            None if p is None else lax.dynamic_index_in_dim(p, index, keepdims=False)
+            for p in (k_pages, v_pages, k_scales, v_scales))
+    k_pages, v_pages = (shapes.as_values(p).astype(jnp.float32) if s is None
+                        else p.astype(jnp.float32) * s[..., None]
+                        for p, s in ((k_pages, k_scales), (v_pages, v_scales)))
     T, N, H = q_TNH.shape
     P, Z, K, _ = k_pages.shape
     B, X = block_tables_BX.shape

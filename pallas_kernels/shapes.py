@@ -9,6 +9,10 @@ A decode cache, or a paged one, may hold bfloat16 values as their bits (uint16),
 llm_jax's CPU path keeps a bfloat16 cache. The kernels load such tiles as they are and bitcast them
 to bfloat16 in registers: a bitcast of the whole cache outside the kernel is an XLA op, which can
 copy the cache.
+
+Paged K and V may also be int8, each passed as a pair (int8 values [..., Z, K, H], float32 scales
+[..., Z, K]), x = values * scales (llm_jax's ``kv_cache.Int8KV``); the ragged paged kernels
+dequantize each tile as they load it (``split_int8_pages``, ``dequantize``).
 """
 
 import dataclasses
@@ -19,6 +23,8 @@ from jax import lax
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 BITS_DTYPE = jnp.dtype(jnp.uint16)  # a cache of bfloat16 values held as their bits
+INT8_DTYPE = jnp.dtype(jnp.int8)  # int8 pages, passed as pairs (values, scales)
+SCALES_DTYPE = jnp.dtype(jnp.float32)  # their scales, one per slot and kv head
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -109,13 +115,15 @@ def check_ragged_paged(q_TNH, k_pages, v_pages, block_tables_BX, query_start_B, 
     """Dimensions of a ragged paged attention call, or a ValueError naming the offending values.
 
     The pages are [P, Z, K, H], or [L, P, Z, K, H] when ``layer`` is given; they may hold bfloat16
-    as bits (uint16) when q is bfloat16. The traced values cannot be checked here; the kernels read
+    as bits (uint16) when q is bfloat16, or be int8 pairs (values, scales) of any float q (both k
+    and v, see ``split_int8_pages``). The traced values cannot be checked here; the kernels read
     only in-bounds memory whatever they are (page ids and the layer are clamped), but their results
     are the reference's only when each sequence's queries lie in [0, T), no two sequences share a
     query row, 0 <= num_tokens_B[b] <= seq_lens_B[b] <= X * Z and the page ids are in [0, P).
     """
     if q_TNH.ndim != 3:
         raise ValueError(f"q_TNH must be [T, N, H], got shape {q_TNH.shape}")
+    k_pages, v_pages, k_scales, _ = split_int8_pages(k_pages, v_pages)
     pages_ndim = 4 if layer is None else 5
     if layer is None and k_pages.ndim == 5:
         raise ValueError(f"k_pages {k_pages.shape} are stacked pages [L, P, Z, K, H]: pass the "
@@ -137,7 +145,14 @@ def check_ragged_paged(q_TNH, k_pages, v_pages, block_tables_BX, query_start_B, 
                          f"{q_TNH.shape} ({H})")
     if K < 1 or N % K:
         raise ValueError(f"query heads N={N} must be a multiple of kv heads K={K}")
-    _check_dtypes(q_TNH.dtype, k_pages.dtype, v_pages.dtype, bits_ok=True)
+    if k_scales is None:
+        for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+            if jnp.dtype(pages.dtype) == INT8_DTYPE:
+                raise ValueError(f"{name} are int8: pass int8 pages as pairs (values, scales)")
+        _check_dtypes(q_TNH.dtype, k_pages.dtype, v_pages.dtype, bits_ok=True)
+    elif jnp.dtype(q_TNH.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype {q_TNH.dtype} is not one of "
+                         f"{[str(d) for d in SUPPORTED_DTYPES]}")
     if block_tables_BX.ndim != 2 or not jnp.issubdtype(block_tables_BX.dtype, jnp.integer):
         raise ValueError(f"block_tables_BX must be integers of shape [B, X], got shape "
                          f"{block_tables_BX.shape} dtype {block_tables_BX.dtype}")
@@ -153,6 +168,44 @@ def check_ragged_paged(q_TNH, k_pages, v_pages, block_tables_BX, query_start_B, 
                          f"L={L}")
     _check_options(sliding_window, logit_softcap)
     return PagedDims(T=T, N=N, K=K, H=H, B=B, X=X, P=P, Z=Z, L=L)
+
+
+def split_int8_pages(k_pages, v_pages) -> tuple:
+    """(k values, v values, k scales, v scales) of paged K and V; the scales None for float pages.
+
+    Int8 pages come as pairs (int8 values [..., Z, K, H], float32 scales [..., Z, K]), both k and
+    v or neither; a ValueError names the argument whose pair is malformed.
+    """
+    is_pair = [isinstance(pages, (tuple, list)) for pages in (k_pages, v_pages)]
+    if is_pair[0] != is_pair[1]:
+        pair, array = ("k_pages", "v_pages") if is_pair[0] else ("v_pages", "k_pages")
+        raise ValueError(f"{pair} is an int8 pair (values, scales) but {array} is not: pass both "
+                         f"as pairs or both as float pages")
+    if not is_pair[0]:
+        return k_pages, v_pages, None, None
+    for name, pages in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if len(pages) != 2:
+            raise ValueError(f"{name} must be an array or a pair (int8 values, float32 scales), "
+                             f"got a {type(pages).__name__} of {len(pages)}")
+        values, scales = pages
+        if jnp.dtype(values.dtype) != INT8_DTYPE:
+            raise ValueError(f"{name} values of a pair must be int8, got {values.dtype}")
+        if jnp.dtype(scales.dtype) != SCALES_DTYPE:
+            raise ValueError(f"{name} scales must be float32, got {scales.dtype}")
+        if values.ndim < 1 or tuple(scales.shape) != tuple(values.shape[:-1]):
+            raise ValueError(f"{name} scales shape {tuple(scales.shape)} must be its values' "
+                             f"shape {tuple(values.shape)} without the head dim (one per slot "
+                             f"and kv head)")
+    return k_pages[0], v_pages[0], k_pages[1], v_pages[1]
+
+
+def dequantize(tile: jax.Array, scales: jax.Array | None, dtype) -> jax.Array:
+    """A loaded tile of pages as values: int8 tiles times their rows' ``scales`` (broadcast against
+    the tile, e.g. [rows, 1]) in float32, then ``dtype`` (q's, for the products); other tiles as
+    ``as_values`` gives them."""
+    if scales is None:
+        return as_values(tile)
+    return (tile.astype(jnp.float32) * scales).astype(dtype)
 
 
 def check_positive(name: str, value: int | None) -> None:

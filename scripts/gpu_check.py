@@ -15,7 +15,7 @@
     second as a share of the device's peak HBM bandwidth; decode reading a layer of a stacked
     cache in place against slicing it out first; and ragged paged attention over a mixed serving
     step (decodes and prefill chunks, shuffled pages) against its jnp reference, with its K/V
-    bytes per second;
+    bytes per second, over bfloat16 pages and over int8 pages with their scales;
 (d) TinyLlama-shaped (1.1B) bfloat16 decode at batch 1 with backend "pallas", random weights:
     tokens/s and its share of the HBM roofline (weights and K/V read per step ÷ peak bandwidth).
 
@@ -359,12 +359,15 @@ def _stacked_decode_row(plan: Plan, on_gpu: bool) -> Row:
 
 def check_ragged_paged(plan: Plan, peak: float | None) -> list[Row]:
     """One serving step over a paged bfloat16 cache: decodes at a long context and prefill chunks
-    ending at it, pages shuffled; the kernel against ``ragged_paged_attention_reference`` (XLA)."""
+    ending at it, pages shuffled; the kernel against ``ragged_paged_attention_reference`` (XLA).
+    Then the same step over int8 pages (the bfloat16 pages quantized by ``kv_cache.quantize_kv``,
+    passed as pairs of values and scales), the kernel and the reference on the same pairs."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     import bench_kernels as bench
+    from llm_jax.kv_cache import quantize_kv
     from pallas_kernels import ragged_paged_attention
     from pallas_kernels.reference import ragged_paged_attention_reference
 
@@ -381,22 +384,30 @@ def check_ragged_paged(plan: Plan, peak: float | None) -> list[Row]:
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (T, N, H), jnp.bfloat16)
     k, v = (jax.random.normal(key, (P, Z, K, H), jnp.bfloat16) for key in keys[1:])
-    args = (q, k, v, *map(jnp.asarray, (block_tables, query_start, num_tokens, seq_lens)))
+    tables = tuple(map(jnp.asarray, (block_tables, query_start, num_tokens, seq_lens)))
     ours = jax.jit(functools.partial(ragged_paged_attention, sm_scale=H ** -0.5,
                                      interpret=not on_gpu))
     reference = jax.jit(functools.partial(ragged_paged_attention_reference, sm_scale=H ** -0.5))
-    out, ref = (f(*args).astype(jnp.float32) for f in (ours, reference))
-    error = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
-    t_ours, t_ref = (bench.seconds_per_call(f, args, min_seconds=0.05) for f in (ours, reference))
-    kv_bytes = 2 * B * context * K * H * 2  # each sequence's keys and values, once
-    gbps = kv_bytes / t_ours / 1e9
-    share = f" = {gbps * 1e9 / peak:.0%} of peak" if peak else ""
-    return [Row(check="(c) ragged paged attention", result="PASS" if error <= 2e-2 else "FAIL",
-                figure=f"{t_ours * 1e3:.3f} ms, {t_ref / t_ours:.1f}x reference, K/V "
-                       f"{gbps:.0f} GB/s{share}",
-                detail=f"{decodes} decodes + {chunks} chunks of {chunk} at context {context}, "
-                       f"T={T} N={N} K={K} H={H} Z={Z} bf16; rel max|Δ| vs reference "
-                       f"{error:.1e}")]
+    pages = {"": ((k, v), "bf16", H * 2),
+             " int8": (tuple(quantize_kv(x) for x in (k, v)), "int8 pages + f32 scales", H + 4)}
+    rows = []
+    for name, ((k_pages, v_pages), kind, bytes_per_head) in pages.items():
+        args = (q, k_pages, v_pages, *tables)
+        out, ref = (f(*args).astype(jnp.float32) for f in (ours, reference))
+        error = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+        t_ours, t_ref = (bench.seconds_per_call(f, args, min_seconds=0.05)
+                         for f in (ours, reference))
+        kv_bytes = 2 * B * context * K * bytes_per_head  # each sequence's keys and values, once
+        gbps = kv_bytes / t_ours / 1e9
+        share = f" = {gbps * 1e9 / peak:.0%} of peak" if peak else ""
+        rows.append(Row(
+            check=f"(c) ragged paged attention{name}", result="PASS" if error <= 2e-2 else "FAIL",
+            figure=f"{t_ours * 1e3:.3f} ms, {t_ref / t_ours:.1f}x reference, K/V "
+                   f"{gbps:.0f} GB/s{share}",
+            detail=f"{decodes} decodes + {chunks} chunks of {chunk} at context {context}, "
+                   f"T={T} N={N} K={K} H={H} Z={Z} bf16 q, {kind}; rel max|Δ| vs reference "
+                   f"{error:.1e}"))
+    return rows
 
 
 # (d) 1B decode.

@@ -89,6 +89,18 @@ class Backend:
                                softcap=config.attn_logit_softcap)
         return o_BTNH, k_LBSKH, v_LBSKH
 
+    def append_and_attend_as_pages(self, q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT, positions_BT,
+                                   *, config: ModelConfig, window: int | None, mesh: Mesh | None = None):
+        """:meth:`append_and_attend` through this backend's :meth:`paged_attention`, each row of the cache read
+        as one page of S tokens (``kv_cache.rows_as_pages``): for caches a backend's kernels read only as
+        pages (int8)."""
+        B, T, N, H = q_BTNH.shape
+        o_TNH, k_LBSKH, v_LBSKH = self.paged_attention(
+            q_BTNH.reshape(B * T, N, H), k_BTKH.reshape(B * T, *k_BTKH.shape[2:]),
+            v_BTKH.reshape(B * T, *v_BTKH.shape[2:]), k_LBSKH, v_LBSKH, layer,
+            kvc.rows_as_pages(slots_BT, positions_BT, k_LBSKH.shape[2]), config=config, window=window, mesh=mesh)
+        return o_TNH.reshape(B, T, N, H), k_LBSKH, v_LBSKH
+
     def paged_attention(self, q_TNH, k_TKH, v_TKH, k_LPZKH, v_LPZKH, layer, batch: kvc.PagedBatch, *,
                         config: ModelConfig, window: int | None, mesh: Mesh | None = None):
         """A serving step's attention over the paged cache: write the T new keys and values [T, K, H] at

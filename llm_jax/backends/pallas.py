@@ -13,14 +13,13 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 import pallas_kernels
 from llm_jax import kv_cache as kvc
 from llm_jax.backends.base import Backend
 from llm_jax.config import ModelConfig
-from llm_jax.sharding import attention_on_shards, paged_attention_on_shards, stacked_attention_on_shards
+from llm_jax.sharding import DATA, attention_on_shards, paged_attention_on_shards, stacked_attention_on_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +40,12 @@ class Pallas(Backend):
 
     def append_and_attend(self, q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT, positions_BT, *,
                           config: ModelConfig, window: int | None, mesh: Mesh | None = None):
-        if q_BTNH.shape[1] != 1:  # a prompt continuing a cache: XLA's attention
+        if isinstance(k_LBSKH, kvc.Int8KV) and (mesh is None or mesh.shape.get(DATA, 1) == 1):
+            # The ragged paged kernel reads int8 in place, each row of the cache one page. (With rows split
+            # over data the pages would be gathered whole: XLA's attention then.)
+            return self.append_and_attend_as_pages(q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT,
+                                                   positions_BT, config=config, window=window, mesh=mesh)
+        if q_BTNH.shape[1] != 1 or isinstance(k_LBSKH, kvc.Int8KV):  # a prompt continuing a cache: XLA's
             return super().append_and_attend(q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT,
                                              positions_BT, config=config, window=window, mesh=mesh)
         k_LBSKH = kvc.write_tokens(k_LBSKH, layer, slots_BT, k_BTKH)
@@ -53,11 +57,10 @@ class Pallas(Backend):
 
     def paged_attention(self, q_TNH, k_TKH, v_TKH, k_LPZKH, v_LPZKH, layer, batch: kvc.PagedBatch, *,
                         config: ModelConfig, window: int | None, mesh: Mesh | None = None):
-        if k_LPZKH.dtype == jnp.int8:
-            raise ValueError(f"the pallas backend's paged attention reads float pages, not {k_LPZKH.dtype} "
-                             "(an int8 KV cache): serve it with backend 'xla' or 'cpu', or a float cache")
         k_LPZKH = kvc.write_slots(k_LPZKH, layer, batch.slots_T, k_TKH)
         v_LPZKH = kvc.write_slots(v_LPZKH, layer, batch.slots_T, v_TKH)
         kernel = functools.partial(pallas_kernels.ragged_paged_attention, **self._common(config, window))
-        o_TNH = paged_attention_on_shards(kernel, mesh, q_TNH, k_LPZKH, v_LPZKH, layer, batch)
+        # Int8 pages go to the kernel as pairs (values, scales), which it dequantizes tile by tile.
+        k_pages, v_pages = ((p.q_LBSKH, p.s_LBSK) if isinstance(p, kvc.Int8KV) else p for p in (k_LPZKH, v_LPZKH))
+        o_TNH = paged_attention_on_shards(kernel, mesh, q_TNH, k_pages, v_pages, layer, batch)
         return o_TNH.astype(q_TNH.dtype), k_LPZKH, v_LPZKH

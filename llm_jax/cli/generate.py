@@ -123,6 +123,9 @@ def _add_generation_flags(group: argparse._ArgumentGroup) -> None:
                             "Taken literally: in bash, $'\\n' is a newline")
     group.add_argument("--stop-token-ids", type=token_ids, default=[], metavar="IDS",
                        help="comma-separated token ids that end generation (kept in the output)")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "int8", "bfloat16", "float32"], default="auto",
+                       help="what the KV cache holds: int8 with a scale per token and head (about half of "
+                            "bfloat16's bytes), or a float dtype (default: the compute dtype)")
     group.add_argument("--min-new-tokens", type=non_negative_int, default=0, metavar="N",
                        help="end tokens and stop strings end nothing before N tokens (default: 0)")
 
@@ -290,7 +293,8 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
                 stop_token_ids=args.stop_token_ids, min_new_tokens=args.min_new_tokens, n=args.n,
                 num_beams=args.num_beams, length_penalty=args.length_penalty, early_stopping=args.early_stopping,
                 num_return_sequences=args.num_return_sequences, logprobs=args.logprobs,
-                raw_logprobs=args.raw_logprobs, prompt_logprobs=args.prompt_logprobs)
+                raw_logprobs=args.raw_logprobs, prompt_logprobs=args.prompt_logprobs,
+                kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,14 +146,16 @@ class Engine:
             if self.draft.config.vocab_size != config.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({self.draft.config.vocab_size} tokens) is not the "
                                  f"model's ({config.vocab_size})")
-            if model.mesh is not None or self.draft.mesh is not None:
-                raise ValueError("an engine with a draft model runs on one device (no mesh)")
+            if self.draft.mesh is not None and self.draft.mesh != model.mesh:
+                raise ValueError("the draft model must be on the model's mesh, or on one device (load it without "
+                                 "a mesh: it is laid out on the model's)")
+            if self.draft.mesh != model.mesh:  # the draft runs where the model does
+                self.draft = self.draft.shard(model.mesh)
         num_blocks = self._num_blocks(num_blocks, kv_cache_memory)
         self.cache = self._new_cache(num_blocks)
         self.draft_cache = None
         if self.draft is not None:  # the same blocks, for the draft's layers
-            self.draft_cache = jax.device_put(init_paged_cache(self.draft.config, num_blocks, block_size),
-                                              jax.devices()[0])
+            self.draft_cache = self._new_cache(num_blocks, draft=True)
         self.scheduler = Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    enable_prefix_caching=enable_prefix_caching)
@@ -162,11 +164,12 @@ class Engine:
         self.token_buckets = _buckets(max_num_batched_tokens, min(MIN_TOKEN_BUCKET, max_num_batched_tokens))
         self._live: dict[str, _Live] = {}
 
-    def _new_cache(self, num_blocks: int):
+    def _new_cache(self, num_blocks: int, *, draft: bool = False):
+        """The model's pages (``kv_cache_dtype``), or the draft model's (its compute dtype)."""
+        config, dtype = (self.draft.config, None) if draft else (self.config, self.kv_cache_dtype)
         mesh = self.model.mesh  # with a mesh, pages split by K/V head as the params are
-        sharding = None if mesh is None else paged_cache_shardings(self.config, num_blocks, self.block_size, mesh,
-                                                                   self.kv_cache_dtype)
-        cache = init_paged_cache(self.config, num_blocks, self.block_size, self.kv_cache_dtype, sharding=sharding)
+        sharding = None if mesh is None else paged_cache_shardings(config, num_blocks, self.block_size, mesh, dtype)
+        cache = init_paged_cache(config, num_blocks, self.block_size, dtype, sharding=sharding)
         # Committed to its device, as every step's result is: the first step compiles what the others run.
         return cache if mesh is not None else jax.device_put(cache, jax.devices()[0])
 
@@ -369,8 +372,7 @@ class Engine:
                 self.abort(request.request_id)
             self.scheduler.pool.forget_cached()
             if self.draft_cache is not None:
-                self.draft_cache = jax.device_put(
-                    init_paged_cache(self.draft.config, self.cache.num_pages, self.block_size), jax.devices()[0])
+                self.draft_cache = self._new_cache(self.cache.num_pages, draft=True)
             self.cache = self._new_cache(self.cache.num_pages)
 
     @staticmethod

@@ -29,6 +29,7 @@ examples:
   benchmark.py --model 15M --batch 1 32 --products
   benchmark.py --model 110M --dtype float32 bfloat16 --quantize int8 int4
   benchmark.py --model 110M --dtype bfloat16 --quantize int8 int4 --compare llama.cpp --new-tokens 97
+  benchmark.py --model 110M --prompt-len 1000 --kv-cache-dtype auto int8
   benchmark.py --model model-Q8_0.gguf --compare llama.cpp
   benchmark.py --model 110M --speculative ngram --num-speculative-tokens 4
   benchmark.py --model checkpoints/stories-1m --speculative checkpoints/stories-1m-draft
@@ -87,6 +88,11 @@ def engine_name(choice: str) -> str:
     return "llm_jax" if choice == "auto" else f"llm_jax[{choice}]"
 
 
+def kv_label(engine: str) -> str:
+    """" (int8 KV)" for a row of engine "llm_jax[int8 KV]"; "" for others."""
+    return f" ({engine.rsplit('[', 1)[1][:-1]})" if engine.endswith(" KV]") else ""
+
+
 def chosen_engines(choices: list[str]) -> tuple[tuple[str, Backend], ...]:
     """(name, backend) of llm_jax's engine on each of ``choices``, in order, each once."""
     from llm_jax import backends
@@ -116,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how llm_jax runs: auto (the CPU kernels on one CPU device where they build, Pallas on GPU "
                         "and TPU, XLA otherwise), cpu, xla (XLA's own operations) or pallas; several run as "
                         "separate engines, taking turns")
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "int8", "bfloat16", "float32"], default=["auto"],
+                   help="what llm_jax's KV cache holds (auto: the compute dtype); several run as separate engines, "
+                        "taking turns: rows 'llm_jax[int8 KV]'")
     p.add_argument("--threads", type=positive_int, help="threads for torch and the bandwidth probe (default: all)")
     p.add_argument("--bandwidth", type=float, help="memory bandwidth in GB/s to use instead of measuring it")
     p.add_argument("--peak-gflops", type=float, nargs="+", metavar="GFLOPS",
@@ -251,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                       chunk_steps=args.chunk_steps, compare_hf=args.compare == "hf",
                       compare_llama_cpp=args.compare == "llama.cpp", threads=threads,
                       bandwidth_gbps=bandwidth, peaks_gflops=peaks, probe_each_run=not args.bandwidth,
-                      engines=engines, profile=args.profile)
+                      engines=engines, profile=args.profile,
+                      kv_cache_dtypes=tuple(None if kv == "auto" else kv for kv in dict.fromkeys(args.kv_cache_dtype)))
     dtypes = [*args.dtype, *(f"{d}+{q}" for q in args.quantize for d in args.dtype)]
     results = run_matrix(models, dtypes, args.batch, options)
     rows = [row for result in results for row in result.rows]
@@ -286,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"({r.shape} {r.dtype} batch {r.batch}{describe_differences(result.differences)})")
     shown = set()
     for r in rows:
-        if (r.shape, r.dtype) not in shown:
-            shown.add((r.shape, r.dtype))
-            print(f"KV cache {r.shape} {r.dtype}: {r.kv_cache_bytes_per_token} bytes per token")
+        if (r.shape, r.dtype, r.kv_cache_bytes_per_token) not in shown:
+            shown.add((r.shape, r.dtype, r.kv_cache_bytes_per_token))
+            print(f"KV cache {r.shape} {r.dtype}{kv_label(r.engine)}: {r.kv_cache_bytes_per_token} bytes per token")
         if r.kv_cache_mb is not None:
-            print(f"decode memory {r.shape} {r.dtype} batch {r.batch}: cache {r.kv_cache_mb:.1f} MiB, donated and "
+            print(f"decode memory {r.shape} {r.dtype}{kv_label(r.engine)} batch {r.batch}: "
+                  f"cache {r.kv_cache_mb:.1f} MiB, donated and "
                   f"updated in place {r.decode_aliased_mb:.1f} MiB, scratch {r.decode_temp_mb:.1f} MiB")
     extra: dict = {}
     against_llama_cpp = _llama_cpp_report(results)

@@ -110,11 +110,13 @@ class EagerEngine:
 
 class LlmJaxEngine:
     """Runs a :class:`Workload` on ``backend`` against ``weights``, the params as ``backend.prepare`` gives
-    them; call :meth:`compile` once, then :meth:`run`. ``name`` labels its rows."""
+    them, over a KV cache of ``kv_cache_dtype``; call :meth:`compile` once, then :meth:`run`. ``name``
+    labels its rows."""
 
     def __init__(self, weights: Params, config: ModelConfig, workload: Workload, *, backend: Backend,
-                 name: str = "llm_jax"):
+                 name: str = "llm_jax", kv_cache_dtype: str | None = None):
         self.weights, self.config, self.workload, self.backend, self.name = weights, config, workload, backend, name
+        self.kv_cache_dtype = kv_cache_dtype  # what the KV cache holds (None: the compute dtype)
         context = config.max_seq_len
         self.block_len = buckets.prompt_bucket(workload.prompt_len, context=context)
         self.cache_len = buckets.cache_bucket(workload.prompt_len, 1 + workload.decode_steps, context=context)
@@ -179,7 +181,7 @@ class LlmJaxEngine:
                    decode_tokens=int((tokens_BS[:, 1:] != PAD_ID).sum()), tokens=tokens_BS)
 
     def _prefill(self):
-        cache = init_cache(self.config, self.workload.batch, self.cache_len)
+        cache = init_cache(self.config, self.workload.batch, self.cache_len, self.kv_cache_dtype)
         logits_BV, cache = prefill(self.weights, self.config, self.tokens_BT, self.lengths_B, cache,
                                    backend=self.backend)
         state, _ = start(logits_BV, self.tokens_BT, cache, self.controls, backend=self.backend)

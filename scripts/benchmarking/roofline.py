@@ -82,16 +82,16 @@ class Roofline:
 
 
 def decode_roofline(config: ModelConfig, *, batch: int, prompt_len: int, new_tokens: int,
-                    bandwidth_gbps: float, screen: str | None = None) -> Roofline:
+                    bandwidth_gbps: float, screen: str | None = None, kv_cache_dtype: str | None = None) -> Roofline:
     """Roofline of decoding ``new_tokens`` after a ``prompt_len`` prompt, for ``batch`` sequences
-    (``screen``: the LM head read through that screen).
+    (``screen``: the LM head read through that screen), over a KV cache of ``kv_cache_dtype``.
 
     The KV term counts the tokens actually in context (on average ``prompt_len + new_tokens / 2``), not
     the slots a bucketed cache allocates: the bound is on what the computation needs.
     """
     weights = weight_bytes_per_step(config, batch, screen=screen)
     mean_context = prompt_len + new_tokens / 2
-    kv = int(batch * mean_context * cache_bytes_per_token(config))
+    kv = int(batch * mean_context * cache_bytes_per_token(config, kv_cache_dtype))
     return Roofline(weight_bytes=weights, kv_bytes=kv,
                     tokens_per_s=batch * bandwidth_gbps * 1e9 / (weights + kv))
 

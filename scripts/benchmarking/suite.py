@@ -51,6 +51,8 @@ class Options:
     compare_llama_cpp: bool = False  # llama.cpp, and llm_jax on llama.cpp's file (benchmarking.llama_cpp)
     # llm_jax's engines: (name, the backend it runs on); the default, "auto"'s choice, named "llm_jax"
     engines: tuple[tuple[str, Backend], ...] = ()
+    # what each engine's KV cache holds (None: the compute dtype); an engine per entry, named "[int8 KV]" etc.
+    kv_cache_dtypes: tuple[str | None, ...] = (None,)
     threads: int = 0  # torch threads (0: every CPU)
     bandwidth_gbps: float = 0.0
     peaks_gflops: tuple[float | None, ...] = (None, None, None)  # float32, bfloat16, int8 (Machine's)
@@ -193,6 +195,11 @@ def engines_of(options: Options) -> tuple[tuple[str, Backend], ...]:
     return options.engines or (("llm_jax", default()),)
 
 
+def kv_engine_name(name: str, kv_cache_dtype: str | None) -> str:
+    """The rows' name of engine ``name`` over a KV cache of ``kv_cache_dtype``: "llm_jax[int8 KV]"."""
+    return name if kv_cache_dtype is None else f"{name}[{kv_cache_dtype} KV]"
+
+
 def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, Sequence[Params]]],
               options: Options, log: Log) -> list[CellResult]:
     """Every cell's engines compiled (each cell with the config of its dtype and the weights of each of
@@ -202,8 +209,9 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, Sequ
     for cell, config, weights in cells:
         workload = Workload(batch=cell.batch, prompt_len=options.prompt_len, new_tokens=options.new_tokens,
                             chunk_steps=options.chunk_steps)
-        engines = [LlmJaxEngine(w, config, workload, backend=backend, name=name)
-                   for (name, backend), w in zip(engines_of(options), weights, strict=True)]
+        engines = [LlmJaxEngine(w, config, workload, backend=backend, name=kv_engine_name(name, kv), kv_cache_dtype=kv)
+                   for (name, backend), w in zip(engines_of(options), weights, strict=True)
+                   for kv in options.kv_cache_dtypes]
         if options.compare_hf:
             threads = options.threads or machine_lib.cpu_threads()
             engines.append(HfEngine(source.hf_folder, config, workload, threads=threads))
@@ -253,10 +261,17 @@ def run_cells(source: ModelSource, cells: Sequence[tuple[Cell, ModelConfig, Sequ
                                    new_tokens=1 + workload.decode_steps,
                                    product_gflops=product_peak(cell.dtype, arithmetic), attention_gflops=arithmetic[0],
                                    head_gflops=head_peak(screen, arithmetic), screen=screen)
+        def kv_dtype(engine):
+            return engine.kv_cache_dtype if isinstance(engine, LlmJaxEngine) else None
+
         rows = [summarise(engine=e.name, backend=e.backend.name if isinstance(e, LlmJaxEngine) else None,
                           shape=source.label, dtype=cell.dtype, workload=workload, compiled=compiled[c, e.name],
-                          runs=runs[c, e.name], roofline=roofline, compute=compute,
-                          kv_bytes_per_token=cache_bytes_per_token(config), peak_rss_mb=peaks[c, e.name],
+                          runs=runs[c, e.name], compute=compute,
+                          roofline=roofline if kv_dtype(e) is None else decode_roofline(
+                              config, batch=cell.batch, prompt_len=options.prompt_len,
+                              new_tokens=1 + workload.decode_steps, bandwidth_gbps=options.bandwidth_gbps,
+                              screen=screen, kv_cache_dtype=kv_dtype(e)),
+                          kv_bytes_per_token=cache_bytes_per_token(config, kv_dtype(e)), peak_rss_mb=peaks[c, e.name],
                           run_bandwidths=bandwidths[c, e.name], peaks_measured=measured, head_screen=screen)
                 for e in engines]
         if options.compare_llama_cpp:

@@ -65,7 +65,8 @@ def _leaves(tree) -> dict[str, jax.Array]:
     return {sharding._path_name(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-def run(model: llm_jax.Model, prompts: list[list[int]], *, new_tokens: int, chunk_steps: int) -> dict:
+def run(model: llm_jax.Model, prompts: list[list[int]], *, new_tokens: int, chunk_steps: int,
+        draft: llm_jax.Model | None = None) -> dict:
     config, mesh, B = model.config, model.mesh, len(prompts)
     results = llm_jax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True,
                                chunk_steps=chunk_steps)
@@ -73,7 +74,24 @@ def run(model: llm_jax.Model, prompts: list[list[int]], *, new_tokens: int, chun
     sampling = [llm_jax.Sampling(temperature=0.8, top_k=40, top_p=0.9, seed=row) for row in range(B)]
     sampled = llm_jax.generate(model, prompts, max_new_tokens=new_tokens, ignore_eos=True,
                                chunk_steps=chunk_steps, sampling=sampling)
+    # An int8 cache (values and a scale per token and head, split alike).
+    int8 = llm_jax.generate_stream(model, prompts, max_new_tokens=new_tokens, ignore_eos=True,
+                                   chunk_steps=chunk_steps, kv_cache_dtype="int8", return_kv_cache=True)
+    for _ in int8:
+        pass
     out = {"tokens": [r.output_ids for r in results], "sampled_tokens": [r.output_ids for r in sampled],
+           "int8_tokens": [r.output_ids for r in int8.results],
+           # Speculative decoding, greedy: prompt lookup, and a draft model on one device (laid out on the mesh).
+           "speculative_tokens": {
+               method: [r.output_ids for r in llm_jax.generate(model, prompts, max_new_tokens=new_tokens,
+                                                                ignore_eos=True, chunk_steps=chunk_steps,
+                                                                speculative=speculative)]
+               for method, speculative in (("ngram", llm_jax.Speculative(method="ngram", num_tokens=3)),
+                                           ("draft", llm_jax.Speculative(method="draft", num_tokens=3,
+                                                                         draft_model=draft)))
+               if draft is not None},
+           "int8_cache_specs": {name: list(getattr(a.sharding, "spec", []))
+                                for name, a in _leaves(int8.kv_cache).items()},
            "n_kv_heads": config.n_kv_heads, "k_proj": np.asarray(model.params["layers"]["attn"]["k_proj"]).tolist()}
     # Prefill and decode once more with generate's shapes (every compilation is reused) to read the
     # logits, the cache's layout and the decode program.
@@ -123,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.model:
         reference = load(name, None)
         prompts = prompts_for(reference.config.vocab_size, args.batch)
-        kwargs = dict(new_tokens=args.new_tokens, chunk_steps=args.new_tokens)
+        kwargs = dict(new_tokens=args.new_tokens, chunk_steps=args.new_tokens, draft=reference)
         report[name] = {"one_device": run(reference, prompts, **kwargs)}
         for mesh in args.mesh:
             report[name][mesh] = run(load(name, mesh), prompts, **kwargs)

@@ -24,8 +24,10 @@ import numpy as np
 import pytest
 from multi_device import PYTHON, REPO, cpu_devices_env
 
+import cpu_kernels
 import llm_jax
-from llm_jax import ModelConfig, Quantization, QuantScheme
+from llm_jax import ModelConfig, Quantization, QuantScheme, Speculative
+from llm_jax.backends import Pallas
 from llm_jax.backends.cpu.quantized import QuantizedPanels
 from llm_jax.cli.convert import main as convert_main
 from llm_jax.cli.generate import DEFAULT_MODEL
@@ -479,5 +481,33 @@ def test_generate_with_an_int8_kv_cache():
     assert isinstance(cache.k_LBSKH, Int8KV) and cache.k_LBSKH.q_LBSKH.dtype == jnp.int8
     assert cache.k_LBSKH.s_LBSK.shape == cache.k_LBSKH.shape[:-1]  # a scale per token and head
     assert all(len(r.output_ids) > 0 for r in results)
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
+    with pytest.raises(ValueError, match="a KV cache holds one of int8, bfloat16, float32 .*, got 'int4'"):
         llm_jax.generate(model, ["x"], kv_cache_dtype="int4")
+
+
+def test_an_int8_kv_cache_gives_the_same_tokens_on_every_backend_and_with_speculation(stories260k_dir):
+    """Greedy tokens through an int8 cache: XLA's (write, then the layer dequantized) are the reference; the
+    CPU kernels (the paged kernel reading each row as a page, int8 in place) and Pallas give the same, and so
+    do speculative decoding (n-gram and a draft model: verification extends the int8 cache by k + 1 tokens,
+    rollback lowers its lengths) and beam search (rows reordered)."""
+    model = llm_jax.load(stories260k_dir / "stories260K.bin", backend="xla")
+    prompts = ["Once upon a time, there was a little girl", "The dog ran and ran and ran and ran"]
+    kwargs = dict(max_new_tokens=48, kv_cache_dtype="int8")
+    reference = [r.output_ids for r in llm_jax.generate(model, prompts, **kwargs)]
+    backends = [Pallas()] + (["cpu"] if cpu_kernels.available() else [])
+    for backend in backends:
+        on = model.with_backend(backend)
+        assert [r.output_ids for r in llm_jax.generate(on, prompts, **kwargs)] == reference, backend
+    fastest = model.with_backend(backends[-1])
+    for speculative in (Speculative(method="ngram", num_tokens=4),
+                        Speculative(method="draft", num_tokens=3, draft_model=fastest)):
+        ids = [r.output_ids for r in llm_jax.generate(fastest, prompts, speculative=speculative, **kwargs)]
+        assert ids == reference, speculative.method
+    # A float32 model over a bfloat16 cache: the CPU kernels read it as XLA does.
+    bfloat16 = [[r.output_ids for r in llm_jax.generate(on, prompts, max_new_tokens=48, kv_cache_dtype="bfloat16")]
+                for on in (model, fastest)]
+    assert bfloat16[1] == bfloat16[0]
+    beams = [[r.output_ids for r in llm_jax.generate(on, prompts[:1], num_beams=3, num_return_sequences=3,
+                                                      max_new_tokens=16, kv_cache_dtype="int8")]
+             for on in (model, fastest)]
+    assert beams[1] == beams[0] and len(set(map(tuple, beams[0]))) == 3

@@ -174,6 +174,27 @@ def test_sharded_generation_matches_one_device(report, model, mesh):
     np.testing.assert_allclose(sharded["logits"], one["logits"], atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("model, mesh", RUNS)
+def test_sharded_int8_cache_matches_one_device(report, model, mesh):
+    """generate with ``kv_cache_dtype="int8"``: the same greedy tokens as one device's int8 cache, its
+    values split like a float cache and their scales (a scale per token and K/V head) alike."""
+    one, sharded = report[model]["one_device"], report[model][mesh]
+    assert sharded["int8_tokens"] == one["int8_tokens"]
+    data, model_size = _sizes(mesh)
+    values = [None, "data" if data > 1 else None, None, "model" if model_size > 1 else None, None]
+    for kv in ("k_LBSKH", "v_LBSKH"):
+        assert _trimmed(sharded["int8_cache_specs"][f"{kv}/q_LBSKH"]) == _trimmed(values)
+        assert _trimmed(sharded["int8_cache_specs"][f"{kv}/s_LBSK"]) == _trimmed(values[:4])
+
+
+@pytest.mark.parametrize("model, mesh", RUNS)
+def test_sharded_speculative_decoding_gives_plain_greedy_tokens(report, model, mesh):
+    """Prompt lookup and a draft model (the same model, loaded on one device and laid out on the mesh by
+    ``generate``, its K/V heads repeated where the mesh needs it): plain greedy decoding's tokens on every mesh."""
+    one, sharded = report[model]["one_device"], report[model][mesh]
+    assert sharded["speculative_tokens"] == {"ngram": one["tokens"], "draft": one["tokens"]}
+
+
 def test_kv_heads_repeated_for_the_model_axis(report):
     one = np.array(report[GQA]["one_device"]["k_proj"])  # [L, D, K=2, H]
     for mesh, repeats in (("data=1,model=8", 4), ("data=2,model=4", 2), ("data=4,model=2", 1)):

@@ -1,5 +1,6 @@
 """Shared pieces of the ragged paged attention tests: a serving step's cases, their inputs (pages
-and rows in shuffled order), stale pages, and the calls of the reference and both variants.
+and rows in shuffled order, or int8 pages with their scales), stale pages, and the calls of the
+reference and both variants.
 
 A case lists each sequence's (num_tokens, seq_len): (1, n) a decode token, (n, n) a whole prompt,
 (n, m > n) a prefill chunk after m - n cached tokens, (0, 0) a padding sequence.
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attention_testing import GPU_INTERPRET, TPU_INTERPRET
+from llm_jax.kv_cache import dequantize_kv, quantize_kv
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
 from pallas_kernels.reference import ragged_paged_attention_reference
@@ -114,6 +116,25 @@ def paged_inputs(case: PagedCase, seed: int = 0, num_layers: int | None = None) 
     )
 
 
+def int8_inputs(inputs: PagedInputs, seed: int = 0) -> PagedInputs:
+    """The inputs with int8 pages: each page row's keys and values times a random magnitude per
+    slot and kv head (0.2 to 5, so every scale differs), quantized by llm_jax's ``quantize_kv``
+    into pairs (int8 values, float32 scales)."""
+    rng = np.random.default_rng(seed)
+
+    def quantized(pages):
+        magnitude = rng.uniform(0.2, 5.0, (*pages.shape[:-1], 1))
+        return quantize_kv(jnp.asarray(np.asarray(pages, np.float32) * magnitude))
+
+    return inputs.replace(k_pages=quantized(inputs.k_pages), v_pages=quantized(inputs.v_pages))
+
+
+def dequantized(inputs: PagedInputs) -> PagedInputs:
+    """Int8 inputs with their pages dequantized to float32 (``dequantize_kv``)."""
+    return inputs.replace(k_pages=dequantize_kv(*inputs.k_pages),
+                          v_pages=dequantize_kv(*inputs.v_pages))
+
+
 def stale_pages(pages: jax.Array, inputs: PagedInputs, Z: int) -> jax.Array:
     """pages with NaN in every row no sequence holds: unused pages, tails of partial pages."""
     held = np.zeros(pages.shape[-4:-2], bool)
@@ -177,3 +198,42 @@ def random_cases(count: int, seed: int) -> list[PagedCase]:
             num_splits=int(rng.choice([1, 2, 3])),
         ))
     return cases
+
+
+def int8_cache_step(backend, mesh=None, seed: int = 0) -> tuple:
+    """One serving step of ``backend.paged_attention`` (llm_jax) over an int8 paged cache
+    (``kv_cache.Int8KV``) whose every slot holds something already, written through
+    ``kv_cache.write_slots`` at various magnitudes: a chunk of 5 tokens, two decode tokens and a
+    padding sequence; GQA 2, pages of 3 in shuffled order, partial last pages, a window of 6 and a
+    soft-cap of 20 on layer 1 of 2. Returns (o_TNH, k pages, v pages) after the step's writes."""
+    from llm_jax import kv_cache as kvc
+    from llm_jax.config import ModelConfig
+
+    config = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                         head_dim=16, d_ff=32, max_seq_len=64, attn_logit_softcap=20.0)
+    P, Z, K, H, N = 14, 3, config.n_kv_heads, config.head_dim, config.n_heads
+    rng = np.random.default_rng(seed)
+    cache = kvc.init_paged_cache(config, P, Z, "int8")
+    old = rng.normal(size=(P * Z, K, H)) * rng.uniform(0.2, 5.0, (P * Z, K, 1))
+    cache = kvc.PagedKVCache(*(kvc.write_slots(pages, 1, jnp.arange(P * Z),
+                                               jnp.asarray(old * w, jnp.float32))
+                               for pages, w in ((cache.k_LPZKH, 1.0), (cache.v_LPZKH, 3.0))))
+    # Sequence 0: 5 tokens ending at position 10 (pages 9, 2, 12, 5); 1: a decode token at 6
+    # (pages 7, 3, 11); 2: padding; 3: a decode token at 0 (page 4). T = 8: one padding row.
+    slots = [2 * Z + 0, 2 * Z + 1, 2 * Z + 2, 12 * Z + 0, 12 * Z + 1, 11 * Z + 0, 4 * Z, -1]
+    batch = kvc.PagedBatch(
+        slots_T=jnp.array(slots, jnp.int32),
+        block_tables_BX=jnp.array([[9, 2, 12, 5], [7, 3, 11, 0], [0, 0, 0, 0], [4, 0, 0, 0]],
+                                  jnp.int32),
+        query_start_B=jnp.array([0, 5, 7, 6], jnp.int32),
+        num_tokens_B=jnp.array([5, 1, 0, 1], jnp.int32),
+        seq_lens_B=jnp.array([11, 7, 0, 1], jnp.int32), max_query_len=5)
+    q_TNH, k_TKH, v_TKH = (jnp.asarray(rng.normal(size=(8, n, H)), jnp.float32)
+                           for n in (N, K, K))
+
+    @jax.jit
+    def step(q, k, v, k_pages, v_pages):
+        return backend.paged_attention(q, k, v, k_pages, v_pages, jnp.int32(1), batch,
+                                       config=config, window=6, mesh=mesh)
+
+    return step(q_TNH, k_TKH, v_TKH, cache.k_LPZKH, cache.v_LPZKH)

@@ -15,7 +15,7 @@ CHECKS = ["device", "(a) pallas kernel tests", "(a) default tiles compile",
           "(b) greedy ids xla vs cpu",
           "(c) decode xla", "(c) decode pallas_kernels", "(c) decode cudnn", "(c) prefill xla",
           "(c) prefill pallas_kernels", "(c) prefill cudnn", "(c) decode stacked layer",
-          "(c) ragged paged attention",
+          "(c) ragged paged attention", "(c) ragged paged attention int8",
           "(d) tiny (dry run) bf16 decode pallas"]
 
 

@@ -1,6 +1,8 @@
 """Ragged paged attention (a serving step over a paged KV cache): the oracle anchored to dense
 attention over each sequence's contiguous keys, both kernel variants interpreted on the CPU against
-it, the stacked pages read in place for a traced layer, their lowering, tiles and argument errors.
+it, the stacked pages read in place for a traced layer, int8 pages (pairs of values and scales)
+dequantized as they are read, the Pallas backend over an int8 cache against XLA's, their
+lowering, tiles and argument errors.
 
 Every case mixes sequences in one call: decode tokens and prefill chunks, placed in q in shuffled
 order with padding rows between them, pages assigned from a shuffled pool (block tables out of
@@ -21,9 +23,10 @@ from jax import lax
 from attention_testing import (
     DISPATCH_INTERPRET, MOSAIC_CALL, as_bits, assert_matches_reference, calls_triton,
 )
+from llm_jax.kv_cache import dequantize_kv
 from paged_testing import (
-    PagedCase, assert_padding_rows_zero, paged_inputs, random_cases, reference, run_gpu, run_tpu,
-    stale_pages,
+    PagedCase, assert_padding_rows_zero, dequantized, int8_cache_step, int8_inputs, paged_inputs,
+    random_cases, reference, run_gpu, run_tpu, stale_pages,
 )
 from pallas_kernels import Platform, gpu_tiles, ragged_paged_attention, ragged_paging, shapes
 from pallas_kernels import ragged_paged_attention_gpu as gpu_module
@@ -31,7 +34,7 @@ from pallas_kernels import ragged_paged_attention_tpu as tpu_module
 from pallas_kernels import tpu_tiles
 from pallas_kernels.ragged_paged_attention_gpu import ragged_paged_attention_gpu
 from pallas_kernels.ragged_paged_attention_tpu import ragged_paged_attention_tpu
-from pallas_kernels.reference import attention_reference
+from pallas_kernels.reference import attention_reference, ragged_paged_attention_reference
 
 
 # The oracle, anchored.
@@ -155,12 +158,8 @@ def test_ignores_page_rows_no_sequence_holds(variant):
 L = 3
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_reads_the_given_layer_of_stacked_pages_in_a_scan(variant):
-    """Every layer's pages differ; the layer is traced (a lax.scan over layers). Out-of-range
-    layers are read as lax.dynamic_index_in_dim reads them."""
-    run, case = VARIANTS[variant]
-    inputs = paged_inputs(case, seed=4, num_layers=L)
+def scanned_layers(run, case, inputs) -> jax.Array:
+    """``run`` over each layer of stacked pages inside one jitted ``lax.scan``, the layer traced: o [L, T, N, H]."""
 
     @jax.jit
     def scan_layers():
@@ -169,7 +168,16 @@ def test_reads_the_given_layer_of_stacked_pages_in_a_scan(variant):
 
         return lax.scan(step, None, jnp.arange(L, dtype=jnp.int32))[1]
 
-    o_LTNH = scan_layers()
+    return scan_layers()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reads_the_given_layer_of_stacked_pages_in_a_scan(variant):
+    """Every layer's pages differ; the layer is traced (a lax.scan over layers). Out-of-range
+    layers are read as lax.dynamic_index_in_dim reads them."""
+    run, case = VARIANTS[variant]
+    inputs = paged_inputs(case, seed=4, num_layers=L)
+    o_LTNH = scanned_layers(run, case, inputs)
     for layer in range(L):
         assert_matches_reference(o_LTNH[layer], reference(case, inputs, layer=layer))
     one_layer = jax.jit(lambda layer: run(case, inputs, layer=layer))
@@ -244,6 +252,37 @@ def test_no_copy_of_a_layers_pages_outside_the_kernel(kernel):
     assert _large_ops_outside_kernels(jax.make_jaxpr(scan_layers(True))(*args), layer_elements)
 
 
+@pytest.mark.parametrize("kernel", [ragged_paged_attention_gpu, ragged_paged_attention_tpu],
+                         ids=["gpu", "tpu"])
+def test_no_copy_of_a_layers_int8_pages_or_scales_outside_the_kernel(kernel):
+    """A scan over 4 layers of int8 pages and scales (H 128) makes no array as large as one layer's
+    pages outside the kernel, nor one of a layer's scales' shape; the control, H 64 on the TPU
+    (whose layer is sliced out and transposed), does."""
+    L_, P, Z, K, T, B, X, N = 4, 512, 16, 8, 64, 8, 64, 32
+    S = jax.ShapeDtypeStruct
+
+    def copies(H):
+        pages = (S((L_, P, Z, K, H), jnp.int8), S((L_, P, Z, K), jnp.float32))
+        args = (S((T, N, H), jnp.bfloat16), pages, pages, S((B, X), jnp.int32),
+                *[S((B,), jnp.int32)] * 3)
+
+        def fn(q, k, v, *rest):
+            def step(carry, layer):
+                return carry, kernel(q, k, v, *rest, sm_scale=0.1, layer=layer, interpret=True)
+
+            return lax.scan(step, None, jnp.arange(L_, dtype=jnp.int32))[1]
+
+        def elements(op: str) -> int:  # of "name -> dtype[d0,d1,...]"
+            return math.prod(int(n) for n in op.split("[")[-1].rstrip("]").split(",") if n)
+
+        found = _large_ops_outside_kernels(jax.make_jaxpr(fn)(*args), P * Z * K)
+        return [op for op in found if f"{P},{Z},{K}]" in op or elements(op) >= P * Z * K * H]
+
+    assert not copies(128)
+    if kernel is ragged_paged_attention_tpu:
+        assert copies(64)
+
+
 @pytest.mark.parametrize("platform", [None, Platform.TPU])
 def test_entry_point(platform):
     case = PagedCase(seqs=((1, 12), (6, 9), (0, 0)), T=8, N=4, K=2, H=16, Z=4,
@@ -252,6 +291,187 @@ def test_entry_point(platform):
     out = ragged_paged_attention(*inputs.args, **case.options, platform=platform,
                                  interpret=DISPATCH_INTERPRET)
     assert_matches_reference(out, reference(case, inputs))
+
+
+# Int8 pages: each of k and v a pair (int8 values, float32 scales [..., Z, K]), quantized from
+# random floats by llm_jax's quantize_kv, every slot's scale different; the kernels dequantize each
+# tile as they load it and must give the reference's attention over the same pairs.
+
+INT8_CASES = {
+    "gpu": [
+        # GQA 3; pages of 5 (not a power of two), shuffled, partial last pages, block_k 16 spans
+        # them; H 24 -> 32 (masked columns); a window across pages; soft-cap; a padding sequence
+        PagedCase(seqs=((1, 23), (11, 11), (0, 0), (6, 30), (1, 11)), T=21, N=6, K=2, H=24, Z=5,
+                  sliding_window=9, logit_softcap=5.0, block_q=4, block_k=16),
+        # MQA; pages of 7; 3 key splits
+        PagedCase(seqs=((1, 40), (9, 33), (13, 13)), T=25, N=4, K=1, H=40, Z=7, block_q=3,
+                  block_k=16, num_splits=3),
+        # a bfloat16 q: tiles dequantized in float32, then bfloat16 for the products
+        PagedCase(seqs=((1, 30), (8, 20)), T=10, N=4, K=2, H=16, Z=6, dtype="bfloat16",
+                  logit_softcap=5.0, block_q=4, block_k=16),
+    ],
+    "tpu": [
+        # H 128: pages and scales read in place; GQA 4; two pages per step; a padding sequence
+        PagedCase(seqs=((1, 19), (7, 7), (0, 0), (5, 21), (1, 9)), T=17, N=8, K=2, H=128, Z=8,
+                  block_q=3, pages_per_step=2),
+        # H 24 (the layer's pages transposed); GQA 3; pages of 5; a window; soft-cap
+        PagedCase(seqs=((1, 26), (9, 22), (1, 3)), T=12, N=6, K=2, H=24, Z=5, sliding_window=8,
+                  logit_softcap=5.0, block_q=4, pages_per_step=3),
+        # a bfloat16 q; the default tiles; pages of 6
+        PagedCase(seqs=((1, 30), (12, 12)), T=14, N=4, K=2, H=16, Z=6, dtype="bfloat16"),
+    ],
+}
+RUNS = {"gpu": run_gpu, "tpu": run_tpu}
+
+
+@pytest.mark.parametrize("variant,case", [(variant, case) for variant, cases in INT8_CASES.items()
+                                          for case in cases], ids=str)
+def test_int8_pages_match_the_reference_on_the_same_pages(variant, case):
+    inputs = int8_inputs(paged_inputs(case, seed=8), seed=1)
+    out = RUNS[variant](case, inputs)
+    assert_matches_reference(out, reference(case, inputs))
+    assert_padding_rows_zero(out, inputs)
+
+
+@pytest.mark.parametrize("case", INT8_CASES["tpu"][:2], ids=str)
+def test_int8_pages_in_the_tpu_interpreter(case):
+    """The TPU interpreter simulates the scales' DMAs too, and raises on one outside them."""
+    inputs = int8_inputs(paged_inputs(case, seed=9), seed=2)
+    assert_matches_reference(run_tpu(case, inputs, poison_output=False), reference(case, inputs))
+
+
+@pytest.mark.parametrize("variant", RUNS)
+def test_int8_pages_ignore_rows_no_sequence_holds(variant):
+    """NaN scales in unused pages and past each sequence's length change nothing."""
+    case = INT8_CASES[variant][0]
+    inputs = int8_inputs(paged_inputs(case, seed=10), seed=3)
+
+    def stale(pair):
+        values, scales = pair
+        return values, stale_pages(scales[..., None], inputs, case.Z)[..., 0]
+
+    out = RUNS[variant](case, inputs.replace(k_pages=stale(inputs.k_pages),
+                                             v_pages=stale(inputs.v_pages)))
+    assert_matches_reference(out, reference(case, inputs))
+
+
+@pytest.mark.parametrize("variant", RUNS)
+def test_int8_pages_read_the_given_layer_in_a_scan(variant):
+    """Stacked int8 pages and scales [L, P, Z, K(, H)], each layer different, the layer traced;
+    the TPU case's H 24 slices the layer's scales out with its pages, the GPU's reads in place."""
+    case = INT8_CASES[variant][1 if variant == "tpu" else 0]
+    inputs = int8_inputs(paged_inputs(case, seed=11, num_layers=L), seed=4)
+    o_LTNH = scanned_layers(RUNS[variant], case, inputs)
+    for layer in range(L):
+        assert_matches_reference(o_LTNH[layer], reference(case, inputs, layer=layer))
+    assert_matches_reference(RUNS[variant](case, inputs, layer=jnp.int32(-1)),
+                             reference(case, inputs, layer=L - 1))
+
+
+@pytest.mark.parametrize("layer", [None, 1])
+def test_reference_reads_int8_pairs_as_their_dequantized_pages(layer):
+    """The oracle over pairs is the oracle over the pages ``dequantize_kv`` gives, exactly."""
+    case = ANCHOR_CASES[1]  # MQA, pages of 7, a window, soft-cap
+    inputs = int8_inputs(paged_inputs(case, seed=12, num_layers=None if layer is None else 2))
+    np.testing.assert_array_equal(np.asarray(reference(case, inputs, layer=layer)),
+                                  np.asarray(reference(case, dequantized(inputs), layer=layer)))
+
+
+def test_the_pallas_backend_attends_over_an_int8_cache_as_xla():
+    """``Pallas.paged_attention`` over an ``Int8KV`` cache (the kernel reading int8 pages with
+    their scales) writes the same pages as XLA's reference, bit for bit, and attends alike."""
+    from llm_jax.backends import Xla
+    from llm_jax.backends.pallas import Pallas
+
+    backends = (Pallas(interpret=DISPATCH_INTERPRET), Xla())
+    (o, *pages), (o_xla, *pages_xla) = (int8_cache_step(backend) for backend in backends)
+    assert all(type(p).__name__ == "Int8KV" for p in pages)
+    for ours, theirs in zip(jax.tree.leaves(pages), jax.tree.leaves(pages_xla)):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    assert np.abs(np.asarray(o_xla)[:7]).min() > 0  # every owned row attends
+    assert_matches_reference(o, o_xla)
+
+
+SHARDED_STEP = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import jax, numpy as np
+from llm_jax.backends import Xla
+from llm_jax.backends.pallas import Pallas
+from llm_jax.sharding import make_mesh
+from paged_testing import int8_cache_step
+o, k, v = int8_cache_step(Pallas(interpret=True), mesh=make_mesh("model=2"))
+o_xla, k_xla, v_xla = int8_cache_step(Xla())
+for a, b in zip(jax.tree.leaves((k, v)), jax.tree.leaves((k_xla, v_xla))):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+print(float(np.max(np.abs(np.asarray(o) - np.asarray(o_xla))) / np.max(np.abs(np.asarray(o_xla)))))
+"""
+
+
+def test_the_pallas_backend_splits_int8_pages_and_scales_by_head_on_a_mesh():
+    """On 2 simulated devices (model=2) each shard's kernel reads its K/V head's values and scales
+    (``sharding.paged_attention_on_shards``), giving XLA's attention on one device."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    path = os.pathsep.join(filter(None, [str(here.parents[1]), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path,
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    done = subprocess.run([sys.executable, "-c", SHARDED_STEP, str(here)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert float(done.stdout.strip().splitlines()[-1]) <= 1e-5
+
+
+INT8_BAD_PAIRS = [
+    (lambda i: i.replace(v_pages=dequantize_kv(*i.v_pages)),
+     "k_pages is an int8 pair .* but v_pages is not"),
+    (lambda i: i.replace(k_pages=dequantize_kv(*i.k_pages)),
+     "v_pages is an int8 pair .* but k_pages is not"),
+    (lambda i: i.replace(k_pages=(*i.k_pages, i.k_pages[1])),
+     r"k_pages must be an array or a pair \(int8 values, float32 scales\), got a tuple of 3"),
+    (lambda i: i.replace(v_pages=(i.v_pages[0].astype(jnp.float32), i.v_pages[1])),
+     "v_pages values of a pair must be int8, got float32"),
+    (lambda i: i.replace(k_pages=(i.k_pages[0], i.k_pages[1].astype(jnp.bfloat16))),
+     "k_pages scales must be float32, got bfloat16"),
+    (lambda i: i.replace(v_pages=(i.v_pages[0], i.v_pages[1][..., :1])),
+     r"v_pages scales shape \(\d+, 5, 1\) must be its values' shape \(\d+, 5, 2, 16\) without "),
+]
+
+
+@pytest.mark.parametrize("variant", ["gpu", "tpu", "reference"])
+@pytest.mark.parametrize("make_inputs,message", INT8_BAD_PAIRS)
+def test_rejects_bad_int8_pairs(variant, make_inputs, message):
+    case = PagedCase(seqs=((1, 9), (4, 4), (0, 0)), T=6, N=4, K=2, H=16, Z=5)
+    inputs = make_inputs(int8_inputs(paged_inputs(case)))
+    kernel = {"gpu": functools.partial(ragged_paged_attention_gpu, interpret=True),
+              "tpu": functools.partial(ragged_paged_attention_tpu, interpret=True),
+              "reference": ragged_paged_attention_reference}[variant]
+    with pytest.raises(ValueError, match=message):
+        kernel(*inputs.args, **case.options)
+
+
+@pytest.mark.parametrize("kernel", [ragged_paged_attention_gpu, ragged_paged_attention_tpu],
+                         ids=["gpu", "tpu"])
+def test_rejects_int8_pages_without_their_scales(kernel):
+    case = PagedCase(seqs=((1, 9), (4, 4), (0, 0)), T=6, N=4, K=2, H=16, Z=5)
+    inputs = int8_inputs(paged_inputs(case))
+    inputs = inputs.replace(k_pages=inputs.k_pages[0], v_pages=inputs.v_pages[0])
+    with pytest.raises(ValueError, match="k_pages are int8: pass int8 pages as pairs"):
+        kernel(*inputs.args, **case.options, interpret=True)
+
+
+def test_vmem_counts_the_int8_pages_and_their_scales():
+    """TPU: int8 pages are int8 blocks, each with its float32 [Z, K] block of scales beside it
+    (padded to 128 lanes in VMEM, like every block)."""
+    common = dict(rows=128, page_size=16, pages_per_step=8, head_dim=128, dtype=jnp.bfloat16)
+    tile, page, scales = ((128, 128), jnp.bfloat16), ((16, 128), jnp.int8), ((16, 8), jnp.float32)
+    expected = tpu_tiles.vmem_bytes(blocks=[tile, *[page, scales] * 16, tile],
+                                    scratch=[((128, 128), jnp.float32)] * 3)
+    assert tpu_module.vmem_bytes(**common, int8_kv_heads=8) == expected
 
 
 # Lowering, tiles, the work list.
@@ -284,6 +504,23 @@ def test_lowers(platform, shape):
     assert calls_triton(text) if platform == "cuda" else MOSAIC_CALL in text
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("H,dtype", [(128, "bfloat16"), (80, "float32")])
+def test_lowers_int8_pages(platform, H, dtype):
+    """Stacked int8 pages with their scales, a traced layer: H 128 read in place, H 80 (TPU: the
+    layer and its scales sliced out)."""
+    T, B, X, P, Z, N, K, num_layers = 300, 16, 64, 1024, 16, 28, 4, 6
+    kernel = ragged_paged_attention_gpu if platform == "cuda" else ragged_paged_attention_tpu
+    S = jax.ShapeDtypeStruct
+    pages = (S((num_layers, P, Z, K, H), jnp.int8), S((num_layers, P, Z, K), jnp.float32))
+    ints = [S((B, X), jnp.int32)] + [S((B,), jnp.int32)] * 3
+    fn = jax.jit(lambda q, k, v, *args: kernel(q, k, v, *args[:-1], layer=args[-1],
+                                               sm_scale=H ** -0.5, sliding_window=512))
+    traced = fn.trace(S((T, N, H), jnp.dtype(dtype)), pages, pages, *ints, S((), jnp.int32))
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert calls_triton(text) if platform == "cuda" else MOSAIC_CALL in text
+
+
 BUDGETS = sorted(set(gpu_tiles.SMEM_PER_BLOCK_BYTES.values()))
 
 
@@ -312,6 +549,9 @@ def test_default_tiles_fit_memory(budget, dtype, H):
             tpu_pages = max(1, tpu_module.DEFAULT_KEYS_PER_STEP // Z)
             assert tpu_module.vmem_bytes(rows=tpu_rows, page_size=Z, pages_per_step=tpu_pages,
                                          head_dim=H, dtype=dtype) <= tpu_tiles.SCOPED_VMEM_BYTES
+            assert tpu_module.vmem_bytes(
+                rows=tpu_rows, page_size=Z, pages_per_step=tpu_pages, head_dim=H, dtype=dtype,
+                int8_kv_heads=dims.K) <= tpu_tiles.SCOPED_VMEM_BYTES  # int8 pages and scales
 
 
 def test_work_list_covers_every_owned_row_once():

@@ -156,6 +156,29 @@ def test_backends_take_turns_as_engines_and_their_ratio_is_reported(tmp_path, ca
     assert f"decode llm_jax[xla] ÷ llm_jax[cpu] 260K float32 batch 1: {ratio['ratio']:.2f}×" in out
 
 
+def test_kv_cache_dtypes_take_turns_as_engines(tmp_path, capsys):
+    """--kv-cache-dtype auto int8: an engine per cache, on the same weights; the int8 row's cache holds
+    (H + 4) / 4H of float32's bytes per token, and its roofline counts them."""
+    path = tmp_path / "bench.json"
+    assert benchmark_main(["--model", "260K", "--kv-cache-dtype", "auto", "int8", "--prompt-len", "40",
+                           "--new-tokens", "9", "--chunk-steps", "4", "--repeats", "2", "--bandwidth", "10",
+                           "--peak-gflops", "100", "--json", str(path)]) == 0
+    out, _ = capsys.readouterr()
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["engine"] for r in rows] == ["llm_jax", "llm_jax[int8 KV]"]
+    config = shape_config("260K", dtype="float32")
+    assert [r["kv_cache_bytes_per_token"] for r in rows] == [cache_bytes_per_token(config),
+                                                           cache_bytes_per_token(config, "int8")]
+    assert rows[1]["kv_cache_bytes_per_token"] * 4 * config.head_dim == (
+        rows[0]["kv_cache_bytes_per_token"] * (config.head_dim + 4))
+    mean_context = 40 + 9 / 2
+    kv_saved = mean_context * (rows[0]["kv_cache_bytes_per_token"] - rows[1]["kv_cache_bytes_per_token"])
+    assert rows[0]["bytes_per_step"] - rows[1]["bytes_per_step"] == pytest.approx(kv_saved, abs=1)
+    assert rows[1]["kv_cache_mb"] < rows[0]["kv_cache_mb"]
+    assert "decode llm_jax[int8 KV] ÷ llm_jax 260K float32 batch 1:" in out
+    assert f"KV cache 260K float32 (int8 KV): {rows[1]['kv_cache_bytes_per_token']} bytes per token" in out
+
+
 def test_compile_time_is_measured_at_every_depth():
     """Each depth compiles afresh: the same depth twice (as after the benchmark's own run of the shape)
     reports a real compile time both times, not a hit in JAX's in-memory caches."""

@@ -124,6 +124,9 @@ class CpuKernels(Backend):
 
     def append_and_attend(self, q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT, positions_BT, *,
                           config: ModelConfig, window: int | None, mesh: Mesh | None = None):
+        if isinstance(k_LBSKH, kvc.Int8KV):  # the paged kernel reads int8 in place: one page per row
+            return self.append_and_attend_as_pages(q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT,
+                                                   positions_BT, config=config, window=window)
         if jnp.dtype(k_LBSKH.dtype) not in _KV_DTYPES:
             return super().append_and_attend(q_BTNH, k_BTKH, v_BTKH, k_LBSKH, v_LBSKH, layer, slots_BT,
                                              positions_BT, config=config, window=window)

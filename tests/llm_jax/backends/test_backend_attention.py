@@ -85,6 +85,46 @@ def test_append_and_attend_routes_agree(dtype):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("T, window, softcap", [(1, None, None), (1, 3, 20.0), (4, None, None), (4, 5, 20.0)])
+def test_append_and_attend_over_an_int8_cache(T, window, softcap):
+    """An int8 cache (``kv_cache.Int8KV``: values and a scale per token and head) read in place by the CPU
+    backend's paged kernel and Pallas' ragged paged kernel, each row of the cache one page: the same cache
+    and, for the rows still running,
+    the same attention as XLA's (write_tokens, then the layer dequantized). GQA, odd sizes, T = 1 (decode)
+    and T = 4 (speculative verification, also past the cache's end), windows, soft-capping."""
+    from llm_jax import kv_cache as kvc
+
+    config = _config("float32", attn_logit_softcap=softcap)
+    rng = np.random.default_rng(T)
+    B, S = 3, 13
+    k, v = (kvc.Int8KV(*kvc.quantize_kv(jnp.asarray(rng.normal(size=(3, B, S, 2, 4)), jnp.float32)))
+            for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(B, T, 6, 4)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.normal(size=(B, T, 2, 4)), jnp.float32) for _ in range(2))
+    # Row 1 runs past the cache's end (speculative verification there): those tokens write nothing.
+    positions = jnp.array([[4], [S - min(T, 2)], [6]], jnp.int32) + jnp.arange(T, dtype=jnp.int32)
+    slots = positions.at[2].set(S)  # row 2 has finished: nothing written, its output unused
+
+    def run(backend):
+        def f(q, k_new, v_new, k, v):
+            return backend.append_and_attend(q, k_new, v_new, k, v, jnp.int32(1), slots, positions, config=config,
+                                             window=window)
+
+        return jax.jit(f)(q, k_new, v_new, k, v), jax.jit(f).lower(q, k_new, v_new, k, v).as_text()
+
+    (o_xla, k_xla, v_xla), _ = run(Xla())
+    (o, k_out, v_out), hlo = run(CpuKernels())
+    assert ("llm_jax_paged_attention" in hlo) == cpu_kernels.available()
+    in_cache = min(T, 2)  # row 1's tokens past the cache are no sequence's: their outputs are 0, not compared
+    for o, k_out, v_out in ((o, k_out, v_out), run(Pallas(interpret=True))[0]):
+        np.testing.assert_allclose(np.asarray(o[0]), np.asarray(o_xla[0]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(o[1, :in_cache]), np.asarray(o_xla[1, :in_cache]), rtol=1e-5, atol=1e-5)
+        for ours, theirs in ((k_out, k_xla), (v_out, v_xla)):
+            np.testing.assert_array_equal(np.asarray(ours.q_LBSKH), np.asarray(theirs.q_LBSKH))
+            np.testing.assert_array_equal(np.asarray(ours.s_LBSK), np.asarray(theirs.s_LBSK))
+        assert not np.array_equal(np.asarray(k_out.q_LBSKH), np.asarray(k.q_LBSKH))  # the step wrote its keys
+
+
 def test_prompt_attention_runs_the_kernel_with_xla_gradients():
     """Queries over their own keys (prefill, forward, training): on the CPU backend the prefill kernel
     computes them (equal to xla_attention) and gradients are xla_attention's; the XLA backend keeps XLA."""

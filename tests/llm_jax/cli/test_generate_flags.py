@@ -6,7 +6,7 @@ from llm_jax.cli.generate import build_parser, generation_options
 from llm_jax.sampling import Sampling
 
 DEFAULTS = dict(stop_token_ids=[], min_new_tokens=0, n=1, num_beams=1, length_penalty=1.0, early_stopping=False,
-                num_return_sequences=1, logprobs=None, raw_logprobs=False, prompt_logprobs=None)
+                num_return_sequences=1, logprobs=None, raw_logprobs=False, prompt_logprobs=None, kv_cache_dtype=None)
 
 
 def test_flags_become_generation_options():
@@ -33,14 +33,14 @@ def test_control_flags_use_openai_and_transformers_names():
         "--suppress-tokens", "4,5", "--bad-words-ids", "1,2", "--bad-words-ids", "9", "--no-repeat-ngram-size", "3",
         "--min-new-tokens", "2", "--stop-token-ids", "8", "--n", "3", "--num-beams", "4", "--length-penalty", "0.5",
         "--early-stopping", "never", "--num-return-sequences", "2", "--json", "--logprobs", "5", "--raw-logprobs",
-        "--prompt-logprobs", "1"])
+        "--prompt-logprobs", "1", "--kv-cache-dtype", "int8"])
     options = generation_options(args)
     assert options["sampling"] == Sampling(
         typical_p=0.5, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.25,
         logit_bias={13: 2.5, 7: -100.0}, suppress_tokens=(4, 5), bad_words_ids=((1, 2), (9,)), no_repeat_ngram_size=3)
     assert {k: options[k] for k in DEFAULTS} == dict(
         stop_token_ids=[8], min_new_tokens=2, n=3, num_beams=4, length_penalty=0.5, early_stopping="never",
-        num_return_sequences=2, logprobs=5, raw_logprobs=True, prompt_logprobs=1)
+        num_return_sequences=2, logprobs=5, raw_logprobs=True, prompt_logprobs=1, kv_cache_dtype="int8")
     assert build_parser().parse_args(["--model", "m", "--logit-bias", '{"50256": -100}']).logit_bias == {50256: -100.0}
 
 

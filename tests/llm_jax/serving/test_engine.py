@@ -166,22 +166,37 @@ SHARDED = """
 import json, sys, llm_jax
 from llm_jax.serving.engine import Engine
 model = llm_jax.load(sys.argv[1], mesh=sys.argv[2])
-engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128)
 prompts = json.loads(sys.argv[3])
-for i, p in enumerate(prompts):
-    engine.add_request(str(i), p, max_new_tokens=24, ignore_eos=True,
-                       sampling=llm_jax.Sampling(temperature=0.8, seed=i) if i % 2 else llm_jax.GREEDY)
-tokens = {str(i): [] for i in range(len(prompts))}
-while engine.has_unfinished:
-    for out in engine.step():
-        tokens[out.request_id] += out.token_ids
-print(json.dumps([tokens[str(i)] for i in range(len(prompts))]))
+
+
+def run(model, **kwargs):
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128, **kwargs)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, max_new_tokens=24, ignore_eos=True,
+                           sampling=llm_jax.Sampling(temperature=0.8, seed=i) if i % 2 else llm_jax.GREEDY)
+    tokens = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tokens[out.request_id] += out.token_ids
+    return engine, [tokens[str(i)] for i in range(len(prompts))]
+
+
+engine, tokens = run(model)
+# A draft model loaded on one device (the same model): laid out on the mesh, its pages split alike. Sampled
+# rows draw as speculative sampling does (not plain sampling's tokens): one device's engine is their reference.
+one_device = llm_jax.load(sys.argv[1])
+draft = llm_jax.Speculative(method="draft", num_tokens=3, draft_model=one_device)
+with_draft, draft_tokens = run(model, speculative=draft)
+print(json.dumps([draft_tokens, run(one_device, speculative=draft)[1]]))
+print(with_draft.draft_cache.k_LPZKH.sharding.spec, with_draft.stats().spec_accepted_tokens)
+print(json.dumps(tokens))
 print(engine.cache.k_LPZKH.sharding.spec)
 """
 
 
 def test_a_sharded_engine_gives_the_same_tokens(stories260k_dir):
-    """On 8 simulated devices, the params and pages split by K/V head: the tokens of one device."""
+    """On 8 simulated devices, the params and pages split by K/V head: the tokens of one device, with a draft
+    model (loaded on one device, laid out on the mesh by the engine) too."""
     import json
     import subprocess
 
@@ -192,13 +207,20 @@ def test_a_sharded_engine_gives_the_same_tokens(stories260k_dir):
     done = subprocess.run([PYTHON, "-c", SHARDED, str(path), "data=2,model=4", json.dumps(prompts)],
                           env=cpu_devices_env(8), capture_output=True, text=True, timeout=900, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
-    tokens, spec = done.stdout.strip().splitlines()[-2:]
+    draft_tokens, draft_spec, tokens, spec = done.stdout.strip().splitlines()[-4:]
     model = llm_jax.load(path)
     expected = [alone(model, p, max_new_tokens=24, ignore_eos=True,
                       sampling=llm_jax.Sampling(temperature=0.8, seed=i) if i % 2 else llm_jax.GREEDY).output_ids
                 for i, p in enumerate(prompts)]
     assert json.loads(tokens) == expected
     assert "model" in spec
+    # With the draft: greedy rows give plain decoding's tokens, sampled rows one device's engine's with the
+    # same draft; its pages split as the model's, its proposals accepted.
+    draft_tokens, one_device_draft_tokens = json.loads(draft_tokens)
+    assert draft_tokens == one_device_draft_tokens
+    assert [draft_tokens[i] for i in (0, 2)] == [expected[i] for i in (0, 2)]
+    pages_spec, accepted = draft_spec.rsplit(" ", 1)
+    assert "model" in pages_spec and int(accepted) > 0
 
 
 @pytest.mark.parametrize("quantize", ["int8", "int4", "int4-asym"])

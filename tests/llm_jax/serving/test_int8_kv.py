@@ -96,6 +96,27 @@ def test_cpu_kernels_attend_over_int8_pages_as_the_reference(n_heads):
     np.testing.assert_allclose(np.asarray(o_cpu), np.asarray(o_xla), atol=1e-5, rtol=1e-5)
 
 
+def test_the_pallas_engine_gives_xlas_greedy_tokens_over_int8_pages():
+    """The Pallas backend's ragged paged kernel (interpreted here), reading the int8 pages and their scales in
+    place, gives the engine the greedy tokens of XLA's reference over the same int8 cache: GQA, pages of 4, a
+    window across them, prompts chunked by a budget of 8 tokens and arriving at different steps."""
+    config = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                         max_seq_len=64, sliding_window=5)
+    params = jax.tree.map(lambda a: a * 6 if a.ndim > 1 else a, init_params(config, seed=3))
+    model = llm_jax.Model(config=config, params=params, tokenizer=None, eos_ids=())
+    kwargs = dict(max_new_tokens=8, ignore_eos=True)
+    arrivals = {0: [("a", [3, 9, 27, 14, 5, 61, 2, 40, 33, 17, 8], kwargs), ("b", [8, 8, 1], kwargs)],
+                2: [("c", [5, 4, 3, 2, 1, 60, 50], kwargs)]}
+    tokens = {}
+    for backend in (Pallas(interpret=True), Xla()):
+        engine = Engine(model.with_backend(backend), max_num_seqs=2, max_num_batched_tokens=8, block_size=4,
+                        max_model_len=32, kv_cache_dtype="int8")
+        assert isinstance(engine.cache.k_LPZKH, kvc.Int8KV)
+        tokens[backend.name] = {rid: _tokens(outs) for rid, outs in run_all(engine, arrivals).items()}
+    assert tokens["pallas"] == tokens["xla"]
+    assert all(len(t) == 8 for t in tokens["xla"].values())
+
+
 def _prompts() -> dict[str, list[int]]:
     """Prompts of 2 to 70 tokens; d and e share 40 and 32 tokens (5 and 4 blocks of 8) with a."""
     rng = random.Random(2)
@@ -283,8 +304,8 @@ def test_no_step_compiles_after_warm_up_with_an_int8_cache(stories):
 
 
 def test_refusals_name_what_is_refused():
-    """An unknown cache dtype; shardings made for float pages given to an int8 cache; Pallas' paged kernel
-    over int8 pages. A donated int8 cache reports itself deleted (the engine's check after a failed step)."""
+    """An unknown cache dtype; shardings made for float pages given to an int8 cache. A donated int8 cache
+    reports itself deleted (the engine's check after a failed step)."""
     model = llm_jax.Model(config=CONFIG, params=init_params(CONFIG, seed=0), tokenizer=None, eos_ids=())
     with pytest.raises(ValueError, match="int8, bfloat16, float32.*'float16'"):
         Engine(model, num_blocks=4, kv_cache_dtype="float16")
@@ -297,13 +318,6 @@ def test_refusals_name_what_is_refused():
         kvc.init_paged_cache(CONFIG, 4, 8, "bfloat16",
                              sharding=llm_jax.sharding.paged_cache_shardings(CONFIG, 4, 8, mesh, "int8"))
     cache = kvc.init_paged_cache(CONFIG, 4, 8, "int8")
-    batch = kvc.PagedBatch(slots_T=jnp.zeros(1, jnp.int32), block_tables_BX=jnp.ones((1, 1), jnp.int32),
-                           query_start_B=jnp.zeros(1, jnp.int32), num_tokens_B=jnp.ones(1, jnp.int32),
-                           seq_lens_B=jnp.ones(1, jnp.int32), max_query_len=1)
-    q_TNH, k_TKH = jnp.ones((1, CONFIG.n_heads, CONFIG.head_dim)), jnp.ones((1, CONFIG.n_kv_heads, CONFIG.head_dim))
-    with pytest.raises(ValueError, match="pallas backend.*not int8"):
-        Pallas(interpret=True).paged_attention(q_TNH, k_TKH, k_TKH, cache.k_LPZKH, cache.v_LPZKH, 0, batch,
-                                               config=CONFIG, window=None)
     assert not cache.k_LPZKH.is_deleted()
     jax.jit(lambda c: jax.tree.map(lambda a: a + 1, c), donate_argnums=0)(cache)
     assert cache.k_LPZKH.is_deleted() and cache.v_LPZKH.is_deleted()
