@@ -285,6 +285,12 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
             state = dataclasses.replace(state, tokens_B=jnp.full_like(state.tokens_B, PAD_ID))
             return cache, state, _nothing_emitted(state.tokens_B, controls, config)
 
+        if mesh is not None:
+            # Every device runs the loop itself, and a branch on computed values (rows finished by tokens
+            # chosen from logits all-reduced across devices, which need not round alike everywhere) could
+            # take devices different ways, each then waiting in a different collective: no branch here.
+            cache, state, emitted = run(cache, state)
+            return (cache, state), emitted
         # Once every row has finished, the remaining steps of the chunk cost nothing.
         cache, state, emitted = jax.lax.cond(jnp.all(state.done_B), idle, run, cache, state)
         return (cache, state), emitted

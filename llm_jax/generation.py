@@ -240,9 +240,11 @@ class GenerationStream:
         self.speculative, self.draft = speculative, None
         if speculative is not None:
             self._check_speculative(speculative, logprobs, hidden_layers, steering, return_kv_cache)
-            # A draft model runs where the target does: on its mesh (a copy laid out there) when it has one.
+            # A draft model runs where the target does: on its mesh when it has one, laid out there from a
+            # host copy (each process then places its own devices' shards).
             draft, mesh = speculative.draft_model, self.model.mesh
-            self.draft = draft if draft is None or draft.mesh == mesh else draft.shard(mesh)
+            self.draft = (draft if draft is None or draft.mesh == mesh else
+                          dataclasses.replace(draft, params=jax.device_get(draft.params)).shard(mesh))
         self.results: list[GenerationResult] | None = None
         self.metrics: GenerationMetrics | None = None
         self.kv_cache: KVCache | None = None
@@ -263,7 +265,7 @@ class GenerationStream:
                            return_kv_cache) -> None:
         if not isinstance(speculative, Speculative):
             raise TypeError(f"speculative must be an llm_jax.Speculative, got {type(speculative).__name__}")
-        unsupported = {"beam search": self.beams is not None, "logprobs": logprobs is not None,
+        unsupported = {"beam search": self.beams is not None,
                        "hidden_layers": bool(hidden_layers), "steering": steering is not None,
                        "return_kv_cache": return_kv_cache}
         named = [name for name, used in unsupported.items() if used]

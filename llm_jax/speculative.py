@@ -50,7 +50,9 @@ from llm_jax.config import ModelConfig
 from llm_jax.decoding import PAD_ID, DecodeControls, DecodeState, Emitted, advance, argmax_only
 from llm_jax.kv_cache import KVCache
 from llm_jax.model import Params, forward_extend, greedy_tokens, resolve_backend, unembed
+from llm_jax.logprobs import chosen_and_top
 from llm_jax.sampling import SamplingParams, filter_logits, process_logits, row_keys, sample
+from llm_jax.sharding import constrain_cache, constrain_replicated
 
 
 # A speculative chunk that has accepted too little after this many steps ends early (the host backs off).
@@ -264,10 +266,12 @@ def ngram_proposals(sequence: np.ndarray, *, k: int, lookup_min: int, lookup_max
 # Verification.
 
 def verify_position(scores_BV: jax.Array, proposal_B: jax.Array, proposed_B: jax.Array, q_BV: jax.Array | None,
-                    params: SamplingParams, step_B: jax.Array, *,
-                    backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
+                    params: SamplingParams, step_B: jax.Array, *, backend: Backend | None = None,
+                    with_scores: bool = False) -> tuple[jax.Array, ...]:
     """One position of verification, on the target's processed scores [B, V] there: the token [B] each
-    row emits and whether it is the row's proposal (accepted) [B] bool.
+    row emits and whether it is the row's proposal (accepted) [B] bool; ``with_scores`` also returns the
+    scores the token's distribution is (filtered and temperature-scaled for sampled rows), as
+    :func:`llm_jax.sampling.sample` does, for log-probabilities.
 
     ``proposed_B``: the row has a proposal ``proposal_B`` here (False at the bonus position); ``q_BV``: the
     distribution it was drawn from (None: one-hot, a deterministic proposer). ``step_B``: the index of
@@ -277,7 +281,7 @@ def verify_position(scores_BV: jax.Array, proposal_B: jax.Array, proposed_B: jax
     """
     if not params.sampled:
         plain_B = sample(scores_BV, params, step_B, backend=backend)
-        return plain_B, proposed_B & (plain_B == proposal_B)
+        return (plain_B, proposed_B & (plain_B == proposal_B)) + ((scores_BV,) if with_scores else ())
     B, V = scores_BV.shape
     filtered_BV = filter_logits(scores_BV, params)
     keys_B = row_keys(params.seed_B, params.sample_B, step_B)
@@ -303,6 +307,8 @@ def verify_position(scores_BV: jax.Array, proposal_B: jax.Array, proposed_B: jax
     token_B = jnp.where(proposed_B, jnp.where(accept_B, proposal_B, redraw_B), plain_B)
     token_B = jnp.where(sampled_B, token_B, plain_B)
     accepted_B = proposed_B & jnp.where(sampled_B, accept_B, plain_B == proposal_B)
+    if with_scores:
+        return token_B, accepted_B, jnp.where(sampled_B[:, None], filtered_BV, scores_BV)
     return token_B, accepted_B
 
 
@@ -338,9 +344,26 @@ def verify(scores_BTV: jax.Array, proposals_BK: jax.Array, params: SamplingParam
 
 # The decode loop.
 
+def _laid_out(cache: KVCache, state: DecodeState, spec: SpecState, mesh: Mesh | None):
+    """(cache, (state, spec)) laid out as plain decoding lays its own out: the caches (the target's and the
+    draft's) by ``llm_jax.sharding``'s table, the rest whole on every device."""
+    draft_cache = None if spec.draft_cache is None else constrain_cache(spec.draft_cache, mesh)
+    state, spec = constrain_replicated((state, dataclasses.replace(spec, draft_cache=None)), mesh)
+    return constrain_cache(cache, mesh), (state, dataclasses.replace(spec, draft_cache=draft_cache))
+
+
+def _padded(emitted: Emitted, k: int) -> Emitted:
+    """``emitted`` [B, S(, N)] followed by k steps that emitted nothing (``PAD_ID`` tokens, zeros)."""
+    def pad(name, x):
+        return None if x is None else jnp.pad(x, [(0, 0), (0, k)] + [(0, 0)] * (x.ndim - 2),
+                                              constant_values=PAD_ID if name == "tokens_BS" else 0)
+
+    return Emitted(**{f.name: pad(f.name, getattr(emitted, f.name)) for f in dataclasses.fields(emitted)})
+
+
 def _speculate(params, config, cache, state, spec, controls, draft_params, draft_config, *, plan: Plan,
                mesh, backend, draft_backend):
-    """One speculative step of the running rows: (cache, state, spec, tokens emitted [B, k + 1])."""
+    """One speculative step of the running rows: (cache, state, spec, what it emitted [B, k + 1])."""
     k, B = plan.k, cache.batch_size
     running_B = ~state.done_B
     q_BKV = None
@@ -356,13 +379,13 @@ def _speculate(params, config, cache, state, spec, controls, draft_params, draft
     proposed_BK &= running_B[:, None]
     verify_step = functools.partial(_verify, params, config, controls=controls, draft_cache=draft_cache, mesh=mesh,
                                     backend=backend)
-    if plan.method is Method.DRAFT:
+    if plan.method is Method.DRAFT or mesh is not None:  # (under a mesh: no branch on values, see below)
         return verify_step(cache, state, spec, proposals_BK, proposed_BK, q_BKV)
 
     # A step in which no row has a proposal runs as plain decoding's step: one token per row, not k + 1.
     def plain(cache, state, spec):
-        cache, state, spec, tokens_B1 = verify_step(cache, state, spec, proposals_BK[:, :0], proposed_BK[:, :0], None)
-        return cache, state, spec, jnp.pad(tokens_B1, ((0, 0), (0, k)), constant_values=PAD_ID)
+        cache, state, spec, emitted = verify_step(cache, state, spec, proposals_BK[:, :0], proposed_BK[:, :0], None)
+        return cache, state, spec, _padded(emitted, k)
 
     def verified(cache, state, spec):
         return verify_step(cache, state, spec, proposals_BK, proposed_BK, None)
@@ -373,7 +396,8 @@ def _speculate(params, config, cache, state, spec, controls, draft_params, draft
 def _verify(params, config, cache, state, spec, proposals_BK, proposed_BK, q_BKV, *, controls, draft_cache, mesh,
             backend):
     """The target's pass over each row's latest token and its proposals [B, k] (k may be 0), the tokens
-    it accepts and the one of its own after them: (cache, state, spec, tokens emitted [B, k + 1])."""
+    it accepts and the one of its own after them: (cache, state, spec, what it emitted, [B, k + 1]: the
+    tokens, and their log-probabilities when ``controls.logprobs`` asks, as plain decoding reports them)."""
     B, k = proposals_BK.shape
     running_B = ~state.done_B
     length_B = cache.lengths_B
@@ -387,11 +411,13 @@ def _verify(params, config, cache, state, spec, proposals_BK, proposed_BK, q_BKV
         chosen_BT = None if chosen_BT is None else chosen_BT.reshape(B, T)
     logits_TBV = None if chosen_BT is not None else jnp.swapaxes(unembed(params, config, x_BTD, backend), 0, 1)
     minimum = controls.min_new_tokens_B
+    report = controls.logprobs
 
     def position(carry, xs):
         state, accepting_B, count_B, emitted_B = carry
         j, proposal_B, proposed_B = xs["j"], xs["proposal"], xs["proposed"]
         active_B = accepting_B & ~state.done_B
+        out = {}
         if chosen_BT is not None:
             token_B = xs["chosen"]
             accepted_B = proposed_B & (token_B == proposal_B)
@@ -400,14 +426,19 @@ def _verify(params, config, cache, state, spec, proposals_BK, proposed_BK, q_BKV
                                        num_generated_B=state.num_generated_B,
                                        end_ids_BE=None if minimum is None else controls.end_ids_BE,
                                        min_new_tokens_B=minimum)
-            token_B, accepted_B = verify_position(scores_BV, proposal_B, proposed_B, xs.get("q"),
-                                                  controls.sampling, state.num_generated_B, backend=backend)
+            token_B, accepted_B, chosen_from_BV = verify_position(
+                scores_BV, proposal_B, proposed_B, xs.get("q"), controls.sampling, state.num_generated_B,
+                backend=backend, with_scores=True)
+            if report is not None:  # as decoding.choose reports them
+                out["logprobs_BS"], out["top_ids_BSN"], out["top_logprobs_BSN"] = chosen_and_top(
+                    xs["logits"] if report.raw else chosen_from_BV, token_B, report.top_n)
         advanced = advance(token_B, active_B, state, controls, length_B + j + 1, cache.max_len)
         # A row past its first rejection keeps its latest token (advance pads rows it does not run).
         state = dataclasses.replace(advanced, tokens_B=jnp.where(active_B, advanced.tokens_B, state.tokens_B))
         emitted_B += active_B.astype(jnp.int32)
         count_B += (active_B & accepted_B).astype(jnp.int32)
-        return (state, active_B & accepted_B, count_B, emitted_B), jnp.where(active_B, token_B, PAD_ID)
+        out["tokens_BS"] = jnp.where(active_B, token_B, PAD_ID)
+        return (state, active_B & accepted_B, count_B, emitted_B), {k: v for k, v in out.items() if v is not None}
 
     none_B = jnp.zeros((B, 1), bool)
     xs = dict(j=jnp.arange(T, dtype=jnp.int32),
@@ -420,8 +451,9 @@ def _verify(params, config, cache, state, spec, proposals_BK, proposed_BK, q_BKV
     if q_BKV is not None:
         xs["q"] = jnp.swapaxes(jnp.concatenate([q_BKV, q_BKV[:, :1]], axis=1), 0, 1)
     zeros_B = jnp.zeros((B,), jnp.int32)
-    (state, _, accepted_B, emitted_B), tokens_TB = jax.lax.scan(position, (state, running_B, zeros_B, zeros_B), xs)
-    tokens_BT = tokens_TB.T
+    (state, _, accepted_B, emitted_B), out_T = jax.lax.scan(position, (state, running_B, zeros_B, zeros_B), xs)
+    emitted = Emitted(**{name: jnp.swapaxes(x, 0, 1) for name, x in out_T.items()})  # [B, T(, N)]
+    tokens_BT = emitted.tokens_BS
     # Roll back: each row keeps the tokens it fed and accepted; the rest of the slots are stale.
     cache = dataclasses.replace(cache, lengths_B=length_B + emitted_B)
     seq_BS = spec.seq_BS.at[jnp.arange(B)[:, None], length_B[:, None] + 1 + jnp.arange(T)].set(
@@ -431,7 +463,7 @@ def _verify(params, config, cache, state, spec, proposals_BK, proposed_BK, q_BKV
                                proposed_B=spec.proposed_B + jnp.sum(proposed_BK, axis=1, dtype=jnp.int32),
                                accepted_B=spec.accepted_B + accepted_B,
                                steps_B=spec.steps_B + verified_B.astype(jnp.int32))
-    return cache, state, spec, tokens_BT
+    return cache, state, spec, emitted
 
 
 @functools.partial(jax.jit, static_argnames=("draft_config", "draft_backend"), donate_argnames=("spec",))
@@ -476,35 +508,53 @@ def speculative_decode(params: Params, config: ModelConfig, cache: KVCache, stat
     tokens per step (the host then backs off). ``cache``, ``state`` and ``spec`` are donated."""
     backend = resolve_backend(backend)
     draft_backend = resolve_backend(draft_backend)
-    if controls.logprobs is not None or controls.hooks is not None:
-        raise ValueError("speculative decoding does not report logprobs or hidden states, nor steers")
+    if controls.hooks is not None:
+        raise ValueError("speculative decoding does not report hidden states, nor steers")
     kw = dict(plan=plan, mesh=mesh, backend=backend, draft_backend=draft_backend)
     B, T = cache.batch_size, plan.k + 1
 
     def going_on(carry):
         i, _, state, _, _, accepted, emitted = carry
+        if mesh is not None:
+            # Every device runs the loop itself: a branch on computed values (tokens, from logits all-reduced
+            # across devices, which need not round alike everywhere) could take devices different ways, each
+            # then waiting in a different collective. So a fixed number of steps: finished rows emit nothing.
+            return i < num_steps
         failing = (i >= PROBE_STEPS) & (accepted < plan.min_accepted * (emitted - accepted))
         return (i < num_steps) & ~jnp.all(state.done_B) & ~failing
 
     def step(carry):
-        i, cache, state, spec, tokens_SBT, accepted, emitted = carry
+        i, cache, state, spec, out_S, accepted, emitted = carry
         before = jnp.sum(spec.accepted_B)
-        cache, state, spec, tokens_BT = _speculate(params, config, cache, state, spec, controls, draft_params,
-                                                   draft_config, **kw)
-        tokens_SBT = jax.lax.dynamic_update_index_in_dim(tokens_SBT, tokens_BT, i, axis=0)
+        cache, state, spec, out = _speculate(params, config, cache, state, spec, controls, draft_params,
+                                             draft_config, **kw)
+        out_S = jax.tree.map(lambda all_S, x: jax.lax.dynamic_update_index_in_dim(all_S, x, i, axis=0), out_S, out)
         accepted += jnp.sum(spec.accepted_B) - before
-        emitted += jnp.sum(tokens_BT != PAD_ID, dtype=jnp.int32)
-        return i + 1, cache, state, spec, tokens_SBT, accepted, emitted
+        emitted += jnp.sum(out.tokens_BS != PAD_ID, dtype=jnp.int32)
+        # Every device decides whether to go on from the same values: what the loop carries is laid out
+        # as plain decoding's (the host-read values whole on every device).
+        cache, (state, spec), (out_S, accepted, emitted) = (*_laid_out(cache, state, spec, mesh),
+                                                            constrain_replicated((out_S, accepted, emitted), mesh))
+        return i + 1, cache, state, spec, out_S, accepted, emitted
 
     dtype = cache.k_LBSKH.dtype
     draft_dtype = None if spec.draft_cache is None else spec.draft_cache.k_LBSKH.dtype
     if spec.draft_cache is not None:
         spec = dataclasses.replace(spec, draft_cache=kvc.as_bits(spec.draft_cache))
     zero = jnp.zeros((), jnp.int32)
-    unused_SBT = jnp.full((num_steps, B, T), PAD_ID, jnp.int32)
-    _, cache, state, spec, tokens_SBT, _, _ = jax.lax.while_loop(
-        going_on, step, (zero, kvc.as_bits(cache), state, spec, unused_SBT, zero, zero))
+    # Every step's emissions [num_steps, B, T(, N)]: steps the loop does not run emit nothing.
+    report = controls.logprobs
+    top = (num_steps, B, T, report.top_n) if report is not None and report.top_n else None
+    unused_S = Emitted(tokens_BS=jnp.full((num_steps, B, T), PAD_ID, jnp.int32),
+                       logprobs_BS=None if report is None else jnp.zeros((num_steps, B, T), jnp.float32),
+                       top_ids_BSN=None if top is None else jnp.zeros(top, jnp.int32),
+                       top_logprobs_BSN=None if top is None else jnp.zeros(top, jnp.float32))
+    cache, (state, spec) = _laid_out(kvc.as_bits(cache), state, spec, mesh)
+    _, cache, state, spec, out_S, _, _ = jax.lax.while_loop(
+        going_on, step, (zero, cache, state, spec, constrain_replicated(unused_S, mesh), zero, zero))
     if spec.draft_cache is not None:
         spec = dataclasses.replace(spec, draft_cache=kvc.from_bits(spec.draft_cache, draft_dtype))
-    tokens_BS = jnp.swapaxes(tokens_SBT, 0, 1).reshape(B, num_steps * T)
-    return kvc.from_bits(cache, dtype), state, spec, Emitted(tokens_BS=tokens_BS)
+    # [S, B, T, ...] → [B, S · T, ...]: a row's emissions in order.
+    emitted = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(B, num_steps * T, *x.shape[3:]), out_S)
+    cache, (state, spec) = _laid_out(kvc.from_bits(cache, dtype), state, spec, mesh)
+    return cache, state, spec, constrain_replicated(emitted, mesh)

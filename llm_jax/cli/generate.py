@@ -237,9 +237,7 @@ def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
     if args.group_size is not None and args.quantize is None:
         parser.error("--group-size needs --quantize")
     if args.speculative is not None:
-        unsupported = [flag for flag, used in (("--num-beams", args.num_beams > 1), ("--chat", args.chat),
-                                               ("--logprobs", args.logprobs is not None), ("--mesh", args.mesh))
-                       if used]
+        unsupported = [flag for flag, used in (("--num-beams", args.num_beams > 1),) if used]
         if unsupported:
             parser.error(f"--speculative cannot be combined with {', '.join(unsupported)}")
         if args.prompt_lookup_min > args.prompt_lookup_max:
@@ -327,15 +325,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=mesh, quantize=quantization(args))
         if args.chat:
-            return run_chat(model, template, system=args.system, first_messages=prompts,
-                            generation=generation_options(args), quiet=args.quiet)
-        return _generate(args, model, prompts, speculative=speculative_options(args))
+            return run_chat(model, template, system=args.system, first_messages=prompts, quiet=args.quiet,
+                            generation=dict(generation_options(args),
+                                            speculative=speculative_options(args, model.mesh)))
+        return _generate(args, model, prompts, speculative=speculative_options(args, model.mesh))
     except jax.errors.JaxRuntimeError as e:  # out of memory, mostly: the first line says what
         raise CliError(one_line(e)) from e
 
 
-def speculative_options(args: argparse.Namespace):
-    """The ``Speculative`` the flags ask for (its draft model loaded like the model), or None."""
+def speculative_options(args: argparse.Namespace, mesh=None):
+    """The ``Speculative`` the flags ask for (its draft model loaded like the model, on ``mesh`` too), or
+    None."""
     if args.speculative is None:
         return None
     from llm_jax.loading import load
@@ -344,7 +344,7 @@ def speculative_options(args: argparse.Namespace):
     lookup = dict(prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max)
     if args.speculative == "ngram":
         return Speculative(method=Method.NGRAM, num_tokens=args.num_speculative_tokens, **lookup)
-    draft = load(args.speculative, dtype=args.dtype, backend=args.backend)
+    draft = load(args.speculative, dtype=args.dtype, backend=args.backend, mesh=mesh)
     return Speculative(method=Method.DRAFT, draft_model=draft, num_tokens=args.num_speculative_tokens, **lookup)
 
 

@@ -211,7 +211,7 @@ def _start_engine(args: argparse.Namespace):
     engine = Engine(model, max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
                     kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                    max_logprobs=args.max_logprobs, speculative=_speculative(args),
+                    max_logprobs=args.max_logprobs, speculative=_speculative(args, model.mesh),
                     kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
     log.info("loaded %s in %.1f s; compiling the engine's step programs", args.model, time.perf_counter() - t0)
     t0 = time.perf_counter()
@@ -222,8 +222,8 @@ def _start_engine(args: argparse.Namespace):
     return engine
 
 
-def _speculative(args: argparse.Namespace):
-    speculative = speculative_options(args)
+def _speculative(args: argparse.Namespace, mesh=None):
+    speculative = speculative_options(args, mesh)
     if speculative is None or args.speculative_max_batch is None:
         return speculative
     return dataclasses.replace(speculative, max_batch=args.speculative_max_batch)

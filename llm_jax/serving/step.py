@@ -27,7 +27,7 @@ from llm_jax.kv_cache import PagedBatch, PagedKVCache
 from llm_jax.logits_processors import History
 from llm_jax.logprobs import TokenLogprobs, chosen_and_top, token_logprobs
 from llm_jax.model import Params, forward_paged, greedy_tokens, unembed
-from llm_jax.sampling import filter_logits, process_logits
+from llm_jax.sampling import process_logits
 from llm_jax.sharding import constrain_cache, constrain_replicated
 from llm_jax.speculative import verify_position
 
@@ -240,14 +240,12 @@ def verify_proposals(weights: Params, config: ModelConfig, x_TD: jax.Array, inpu
                                    end_ids_BE=None if minimum is None else controls.end_ids_BE,
                                    min_new_tokens_B=minimum)
         q_BV = None if q_BKV is None else q_BKV[:, min(j, K - 1)]  # (unread at the last column)
-        token_B, accepted_B = verify_position(scores_BV, proposals_BJ[:, j], proposed_BJ[:, j], q_BV, params, step_B,
-                                              backend=backend)
+        token_B, accepted_B, chosen_from_BV = verify_position(scores_BV, proposals_BJ[:, j], proposed_BJ[:, j], q_BV,
+                                                              params, step_B, backend=backend, with_scores=True)
         column = dict(tokens_BS=jnp.where(accepting_B, token_B, PAD_ID))
         if controls.logprobs is not None:
-            reported_BV = (logits_BJV[:, j] if controls.logprobs.raw else
-                           jnp.where(params.temperature_B[:, None] > 0, filter_logits(scores_BV, params), scores_BV))
             column["logprobs_BS"], column["top_ids_BSN"], column["top_logprobs_BSN"] = chosen_and_top(
-                reported_BV, token_B, controls.logprobs.top_n)
+                logits_BJV[:, j] if controls.logprobs.raw else chosen_from_BV, token_B, controls.logprobs.top_n)
         columns.append(column)
         history_ = history_.append(proposals_BJ[:, j], proposed_BJ[:, j])  # read only once it is accepted
         accepting_B &= accepted_B

@@ -65,14 +65,20 @@ def one_process_ids(stories260k_dir) -> list[list[int]]:
 
 
 # model=4: one model split across both processes (its all-reduces cross them); default: data across the
-# processes (batch rows on different hosts) and model=2 inside each.
-@pytest.mark.parametrize("mesh", ["model=4", None], ids=["model=4", "default-data=2,model=2"])
-def test_two_processes_generate_like_one(stories260k_dir, one_process_ids, mesh):
-    command = [PYTHON, str(REPO / "scripts/generate.py"), "--model", str(stories260k_dir / "stories260K.bin"),
+# processes (batch rows on different hosts) and model=2 inside each. Speculative decoding (greedy: plain
+# decoding's tokens) with prompt lookup, and with a draft model (the same model: each process loads it and
+# lays its own devices' shards out on the mesh).
+@pytest.mark.parametrize("mesh, speculative", [("model=4", None), (None, None), ("model=4", "draft"),
+                                               (None, "ngram")],
+                         ids=["model=4", "default-data=2,model=2", "model=4-draft", "default-ngram"])
+def test_two_processes_generate_like_one(stories260k_dir, one_process_ids, mesh, speculative):
+    model = str(stories260k_dir / "stories260K.bin")
+    command = [PYTHON, str(REPO / "scripts/generate.py"), "--model", model,
                "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--json",
                "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2"]
     command += [arg for prompt in PROMPTS for arg in ("--prompt", prompt)]
     command += ["--mesh", mesh] if mesh else []
+    command += [] if speculative is None else ["--speculative", model if speculative == "draft" else "ngram"]
     processes = [subprocess.Popen(command + ["--process-id", str(i)], env=cpu_devices_env(2), text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(2)]
     try:

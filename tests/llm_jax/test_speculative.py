@@ -1,7 +1,8 @@
 """Speculative decoding (``llm_jax.Speculative``): greedy ids identical to plain greedy decoding (and to
 transformers on stories260K) with either proposer, batch 1 and batched, k = 1..8, on stories260K and a
 random model of every family; the sampled distribution exactly the target's (chi-square against the
-model's own probabilities); n-gram acceptance on a repeating prompt; stop ids, stop strings and budgets
+model's own probabilities); log-probabilities as plain decoding reports them; n-gram acceptance on a
+repeating prompt; stop ids, stop strings and budgets
 ending inside an accepted run at exactly plain decoding's token; the proposers and the acceptance rule
 on their own; bad settings refused by name."""
 
@@ -149,6 +150,36 @@ def test_processors_and_budgets_as_plain(stories):
     assert ids(stories, PROMPTS, speculative=speculative, **kwargs) == ids(stories, PROMPTS, **kwargs)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_logprobs_are_plain_decodings(stories, near_draft, method):
+    """Greedy rows: the same tokens and the same log-probabilities (and top 3) as plain decoding, ≤ 1e-4
+    (verification scores k + 1 positions in one extend call, plain decoding one by one; stories260K's
+    logits reach 13, where float32 sums in another order differ by ~1e-5). Sampled rows at temperature 1:
+    each token's log-probability is the model's own at its position, as scoring the finished sequence
+    (``prompt_logprobs``) gives it."""
+    speculative = (llm_jax.Speculative(num_tokens=4, prompt_lookup_min=1, max_backoff=0) if method == "ngram" else
+                   llm_jax.Speculative(method="draft", draft_model=near_draft, num_tokens=3, max_backoff=0))
+    prompts = [REPEATING, *PROMPTS[:2]]
+    kwargs = dict(max_new_tokens=40, logprobs=3)
+    plain = llm_jax.generate(stories, prompts, ignore_eos=True, **kwargs)
+    spec = llm_jax.generate(stories, prompts, ignore_eos=True, speculative=speculative, **kwargs)
+    assert spec[0].metrics.accepted_tokens > 0
+    for a, b in zip(plain, spec):
+        assert b.output_ids == a.output_ids
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-4)
+        assert [list(t) for t in b.top_logprobs] == [list(t) for t in a.top_logprobs]  # the same ids, in order
+        np.testing.assert_allclose([list(t.values()) for t in b.top_logprobs],
+                                   [list(t.values()) for t in a.top_logprobs], atol=1e-4)
+    sampling = [Sampling(temperature=1.0, seed=s) for s in range(3)]
+    sampled = llm_jax.generate(stories, prompts, ignore_eos=True, speculative=speculative, sampling=sampling,
+                               max_new_tokens=40, logprobs=0)
+    assert sampled[0].metrics.accepted_tokens > 0
+    for r in sampled:
+        scored = llm_jax.generate(stories, [r.prompt_ids + r.output_ids], max_new_tokens=1, prompt_logprobs=0)[0]
+        np.testing.assert_allclose(r.logprobs, scored.prompt_logprobs[len(r.prompt_ids):], atol=1e-4)
+        assert r.top_logprobs is None
+
+
 def test_stop_ids_and_strings_inside_an_accepted_run(stories):
     """Three rows of one batch: a stop id, a stop string, a budget, each falling where proposals are
     being accepted; each row ends at plain decoding's token, with its text and reason."""
@@ -267,8 +298,8 @@ def test_bad_settings_are_refused_by_name(stories):
         llm_jax.Speculative(prompt_lookup_min=3, prompt_lookup_max=2)
     with pytest.raises(ValueError, match="max_batch must be >= 1 or None, got 0"):
         llm_jax.Speculative(max_batch=0)
-    with pytest.raises(ValueError, match="does not support logprobs"):
-        llm_jax.generate(stories, PROMPTS[:1], logprobs=1, speculative=llm_jax.Speculative())
+    with pytest.raises(ValueError, match="does not support beam search"):
+        llm_jax.generate(stories, PROMPTS[:1], num_beams=2, speculative=llm_jax.Speculative())
     other = random_model("llama", seed=0)
     with pytest.raises(ValueError, match="vocabulary of 96 tokens, the target 512"):
         llm_jax.generate(stories, PROMPTS[:1], speculative=llm_jax.Speculative(method="draft", draft_model=other))

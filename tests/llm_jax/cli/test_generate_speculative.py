@@ -27,7 +27,6 @@ def test_ngram_flags_become_a_speculative():
 
 @pytest.mark.parametrize("flags, message", [
     (["--num-beams", "2"], "--speculative cannot be combined with --num-beams"),
-    (["--json", "--logprobs", "2"], "--speculative cannot be combined with --logprobs"),
     (["--prompt-lookup-min", "5"], "--prompt-lookup-min 5 exceeds --prompt-lookup-max 4"),
 ])
 def test_bad_combinations_are_usage_errors(flags, message, capsys):
