@@ -154,7 +154,7 @@ class Emitted:
     hidden_BSRD: jax.Array | None = None
 
 
-def _nothing_emitted(pad_B: jax.Array, controls: DecodeControls, config: ModelConfig) -> Emitted:
+def nothing_emitted(pad_B: jax.Array, controls: DecodeControls, config: ModelConfig) -> Emitted:
     """What a step of finished rows emits: PAD_ID tokens, zeros for everything else asked for."""
     B = pad_B.shape[0]
     report, hooks = controls.logprobs, controls.hooks
@@ -283,7 +283,7 @@ def decode(params: Params, config: ModelConfig, cache: KVCache, state: DecodeSta
 
         def idle(cache, state):
             state = dataclasses.replace(state, tokens_B=jnp.full_like(state.tokens_B, PAD_ID))
-            return cache, state, _nothing_emitted(state.tokens_B, controls, config)
+            return cache, state, nothing_emitted(state.tokens_B, controls, config)
 
         if mesh is not None:
             # Every device runs the loop itself, and a branch on computed values (rows finished by tokens

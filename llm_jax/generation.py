@@ -239,7 +239,7 @@ class GenerationStream:
         self.max_new_tokens = max(budgets)
         self.speculative, self.draft = speculative, None
         if speculative is not None:
-            self._check_speculative(speculative, logprobs, hidden_layers, steering, return_kv_cache)
+            self._check_speculative(speculative)
             # A draft model runs where the target does: on its mesh when it has one, laid out there from a
             # host copy (each process then places its own devices' shards).
             draft, mesh = speculative.draft_model, self.model.mesh
@@ -261,16 +261,11 @@ class GenerationStream:
         if named:
             raise ValueError(f"beam search does not support {', '.join(named)}")
 
-    def _check_speculative(self, speculative: Speculative, logprobs, hidden_layers, steering,
-                           return_kv_cache) -> None:
+    def _check_speculative(self, speculative: Speculative) -> None:
         if not isinstance(speculative, Speculative):
             raise TypeError(f"speculative must be an llm_jax.Speculative, got {type(speculative).__name__}")
-        unsupported = {"beam search": self.beams is not None,
-                       "hidden_layers": bool(hidden_layers), "steering": steering is not None,
-                       "return_kv_cache": return_kv_cache}
-        named = [name for name, used in unsupported.items() if used]
-        if named:
-            raise ValueError(f"speculative decoding does not support {', '.join(named)}")
+        if self.beams is not None:
+            raise ValueError("speculative decoding does not support beam search")
         draft = speculative.draft_model
         if draft is not None:
             if draft.config.vocab_size != self.model.config.vocab_size:

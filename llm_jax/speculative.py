@@ -47,7 +47,7 @@ from jax.sharding import Mesh
 from llm_jax import kv_cache as kvc
 from llm_jax.backends import Backend, Xla
 from llm_jax.config import ModelConfig
-from llm_jax.decoding import PAD_ID, DecodeControls, DecodeState, Emitted, advance, argmax_only
+from llm_jax.decoding import PAD_ID, DecodeControls, DecodeState, Emitted, advance, argmax_only, nothing_emitted
 from llm_jax.kv_cache import KVCache
 from llm_jax.model import Params, forward_extend, greedy_tokens, resolve_backend, unembed
 from llm_jax.logprobs import chosen_and_top
@@ -402,7 +402,8 @@ def _verify(params, config, cache, state, spec, proposals_BK, proposed_BK, q_BKV
     running_B = ~state.done_B
     length_B = cache.lengths_B
     fed_BT = jnp.concatenate([state.tokens_B[:, None], jnp.where(proposed_BK, proposals_BK, 0)], axis=1)
-    x_BTD, cache = forward_extend(params, config, fed_BT, cache, running_B, mesh, backend=backend)
+    x_BTD, cache, *hidden = forward_extend(params, config, fed_BT, cache, running_B, mesh, hooks=controls.hooks,
+                                           backend=backend)
     T = k + 1
     # Greedy without processors: the backend's argmax of each position, as plain decoding takes it.
     chosen_BT = None
@@ -438,7 +439,10 @@ def _verify(params, config, cache, state, spec, proposals_BK, proposed_BK, q_BKV
         emitted_B += active_B.astype(jnp.int32)
         count_B += (active_B & accepted_B).astype(jnp.int32)
         out["tokens_BS"] = jnp.where(active_B, token_B, PAD_ID)
-        return (state, active_B & accepted_B, count_B, emitted_B), {k: v for k, v in out.items() if v is not None}
+        if "hidden" in xs:  # the recorded layers at the token fed here, as a plain step reports them
+            out["hidden_BSRD"] = xs["hidden"]
+        return (state, active_B & accepted_B, count_B, emitted_B), {name: v for name, v in out.items()
+                                                                    if v is not None}
 
     none_B = jnp.zeros((B, 1), bool)
     xs = dict(j=jnp.arange(T, dtype=jnp.int32),
@@ -450,6 +454,8 @@ def _verify(params, config, cache, state, spec, proposals_BK, proposed_BK, q_BKV
         xs["logits"] = logits_TBV
     if q_BKV is not None:
         xs["q"] = jnp.swapaxes(jnp.concatenate([q_BKV, q_BKV[:, :1]], axis=1), 0, 1)
+    if hidden and hidden[0] is not None:
+        xs["hidden"] = jnp.swapaxes(hidden[0], 0, 1)  # [T, B, R, D]
     zeros_B = jnp.zeros((B,), jnp.int32)
     (state, _, accepted_B, emitted_B), out_T = jax.lax.scan(position, (state, running_B, zeros_B, zeros_B), xs)
     emitted = Emitted(**{name: jnp.swapaxes(x, 0, 1) for name, x in out_T.items()})  # [B, T(, N)]
@@ -508,8 +514,6 @@ def speculative_decode(params: Params, config: ModelConfig, cache: KVCache, stat
     tokens per step (the host then backs off). ``cache``, ``state`` and ``spec`` are donated."""
     backend = resolve_backend(backend)
     draft_backend = resolve_backend(draft_backend)
-    if controls.hooks is not None:
-        raise ValueError("speculative decoding does not report hidden states, nor steers")
     kw = dict(plan=plan, mesh=mesh, backend=backend, draft_backend=draft_backend)
     B, T = cache.batch_size, plan.k + 1
 
@@ -543,12 +547,8 @@ def speculative_decode(params: Params, config: ModelConfig, cache: KVCache, stat
         spec = dataclasses.replace(spec, draft_cache=kvc.as_bits(spec.draft_cache))
     zero = jnp.zeros((), jnp.int32)
     # Every step's emissions [num_steps, B, T(, N)]: steps the loop does not run emit nothing.
-    report = controls.logprobs
-    top = (num_steps, B, T, report.top_n) if report is not None and report.top_n else None
-    unused_S = Emitted(tokens_BS=jnp.full((num_steps, B, T), PAD_ID, jnp.int32),
-                       logprobs_BS=None if report is None else jnp.zeros((num_steps, B, T), jnp.float32),
-                       top_ids_BSN=None if top is None else jnp.zeros(top, jnp.int32),
-                       top_logprobs_BSN=None if top is None else jnp.zeros(top, jnp.float32))
+    nothing = nothing_emitted(jnp.full((B,), PAD_ID, jnp.int32), controls, config)
+    unused_S = jax.tree.map(lambda x: jnp.broadcast_to(x[None, :, None], (num_steps, B, T, *x.shape[1:])), nothing)
     cache, (state, spec) = _laid_out(kvc.as_bits(cache), state, spec, mesh)
     _, cache, state, spec, out_S, _, _ = jax.lax.while_loop(
         going_on, step, (zero, cache, state, spec, constrain_replicated(unused_S, mesh), zero, zero))

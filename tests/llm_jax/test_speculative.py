@@ -1,7 +1,8 @@
 """Speculative decoding (``llm_jax.Speculative``): greedy ids identical to plain greedy decoding (and to
 transformers on stories260K) with either proposer, batch 1 and batched, k = 1..8, on stories260K and a
 random model of every family; the sampled distribution exactly the target's (chi-square against the
-model's own probabilities); log-probabilities as plain decoding reports them; n-gram acceptance on a
+model's own probabilities); log-probabilities, hidden states, steering and the final cache as plain
+decoding gives them; n-gram acceptance on a
 repeating prompt; stop ids, stop strings and budgets
 ending inside an accepted run at exactly plain decoding's token; the proposers and the acceptance rule
 on their own; bad settings refused by name."""
@@ -148,6 +149,42 @@ def test_processors_and_budgets_as_plain(stories):
     kwargs = dict(max_new_tokens=budgets, sampling=sampling, min_new_tokens=5)
     speculative = llm_jax.Speculative(num_tokens=6, prompt_lookup_min=1, max_backoff=0)
     assert ids(stories, PROMPTS, speculative=speculative, **kwargs) == ids(stories, PROMPTS, **kwargs)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_research_outputs_are_plain_decodings(stories, near_draft, method):
+    """Steering vectors, recorded hidden states and the final KV cache: with speculation, the same tokens,
+    the same hidden states at every position the model processed (≤ 1e-4: verification runs k + 1
+    positions in one extend call), and a cache of the same lengths holding the same keys and values
+    below them (rejected proposals' slots lie past the lengths)."""
+    speculative = (llm_jax.Speculative(num_tokens=4, prompt_lookup_min=1, max_backoff=0) if method == "ngram" else
+                   llm_jax.Speculative(method="draft", draft_model=near_draft, num_tokens=3, max_backoff=0))
+    config = stories.config
+    prompts = [REPEATING, PROMPTS[1]]
+    steering = np.random.default_rng(3).normal(0, 0.05, (2, config.n_layers, config.d_model)).astype(np.float32)
+    steering[1] = 0.0
+    layers = (0, config.n_layers - 1)
+    kwargs = dict(max_new_tokens=[40, 23], ignore_eos=True, hidden_layers=layers, steering=steering,
+                  return_kv_cache=True, chunk_steps=8)
+    runs = []
+    for spec in (None, speculative):
+        stream = llm_jax.generate_stream(stories, prompts, speculative=spec, **kwargs)
+        list(stream)
+        runs.append(stream)
+    plain, spec = runs
+    assert spec.metrics.accepted_tokens > 0
+    lengths = np.asarray(spec.kv_cache.lengths_B)
+    np.testing.assert_array_equal(lengths, np.asarray(plain.kv_cache.lengths_B))
+    for row, (a, b) in enumerate(zip(plain.results, spec.results)):
+        assert b.output_ids == a.output_ids
+        assert b.hidden_states.shape == a.hidden_states.shape == (len(a.prompt_ids) + len(a.output_ids) - 1,
+                                                                  len(layers), config.d_model)
+        np.testing.assert_allclose(b.hidden_states, a.hidden_states, atol=1e-4, rtol=0)
+        assert lengths[row] == len(a.prompt_ids) + len(a.output_ids) - 1
+        for cache_a, cache_b in ((plain.kv_cache.k_LBSKH, spec.kv_cache.k_LBSKH),
+                                 (plain.kv_cache.v_LBSKH, spec.kv_cache.v_LBSKH)):
+            np.testing.assert_allclose(np.asarray(cache_b)[:, row, :lengths[row]],
+                                       np.asarray(cache_a)[:, row, :lengths[row]], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
