@@ -6,13 +6,20 @@ A field this server does not know is refused (as OpenAI does), as is a known one
 engine cannot do (``suffix``, ``best_of`` other than ``n``, ``typical_p``, tools, …); fields OpenAI
 accepts without effect on generation (``user``, ``metadata``, …) are ignored. Every error names its
 field in ``param``.
+
+Structured outputs (``llm_jax.guided``): OpenAI's ``response_format`` (``json_object``, ``json_schema``),
+and vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) with
+its older spellings ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; one per
+request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
+from llm_jax.guided import Choice, Grammar, Guided, Json, Regex
 from llm_jax.sampling import Sampling
 from llm_jax.server.fields import ApiError, Fields, check, check_kind, integer, kind_of, number, show, token_ids
 from llm_jax.serving.engine import BIAS_WIDTH as MAX_LOGIT_BIAS  # logit_bias entries (OpenAI's limit too)
@@ -52,6 +59,8 @@ class Generation:
     include_usage: bool  # a usage chunk before [DONE]
     continuous_usage: bool  # usage on every chunk (vLLM's continuous_usage_stats)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo with logprobs)
+    guided: Guided | None = None  # a constraint the output follows (structured outputs)
+    guided_param: str | None = None  # the field that gave it
 
 
 Prompt = str | tuple[int, ...]
@@ -165,10 +174,114 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
         options.finish()
     except ApiError as error:
         raise ApiError(f"stream_options: {error.message}", param="stream_options", code=error.code) from None
+    guided, guided_param = _guided(fields)
     return Generation(max_tokens=max_tokens, min_tokens=min_tokens, n=n, sampling=_sampling(fields, limits),
                       seed=seed, stop=stop, stop_token_ids=stop_ids,
                       ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
-                      stream=stream, include_usage=include_usage, continuous_usage=continuous)
+                      stream=stream, include_usage=include_usage, continuous_usage=continuous, guided=guided,
+                      guided_param=guided_param)
+
+
+def _schema(value: Any, param: str) -> dict[str, Any]:
+    """A JSON schema: an object, or a string holding one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise ApiError(f"{param} is not valid JSON: {error}", param=param, code="invalid_value") from None
+    return check_kind(value, param, "object")
+
+
+def _choices(value: Any, param: str) -> Choice:
+    check_kind(value, param, "array")
+    check(len(value) > 0, param, "must not be empty")
+    for i, option in enumerate(value):
+        check_kind(option, f"{param}[{i}]", "string")
+    return Choice(tuple(value))
+
+
+def _response_format(value: dict[str, Any]) -> Guided | None:
+    """OpenAI's ``response_format``: ``{"type": "text" | "json_object" | "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}}``."""
+    fields = Fields(value)
+    kind = fields.required("type", "string")
+    spec = fields.take("json_schema", "object")
+    fields.finish()
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Json()
+    if kind != "json_schema":
+        raise ApiError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {show(kind)}",
+                       param="response_format.type", code="invalid_value")
+    if spec is None:
+        raise ApiError("response_format.json_schema is required with type 'json_schema'",
+                       param="response_format.json_schema", code="missing_field")
+    spec = Fields(spec)
+    spec.required("name", "string")
+    spec.take("description", "string")
+    spec.take("strict", "boolean")
+    schema = _schema(spec.take("schema", "object", default={}), "response_format.json_schema.schema")
+    spec.finish()
+    return Json(schema)
+
+
+def _structured(value: dict[str, Any], param: str = "structured_outputs") -> Guided:
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object."""
+    fields = Fields(value)
+    found = [(name, fields.take(name, *kinds)) for name, kinds in
+             (("json", ("object", "string")), ("regex", ("string",)), ("choice", ("array",)),
+              ("grammar", ("string",)), ("json_object", ("boolean",)))]
+    found = [(name, v) for name, v in found if v is not None and v is not False]
+    fields.finish()
+    if len(found) != 1:
+        raise ApiError(f"{param} must give exactly one of json, regex, choice, grammar, json_object; got "
+                       f"{[name for name, _ in found]}", param=param, code="invalid_value")
+    (name, v), = found
+    return _guided_value(name, v, f"{param}.{name}")
+
+
+def _guided_value(kind: str, value: Any, param: str) -> Guided:
+    if kind == "json":
+        return Json(_schema(value, param))
+    if kind == "json_object":
+        return Json()
+    if kind == "regex":
+        return Regex(value)
+    if kind == "choice":
+        return _choices(value, param)
+    return Grammar(value)
+
+
+def _nested(name: str, parse, value: Any) -> Guided | None:
+    """``parse(value)`` of an object field, its errors named under ``name``."""
+    try:
+        return parse(value)
+    except ApiError as error:
+        param = error.param if (error.param or "").startswith(name) else name
+        message = error.message if error.message.startswith(name) else f"{name}: {error.message}"
+        raise ApiError(message, param=param, code=error.code) from None
+
+
+def _guided(fields: Fields) -> tuple[Guided | None, str | None]:
+    """The request's constraint, and the field it came from (at most one field gives one)."""
+    given: list[tuple[str, Guided | None]] = []
+    response_format = fields.take("response_format", "object")
+    if response_format is not None:
+        given.append(("response_format", _nested("response_format", _response_format, response_format)))
+    structured = fields.take("structured_outputs", "object")
+    if structured is not None:
+        given.append(("structured_outputs", _nested("structured_outputs", _structured, structured)))
+    for name, kinds in (("guided_json", ("object", "string")), ("guided_regex", ("string",)),
+                        ("guided_choice", ("array",)), ("guided_grammar", ("string",))):
+        value = fields.take(name, *kinds)
+        if value is not None:
+            given.append((name, _guided_value(name.removeprefix("guided_"), value, name)))
+    given = [(name, g) for name, g in given if g is not None]
+    if len(given) > 1:
+        raise ApiError(f"give one of {', '.join(name for name, _ in given)}: each constrains the output",
+                       param=given[1][0], code="invalid_value")
+    return (given[0][1], given[0][0]) if given else (None, None)
 
 
 # --- the requests -------------------------------------------------------------------------------------
@@ -250,7 +363,6 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     fields.unsupported("tool_choice", accepted="none", why="is not supported: this server does not call tools")
     fields.unsupported("functions", accepted=[], why="is not supported: this server does not call functions")
     fields.unsupported("function_call", accepted="none", why="is not supported: this server does not call functions")
-    fields.unsupported("response_format", accepted={"type": "text"}, why="is not supported: only text")
     fields.take("parallel_tool_calls", "boolean")  # meaningless without tools
     add_generation_prompt = fields.take("add_generation_prompt", "boolean", default=True)
     continue_final = fields.take("continue_final_message", "boolean", default=False)

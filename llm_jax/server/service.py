@@ -26,6 +26,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from llm_jax import guided
 from llm_jax.chat_template import ChatTemplate, encode_chat
 from llm_jax.server import protocol
 from llm_jax.server.choices import Run
@@ -153,6 +154,8 @@ class Service:
         if len(end_ids) > END_WIDTH:
             raise ApiError(f"at most {END_WIDTH} stop and end-of-sequence token ids in all, got {len(end_ids)}",
                            param="stop_token_ids", code="invalid_value")
+        if generation.guided is not None:
+            self.check_guided(generation)
         wanted = len(prompts) * generation.n
         if self.shutting_down:
             raise ApiError("the server is shutting down", status=503, type="service_unavailable_error",
@@ -169,6 +172,18 @@ class Service:
                   metrics=self.metrics, arrival=arrival)
         self._runs[run] = request_id
         return run
+
+    def check_guided(self, generation: Generation) -> None:
+        """A refusal naming the field when the request's constraint does not compile for this model."""
+        param = generation.guided_param
+        if self.tokenizer is None:
+            raise ApiError(f"{param} needs the model's tokenizer, and this model has none", param=param,
+                           code="invalid_value")
+        try:
+            guided.check(guided.vocabulary(self.tokenizer, tuple(self.model.eos_ids), self.model.config.vocab_size),
+                         generation.guided)
+        except guided.GuidedError as error:
+            raise ApiError(f"{param}: {_first_line(error)}", param=param, code="invalid_value") from None
 
     def finish(self, run: Run, status: int, error: ApiError | None = None) -> None:
         """The run is over (once): it leaves the server's count, and its log line is written."""

@@ -32,12 +32,13 @@ import numpy as np
 
 from llm_jax.decoding import PAD_ID
 from llm_jax.generation import Prompt, encode_prompts
+from llm_jax.guided import Guided, Matcher, vocabulary
 from llm_jax.kv_cache import PagedBatch, cache_bytes_per_token, cache_dtype, init_paged_cache
 from llm_jax.loading import Model
 from llm_jax.sampling import GREEDY, Sampling
 from llm_jax.serving.blocks import NULL_BLOCK
 from llm_jax.serving.scheduler import FinishReason, Request, Scheduler, SchedulerStats, StepPlan
-from llm_jax.serving.step import Draft, Shape, StepInputs, abstract_inputs, step, step_controls
+from llm_jax.serving.step import Draft, Shape, StepInputs, abstract_inputs, all_allowed, step, step_controls
 from llm_jax.sharding import paged_cache_shardings
 from llm_jax.speculative import Backoff, Method, Speculative, ngram_proposals
 from llm_jax.stop_strings import SequenceText
@@ -90,6 +91,7 @@ class _Live:
     prompt_logprobs: int | None = None
     prompt_scores: dict[int, tuple[float, dict[int, float]]] = dataclasses.field(default_factory=dict)  # by position
     backoff: Backoff = Backoff()  # speculative decoding: steps it proposes nothing after failures
+    matcher: Matcher | None = None  # guided decoding: where the request stands in its constraint
 
     @property
     def scores_prompt(self) -> bool:
@@ -103,7 +105,7 @@ class _Live:
         if self.logprobs is not None:
             return "logprobs"
         greedy = dataclasses.replace(self.sampling, seed=0) == GREEDY
-        return "greedy" if greedy and self.min_new_tokens == 0 else "sample"
+        return "greedy" if greedy and self.min_new_tokens == 0 and self.matcher is None else "sample"
 
 
 def _buckets(limit: int, smallest: int = 1) -> tuple[int, ...]:
@@ -190,12 +192,14 @@ class Engine:
     def add_request(self, request_id: str, prompt: Prompt, *, sampling: Sampling = GREEDY,
                     max_new_tokens: int | None = None, min_new_tokens: int = 0, stop: Sequence[str] = (),
                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None, sample_index: int = 0) -> None:
+                    prompt_logprobs: int | None = None, sample_index: int = 0, guided: Guided | None = None) -> None:
         """Queue a request (a string, or token ids used as given). ``max_new_tokens`` None: until the
         context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own);
         ``prompt_logprobs``: the same for the prompt's tokens, reported with the first token (the request
         then computes its whole prompt, not starting from the prefix cache). ``sample_index`` tells apart
-        the samples of one prompt drawn with one seed, as ``generate``'s ``n``."""
+        the samples of one prompt drawn with one seed, as ``generate``'s ``n``. ``guided``: a constraint the
+        output follows (``llm_jax.guided``: a JSON schema, a regular expression, choices, a grammar); the
+        request ends once it is complete (finish reason "stop") and never proposes speculative tokens."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
         (ids,) = encode_prompts(self.model, [prompt])
@@ -214,6 +218,11 @@ class Engine:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
         step_controls(Shape(T=1, B=1, X=1, Q=1, kind="sample"), [sampling], np.zeros((1, 0), np.int32),
                       np.zeros((1,), np.int32), bias_width=BIAS_WIDTH)  # refuses what the step cannot run
+        matcher = None
+        if guided is not None:
+            if self.model.tokenizer is None:
+                raise ValueError(f"guided decoding needs the model's tokenizer, and {self.model.path} has none")
+            matcher = Matcher(vocabulary(self.model.tokenizer, tuple(self.model.eos_ids), V), guided)
         request = Request(request_id=request_id, prompt_token_ids=ids, max_new_tokens=max_new_tokens,
                           use_prefix_cache=prompt_logprobs is None)
         self.scheduler.add(request)  # refuses requests that can never fit
@@ -221,7 +230,7 @@ class Engine:
             request=request, sampling=sampling, end_ids=end_ids, eos_ids=frozenset(eos_ids),
             stop_ids=frozenset(stop_ids), min_new_tokens=min_new_tokens, logprobs=logprobs, sample_index=sample_index,
             text=SequenceText(self.model.tokenizer, list(ids), tuple(stop), min_new_tokens),
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, matcher=matcher)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False when it is unknown or already finished."""
@@ -314,6 +323,12 @@ class Engine:
             extra = dict(tokens_BS=tokens_BS,
                          prompt_lens_B=padded(np.array([len(l.request.prompt_token_ids) for l in lives], np.int32), B),
                          lengths_B=padded(np.array([l.request.num_tokens for l in lives], np.int32), B))
+        if shape.kind != "greedy":  # what each sequence may choose: guided ones, what their constraint allows
+            allowed_BW = all_allowed(B, self.config.vocab_size)
+            for b, live in enumerate(lives):
+                if live.matcher is not None and plan.samples_B[b]:
+                    live.matcher.fill(allowed_BW[b])
+            extra["allowed_BW"] = allowed_BW
         if shape.kind == "prompt":  # the prompt token after each token, where a scored prompt has one
             targets_T = np.full((shape.T,), -1, np.int32)
             for b, live in enumerate(lives):
@@ -405,7 +420,7 @@ class Engine:
             return
         for request in self.scheduler.running:
             live = self._live[request.request_id]
-            if request.num_computed_tokens != request.num_tokens - 1 or live.scores_prompt:
+            if request.num_computed_tokens != request.num_tokens - 1 or live.scores_prompt or live.matcher:
                 continue
             if not live.backoff.speculate:
                 live.backoff = live.backoff.after_plain()
@@ -469,6 +484,10 @@ class Engine:
                 if reason is not None or length:
                     tokens = tokens[:i + 1]
                     break
+            if live.matcher is not None and reason is None and not length:
+                # Its constraint complete (or, which the mask rules out, broken): nothing may follow.
+                if not live.matcher.consume(tokens) or live.matcher.done:
+                    reason = FinishReason.STOP
             kept, text, hit_stop = live.text.push(tokens, last=reason is not None or length)
             if hit_stop:
                 reason, stop_reason = FinishReason.STOP, live.text.matcher.stop

@@ -1,5 +1,5 @@
 """The API as the official ``openai`` client sees it: completions and chat, whole and streamed, ``n``,
-stops, log-probabilities, seeds, echo, token-id prompts, and the side endpoints.
+stops, log-probabilities, seeds, echo, token-id prompts, structured outputs, and the side endpoints.
 
 Greedy completions are compared with ``llm_jax.generate`` on the same model; everything else with the
 server's own answers (a streamed answer with the whole one, a repeated seeded call with the first).
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import httpx
+import pydantic
 import pytest
 from server_process import MODEL_NAME, metric
 
@@ -247,3 +249,35 @@ def test_continuous_usage_stats(http):
               if line.startswith("data: ") and line != "data: [DONE]"]
     used = [json.loads(e)["usage"]["completion_tokens"] for e in events]
     assert used == sorted(used) and used[-1] == 8  # every chunk tells the tokens so far, the last chunk all
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=10)
+    age: int = pydantic.Field(ge=0, le=20)
+    happy: bool
+
+
+def test_structured_outputs(client):
+    """OpenAI's response_format (a pydantic model through the client's own parse, and json_object), and
+    vLLM's structured_outputs and guided_* fields: every answer is what its constraint asks, streamed as
+    whole."""
+    messages = [{"role": "user", "content": "Tell me about a pet."}]
+    parsed = client.chat.completions.parse(model=MODEL_NAME, messages=messages, response_format=Pet,
+                                           max_completion_tokens=60, temperature=0)
+    (choice,) = parsed.choices
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Pet)
+    loose = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=60, seed=3,
+                                           response_format={"type": "json_object"}, n=2)
+    assert all(isinstance(json.loads(c.message.content), dict) for c in loose.choices if c.finish_reason == "stop")
+    choices = ["the cat", "the dog", "a big red bird"]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        whole = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0,
+                                          extra_body=extra)
+        assert whole.choices[0].text in choices and whole.choices[0].finish_reason == "stop"
+        streamed, _, finishes = _stream_text(client.completions.create(
+            model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0, extra_body=extra, stream=True))
+        assert streamed == [whole.choices[0].text] and finishes == [(0, "stop")]
+    pattern = r"(Tom|Sue) (saw|liked) a [a-z]{1,8}\."
+    sampled = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=30, n=3, seed=1,
+                                        extra_body={"structured_outputs": {"regex": pattern}})
+    assert all(re.fullmatch(pattern, c.text) for c in sampled.choices), [c.text for c in sampled.choices]

@@ -1,0 +1,169 @@
+"""Guided decoding (structured outputs) in the serving engine.
+
+Against references nobody here wrote: ``transformers``' model driven greedily under the masks of
+``llguidance`` built from the Hugging Face tokenizer by llguidance's own bridge gives the engine's tokens
+exactly (our vocabulary bridge and the device-side masking together); sampled outputs parse and match
+their JSON schema, regular expression (``re``) or choices; requests running beside guided ones keep
+``generate``'s tokens; no step compiles after warm-up; constraints that do not compile are refused."""
+
+import json
+import random
+import re
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy as llg_numpy
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import llm_jax
+from llm_jax.guided import Choice, Grammar, GuidedError, Json, Matcher, Regex, allowed_tokens, vocabulary
+from llm_jax.serving.engine import Engine
+from llm_jax.serving.step import step
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "happy"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 99},
+                         "happy": {"type": "boolean"}}}
+REGEX = r"(Once|One day), [a-z]+ [a-z ]{0,30}\."
+CHOICES = ("the cat", "the dog", "a big red bird")
+CONSTRAINTS = {"json": Json(SCHEMA), "regex": Regex(REGEX), "choice": Choice(CHOICES),
+               "grammar": Grammar('start: "Tom " verb " the " noun "."\nverb: "saw" | "liked" | "found"\n'
+                                  'noun: "ball" | "cat" | "big tree"')}
+PROMPTS = ["Once upon a time", "Tom and Sue went to the park. They"]
+
+
+def follows(kind: str, text: str) -> bool:
+    """Whether ``text`` is what constraint ``kind`` asks for (checked without llguidance)."""
+    if kind == "json":
+        value = json.loads(text)
+        return (set(value) == {"name", "age", "happy"} and isinstance(value["name"], str)
+                and len(value["name"]) <= 12 and type(value["age"]) is int and 0 <= value["age"] <= 99
+                and type(value["happy"]) is bool)
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    return re.fullmatch(r"Tom (saw|liked|found) the (ball|cat|big tree)\.", text) is not None
+
+
+def run(engine: Engine, requests: dict[str, tuple]) -> dict[str, tuple[list[int], str, str]]:
+    """Each request's tokens, text and finish reason."""
+    for rid, (prompt, kwargs) in requests.items():
+        engine.add_request(rid, prompt, **kwargs)
+    out = {rid: ([], [], None) for rid in requests}
+    for _ in range(2000):
+        for o in engine.step():
+            ids, texts, _ = out[o.request_id]
+            out[o.request_id] = (ids + list(o.token_ids), texts + [o.text], o.finish_reason)
+        if not engine.has_unfinished:
+            return {rid: (ids, "".join(texts), reason) for rid, (ids, texts, reason) in out.items()}
+    raise AssertionError("the engine did not finish")
+
+
+@pytest.fixture(scope="module")
+def reference(stories260k_dir):
+    hf = stories260k_dir / "hf"
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    return model, llguidance.hf.from_tokenizer(tokenizer)
+
+
+def reference_greedy(reference, grammar: str, prompt_ids: list[int], max_new: int) -> list[int]:
+    """transformers' argmax under llguidance's mask (its own tokenizer bridge), until the constraint is
+    complete or the end-of-sequence token comes."""
+    model, tokenizer = reference
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    mask = llg_numpy.allocate_token_bitmask(1, model.config.vocab_size)
+    ids, out = list(prompt_ids), []
+    for _ in range(max_new):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1:].numpy().copy()
+        llg_numpy.fill_next_token_bitmask(matcher, mask)
+        llg_numpy.apply_token_bitmask_inplace(logits, mask)
+        token = int(logits[0].argmax())
+        out.append(token)
+        ids.append(token)
+        assert matcher.consume_token(token), matcher.get_error()
+        if token == tokenizer.eos_token or matcher.is_stopped():
+            return out
+    return out
+
+
+def test_greedy_guided_tokens_are_transformers_under_llguidances_masks(stories, reference):
+    engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=256)
+    requests, expected = {}, {}
+    for i, (kind, guided) in enumerate(CONSTRAINTS.items()):
+        prompt = stories.tokenizer.encode(PROMPTS[i % 2])
+        requests[kind] = (prompt, dict(guided=guided, max_new_tokens=60))
+        expected[kind] = reference_greedy(reference, guided.grammar(), prompt, 60)
+    outputs = run(engine, requests)
+    for kind, (ids, text, reason) in outputs.items():
+        assert ids == expected[kind], kind
+        assert reason == "stop" and follows(kind, text), (kind, text)
+
+
+def test_sampled_outputs_follow_their_constraints_beside_unguided_requests(stories):
+    """Seeded sampling at temperature 1 (and penalties): every output parses as its constraint asks; the
+    greedy unguided requests in the same steps (through the sampling program, one verifying n-gram
+    proposals, one with a repetition penalty) give generate's tokens."""
+    engine = Engine(stories, max_num_seqs=8, max_num_batched_tokens=48, block_size=8, max_model_len=256,
+                    speculative=llm_jax.Speculative(num_tokens=3, prompt_lookup_min=1))
+    rng = random.Random(0)
+    requests, plain = {}, {}
+    for i in range(8):
+        kind = list(CONSTRAINTS)[i % 4]
+        sampling = llm_jax.Sampling(temperature=1.0, seed=i, top_p=0.95, repetition_penalty=1.1 if i % 2 else 1.0)
+        requests[f"{kind}{i}"] = (PROMPTS[i % 2], dict(guided=CONSTRAINTS[kind], max_new_tokens=80, sampling=sampling))
+    unguided = {"repeat": ("Keep repeating: " + " ".join(["One, two, three, four."] * 3), llm_jax.GREEDY),
+                "penalized": ("One day, a big bird", llm_jax.Sampling(repetition_penalty=1.3))}
+    for rid, (prompt, sampling) in unguided.items():
+        requests[rid] = (prompt, dict(max_new_tokens=rng.randrange(30, 50), sampling=sampling, ignore_eos=True))
+        plain[rid] = llm_jax.generate(stories, [prompt], **requests[rid][1])[0].output_ids
+    outputs = run(engine, requests)
+    for rid, (ids, text, reason) in outputs.items():
+        if rid in plain:
+            assert ids == plain[rid], rid
+        else:
+            assert reason == "stop" and follows(rid.rstrip("0123456789"), text), (rid, text)
+    assert engine.stats().blocks_in_use == 0
+
+
+def test_masks_follow_the_constraint(stories):
+    """The first mask of a choice allows exactly the tokens that start one of the choices."""
+    vocab = vocabulary(stories.tokenizer, tuple(stories.eos_ids), stories.config.vocab_size)
+    matcher = Matcher(vocab, Choice(("cat", "dog")))
+    row = np.zeros((vocab.words,), np.int32)
+    matcher.fill(row)
+    allowed = allowed_tokens(row, stories.config.vocab_size)
+    starts = [t for t in range(stories.config.vocab_size) if vocab.forms[t]
+              and any(c.encode().startswith(vocab.forms[t]) for c in ("cat", "dog"))]
+    assert sorted(allowed) == starts
+    assert matcher.consume(vocab.encode("cat")) and matcher.done
+    assert vocab.encode(" the dog") and vocab._spell(vocab.encode("{\"a\": 1}")) == b"{\"a\": 1}"
+
+
+def test_no_step_compiles_with_guided_requests(stories):
+    engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128)
+    engine.warm_up()
+    programs = step._cache_size()
+    requests = {f"{kind}{i}": (PROMPTS[i % 2], dict(guided=guided, max_new_tokens=40, logprobs=2 if i == 1 else None))
+                for i, (kind, guided) in enumerate(CONSTRAINTS.items())}
+    requests["plain"] = (PROMPTS[0], dict(max_new_tokens=20))
+    run(engine, requests)
+    assert step._cache_size() == programs
+
+
+def test_constraints_that_do_not_compile_are_refused(stories):
+    engine = Engine(stories, max_num_seqs=2, max_num_batched_tokens=16, block_size=8, max_model_len=128)
+    with pytest.raises(GuidedError, match="regex constraint does not compile"):
+        engine.add_request("a", "Hi", guided=Regex("a(b"))
+    with pytest.raises(GuidedError, match="grammar"):
+        engine.add_request("b", "Hi", guided=Grammar("start: undefined_rule"))
+    with pytest.raises(GuidedError, match="non-empty list of strings"):
+        Choice(())
+    with pytest.raises(TypeError, match="guided must be"):
+        engine.add_request("c", "Hi", guided={"type": "object"})
+    assert not engine.has_unfinished
