@@ -62,7 +62,13 @@ __all__ = [name for names in _EXPORTS.values() for name in names]
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
+# Submodules reached as attributes (``llm_jax.guided.Json``) without an import of their own.
+_SUBMODULES = frozenset({"guided"})
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     if name not in _HOME:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)

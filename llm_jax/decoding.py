@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 
 from llm_jax import kv_cache as kvc
 from llm_jax import stop_matching
+from llm_jax.guided import apply_bitmask
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.logits_processors import PAD_ID, History
@@ -82,6 +83,9 @@ class DecodeControls:
     stop_strings_BQ: jax.Array | None = None  # bool: which of stop_table's strings each row stops on
     stop_table: StopTable | None = None  # shared by the batch
     hooks: LayerHooks | None = None  # steering vectors, layers whose hidden states to report
+    # Guided decoding: the tokens each row may choose next, a bit each (int32 [B, ⌈V / 32⌉], all ones for
+    # rows without a constraint; ``llm_jax.guided``). The host sets it before each call; its shape is fixed.
+    allowed_BW: jax.Array | None = None
     logprobs: Logprobs | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
@@ -179,13 +183,17 @@ def argmax_only(controls: DecodeControls) -> bool:
     s = controls.sampling
     processors = (s.bias_ids_BX, s.repetition_penalty_B, s.presence_penalty_B, s.no_repeat_ngram_B, s.banned_BQJ,
                   controls.min_new_tokens_B)
-    return not s.sampled and controls.logprobs is None and all(p is None for p in processors)
+    return (not s.sampled and controls.logprobs is None and controls.allowed_BW is None
+            and all(p is None for p in processors))
 
 
 def choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls,
            backend: Backend) -> tuple[jax.Array, Emitted]:
     """Process the logits, pick each row's next token, and its log-probabilities when asked (emitted as
-    [B] arrays): every way of decoding — ``start``, ``decode``, the serving engine's step — chooses here."""
+    [B] arrays): every way of decoding — ``start``, ``decode``, the serving engine's step — chooses here.
+    Tokens ``controls.allowed_BW`` rules out (guided decoding) are gone from the logits first."""
+    if controls.allowed_BW is not None:
+        logits_BV = apply_bitmask(logits_BV, controls.allowed_BW)
     minimum = controls.min_new_tokens_B
     scores_BV = process_logits(logits_BV, controls.sampling, state.history, num_generated_B=state.num_generated_B,
                                end_ids_BE=None if minimum is None else controls.end_ids_BE, min_new_tokens_B=minimum)

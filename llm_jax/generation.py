@@ -22,6 +22,7 @@ from llm_jax import buckets, executable_cache, sharding
 from llm_jax.beams import BeamSearch, EarlyStopping, beam_search
 from llm_jax.compile_stats import measure_compilation
 from llm_jax.decoding import PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, decode, start, take_cache_rows
+from llm_jax.guided import Guided, Matcher, all_allowed, vocabulary
 from llm_jax.kv_cache import KVCache, cache_dtype, init_cache
 from llm_jax.loading import Model
 from llm_jax.model import LayerHooks
@@ -182,7 +183,8 @@ class GenerationStream:
                  raw_logprobs: bool = False, prompt_logprobs: int | None = None, hidden_layers: Sequence[int] = (),
                  steering: np.ndarray | None = None, return_kv_cache: bool = False,
                  beams: BeamSearch | None = None, mesh: Mesh | str | None = None,
-                 speculative: Speculative | None = None, kv_cache_dtype: str | None = None):
+                 speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
+                 guided: Guided | Sequence[Guided | None] | None = None):
         self.kv_cache_dtype = cache_dtype(model.config, kv_cache_dtype)  # names the choices when unknown
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
@@ -235,6 +237,10 @@ class GenerationStream:
             steering_BLD=None if steering_PLD is None else steering_PLD[self.rows], record_layers=hidden_layers)
         self.prompt_hooks = LayerHooks(steering_BLD=None if steering_PLD is None else jnp.asarray(steering_PLD),
                                        record_layers=tuple(hidden_layers))
+        self.matchers = self._matchers(guided, P, rows, speculative)
+        if self.matchers is not None:  # the host tells each step which tokens may come: one step per chunk
+            self.chunk_steps = 1
+            self.controls = dataclasses.replace(self.controls, allowed_BW=self._allowed())
         self.prompt_logprobs, self.return_kv_cache = prompt_logprobs, return_kv_cache
         self.max_new_tokens = max(budgets)
         self.speculative, self.draft = speculative, None
@@ -278,6 +284,26 @@ class GenerationStream:
             if draft.mesh is not None and draft.mesh != self.model.mesh:
                 raise ValueError("the draft model must be on the target's mesh, or on one device (load it without "
                                  "a mesh: it is laid out on the target's)")
+
+    def _matchers(self, guided, P: int, rows, speculative) -> list[Matcher | None] | None:
+        """One matcher per row whose prompt has a constraint (None for the others); None without any."""
+        if guided is None or (isinstance(guided, (list, tuple)) and all(g is None for g in guided)):
+            return None
+        unsupported = {"beam search": self.beams is not None, "speculative decoding": speculative is not None}
+        if named := [name for name, used in unsupported.items() if used]:
+            raise ValueError(f"guided decoding does not combine with {', '.join(named)}")
+        if self.model.tokenizer is None:
+            raise ValueError(f"guided decoding needs the model's tokenizer, and {self.model.path} has none")
+        vocab = vocabulary(self.model.tokenizer, tuple(self.model.eos_ids), self.model.config.vocab_size)
+        return [None if g is None else Matcher(vocab, g) for g in rows(_per_prompt(guided, P, "guided"))]
+
+    def _allowed(self) -> np.ndarray:
+        """The tokens each row may choose next (all for rows without a constraint)."""
+        allowed_BW = all_allowed(len(self.rows), self.model.config.vocab_size)
+        for row, matcher in enumerate(self.matchers):
+            if matcher is not None and not matcher.done:
+                matcher.fill(allowed_BW[row])
+        return allowed_BW
 
     def __iter__(self) -> Iterator[StreamEvent]:
         if self._started:
@@ -330,8 +356,12 @@ class GenerationStream:
                         continue
                     new = [int(t) for t in emitted.tokens_BS[row] if t != PAD_ID]
                     done = finish_B[row] != FinishReason.RUNNING
-                    new, piece, hit_stop = text.push(new, last=done)
-                    if hit_stop:
+                    matcher, hit_stop = None if self.matchers is None else self.matchers[row], False
+                    if matcher is not None and new and not done:
+                        # Its constraint complete (or, which the mask rules out, broken): nothing may follow.
+                        hit_stop = not matcher.consume(new) or matcher.done
+                    new, piece, hit_text = text.push(new, last=done or hit_stop)
+                    if hit_text or hit_stop:
                         reasons[row] = "stop"
                         stopped_by_text.append(row)
                     elif done:
@@ -342,7 +372,8 @@ class GenerationStream:
                     break
                 if stopped_by_text:
                     # A stop string matched in the text but not on device (a space sentencepiece drops at
-                    # the start of the text): finish those rows on the device too.
+                    # the start of the text), or a row's constraint is complete: finish those rows on the
+                    # device too.
                     finish_B = finish_B.copy()
                     finish_B[stopped_by_text] = FinishReason.STOP
                     state = dataclasses.replace(state, finish_reason_B=jnp.asarray(finish_B))
@@ -356,6 +387,8 @@ class GenerationStream:
                     per_step = np.asarray(emitted.tokens_BS).reshape(len(self.rows), -1, k1) != PAD_ID
                     steps_run = max(int(per_step.any(axis=(0, 2)).sum()), 1)
                 else:
+                    if self.matchers is not None:
+                        self.controls = dataclasses.replace(self.controls, allowed_BW=self._allowed())
                     lengths_before_B = jnp.copy(cache.lengths_B)  # the cache is donated
                     cache, state, emitted = _decode(model.weights, config, cache, state, self.controls,
                                                    num_steps=self.chunk_steps, mesh=mesh, backend=model.backend)
@@ -530,7 +563,8 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                     return_kv_cache: bool = False, num_beams: int = 1, length_penalty: float = 1.0,
                     early_stopping: bool | str = False, num_return_sequences: int = 1,
                     chunk_steps: int = DEFAULT_CHUNK_STEPS, mesh: Mesh | str | None = None,
-                    speculative: Speculative | None = None, kv_cache_dtype: str | None = None) -> GenerationStream:
+                    speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
+                    guided: Guided | Sequence[Guided | None] | None = None) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     Per prompt (one value for all, or a list with one per prompt): ``sampling`` (a :class:`Sampling`:
@@ -562,6 +596,11 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
     ``kv_cache_dtype="int8"`` holds the KV cache as int8 with a scale per token and head
     (:class:`llm_jax.kv_cache.Int8KV`), with a mesh too (the scales split as the values) and with
     speculative decoding (the draft model's cache stays in its compute dtype).
+
+    ``guided`` (one for every prompt, or one or None per prompt: ``llm_jax.guided.Json``, ``Regex``,
+    ``Choice``, ``Grammar``) constrains each completion to a JSON schema, a regular expression, choices or
+    a grammar; it ends (``"stop"``) once the constraint is complete. The host computes the allowed tokens
+    before each step, so such a generation decodes one step per chunk; not with beams nor speculation.
     """
     beams = None
     if num_beams > 1 or num_return_sequences > 1:
@@ -573,7 +612,7 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                             min_new_tokens=min_new_tokens, n=n, logprobs=logprobs, raw_logprobs=raw_logprobs,
                             prompt_logprobs=prompt_logprobs, hidden_layers=hidden_layers, steering=steering,
                             return_kv_cache=return_kv_cache, beams=beams, mesh=mesh, speculative=speculative,
-                            kv_cache_dtype=kv_cache_dtype)
+                            kv_cache_dtype=kv_cache_dtype, guided=guided)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:

@@ -242,6 +242,11 @@ class Matcher:
         return self._matcher.get_error() if self._matcher.is_error() else None
 
 
+def all_allowed(B: int, vocab_size: int) -> np.ndarray:
+    """A bitmask [B, words] allowing every token to every row."""
+    return np.full((B, -(-vocab_size // WORD_BITS)), -1, np.int32)
+
+
 def allowed_tokens(row_W: np.ndarray, vocab_size: int) -> np.ndarray:
     """The token ids a bitmask row allows (host, for tests and debugging)."""
     bits = np.unpackbits(np.ascontiguousarray(row_W, np.int32).view(np.uint8), bitorder="little")

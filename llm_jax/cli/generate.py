@@ -73,6 +73,8 @@ def build_parser() -> CliParser:
     _add_sampling_flags(parser.add_argument_group("sampling (default: greedy)"))
     _add_processor_flags(parser.add_argument_group("logits processors (greedy and sampled)"))
     _add_search_flags(parser.add_argument_group("several completions"))
+    _add_guided_flags(parser.add_argument_group(
+        "structured output (the completion follows one constraint and ends with it; docs/serving.md)"))
     _add_speculative_flags(parser.add_argument_group(
         "speculative decoding (same output: greedy ids, or the sampled distribution; docs/speculative_decoding.md)"))
     _add_output_flags(parser.add_argument_group("output"))
@@ -112,6 +114,39 @@ def _add_prompt_flags(group: argparse._ArgumentGroup) -> None:
                        help="converse through the model's chat template, reading user messages from stdin "
                             "(a --prompt is sent as the first message)")
     group.add_argument("--system", metavar="TEXT", help="the system message of a --chat conversation")
+
+
+def _add_guided_flags(group: argparse._ArgumentGroup) -> None:
+    exclusive = group.add_mutually_exclusive_group()
+    exclusive.add_argument("--json-schema", metavar="FILE|JSON",
+                           help="a JSON value matching this JSON Schema (a file, or the schema itself); '{}' or "
+                                "'{\"type\": \"object\"}' for any JSON object")
+    exclusive.add_argument("--regex", metavar="PATTERN", help="text matching this regular expression whole")
+    exclusive.add_argument("--choice", action="append", metavar="TEXT", help="one of these texts; repeat for each")
+    exclusive.add_argument("--grammar", metavar="FILE", help="text in this grammar's language (Lark, or GBNF)")
+
+
+def guided_option(args: argparse.Namespace):
+    """The constraint the structured-output flags give (``llm_jax.guided``), or None."""
+    from llm_jax.guided import Choice, Grammar, Json, Regex
+
+    if args.json_schema is not None:
+        path = pathlib.Path(args.json_schema)
+        text = path.read_text() if not args.json_schema.lstrip().startswith("{") and path.exists() else args.json_schema
+        try:
+            return Json(json.loads(text))
+        except ValueError as error:
+            raise CliError(f"--json-schema is not valid JSON: {error}") from None
+    if args.regex is not None:
+        return Regex(args.regex)
+    if args.choice:
+        return Choice(tuple(args.choice))
+    if args.grammar is not None:
+        try:
+            return Grammar(pathlib.Path(args.grammar).read_text())
+        except OSError as error:
+            raise CliError(f"--grammar {args.grammar}: {error.strerror}") from None
+    return None
 
 
 def _add_generation_flags(group: argparse._ArgumentGroup) -> None:
@@ -236,6 +271,10 @@ def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
         parser.error("--logprobs and --prompt-logprobs are reported in the --json object: add --json")
     if args.group_size is not None and args.quantize is None:
         parser.error("--group-size needs --quantize")
+    guided = args.json_schema is not None or args.regex is not None or args.choice or args.grammar is not None
+    if guided and (args.num_beams > 1 or args.speculative is not None):
+        parser.error("--json-schema, --regex, --choice and --grammar cannot be combined with --num-beams or "
+                     "--speculative")
     if args.speculative is not None:
         unsupported = [flag for flag, used in (("--num-beams", args.num_beams > 1),) if used]
         if unsupported:
@@ -292,7 +331,8 @@ def generation_options(args: argparse.Namespace) -> dict[str, Any]:
                 num_beams=args.num_beams, length_penalty=args.length_penalty, early_stopping=args.early_stopping,
                 num_return_sequences=args.num_return_sequences, logprobs=args.logprobs,
                 raw_logprobs=args.raw_logprobs, prompt_logprobs=args.prompt_logprobs,
-                kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
+                kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+                guided=guided_option(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,13 +32,13 @@ import numpy as np
 
 from llm_jax.decoding import PAD_ID
 from llm_jax.generation import Prompt, encode_prompts
-from llm_jax.guided import Guided, Matcher, vocabulary
+from llm_jax.guided import Guided, Matcher, all_allowed, vocabulary
 from llm_jax.kv_cache import PagedBatch, cache_bytes_per_token, cache_dtype, init_paged_cache
 from llm_jax.loading import Model
 from llm_jax.sampling import GREEDY, Sampling
 from llm_jax.serving.blocks import NULL_BLOCK
 from llm_jax.serving.scheduler import FinishReason, Request, Scheduler, SchedulerStats, StepPlan
-from llm_jax.serving.step import Draft, Shape, StepInputs, abstract_inputs, all_allowed, step, step_controls
+from llm_jax.serving.step import Draft, Shape, StepInputs, abstract_inputs, step, step_controls
 from llm_jax.sharding import paged_cache_shardings
 from llm_jax.speculative import Backoff, Method, Speculative, ngram_proposals
 from llm_jax.stop_strings import SequenceText
@@ -328,7 +328,7 @@ class Engine:
             for b, live in enumerate(lives):
                 if live.matcher is not None and plan.samples_B[b]:
                     live.matcher.fill(allowed_BW[b])
-            extra["allowed_BW"] = allowed_BW
+            controls = dataclasses.replace(controls, allowed_BW=allowed_BW)
         if shape.kind == "prompt":  # the prompt token after each token, where a scored prompt has one
             targets_T = np.full((shape.T,), -1, np.int32)
             for b, live in enumerate(lives):

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from llm_jax.backends import Backend
 from llm_jax.config import ModelConfig
 from llm_jax.decoding import PAD_ID, DecodeControls, DecodeState, Emitted, Logprobs, argmax_only, choose
-from llm_jax.guided import WORD_BITS, apply_bitmask
+from llm_jax.guided import all_allowed, apply_bitmask
 from llm_jax.kv_cache import PagedBatch, PagedKVCache
 from llm_jax.logits_processors import History
 from llm_jax.logprobs import TokenLogprobs, chosen_and_top, token_logprobs
@@ -76,9 +76,6 @@ class StepInputs:
     # With a draft model: the tokens it runs first, every step (its cache follows the model's): each
     # sequence's known tokens of the step, after the token before them for a sequence with proposals.
     draft: Draft | None = None
-    # Steps other than "greedy": the tokens each sequence may choose next, a bit each (int32 [B, ⌈V / 32⌉];
-    # all ones but for guided decoding, ``llm_jax.guided``).
-    allowed_BW: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -145,8 +142,6 @@ def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: Step
         if token_B is not None:
             return cache, constrain_replicated(Emitted(tokens_BS=token_B), mesh), prompt, draft_cache
     logits_BV = unembed(weights, config, x_BD[:, None], backend)[:, 0]
-    if inputs.allowed_BW is not None:
-        logits_BV = apply_bitmask(logits_BV, inputs.allowed_BW)
     B, V = logits_BV.shape
     past = (None if inputs.tokens_BS is None else
             history(inputs.tokens_BS, inputs.prompt_lens_B, inputs.lengths_B, V))
@@ -233,8 +228,8 @@ def verify_proposals(weights: Params, config: ModelConfig, x_TD: jax.Array, inpu
         kept_B = jnp.sum(jnp.cumprod(accepted_BJ, axis=1), axis=1)
         return Emitted(tokens_BS=jnp.where(j_J <= kept_B[:, None], tokens_BJ, PAD_ID).astype(jnp.int32))
     logits_BJV = unembed(weights, config, x_BJD, backend)
-    if inputs.allowed_BW is not None:  # (a guided sequence proposes nothing: its mask is for column 0)
-        logits_BJV = apply_bitmask(logits_BJV, inputs.allowed_BW)
+    if controls.allowed_BW is not None:  # (a guided sequence proposes nothing: its mask is for column 0)
+        logits_BJV = apply_bitmask(logits_BJV, controls.allowed_BW)
     V = logits_BJV.shape[-1]
     params = controls.sampling
     history_ = (History(length_B=jnp.zeros((B,), jnp.int32)) if inputs.tokens_BS is None else
@@ -272,22 +267,18 @@ def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_w
     zeros_T, zeros_B = np.zeros((T,), np.int32), np.zeros((B,), np.int32)
     batch = PagedBatch(slots_T=zeros_T, block_tables_BX=np.zeros((B, X), np.int32), query_start_B=zeros_B,
                        num_tokens_B=zeros_B, seq_lens_B=zeros_B, max_query_len=shape.Q)
-    return StepInputs(tokens_T=zeros_T, positions_T=zeros_T, batch=batch,
-                      controls=step_controls(shape, [GREEDY] * B, np.full((B, end_width), -1, np.int32),
-                                             zeros_B, bias_width=bias_width),
+    controls = step_controls(shape, [GREEDY] * B, np.full((B, end_width), -1, np.int32), zeros_B,
+                             bias_width=bias_width)
+    if shape.kind != "greedy":
+        controls = dataclasses.replace(controls, allowed_BW=all_allowed(B, config.vocab_size))
+    return StepInputs(tokens_T=zeros_T, positions_T=zeros_T, batch=batch, controls=controls,
                       num_generated_B=zeros_B,
                       **({} if shape.kind == "greedy" else dict(tokens_BS=np.zeros((B, max_model_len), np.int32),
                                                                  prompt_lens_B=zeros_B, lengths_B=zeros_B)),
                       **(dict(prompt_targets_T=np.full((T,), -1, np.int32)) if shape.kind == "prompt" else {}),
-                      **({} if shape.kind == "greedy" else dict(allowed_BW=all_allowed(B, config.vocab_size))),
                       **(dict(proposals_BK=np.zeros((B, shape.K), np.int32), num_proposals_B=zeros_B)
                          if shape.K else {}),
                       draft=Draft(tokens_T=zeros_T, positions_T=zeros_T, batch=batch) if draft else None)
-
-
-def all_allowed(B: int, vocab_size: int) -> np.ndarray:
-    """A bitmask allowing every token to every sequence."""
-    return np.full((B, -(-vocab_size // WORD_BITS)), -1, np.int32)
 
 
 def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens_B: np.ndarray, *,

@@ -6,7 +6,8 @@ from llm_jax.cli.generate import build_parser, generation_options
 from llm_jax.sampling import Sampling
 
 DEFAULTS = dict(stop_token_ids=[], min_new_tokens=0, n=1, num_beams=1, length_penalty=1.0, early_stopping=False,
-                num_return_sequences=1, logprobs=None, raw_logprobs=False, prompt_logprobs=None, kv_cache_dtype=None)
+                num_return_sequences=1, logprobs=None, raw_logprobs=False, prompt_logprobs=None, kv_cache_dtype=None,
+                guided=None)
 
 
 def test_flags_become_generation_options():

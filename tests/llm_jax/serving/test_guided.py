@@ -1,4 +1,4 @@
-"""Guided decoding (structured outputs) in the serving engine.
+"""Guided decoding (structured outputs) in the serving engine and ``generate``.
 
 Against references nobody here wrote: ``transformers``' model driven greedily under the masks of
 ``llguidance`` built from the Hugging Face tokenizer by llguidance's own bridge gives the engine's tokens
@@ -92,17 +92,46 @@ def reference_greedy(reference, grammar: str, prompt_ids: list[int], max_new: in
     return out
 
 
-def test_greedy_guided_tokens_are_transformers_under_llguidances_masks(stories, reference):
+@pytest.fixture(scope="module")
+def expected(stories, reference) -> dict[str, list[int]]:
+    """The reference's greedy tokens for each constraint, on prompt i % 2."""
+    return {kind: reference_greedy(reference, guided.grammar(), stories.tokenizer.encode(PROMPTS[i % 2]), 60)
+            for i, (kind, guided) in enumerate(CONSTRAINTS.items())}
+
+
+def test_greedy_guided_tokens_are_transformers_under_llguidances_masks(stories, expected):
     engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=256)
-    requests, expected = {}, {}
-    for i, (kind, guided) in enumerate(CONSTRAINTS.items()):
-        prompt = stories.tokenizer.encode(PROMPTS[i % 2])
-        requests[kind] = (prompt, dict(guided=guided, max_new_tokens=60))
-        expected[kind] = reference_greedy(reference, guided.grammar(), prompt, 60)
+    requests = {kind: (stories.tokenizer.encode(PROMPTS[i % 2]), dict(guided=guided, max_new_tokens=60))
+                for i, (kind, guided) in enumerate(CONSTRAINTS.items())}
     outputs = run(engine, requests)
     for kind, (ids, text, reason) in outputs.items():
         assert ids == expected[kind], kind
         assert reason == "stop" and follows(kind, text), (kind, text)
+
+
+def test_generate_gives_the_references_and_the_engines_tokens(stories, expected):
+    """``llm_jax.generate(..., guided=...)``: greedy, the reference's tokens; seeded samples, the engine's
+    (per-sequence seeds); a prompt without a constraint beside them, plain decoding's."""
+    prompts = [PROMPTS[i % 2] for i in range(len(CONSTRAINTS))]
+    greedy = llm_jax.generate(stories, prompts, guided=list(CONSTRAINTS.values()), max_new_tokens=60)
+    for (kind, ids), result in zip(expected.items(), greedy):
+        assert result.output_ids == ids and result.finish_reason == "stop" and follows(kind, result.text), kind
+    sampling = [llm_jax.Sampling(temperature=1.0, seed=i, min_p=0.05) for i in range(len(prompts))]
+    sampled = llm_jax.generate(stories, prompts, guided=list(CONSTRAINTS.values()), sampling=sampling, n=2,
+                               max_new_tokens=80)
+    engine = Engine(stories, max_num_seqs=8, max_num_batched_tokens=32, block_size=8, max_model_len=256)
+    outputs = run(engine, {f"{kind}.{j}": (prompt, dict(guided=guided, sampling=s, max_new_tokens=80, sample_index=j))
+                           for (kind, guided), prompt, s in zip(CONSTRAINTS.items(), prompts, sampling)
+                           for j in range(2)})
+    for (rid, (ids, text, _)), result in zip(outputs.items(), sampled):
+        assert result.output_ids == ids and follows(rid.split(".")[0], result.text), rid
+    mixed = llm_jax.generate(stories, PROMPTS, guided=[Choice(CHOICES), None], max_new_tokens=20)
+    assert mixed[0].text in CHOICES
+    assert mixed[1].output_ids == llm_jax.generate(stories, PROMPTS[1:], max_new_tokens=20)[0].output_ids
+    with pytest.raises(ValueError, match="does not combine with beam search"):
+        llm_jax.generate(stories, PROMPTS, guided=Choice(CHOICES), num_beams=2)
+    with pytest.raises(ValueError, match="does not combine with speculative decoding"):
+        llm_jax.generate(stories, PROMPTS, guided=Choice(CHOICES), speculative=llm_jax.Speculative())
 
 
 def test_sampled_outputs_follow_their_constraints_beside_unguided_requests(stories):
