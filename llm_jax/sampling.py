@@ -169,32 +169,45 @@ class SamplingParams:
                    sampled=any(r.temperature > 0 for r in rows))
 
     @classmethod
-    def stack_fixed(cls, rows: Sequence[Sampling], *, bias_width: int, vocab_size: int | None = None,
-                    samples: Sequence[int] | None = None) -> "SamplingParams":
-        """:meth:`stack` with every field of the serving engine's settings present whatever the rows use
-        (temperature, top-k/p, min-p, seed, the penalties, ``logit_bias`` in ``bias_width`` columns), so
-        that any mix of rows shares one program. Settings whose tables have no fixed shape (typical-p,
-        banned tokens and words, no-repeat n-grams) are refused."""
+    def stack_fixed(cls, rows: Sequence[Sampling], *, bias_width: int, banned: tuple[int, int], max_ngram_size: int,
+                    vocab_size: int | None = None, samples: Sequence[int] | None = None) -> "SamplingParams":
+        """:meth:`stack` with every field of the serving engine's settings present whatever the rows use,
+        in fixed shapes, so that any mix of rows shares one program: ``logit_bias`` in ``bias_width``
+        columns, banned tokens and sequences (``suppress_tokens``, ``bad_words_ids``) in ``banned`` = (Q
+        sequences, J tokens), ``no_repeat_ngram_size`` up to ``max_ngram_size``. Rows beyond them are
+        refused."""
+        Q, J = banned
         for i, r in enumerate(rows):
-            unsupported = [name for name, off in (("typical_p", 1.0), ("suppress_tokens", ()), ("bad_words_ids", ()),
-                                                  ("no_repeat_ngram_size", 0)) if getattr(r, name) != off]
-            if unsupported:
-                raise ValueError(f"sampling settings of row {i}: {', '.join(unsupported)} not supported here")
+            problems = []
             if len(r.logit_bias) > bias_width:
-                raise ValueError(f"sampling settings of row {i}: {len(r.logit_bias)} logit_bias entries, at most "
-                                 f"{bias_width}")
+                problems.append(f"{len(r.logit_bias)} logit_bias entries, at most {bias_width}")
+            if len(r.suppress_tokens) + len(r.bad_words_ids) > Q:
+                problems.append(f"{len(r.suppress_tokens) + len(r.bad_words_ids)} suppressed tokens and bad words, at "
+                                f"most {Q}")
+            if any(len(w) > J for w in r.bad_words_ids):
+                problems.append(f"a bad word of {max(map(len, r.bad_words_ids))} tokens, at most {J}")
+            if r.no_repeat_ngram_size > max_ngram_size:
+                problems.append(f"no_repeat_ngram_size {r.no_repeat_ngram_size}, at most {max_ngram_size}")
+            if problems:
+                raise ValueError(f"sampling settings of row {i}: {'; '.join(problems)}")
         params = cls.stack(rows, vocab_size=vocab_size, samples=samples)
         B = len(rows)
         bias_ids = np.full((B, bias_width), PAD_ID, np.int32)
         bias_values = np.zeros((B, bias_width), np.float32)
+        banned_BQJ = np.full((B, Q, J), PAD_ID, np.int32)
         for i, r in enumerate(rows):
             bias_ids[i, :len(r.logit_bias)] = list(r.logit_bias)
             bias_values[i, :len(r.logit_bias)] = list(r.logit_bias.values())
+            for q, word in enumerate([(t,) for t in r.suppress_tokens] + list(r.bad_words_ids)):
+                banned_BQJ[i, q, J - len(word):] = word  # left-padded: the last token is the one banned
         return dataclasses.replace(
-            params, repetition_penalty_B=np.array([r.repetition_penalty for r in rows], np.float32),
+            params, typical_p_B=np.array([r.typical_p for r in rows], np.float32),
+            repetition_penalty_B=np.array([r.repetition_penalty for r in rows], np.float32),
             presence_penalty_B=np.array([r.presence_penalty for r in rows], np.float32),
             frequency_penalty_B=np.array([r.frequency_penalty for r in rows], np.float32),
-            bias_ids_BX=bias_ids, bias_values_BX=bias_values, sampled=True)
+            bias_ids_BX=bias_ids, bias_values_BX=bias_values, banned_BQJ=banned_BQJ,
+            no_repeat_ngram_B=np.array([r.no_repeat_ngram_size for r in rows], np.int32),
+            max_ngram_size=max_ngram_size, sampled=True)
 
     @property
     def needs_token_history(self) -> bool:
@@ -329,8 +342,9 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     min_p_logit_B1 = max_B1 + jnp.log(jnp.maximum(params.min_p_B[:, None], 1e-38))
     filtered_BV = jnp.where((params.min_p_B[:, None] > 0) & (filtered_BV < min_p_logit_B1), -jnp.inf,
                             filtered_BV)
-    if params.typical_p_B is not None:
-        filtered_BV = typical_filter(filtered_BV, params.typical_p_B)
+    if params.typical_p_B is not None:  # a full sort: only when some row asks
+        filtered_BV = jax.lax.cond(jnp.any(params.typical_p_B < 1), typical_filter, lambda scores_BV, _: scores_BV,
+                                   filtered_BV, params.typical_p_B)
     return filtered_BV
 
 

@@ -3,7 +3,7 @@
 Fields follow OpenAI's API, with vLLM's extras under vLLM's names (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``add_generation_prompt``, …).
 A field this server does not know is refused (as OpenAI does), as is a known one set to something the
-engine cannot do (``suffix``, ``best_of`` other than ``n``, ``typical_p``, tools, …); fields OpenAI
+engine cannot do (``suffix``, ``best_of`` other than ``n``, tools, …); fields OpenAI
 accepts without effect on generation (``user``, ``metadata``, …) are ignored. Every error names its
 field in ``param``.
 
@@ -26,6 +26,7 @@ from llm_jax.serving.engine import BIAS_WIDTH as MAX_LOGIT_BIAS  # logit_bias en
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_STOP = 32  # stop strings per request
+MAX_BAD_WORDS = 64  # bad_words per request (each one or two banned token sequences)
 MAX_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (as vLLM)
@@ -60,6 +61,7 @@ class Generation:
     continuous_usage: bool  # usage on every chunk (vLLM's continuous_usage_stats)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo with logprobs)
     guided: Guided | None = None  # a constraint the output follows (structured outputs)
+    bad_words: tuple[str, ...] = ()  # words never to complete (vLLM's bad_words; the service tokenizes them)
     guided_param: str | None = None  # the field that gave it
 
 
@@ -141,6 +143,7 @@ def _sampling(fields: Fields, limits: Limits) -> Sampling:
         top_k=min(max(top_k, 0), limits.vocab_size),  # beyond the vocabulary: all of it
         top_p=number(fields, "top_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]"),
         min_p=number(fields, "min_p", 0.0, lambda p: 0 <= p <= 1, "in [0, 1]"),
+        typical_p=number(fields, "typical_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]"),
         repetition_penalty=number(fields, "repetition_penalty", 1.0, lambda p: 0 < p <= 2, "in (0, 2]"),
         logit_bias=_logit_bias(fields, limits.vocab_size), **penalties)
 
@@ -150,8 +153,6 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
     n = integer(fields, "n", 1, MAX_N, default=1)
     fields.unsupported("best_of", accepted=n, why="is not supported: only best_of = n")
     fields.unsupported("use_beam_search", accepted=False)
-    fields.unsupported("typical_p", accepted=1, why="is not supported by the engine")
-    fields.unsupported("bad_words", accepted=[], why="is not supported by the engine")
     fields.unsupported("include_stop_str_in_output", accepted=False)
     fields.unsupported("skip_special_tokens", accepted=True)
     fields.unsupported("prompt_logprobs", why="is not supported: the engine computes no prompt log-probabilities")
@@ -174,12 +175,17 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
         options.finish()
     except ApiError as error:
         raise ApiError(f"stream_options: {error.message}", param="stream_options", code=error.code) from None
+    bad_words = fields.take("bad_words", "array", default=[])
+    check(len(bad_words) <= MAX_BAD_WORDS, "bad_words", f"may hold at most {MAX_BAD_WORDS} words, got {len(bad_words)}")
+    for i, word in enumerate(bad_words):
+        check_kind(word, f"bad_words[{i}]", "string")
+        check(word.strip() != "", "bad_words", "must not hold an empty word")
     guided, guided_param = _guided(fields)
     return Generation(max_tokens=max_tokens, min_tokens=min_tokens, n=n, sampling=_sampling(fields, limits),
                       seed=seed, stop=stop, stop_token_ids=stop_ids,
                       ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
                       stream=stream, include_usage=include_usage, continuous_usage=continuous, guided=guided,
-                      guided_param=guided_param)
+                      guided_param=guided_param, bad_words=tuple(bad_words))
 
 
 def _schema(value: Any, param: str) -> dict[str, Any]:

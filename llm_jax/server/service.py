@@ -37,6 +37,7 @@ from llm_jax.server.responses import DONE, ChatShape, CompletionShape, error_eve
 from llm_jax.server.sse import CLIENT_CLOSED, Disconnected, EventStream, unless_disconnected
 from llm_jax.serving.async_engine import AsyncEngine
 from llm_jax.serving.engine import END_WIDTH
+from llm_jax.serving.step import BANNED
 
 log = logging.getLogger("llm_jax.server")
 
@@ -156,6 +157,9 @@ class Service:
                            param="stop_token_ids", code="invalid_value")
         if generation.guided is not None:
             self.check_guided(generation)
+        if generation.bad_words:
+            generation = dataclasses.replace(generation, sampling=dataclasses.replace(
+                generation.sampling, bad_words_ids=self.bad_words_ids(generation.bad_words)))
         wanted = len(prompts) * generation.n
         if self.shutting_down:
             raise ApiError("the server is shutting down", status=503, type="service_unavailable_error",
@@ -172,6 +176,26 @@ class Service:
                   metrics=self.metrics, arrival=arrival)
         self._runs[run] = request_id
         return run
+
+    def bad_words_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """The token sequences ``words`` ban, as vLLM tokenizes them: each word alone, and after a space where
+        that spells it with other tokens of the same count (so it is banned at the start of the text and
+        after a space)."""
+        if self.tokenizer is None:
+            raise ApiError("bad_words needs the model's tokenizer, and this model has none", param="bad_words")
+        sequences: dict[tuple[int, ...], None] = {}
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_bos=False, parse_special=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_bos=False, parse_special=False))
+            for ids in (alone, spaced) if spaced[:1] != alone[:1] and len(spaced) == len(alone) else (alone,):
+                if len(ids) > BANNED[1]:
+                    raise ApiError(f"bad_words: {word!r} is {len(ids)} tokens; at most {BANNED[1]}", param="bad_words",
+                                   code="invalid_value")
+                sequences[ids] = None
+        if len(sequences) > BANNED[0]:
+            raise ApiError(f"bad_words come to {len(sequences)} token sequences; at most {BANNED[0]}",
+                           param="bad_words", code="invalid_value")
+        return tuple(sequences)
 
     def check_guided(self, generation: Generation) -> None:
         """A refusal naming the field when the request's constraint does not compile for this model."""

@@ -51,6 +51,12 @@ class Shape:
     K: int = 0
 
 
+# The engine's fixed tables: banned sequences (suppressed tokens and bad words) per request and tokens per
+# banned sequence; the largest no-repeat n-gram.
+BANNED = (128, 8)
+MAX_NGRAM = 8
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepInputs:
@@ -89,7 +95,8 @@ class Draft:
 
 
 def history(tokens_BS: jax.Array, prompt_lens_B: jax.Array, lengths_B: jax.Array, V: int) -> History:
-    """What the penalties read from each sequence's tokens: seen (prompt and output) and counts (output)."""
+    """What the processors read from each sequence's tokens: the tokens themselves (n-grams and banned
+    sequences), seen (prompt and output) and counts (output)."""
     B, S = tokens_BS.shape
     s_S = jnp.arange(S)
     valid_BS = s_S < lengths_B[:, None]
@@ -98,7 +105,8 @@ def history(tokens_BS: jax.Array, prompt_lens_B: jax.Array, lengths_B: jax.Array
     ids_BS = jnp.clip(tokens_BS, 0, V - 1)
     seen_BV = jnp.zeros((B, V), bool).at[rows_B1, jnp.where(valid_BS, ids_BS, V)].set(True, mode="drop")
     counts_BV = jnp.zeros((B, V), jnp.int32).at[rows_B1, jnp.where(output_BS, ids_BS, V)].add(1, mode="drop")
-    return History(length_B=lengths_B.astype(jnp.int32), seen_BV=seen_BV, counts_BV=counts_BV)
+    return History(length_B=lengths_B.astype(jnp.int32), tokens_BS=tokens_BS.astype(jnp.int32), seen_BV=seen_BV,
+                   counts_BV=counts_BV)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "backend", "mesh", "draft_config", "draft_backend"),
@@ -292,7 +300,8 @@ def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens
     if shape.kind == "greedy":
         return DecodeControls(sampling=SamplingParams.stack(sampling), eos_ids_BE=none_BE, stop_ids_BX=none_BE,
                               max_new_tokens_B=np.zeros((B,), np.int32))
-    return DecodeControls(sampling=SamplingParams.stack_fixed(sampling, bias_width=bias_width),
+    return DecodeControls(sampling=SamplingParams.stack_fixed(sampling, bias_width=bias_width, banned=BANNED,
+                                                              max_ngram_size=MAX_NGRAM),
                           eos_ids_BE=end_ids_BE, stop_ids_BX=none_BE, max_new_tokens_B=np.zeros((B,), np.int32),
                           min_new_tokens_B=min_new_tokens_B,
                           logprobs=Logprobs(top_n=shape.top_n) if shape.kind in ("logprobs", "prompt") else None)

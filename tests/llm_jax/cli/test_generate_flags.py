@@ -41,7 +41,7 @@ def test_control_flags_use_openai_and_transformers_names():
         logit_bias={13: 2.5, 7: -100.0}, suppress_tokens=(4, 5), bad_words_ids=((1, 2), (9,)), no_repeat_ngram_size=3)
     assert {k: options[k] for k in DEFAULTS} == dict(
         stop_token_ids=[8], min_new_tokens=2, n=3, num_beams=4, length_penalty=0.5, early_stopping="never",
-        num_return_sequences=2, logprobs=5, raw_logprobs=True, prompt_logprobs=1, kv_cache_dtype="int8")
+        num_return_sequences=2, logprobs=5, raw_logprobs=True, prompt_logprobs=1, kv_cache_dtype="int8", guided=None)
     assert build_parser().parse_args(["--model", "m", "--logit-bias", '{"50256": -100}']).logit_bias == {50256: -100.0}
 
 

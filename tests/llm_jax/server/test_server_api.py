@@ -281,3 +281,19 @@ def test_structured_outputs(client):
     sampled = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=30, n=3, seed=1,
                                         extra_body={"structured_outputs": {"regex": pattern}})
     assert all(re.fullmatch(pattern, c.text) for c in sampled.choices), [c.text for c in sampled.choices]
+
+
+def test_bad_words_and_typical_p(client, model, expected):
+    """bad_words bans each word's tokens as vLLM does (here: as generate bans them); typical_p samples
+    reproducibly with a seed."""
+    prompt = PROMPTS[0]
+    word = expected[prompt].text.split()[2]
+    answer = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"bad_words": [word]})
+    banned = llm_jax.Sampling(bad_words_ids=[model.tokenizer.encode(word, add_bos=False)])
+    alone = llm_jax.generate(model, [prompt], max_new_tokens=MAX_TOKENS, sampling=banned)[0]
+    assert answer.choices[0].text == alone.text
+    assert answer.choices[0].text != expected[prompt].text
+    typical = [client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, seed=7,
+                                         extra_body={"typical_p": 0.5}).choices[0].text for _ in range(2)]
+    assert typical[0] == typical[1] and typical[0]

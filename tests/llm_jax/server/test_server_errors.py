@@ -54,7 +54,10 @@ CASES = [
     ("/v1/completions", {**COMPLETION, "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {**COMPLETION, "min_tokens": 5}, 400, "min_tokens"),
     ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/completions", {**COMPLETION, "typical_p": 0.5}, 400, "typical_p"),
+    ("/v1/completions", {**COMPLETION, "typical_p": 0}, 400, "typical_p"),
+    ("/v1/completions", {**COMPLETION, "bad_words": [1]}, 400, "bad_words[0]"),
+    ("/v1/completions", {**COMPLETION, "bad_words": [" "]}, 400, "bad_words"),
+    ("/v1/completions", {**COMPLETION, "bad_words": ["a" * 200]}, 400, "bad_words"),
     ("/v1/completions", {**COMPLETION, "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {**COMPLETION, "suffix": "end"}, 400, "suffix"),
     ("/v1/completions", {**COMPLETION, "temprature": 0.5}, 400, "temprature"),
@@ -132,7 +135,7 @@ FIELDS = st.sampled_from(["model", "prompt", "messages", "max_tokens", "max_comp
                           "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "best_of", "tokens",
                           "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "typical_p",
                           "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                          "guided_grammar", "unknown"])
+                          "guided_grammar", "bad_words", "unknown"])
 BASES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/tokenize": {"prompt": "Hi"},
          "/detokenize": {"tokens": [1, 2]}}
 

@@ -130,6 +130,58 @@ def test_every_family(family):
         assert [t for o in outputs[rid] for t in o.token_ids] == alone(model, prompt, **kwargs).output_ids, rid
 
 
+# Every processor whose table had no fixed shape before (typical-p, suppressed tokens, banned sequences,
+# no-repeat n-grams), beside the others, greedy and seeded.
+PROCESSORS = [llm_jax.Sampling(no_repeat_ngram_size=2),
+              llm_jax.Sampling(no_repeat_ngram_size=3, temperature=0.9, seed=4),
+              llm_jax.Sampling(suppress_tokens=(13, 29), bad_words_ids=((261, 269), (400,), (370, 268, 282))),
+              llm_jax.Sampling(typical_p=0.7, temperature=1.0, seed=9),
+              llm_jax.Sampling(typical_p=0.9, temperature=0.8, seed=2, bad_words_ids=((1, 403),),
+                               repetition_penalty=1.2),
+              llm_jax.GREEDY]
+
+
+@pytest.fixture(scope="module")
+def banning(stories):
+    """(prompt, settings) pairs whose bans change stories260K's greedy output: each bans tokens and
+    sequences of what the prompt's greedy continuation says."""
+    prompts = [stories.tokenizer.encode(p) for p in ("Once upon a time", "Tom and Sue went to the park. They")]
+    a, b = (alone(stories, p, max_new_tokens=30, ignore_eos=True).output_ids for p in prompts)
+    settings = [(prompts[0], llm_jax.Sampling(no_repeat_ngram_size=1)),
+                (prompts[1], llm_jax.Sampling(no_repeat_ngram_size=2)),
+                (prompts[1], llm_jax.Sampling(no_repeat_ngram_size=3, temperature=0.9, seed=4)),
+                (prompts[0], llm_jax.Sampling(suppress_tokens=(a[3],))),
+                (prompts[1], llm_jax.Sampling(bad_words_ids=((b[4], b[5]), (b[7], b[8], b[9])))),
+                (prompts[0], llm_jax.Sampling(typical_p=0.7, temperature=1.0, seed=9, bad_words_ids=((a[6],),))),
+                (prompts[1], llm_jax.Sampling(typical_p=0.9, temperature=0.8, seed=2, repetition_penalty=1.2,
+                                              suppress_tokens=(b[2],), no_repeat_ngram_size=4)),
+                (prompts[0], llm_jax.GREEDY)]
+    for prompt, sampling in settings[:5]:  # the greedy ones' bans do change the output
+        if sampling.greedy:
+            assert alone(stories, prompt, max_new_tokens=30, ignore_eos=True, sampling=sampling).output_ids != (
+                a if prompt == prompts[0] else b), sampling
+    return settings
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "ngram"])
+def test_every_processor_gives_generates_tokens(stories, banning, speculative):
+    """With speculation (n-gram, k = 3) the greedy rows verify proposals position by position: the
+    banned sequences and n-grams see each accepted proposal."""
+    rng = random.Random(2)
+    engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=256,
+                    speculative=llm_jax.Speculative(num_tokens=3, prompt_lookup_min=1) if speculative else None)
+    arrivals, expected = {}, {}
+    for i, (prompt, sampling) in enumerate(banning * 2):
+        if speculative and not sampling.greedy:
+            continue  # sampled with speculation: the same distribution, not the same draws
+        kwargs = dict(sampling=sampling, max_new_tokens=rng.randrange(20, 60), ignore_eos=True)
+        arrivals.setdefault(rng.randrange(0, 10), []).append((f"r{i}", prompt, kwargs))
+        expected[f"r{i}"] = alone(stories, prompt, **kwargs).output_ids
+    outputs = run_all(engine, arrivals)
+    for rid, ids in expected.items():
+        assert [t for o in outputs[rid] for t in o.token_ids] == ids, rid
+
+
 def test_no_step_compiles_after_warm_up(stories):
     engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128)
     compiled = engine.warm_up()
@@ -139,7 +191,8 @@ def test_no_step_compiles_after_warm_up(stories):
     arrivals = {}
     for i in range(10):
         prompt = [1] + [rng.randrange(3, 512) for _ in range(rng.randrange(0, 60))]
-        kwargs = dict(sampling=SAMPLINGS[i % len(SAMPLINGS)], max_new_tokens=rng.randrange(1, 30), ignore_eos=True,
+        kwargs = dict(sampling=(SAMPLINGS + PROCESSORS)[i % (len(SAMPLINGS) + len(PROCESSORS))],
+                      max_new_tokens=rng.randrange(1, 30), ignore_eos=True,
                       logprobs=2 if i % 4 == 3 else None, prompt_logprobs=1 if i % 5 == 2 else None)
         arrivals.setdefault(rng.randrange(0, 20), []).append((f"r{i}", prompt, kwargs))
     run_all(engine, arrivals)
@@ -152,8 +205,10 @@ def test_requests_that_cannot_run_are_refused_with_the_reason(stories):
         engine.add_request("long", [1] * 100, max_new_tokens=10)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("bad", [1, 2], stop_token_ids=[9999])
-    with pytest.raises(ValueError, match="typical_p"):
-        engine.add_request("typ", [1, 2], sampling=llm_jax.Sampling(temperature=1.0, typical_p=0.5))
+    with pytest.raises(ValueError, match="no_repeat_ngram_size 9, at most 8"):
+        engine.add_request("ngram", [1, 2], sampling=llm_jax.Sampling(no_repeat_ngram_size=9))
+    with pytest.raises(ValueError, match="a bad word of 9 tokens, at most 8"):
+        engine.add_request("words", [1, 2], sampling=llm_jax.Sampling(bad_words_ids=[[5] * 9]))
     with pytest.raises(ValueError, match="logprobs must be in"):
         engine.add_request("lp", [1, 2], logprobs=50)
     engine.add_request("ok", [1, 2, 3], max_new_tokens=3)
