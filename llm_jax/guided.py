@@ -201,8 +201,13 @@ def check(vocab: Vocabulary, guided: Guided) -> str:
 
     if not isinstance(guided, (Json, Regex, Choice, Grammar)):
         raise TypeError(f"guided must be llm_jax.guided.Json, Regex, Choice or Grammar, got {type(guided).__name__}")
-    grammar = guided.grammar()
-    error = llguidance.LLMatcher.validate_grammar(grammar, vocab.llg)
+    try:
+        grammar = guided.grammar()
+        error = llguidance.LLMatcher.validate_grammar(grammar, vocab.llg)
+    except GuidedError:
+        raise
+    except Exception as exception:  # what llguidance refuses by raising (a schema of the wrong shape, ...)
+        error = str(exception) or type(exception).__name__
     if error:
         raise GuidedError(f"the {type(guided).__name__.lower()} constraint does not compile: {error}")
     return grammar

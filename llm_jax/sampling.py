@@ -12,6 +12,7 @@ exactly the argmax it always did.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 from typing import Mapping, Sequence
@@ -281,8 +282,10 @@ def typical_filter(scores_BV: jax.Array, mass_B: jax.Array) -> jax.Array:
     return jnp.where(remove_BV, -jnp.inf, scores_BV)
 
 
-# How many of the largest logits top-k and top-p look at first (lax.top_k); the whole vocabulary is sorted
-# only for a row whose top-k is larger or whose nucleus is not inside them.
+# How many of the largest logits top-k and top-p look at (lax.top_k): the first prefix where it decides
+# every row, then the second; the whole vocabulary is sorted only for a batch with a row whose top-k is
+# larger or whose nucleus is not inside either.
+SHORT_NUCLEUS_PREFIX = 64
 NUCLEUS_PREFIX = 1024
 
 
@@ -322,16 +325,21 @@ def filter_logits(logits_BV: jax.Array, params: SamplingParams) -> jax.Array:
     def sorted_threshold(logits_BV):
         return threshold_from(-jnp.sort(-logits_BV, axis=-1))[0]
 
-    def prefix_threshold(logits_BV):
-        threshold_B1, decided_B = threshold_from(jax.lax.top_k(logits_BV, min(V, NUCLEUS_PREFIX))[0])
-        return jax.lax.cond(jnp.all(decided_B), lambda _: threshold_B1, sorted_threshold, logits_BV)
+    def prefix_threshold(logits_BV, prefixes=(SHORT_NUCLEUS_PREFIX, NUCLEUS_PREFIX)):
+        threshold_B1, decided_B = threshold_from(jax.lax.top_k(logits_BV, min(V, prefixes[0]))[0])
+        if len(prefixes) == 1 or prefixes[0] >= V:
+            longer = sorted_threshold
+        else:
+            longer = functools.partial(prefix_threshold, prefixes=prefixes[1:])
+        return jax.lax.cond(jnp.all(decided_B), lambda _: threshold_B1, longer, logits_BV)
 
     def keep_all(logits_BV):
         return jnp.full((logits_BV.shape[0], 1), -jnp.inf, logits_BV.dtype)
 
-    # A full sort of the vocabulary is slow on CPU (8 ms at 32K): rows that ask for top-k or top-p take
-    # their thresholds from the NUCLEUS_PREFIX largest logits (a partial sort, half a millisecond) where
-    # those decide them, and from the whole sort only where they do not; with neither asked, no sort.
+    # A full sort of the vocabulary is slow on CPU (10 ms for one row of 32K, 160 ms for 16): rows that ask
+    # for top-k or top-p take their thresholds from the 64 largest logits where those decide them (1.4 ms
+    # for 16 rows), else from the 1,024 largest (8 ms), and from the whole sort only where neither does;
+    # with neither asked, no sort. Each way gives the same threshold.
     needs_sort = jnp.any((params.top_k_B > 0) & (params.top_k_B < V)) | jnp.any(params.top_p_B < 1)
     threshold_B1 = jax.lax.cond(needs_sort, prefix_threshold, keep_all, logits_BV)
 
