@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llm_jax.server import protocol
+from llm_jax.server import protocol, tools
 from llm_jax.server.fields import ApiError
 from llm_jax.server.metrics import CONTENT_TYPE
 from llm_jax.server.responses import ChatShape, CompletionShape
@@ -70,14 +70,17 @@ async def chat_completions(service: Service, request: Request) -> Response:
     try:
         parsed = protocol.parse_chat(await service.body(request), service.limits)
         service.check_model(parsed.model)
+        tools.check_parser(parsed.tools, service.config.tool_call_parser)
         ids = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
                                   continue_final_message=parsed.continue_final_message,
-                                  template_kwargs=parsed.template_kwargs)
+                                  template_kwargs=parsed.template_kwargs,
+                                  tools=parsed.tools.specs() if parsed.tools is not None else None)
         run = service.admit(parsed.generation, [service.budget(ids, parsed.generation, "messages")], rid, arrival)
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
-    return await service.respond(request, run, ChatShape(rid, int(time.time()), service.name, run), rid)
+    shape = ChatShape(rid, int(time.time()), service.name, run, parsed.tools, service.config.tool_call_parser)
+    return await service.respond(request, run, shape, rid)
 
 
 async def models(service: Service, request: Request) -> Response:
@@ -91,7 +94,8 @@ async def tokenize(service: Service, request: Request) -> Response:
     parsed = protocol.parse_tokenize(await service.body(request))
     service.check_model(parsed.model)
     if parsed.messages is not None:
-        ids = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt)
+        ids = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
+                                  tools=parsed.tools.specs() if parsed.tools is not None else None)
     elif service.tokenizer is None:
         raise ApiError("the model has no tokenizer", param="prompt", code="no_tokenizer")
     else:

@@ -33,6 +33,7 @@ from llm_jax.cli.common import (
 )
 from llm_jax.cli.generate import DEFAULT_MODEL, _add_speculative_flags, add_quantize_flags, quantization, \
     speculative_options
+from llm_jax.server.tools import PARSERS
 
 API_KEY_ENV = "LLM_JAX_API_KEY"
 DESCRIPTION = "Serve a model over HTTP with an OpenAI-compatible API (continuous batching, SSE streaming)."
@@ -81,6 +82,11 @@ def build_parser() -> CliParser:
     add_quantize_flags(model)
     model.add_argument("--chat-template", metavar="FILE",
                        help="a Jinja chat template for /v1/chat/completions (default: the model's own)")
+    model.add_argument("--tool-call-parser", choices=PARSERS,
+                       help="how to read the tool calls of a model calling tools on its own (tool_choice 'auto'): "
+                            "hermes (<tool_call> blocks: Qwen 2.5, Hermes), llama3_json (Llama 3.1 and later)")
+    model.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="vLLM's spelling: accepted with --tool-call-parser, which alone enables it here")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--max-num-seqs", type=positive_int, default=8, metavar="N",
                         help="sequences in the running batch at most (default: %(default)s)")
@@ -163,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.group_size is not None and args.quantize is None:
         parser.error("--group-size needs --quantize")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
     if args.speculative is not None:
         if args.speculative != "ngram" and not pathlib.Path(args.speculative).exists():
             parser.error(f"--speculative takes 'ngram' or a draft model's path; {args.speculative} does not exist")
@@ -250,7 +258,8 @@ def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock
     default_name = DEFAULT_MODEL.name if args.model == str(DEFAULT_MODEL) else args.model
     names = tuple(args.served_model_name or (default_name,))
     config = ServerConfig(model_names=names, api_key=api_key, max_waiting=args.max_waiting,
-                          chat_template=_with_special_tokens(template, engine.model))
+                          chat_template=_with_special_tokens(template, engine.model),
+                          tool_call_parser=args.tool_call_parser)
     app = build_app(AsyncEngine(engine), config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"

@@ -3,14 +3,14 @@
 Fields follow OpenAI's API, with vLLM's extras under vLLM's names (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``add_generation_prompt``, …).
 A field this server does not know is refused (as OpenAI does), as is a known one set to something the
-engine cannot do (``suffix``, ``best_of`` other than ``n``, tools, …); fields OpenAI
+engine cannot do (``suffix``, ``best_of`` other than ``n``, …); fields OpenAI
 accepts without effect on generation (``user``, ``metadata``, …) are ignored. Every error names its
 field in ``param``.
 
 Structured outputs (``llm_jax.guided``): OpenAI's ``response_format`` (``json_object``, ``json_schema``),
 and vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) with
 its older spellings ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``; one per
-request.
+request. Tools (``tools``, ``tool_choice``, ``parallel_tool_calls``): :mod:`llm_jax.server.tools`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 from llm_jax.guided import Choice, Grammar, Guided, Json, Regex
 from llm_jax.sampling import Sampling
 from llm_jax.server.fields import ApiError, Fields, check, check_kind, integer, kind_of, number, show, token_ids
+from llm_jax.server.tools import ToolCalling, parse_tool_calling, template_message
 from llm_jax.serving.engine import BIAS_WIDTH as MAX_LOGIT_BIAS  # logit_bias entries (OpenAI's limit too)
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
@@ -84,6 +85,7 @@ class ChatRequest:
     continue_final_message: bool
     template_kwargs: dict[str, Any]
     generation: Generation
+    tools: ToolCalling | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +95,7 @@ class TokenizeRequest:
     messages: tuple[dict[str, Any], ...] | None
     add_special_tokens: bool
     add_generation_prompt: bool
+    tools: ToolCalling | None = None  # shown to the chat template with messages
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -350,7 +353,8 @@ def messages(value: Any, param: str = "messages") -> tuple[dict[str, Any], ...]:
         check_kind(message, f"{param}[{i}]", "object")
         role = check_kind(message.get("role"), f"{param}[{i}].role", "string")
         check(role in ROLES, f"{param}[{i}].role", f"must be one of {sorted(ROLES)}, got {show(role)}")
-        out.append({**message, "content": _content(message.get("content"), f"{param}[{i}].content")})
+        message = {**message, "content": _content(message.get("content"), f"{param}[{i}].content")}
+        out.append(template_message(message, f"{param}[{i}]"))
     return tuple(out)
 
 
@@ -365,11 +369,7 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     top = integer(fields, "top_logprobs", 0, limits.max_logprobs)
     if top is not None and not wants_logprobs:
         raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
-    fields.unsupported("tools", accepted=[], why="is not supported: this server does not call tools")
-    fields.unsupported("tool_choice", accepted="none", why="is not supported: this server does not call tools")
-    fields.unsupported("functions", accepted=[], why="is not supported: this server does not call functions")
-    fields.unsupported("function_call", accepted="none", why="is not supported: this server does not call functions")
-    fields.take("parallel_tool_calls", "boolean")  # meaningless without tools
+    tools = parse_tool_calling(fields)
     add_generation_prompt = fields.take("add_generation_prompt", "boolean", default=True)
     continue_final = fields.take("continue_final_message", "boolean", default=False)
     if add_generation_prompt and continue_final:
@@ -378,8 +378,15 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     kwargs = fields.take("chat_template_kwargs", "object", default={})
     generation = _generation(fields, limits, max_tokens=max_tokens, logprobs=(top or 0) if wants_logprobs else None)
     fields.finish()
+    if tools is not None and tools.forced:  # the output is the calls: constrained to their JSON
+        if generation.guided is not None:
+            forced = f"tool_choice {show(tools.choice)}" if isinstance(tools.choice, str) else "a named tool_choice"
+            raise ApiError(f"{generation.guided_param} cannot be given with {forced}: the output is the tool calls",
+                           param="tool_choice", code="invalid_value")
+        generation = dataclasses.replace(generation, guided=tools.constraint(), guided_param="tools")
     return ChatRequest(model=model, messages=chat, add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final, template_kwargs=kwargs, generation=generation)
+                       continue_final_message=continue_final, template_kwargs=kwargs, generation=generation,
+                       tools=tools)
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
@@ -391,9 +398,13 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         raise ApiError("give either prompt or messages", param="prompt", code="missing_field")
     add_special = fields.take("add_special_tokens", "boolean", default=chat is None)
     add_generation_prompt = fields.take("add_generation_prompt", "boolean", default=True)
+    tools = parse_tool_calling(fields)
+    if tools is not None and chat is None:
+        raise ApiError("tools go with messages (for the chat template), not with prompt", param="tools",
+                       code="invalid_value")
     fields.finish()
     return TokenizeRequest(model=model, prompt=prompt, messages=None if chat is None else messages(chat),
-                           add_special_tokens=add_special, add_generation_prompt=add_generation_prompt)
+                           add_special_tokens=add_special, add_generation_prompt=add_generation_prompt, tools=tools)
 
 
 def parse_detokenize(body: Any, limits: Limits) -> DetokenizeRequest:

@@ -7,7 +7,9 @@ ended it, null for end-of-sequence). Log-probabilities come in each API's own sh
 ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``top_logprobs`` maps token text to
 log-probability and includes the chosen token), chat's ``{content: [{token, logprob, bytes,
 top_logprobs}]}``. A stream ends with the usage chunk when asked (``stream_options.include_usage``), then
-``data: [DONE]``; an error inside it is an ``{"error": ...}`` event before ``[DONE]``.
+``data: [DONE]``; an error inside it is an ``{"error": ...}`` event before ``[DONE]``. A chat request with
+tools reads each choice's output into content and ``tool_calls`` (:mod:`llm_jax.server.tools`); streamed,
+a call's first delta carries its id and name, the next ones pieces of its arguments.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llm_jax.server.choices import Choice, Delta, Run, TokenLogprob
+from llm_jax.server import tools
 from llm_jax.server.fields import ApiError
 
 DONE = "data: [DONE]\n\n"
@@ -114,9 +117,30 @@ def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
 
 
 class ChatShape(_Shape):
-    """``/v1/chat/completions``."""
+    """``/v1/chat/completions``; ``calling``: the request's tools, read by ``parser`` when the model may call
+    them on its own."""
 
     object_name, chunk_name = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, request_id: str, created: int, model: str, run: Run,
+                 calling: tools.ToolCalling | None = None, parser: str | None = None):
+        super().__init__(request_id, created, model, run)
+        self.calling, self.parser = calling, parser
+        self._readers = {c.index: tools.reader(calling, parser) for c in run.choices}
+
+    def _finish_reason(self, reason: str | None, num_calls: int) -> str | None:
+        """``tool_calls`` for an answer that ended calling tools it chose (not a named function)."""
+        named = self.calling is not None and isinstance(self.calling.choice, tools.Named)
+        return "tool_calls" if reason == "stop" and num_calls and not named else reason
+
+    def _message(self, choice: Choice) -> dict[str, Any]:
+        reader = tools.reader(self.calling, self.parser)
+        if reader is None:
+            return {"role": "assistant", "content": choice.text}
+        content, calls = tools.read_all(reader, choice.text)
+        if not calls:
+            return {"role": "assistant", "content": content}
+        return {"role": "assistant", "content": content or None, "tool_calls": calls}
 
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if self.run.generation.logprobs is None:
@@ -125,9 +149,12 @@ class ChatShape(_Shape):
                             for e in entries]}
 
     def response(self) -> dict[str, Any]:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in self.run.choices]
+        choices = []
+        for c in self.run.choices:
+            message = self._message(c)
+            choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
+                            "finish_reason": self._finish_reason(c.finish_reason, len(message.get("tool_calls", ()))),
+                            "stop_reason": c.stop_reason})
         return {**self._head(self.object_name), "choices": choices, "usage": self.usage()}
 
     def opening(self) -> list[str]:
@@ -136,8 +163,25 @@ class ChatShape(_Shape):
                               "finish_reason": None}]) for c in self.run.choices]
 
     def chunk(self, delta: Delta) -> str | None:
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        reader = self._readers[delta.choice.index]
+        if reader is None:
+            body, finish = {"content": delta.text}, delta.finish_reason
+        else:
+            read = reader.feed(delta.text)
+            if delta.finish_reason is not None:
+                read += reader.finish()
+            body = {"content": read.content} if read.content or not read.calls else {}
+            if read.calls:
+                body["tool_calls"] = [_call_delta(call) for call in read.calls]
+            finish = self._finish_reason(delta.finish_reason, reader.num_calls)
+        if not body.get("content") and "tool_calls" not in body and finish is None and not delta.logprobs:
             return None
-        return self._chunk([{"index": delta.choice.index, "delta": {"content": delta.text},
-                             "logprobs": self._logprobs(delta.logprobs), "finish_reason": delta.finish_reason,
-                             "stop_reason": delta.choice.stop_reason}])
+        return self._chunk([{"index": delta.choice.index, "delta": body, "logprobs": self._logprobs(delta.logprobs),
+                             "finish_reason": finish, "stop_reason": delta.choice.stop_reason}])
+
+
+def _call_delta(call: tools.CallDelta) -> dict[str, Any]:
+    if call.id is None:
+        return {"index": call.index, "function": {"arguments": call.arguments}}
+    return {"index": call.index, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}

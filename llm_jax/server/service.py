@@ -54,6 +54,7 @@ class ServerConfig:
     max_waiting: int = 64  # engine requests queued beyond the running batch before 503s
     chat_template: ChatTemplate | None = None
     max_body_bytes: int = MAX_BODY_BYTES
+    tool_call_parser: str | None = None  # how tool calls are read from a model calling tools on its own
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -271,14 +272,15 @@ class Service:
         yield DONE
 
     def render_chat(self, messages, *, add_generation_prompt: bool, continue_final_message: bool = False,
-                    template_kwargs: dict | None = None) -> tuple[int, ...]:
+                    template_kwargs: dict | None = None, tools: list | None = None) -> tuple[int, ...]:
         template = self.config.chat_template
         if template is None or self.tokenizer is None:
             raise ApiError("this model has no chat template: start the server with --chat-template FILE",
                            param="messages", code="no_chat_template")
         try:
             text = template.render(list(messages), add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message, **(template_kwargs or {}))
+                                   continue_final_message=continue_final_message, tools=tools,
+                                   **(template_kwargs or {}))
             ids = encode_chat(self.tokenizer, text)
         except Exception as error:  # the template refused these messages (raise_exception, a type error, …)
             raise ApiError(f"the chat template cannot render these messages: {_first_line(error)}",

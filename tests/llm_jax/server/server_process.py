@@ -25,8 +25,12 @@ ENGINE_FLAGS = ("--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-
 MAX_MODEL_LEN = 256
 START_TIMEOUT_S = 600  # a cold compile on a loaded machine
 LISTENING = re.compile(r"ready: serving '[^']*' on (http://127\.0\.0\.1:\d+)")
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+CHAT_TEMPLATE = (  # with tools (short: the context is 256 tokens), and calls in Hermes' format
+    "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t.function.name }}"
+    "({{ (t.function.parameters or {}).get('properties', {}) | list | join(', ') }}){% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.tool_calls if m.tool_calls is defined %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 

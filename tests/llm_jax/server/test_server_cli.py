@@ -30,7 +30,8 @@ def test_help_lists_the_flags_without_starting_jax():
     assert proc.returncode == 0
     for flag in ("--served-model-name", "--max-num-seqs", "--kv-cache-memory", "--chat-template", "--api-key",
                  "--max-waiting", "--shutdown-timeout", "--no-prefix-caching", "--kv-cache-dtype", "--speculative",
-                 "--num-speculative-tokens", "--speculative-max-batch", "--quantize", "--group-size"):
+                 "--num-speculative-tokens", "--speculative-max-batch", "--quantize", "--group-size",
+                 "--tool-call-parser", "--enable-auto-tool-choice"):
         assert flag in proc.stdout
     check = subprocess.run([sys.executable, "-c", "import sys, llm_jax.server.cli, llm_jax.serve; "
                             "print('jax' in sys.modules)"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
@@ -47,6 +48,8 @@ def test_mistakes_are_one_line():
     _one_error_line(_serve("--speculative-max-batch", "0"), 2, "--speculative-max-batch")
     _one_error_line(_serve("--quantize", "int3"), 2, "--quantize")
     _one_error_line(_serve("--group-size", "32"), 2, "--group-size needs --quantize")
+    _one_error_line(_serve("--enable-auto-tool-choice"), 2, "--enable-auto-tool-choice needs --tool-call-parser")
+    _one_error_line(_serve("--tool-call-parser", "mistral"), 2, "--tool-call-parser")
     _one_error_line(_serve("--model", "no/such/model"), 1, "no/such/model does not exist")
     _one_error_line(_serve("--chat-template", "no/such/template.jinja"), 1, "template.jinja does not exist")
 

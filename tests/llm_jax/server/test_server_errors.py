@@ -68,7 +68,10 @@ CASES = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content[0]"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": 7}}}}}], "tool_choice": "required"}, 400, "tools"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ("/v1/completions", {**COMPLETION, "guided_regex": "a(b"}, 400, "guided_regex"),
     ("/v1/completions", {**COMPLETION, "guided_choice": []}, 400, "guided_choice"),
@@ -135,7 +138,7 @@ FIELDS = st.sampled_from(["model", "prompt", "messages", "max_tokens", "max_comp
                           "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "best_of", "tokens",
                           "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "typical_p",
                           "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                          "guided_grammar", "bad_words", "unknown"])
+                          "guided_grammar", "bad_words", "tools", "tool_choice", "parallel_tool_calls", "unknown"])
 BASES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/tokenize": {"prompt": "Hi"},
          "/detokenize": {"tokens": [1, 2]}}
 
