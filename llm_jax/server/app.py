@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llm_jax.server import protocol, tools
+from llm_jax.server import protocol, reasoning, tools
 from llm_jax.server.fields import ApiError
 from llm_jax.server.metrics import CONTENT_TYPE
 from llm_jax.server.responses import ChatShape, CompletionShape
@@ -71,15 +71,17 @@ async def chat_completions(service: Service, request: Request) -> Response:
         parsed = protocol.parse_chat(await service.body(request), service.limits)
         service.check_model(parsed.model)
         tools.check_parser(parsed.tools, service.config.tool_call_parser)
-        ids = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
-                                  continue_final_message=parsed.continue_final_message,
+        ids, text = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
+                                        continue_final_message=parsed.continue_final_message,
                                   template_kwargs=parsed.template_kwargs,
                                   tools=parsed.tools.specs() if parsed.tools is not None else None)
         run = service.admit(parsed.generation, [service.budget(ids, parsed.generation, "messages")], rid, arrival)
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
-    shape = ChatShape(rid, int(time.time()), service.name, run, parsed.tools, service.config.tool_call_parser)
+    make_reader = reasoning.output_reader(parsed.tools, service.config.tool_call_parser,
+                                          service.config.reasoning_parser, prompt=text)
+    shape = ChatShape(rid, int(time.time()), service.name, run, parsed.tools, make_reader)
     return await service.respond(request, run, shape, rid)
 
 
@@ -94,8 +96,8 @@ async def tokenize(service: Service, request: Request) -> Response:
     parsed = protocol.parse_tokenize(await service.body(request))
     service.check_model(parsed.model)
     if parsed.messages is not None:
-        ids = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
-                                  tools=parsed.tools.specs() if parsed.tools is not None else None)
+        ids, _ = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
+                                     tools=parsed.tools.specs() if parsed.tools is not None else None)
     elif service.tokenizer is None:
         raise ApiError("the model has no tokenizer", param="prompt", code="no_tokenizer")
     else:

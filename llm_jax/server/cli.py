@@ -33,6 +33,7 @@ from llm_jax.cli.common import (
 )
 from llm_jax.cli.generate import DEFAULT_MODEL, _add_speculative_flags, add_quantize_flags, quantization, \
     speculative_options
+from llm_jax.server.reasoning import PARSERS as REASONING_PARSERS
 from llm_jax.server.tools import PARSERS
 
 API_KEY_ENV = "LLM_JAX_API_KEY"
@@ -85,6 +86,9 @@ def build_parser() -> CliParser:
     model.add_argument("--tool-call-parser", choices=PARSERS,
                        help="how to read the tool calls of a model calling tools on its own (tool_choice 'auto'): "
                             "hermes (<tool_call> blocks: Qwen 2.5, Hermes), llama3_json (Llama 3.1 and later)")
+    model.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                       help="put a thinking model's <think> reasoning in reasoning_content, apart from the answer: "
+                            "qwen3, deepseek_r1")
     model.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="vLLM's spelling: accepted with --tool-call-parser, which alone enables it here")
     engine = parser.add_argument_group("engine")
@@ -259,7 +263,7 @@ def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock
     names = tuple(args.served_model_name or (default_name,))
     config = ServerConfig(model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                           chat_template=_with_special_tokens(template, engine.model),
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     app = build_app(AsyncEngine(engine), config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"

@@ -8,14 +8,15 @@ ended it, null for end-of-sequence). Log-probabilities come in each API's own sh
 log-probability and includes the chosen token), chat's ``{content: [{token, logprob, bytes,
 top_logprobs}]}``. A stream ends with the usage chunk when asked (``stream_options.include_usage``), then
 ``data: [DONE]``; an error inside it is an ``{"error": ...}`` event before ``[DONE]``. A chat request with
-tools reads each choice's output into content and ``tool_calls`` (:mod:`llm_jax.server.tools`); streamed,
-a call's first delta carries its id and name, the next ones pieces of its arguments.
+tools reads each choice's output into content and ``tool_calls`` (:mod:`llm_jax.server.tools`), and a
+reasoning parser the reasoning into ``reasoning_content`` (:mod:`llm_jax.server.reasoning`); streamed, a
+call's first delta carries its id and name, the next ones pieces of its arguments.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from llm_jax.server.choices import Choice, Delta, Run, TokenLogprob
@@ -117,16 +118,17 @@ def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
 
 
 class ChatShape(_Shape):
-    """``/v1/chat/completions``; ``calling``: the request's tools, read by ``parser`` when the model may call
-    them on its own."""
+    """``/v1/chat/completions``; ``calling``: the request's tools; ``make_reader``: a reader of each choice's
+    output (:func:`llm_jax.server.reasoning.output_reader`)."""
 
     object_name, chunk_name = "chat.completion", "chat.completion.chunk"
 
     def __init__(self, request_id: str, created: int, model: str, run: Run,
-                 calling: tools.ToolCalling | None = None, parser: str | None = None):
+                 calling: tools.ToolCalling | None = None,
+                 make_reader: Callable[[], tools.Reader | None] = lambda: None):
         super().__init__(request_id, created, model, run)
-        self.calling, self.parser = calling, parser
-        self._readers = {c.index: tools.reader(calling, parser) for c in run.choices}
+        self.calling, self.make_reader = calling, make_reader
+        self._readers = {c.index: make_reader() for c in run.choices}
 
     def _finish_reason(self, reason: str | None, num_calls: int) -> str | None:
         """``tool_calls`` for an answer that ended calling tools it chose (not a named function)."""
@@ -134,13 +136,16 @@ class ChatShape(_Shape):
         return "tool_calls" if reason == "stop" and num_calls and not named else reason
 
     def _message(self, choice: Choice) -> dict[str, Any]:
-        reader = tools.reader(self.calling, self.parser)
+        reader = self.make_reader()
         if reader is None:
             return {"role": "assistant", "content": choice.text}
-        content, calls = tools.read_all(reader, choice.text)
-        if not calls:
-            return {"role": "assistant", "content": content}
-        return {"role": "assistant", "content": content or None, "tool_calls": calls}
+        content, calls, reasoning = tools.read_all(reader, choice.text)
+        message = {"role": "assistant", "content": content or (None if calls or reasoning else content)}
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return message
 
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if self.run.generation.logprobs is None:
@@ -170,11 +175,13 @@ class ChatShape(_Shape):
             read = reader.feed(delta.text)
             if delta.finish_reason is not None:
                 read += reader.finish()
-            body = {"content": read.content} if read.content or not read.calls else {}
+            body = {"content": read.content} if read.content or not (read.calls or read.reasoning) else {}
+            if read.reasoning:
+                body["reasoning_content"] = read.reasoning
             if read.calls:
                 body["tool_calls"] = [_call_delta(call) for call in read.calls]
             finish = self._finish_reason(delta.finish_reason, reader.num_calls)
-        if not body.get("content") and "tool_calls" not in body and finish is None and not delta.logprobs:
+        if len(body) == 1 and body.get("content") == "" and finish is None and not delta.logprobs:
             return None
         return self._chunk([{"index": delta.choice.index, "delta": body, "logprobs": self._logprobs(delta.logprobs),
                              "finish_reason": finish, "stop_reason": delta.choice.stop_reason}])

@@ -55,6 +55,7 @@ class ServerConfig:
     chat_template: ChatTemplate | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     tool_call_parser: str | None = None  # how tool calls are read from a model calling tools on its own
+    reasoning_parser: str | None = None  # how a thinking model's reasoning is told from its answer
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -272,7 +273,8 @@ class Service:
         yield DONE
 
     def render_chat(self, messages, *, add_generation_prompt: bool, continue_final_message: bool = False,
-                    template_kwargs: dict | None = None, tools: list | None = None) -> tuple[int, ...]:
+                    template_kwargs: dict | None = None, tools: list | None = None) -> tuple[tuple[int, ...], str]:
+        """The prompt's token ids, and its text."""
         template = self.config.chat_template
         if template is None or self.tokenizer is None:
             raise ApiError("this model has no chat template: start the server with --chat-template FILE",
@@ -287,7 +289,7 @@ class Service:
                            param="messages", code="invalid_messages") from None
         if not ids:
             raise ApiError("the chat template renders these messages as no tokens", param="messages")
-        return tuple(ids)
+        return tuple(ids), text
 
 
 def request_id(request: Request, prefix: str) -> str:

@@ -212,14 +212,16 @@ class CallDelta:
 
 @dataclasses.dataclass
 class Read:
-    """What a piece of output adds: content text and tool-call deltas."""
+    """What a piece of output adds: content text, tool-call deltas, reasoning text."""
 
     content: str = ""
     calls: list[CallDelta] = dataclasses.field(default_factory=list)
+    reasoning: str = ""
 
     def __iadd__(self, other: Read) -> Read:
         self.content += other.content
         self.calls += other.calls
+        self.reasoning += other.reasoning
         return self
 
 
@@ -244,6 +246,16 @@ class Reader:
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
         return CallDelta(index=self.num_calls - 1, id=call_id(), name=name, arguments=arguments)
+
+
+class PlainReader(Reader):
+    """Text is content."""
+
+    def feed(self, text: str) -> Read:
+        return Read(content=text)
+
+    def finish(self) -> Read:
+        return Read()
 
 
 def _as_call(value: Any, arguments_keys: tuple[str, ...]) -> tuple[str, Any] | None:
@@ -338,7 +350,7 @@ class HermesReader(Reader):
         while True:
             start = self.pending.find(self.OPEN)
             if start < 0:
-                keep = 0 if final else _held_back(self.pending, self.OPEN)
+                keep = 0 if final else held_back(self.pending, self.OPEN)
                 read.content += self._content(self.pending[:len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep:]
                 return read
@@ -423,7 +435,7 @@ def _parse_call(text: str, arguments_keys: tuple[str, ...]) -> tuple[str, Any] |
     return _as_call(value, arguments_keys)
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """How many of ``text``'s last characters to hold: trailing white space (a block may follow), and a
     beginning of ``marker``."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -434,7 +446,7 @@ def _held_back(text: str, marker: str) -> int:
 
 
 def reader(calling: ToolCalling | None, parser: str | None) -> Reader | None:
-    """A fresh reader of one choice's output; None when the output is plain text."""
+    """A fresh reader of one choice's output; None when the output is plain text (as far as tools go)."""
     if calling is None or calling.choice == "none":
         return None
     if isinstance(calling.choice, Named):
@@ -448,8 +460,8 @@ def reader(calling: ToolCalling | None, parser: str | None) -> Reader | None:
     raise ValueError(f"unknown tool-call parser {parser!r}; known: {PARSERS}")
 
 
-def read_all(reader: Reader, text: str) -> tuple[str, list[dict[str, Any]]]:
-    """A whole output's content and calls (OpenAI's ``tool_calls`` entries)."""
+def read_all(reader: Reader, text: str) -> tuple[str, list[dict[str, Any]], str]:
+    """A whole output's content, calls (OpenAI's ``tool_calls`` entries) and reasoning."""
     read = reader.feed(text)
     read += reader.finish()
     calls: list[dict[str, Any]] = []
@@ -457,4 +469,4 @@ def read_all(reader: Reader, text: str) -> tuple[str, list[dict[str, Any]]]:
         if delta.id is not None:
             calls.append({"id": delta.id, "type": "function", "function": {"name": delta.name, "arguments": ""}})
         calls[delta.index]["function"]["arguments"] += delta.arguments
-    return read.content, calls
+    return read.content, calls, read.reasoning

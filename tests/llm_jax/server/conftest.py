@@ -1,6 +1,6 @@
 """Fixtures of the server tests: one server (stories260K, a small engine with n-gram speculative decoding,
-an API key, a chat template with tools and Hermes' tool-call parser) shared by a session's tests, and
-clients of it.
+an API key, a chat template with tools, Hermes' tool-call parser and Qwen 3's reasoning parser) shared by
+a session's tests, and clients of it.
 
 Its step programs are kept in pytest's cache folder between sessions, so a later session — or a second
 server with the same engine flags — loads them instead of compiling them (about a minute on a loaded
@@ -35,7 +35,8 @@ def server(model_path, compile_cache, tmp_path_factory):
     template.write_text(CHAT_TEMPLATE)
     # Speculative decoding on: every greedy answer the tests compare with generate is verified proposals.
     process = start_server(model_path, folder, compile_cache, "--api-key", API_KEY, "--chat-template", str(template),
-                           "--speculative", "ngram", "--num-speculative-tokens", "4", "--tool-call-parser", "hermes")
+                           "--speculative", "ngram", "--num-speculative-tokens", "4", "--tool-call-parser", "hermes",
+                           "--reasoning-parser", "qwen3")
     yield process
     process.terminate()
 

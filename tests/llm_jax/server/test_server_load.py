@@ -159,11 +159,13 @@ def test_sigterm_aborts_what_outlives_the_grace_period(model_path, compile_cache
         if server.process.poll() is None:
             server.process.kill()
     assert status == 0, server.log()[-3000:]
-    # Cut short and told why — unless it finished in the ~0.1 s uvicorn takes to give up (a fast machine).
+    # Cut short and told why — unless it finished in the ~0.1 s uvicorn takes to give up (a fast machine; the
+    # story model may also end on its BOS token, a stop token that ignore_eos keeps).
     *_, last, done = answers["stream"]
     assert done == "data: [DONE]"
     last = json.loads(last[6:])
-    assert last.get("error", {}).get("code") == "shutting_down" or last["choices"][0]["finish_reason"] == "length"
+    assert last.get("error", {}).get("code") == "shutting_down" or last["choices"][0]["finish_reason"] in (
+        "length", "stop")
     whole = answers["whole"]
     assert (whole.status_code, whole.json().get("error", {}).get("code")) in ((503, "shutting_down"), (200, None))
     assert "stopped" in server.log() and "Traceback" not in server.log()

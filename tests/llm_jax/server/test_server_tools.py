@@ -159,3 +159,38 @@ def test_a_conversation_with_calls_renders_as_transformers(http, hf_tokenizer):
     chat = http.post("/v1/chat/completions", json={"model": MODEL_NAME, "messages": ours, "tools": [WEATHER, TIME],
                                                    "tool_choice": "none", "max_tokens": 1})
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(expected)
+
+
+def test_reasoning_apart_from_the_answer(client):
+    """With the reasoning parser, <think> reasoning goes to reasoning_content and the rest to content (and
+    tool calls), whole and streamed (the output steered by a regular expression)."""
+    thinking = r"<think>\nThe user asks about [a-z]{1,8}\.\n</think>\n\n"
+    answers = (r"It is [a-z]{1,8}\.",
+               r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "paris"\}\}</tool_call>')
+    kinds = set()
+    for answer in answers:
+        kwargs = dict(model=MODEL_NAME, messages=MESSAGES, tools=[PLAIN_WEATHER], max_completion_tokens=150, n=2,
+                      seed=3, extra_body={"structured_outputs": {"regex": thinking + answer}})
+        whole = client.chat.completions.create(**kwargs)
+        streamed_reasoning: dict[int, str] = {}
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        for chunk in chunks:
+            for choice in chunk.choices:
+                piece = (choice.delta.model_extra or {}).get("reasoning_content") or ""
+                streamed_reasoning[choice.index] = streamed_reasoning.get(choice.index, "") + piece
+        content, calls, finish = stream_calls(iter(chunks))
+        for choice in whole.choices:
+            message, i = choice.message, choice.index
+            assert re.fullmatch(r"The user asks about [a-z]{1,8}\.", message.model_extra["reasoning_content"])
+            assert streamed_reasoning[i] == message.model_extra["reasoning_content"]
+            kinds.add("call" if message.tool_calls else "text")
+            if message.tool_calls:
+                assert message.content is None and choice.finish_reason == "tool_calls"
+                assert json.loads(message.tool_calls[0].function.arguments) == {"city": "paris"}
+                assert [(c["name"], c["arguments"]) for c in calls[i]] == [
+                    ("get_weather", message.tool_calls[0].function.arguments)]
+            else:
+                assert re.fullmatch(r"It is [a-z]{1,8}\.", message.content) and choice.finish_reason == "stop"
+                assert content[i] == message.content and i not in calls
+            assert finish[i] == choice.finish_reason
+    assert kinds == {"call", "text"}  # both answers were read
