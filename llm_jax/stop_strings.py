@@ -82,12 +82,18 @@ class StopStringMatcher:
 class SequenceText:
     """Host-side text of one generated sequence: incremental detokenization after its prompt, then
     stop-string matching in the text after its first ``min_new_tokens`` tokens. Shared by ``generate``
-    and the serving engine, so both end a sequence on the same token."""
+    and the serving engine, so both end a sequence on the same token.
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stop_strings: Sequence[str], min_new_tokens: int = 0):
+    ``skip_special=False`` keeps special tokens' text (a model's tool-call marker), except that of the
+    ``end_ids`` token that ends the sequence (end-of-sequence, a stop token id), as vLLM leaves it out."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop_strings: Sequence[str], min_new_tokens: int = 0, *,
+                 skip_special: bool = True, end_ids: frozenset[int] = frozenset()):
         self.ids: list[int] = []
         self.pieces: list[str] = []
-        self.detok = IncrementalDetokenizer(tokenizer, context_ids=prompt_ids) if tokenizer else None
+        self.detok = (IncrementalDetokenizer(tokenizer, context_ids=prompt_ids, skip_special=skip_special)
+                      if tokenizer else None)
+        self.silent = frozenset() if skip_special else end_ids  # ids whose text is not shown
         self.matcher = StopStringMatcher(stop_strings) if stop_strings else None
         self.unmatched = min_new_tokens  # leading tokens whose text is never part of a stop string
 
@@ -98,7 +104,7 @@ class SequenceText:
             self.ids.extend(new_ids)
             return new_ids, "", False
         # Each id's text, then (on the last push) what the detokenizer still holds.
-        pieces = [(i + 1, self.detok.push([token])) for i, token in enumerate(new_ids)]
+        pieces = [(i + 1, "" if token in self.silent else self.detok.push([token])) for i, token in enumerate(new_ids)]
         if last:
             pieces.append((len(new_ids), self.detok.finish()))
         shown = []

@@ -13,6 +13,7 @@ engine's thread stops.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import logging
 import time
@@ -75,7 +76,10 @@ async def chat_completions(service: Service, request: Request) -> Response:
                                         continue_final_message=parsed.continue_final_message,
                                   template_kwargs=parsed.template_kwargs,
                                   tools=parsed.tools.specs() if parsed.tools is not None else None)
-        run = service.admit(parsed.generation, [service.budget(ids, parsed.generation, "messages")], rid, arrival)
+        generation = parsed.generation
+        if tools.keeps_special_tokens(parsed.tools, service.config.tool_call_parser):
+            generation = dataclasses.replace(generation, skip_special_tokens=False)
+        run = service.admit(generation, [service.budget(ids, generation, "messages")], rid, arrival)
     except ApiError as error:
         service.log_refusal(rid, error)
         raise

@@ -85,7 +85,8 @@ def build_parser() -> CliParser:
                        help="a Jinja chat template for /v1/chat/completions (default: the model's own)")
     model.add_argument("--tool-call-parser", choices=PARSERS,
                        help="how to read the tool calls of a model calling tools on its own (tool_choice 'auto'): "
-                            "hermes (<tool_call> blocks: Qwen 2.5, Hermes), llama3_json (Llama 3.1 and later)")
+                            "hermes (<tool_call> blocks: Qwen 2.5, Hermes), llama3_json (Llama 3.1 and later), "
+                            "mistral ([TOOL_CALLS] and a JSON array: Mistral 7B Instruct v0.3, Nemo)")
     model.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                        help="put a thinking model's <think> reasoning in reasoning_content, apart from the answer: "
                             "qwen3, deepseek_r1")

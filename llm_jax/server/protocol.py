@@ -64,6 +64,7 @@ class Generation:
     guided: Guided | None = None  # a constraint the output follows (structured outputs)
     bad_words: tuple[str, ...] = ()  # words never to complete (vLLM's bad_words; the service tokenizes them)
     guided_param: str | None = None  # the field that gave it
+    skip_special_tokens: bool = True  # False: the text keeps special tokens (vLLM's field)
 
 
 Prompt = str | tuple[int, ...]
@@ -157,7 +158,7 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
     fields.unsupported("best_of", accepted=n, why="is not supported: only best_of = n")
     fields.unsupported("use_beam_search", accepted=False)
     fields.unsupported("include_stop_str_in_output", accepted=False)
-    fields.unsupported("skip_special_tokens", accepted=True)
+    skip_special = fields.take("skip_special_tokens", "boolean", default=True)
     fields.unsupported("prompt_logprobs", why="is not supported: the engine computes no prompt log-probabilities")
     min_tokens = integer(fields, "min_tokens", 0, 2**31 - 1, default=0)
     if max_tokens is not None:
@@ -188,7 +189,7 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
                       seed=seed, stop=stop, stop_token_ids=stop_ids,
                       ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
                       stream=stream, include_usage=include_usage, continuous_usage=continuous, guided=guided,
-                      guided_param=guided_param, bad_words=tuple(bad_words))
+                      guided_param=guided_param, bad_words=tuple(bad_words), skip_special_tokens=skip_special)
 
 
 def _schema(value: Any, param: str) -> dict[str, Any]:

@@ -11,9 +11,11 @@ the model makes. How the calls are found depends on ``tool_choice``:
   objects, one per call (at most one without ``parallel_tool_calls``); finish reason ``tool_calls``.
 - ``"auto"`` (the default with tools): the model writes text or calls in its own format, and the
   server's ``--tool-call-parser`` reads them: ``hermes`` (``<tool_call>{"name", "arguments"}</tool_call>``:
-  Qwen 2.5, Hermes and other ChatML models) or ``llama3_json`` (an answer that is JSON objects
-  ``{"name", "parameters"}`` separated by ``;``: Llama 3.1 and later). Without a parser, "auto" is
-  refused, as vLLM does.
+  Qwen 2.5, Hermes and other ChatML models), ``llama3_json`` (an answer that is JSON objects
+  ``{"name", "parameters"}`` separated by ``;``: Llama 3.1 and later) or ``mistral`` (``[TOOL_CALLS]``,
+  then a JSON array of ``{"name", "arguments"}``: Mistral 7B Instruct v0.3, Mistral Nemo; the marker is a
+  special token, so these requests keep special tokens' text). Without a parser, "auto" is refused, as
+  vLLM does.
 - ``"none"``: the model sees the tools and answers in text.
 
 Each choice's output goes through a :class:`Reader`, fed the text as it streams and finished with the
@@ -27,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import secrets
+import string
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +41,7 @@ from llm_jax.server.fields import ApiError, Fields, check, check_kind, show
 
 MAX_TOOLS = 128
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral")
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -229,8 +233,15 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse other ids in the calls sent back."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
 class Reader:
     """One choice's output, read as it streams: ``feed`` each new piece of text, ``finish`` at its end."""
+
+    new_id = staticmethod(call_id)
 
     def __init__(self) -> None:
         self.num_calls = 0
@@ -245,7 +256,7 @@ class Reader:
         self.num_calls += 1
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
-        return CallDelta(index=self.num_calls - 1, id=call_id(), name=name, arguments=arguments)
+        return CallDelta(index=self.num_calls - 1, id=self.new_id(), name=name, arguments=arguments)
 
 
 class PlainReader(Reader):
@@ -290,8 +301,9 @@ class ArrayReader(Reader):
     """The output is a JSON array of ``{"name", "parameters"}`` (``tool_choice="required"``): each call is
     given as soon as its object is complete."""
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: bool = True, arguments_keys: tuple[str, ...] = ("parameters", "arguments")):
         super().__init__()
+        self.parallel, self.arguments_keys = parallel, arguments_keys
         self.text, self.at = "", 0  # all of it; where the next element may start
 
     def feed(self, text: str) -> Read:
@@ -304,8 +316,8 @@ class ArrayReader(Reader):
                 value, end = decoder.raw_decode(self.text, self.at + skip)
             except ValueError:
                 return read
-            call = _as_call(value, ("parameters", "arguments"))
-            if call is not None:
+            call = _as_call(value, self.arguments_keys)
+            if call is not None and (self.parallel or self.num_calls == 0):
                 read.calls.append(self._call(*call))
             self.at = end
 
@@ -372,6 +384,48 @@ class HermesReader(Reader):
                     read.calls.append(self._call(*call))
                 self.after_call = True
             self.pending = self.pending[block_end:]
+
+
+class MistralReader(Reader):
+    """``[TOOL_CALLS]`` then a JSON array of ``{"name": …, "arguments": {…}}``; the text before the marker
+    is the content. Calls are given as their objects complete; a marker followed by no call leaves the
+    whole text content."""
+
+    MARKER = "[TOOL_CALLS]"
+
+    def __init__(self, parallel: bool = True):  # no super().__init__(): the calls are the array's
+        self.pending = ""  # content not given out yet
+        self.array: ArrayReader | None = None  # past the marker
+        self.parallel = parallel
+
+    @property
+    def num_calls(self) -> int:
+        return self.array.num_calls if self.array is not None else 0
+
+    def feed(self, text: str) -> Read:
+        if self.array is not None:
+            return self.array.feed(text)
+        self.pending += text
+        start = self.pending.find(self.MARKER)
+        if start < 0:
+            keep = held_back(self.pending, self.MARKER)
+            given, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+            return Read(content=given)
+        before, rest = self.pending[:start], self.pending[start + len(self.MARKER):]
+        self.pending = before[len(before.rstrip()):]  # the white space before the marker, while calls may come
+        self.array = ArrayReader(self.parallel, ("arguments", "parameters"))
+        self.array.new_id = mistral_call_id
+        read = Read(content=before.rstrip())
+        read += self.array.feed(rest)
+        return read
+
+    def finish(self) -> Read:
+        if self.array is None:
+            text, self.pending = self.pending, ""
+            return Read(content=text)
+        if self.array.num_calls == 0:  # not calls after all: the text as written
+            return Read(content=self.pending + self.MARKER + self.array.text)
+        return Read()
 
 
 class Llama3JsonReader(Reader):
@@ -457,7 +511,14 @@ def reader(calling: ToolCalling | None, parser: str | None) -> Reader | None:
         return HermesReader(calling.parallel)
     if parser == "llama3_json":
         return Llama3JsonReader(calling.parallel)
+    if parser == "mistral":
+        return MistralReader(calling.parallel)
     raise ValueError(f"unknown tool-call parser {parser!r}; known: {PARSERS}")
+
+
+def keeps_special_tokens(calling: ToolCalling | None, parser: str | None) -> bool:
+    """Whether the model's calls are marked by a special token (whose text the request must keep)."""
+    return parser == "mistral" and calling is not None and calling.choice == "auto"
 
 
 def read_all(reader: Reader, text: str) -> tuple[str, list[dict[str, Any]], str]:

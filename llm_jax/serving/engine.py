@@ -192,14 +192,17 @@ class Engine:
     def add_request(self, request_id: str, prompt: Prompt, *, sampling: Sampling = GREEDY,
                     max_new_tokens: int | None = None, min_new_tokens: int = 0, stop: Sequence[str] = (),
                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None, sample_index: int = 0, guided: Guided | None = None) -> None:
+                    prompt_logprobs: int | None = None, sample_index: int = 0, guided: Guided | None = None,
+                    skip_special_tokens: bool = True) -> None:
         """Queue a request (a string, or token ids used as given). ``max_new_tokens`` None: until the
         context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own);
         ``prompt_logprobs``: the same for the prompt's tokens, reported with the first token (the request
         then computes its whole prompt, not starting from the prefix cache). ``sample_index`` tells apart
         the samples of one prompt drawn with one seed, as ``generate``'s ``n``. ``guided``: a constraint the
         output follows (``llm_jax.guided``: a JSON schema, a regular expression, choices, a grammar); the
-        request ends once it is complete (finish reason "stop") and never proposes speculative tokens."""
+        request ends once it is complete (finish reason "stop") and never proposes speculative tokens.
+        ``skip_special_tokens=False``: the text keeps special tokens (but the end-of-sequence or stop token
+        that ends it)."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
         (ids,) = encode_prompts(self.model, [prompt])
@@ -229,7 +232,8 @@ class Engine:
         self._live[request_id] = _Live(
             request=request, sampling=sampling, end_ids=end_ids, eos_ids=frozenset(eos_ids),
             stop_ids=frozenset(stop_ids), min_new_tokens=min_new_tokens, logprobs=logprobs, sample_index=sample_index,
-            text=SequenceText(self.model.tokenizer, list(ids), tuple(stop), min_new_tokens),
+            text=SequenceText(self.model.tokenizer, list(ids), tuple(stop), min_new_tokens,
+                              skip_special=skip_special_tokens, end_ids=frozenset(end_ids)),
             prompt_logprobs=prompt_logprobs, matcher=matcher)
 
     def abort(self, request_id: str) -> bool:

@@ -49,7 +49,7 @@ def test_mistakes_are_one_line():
     _one_error_line(_serve("--quantize", "int3"), 2, "--quantize")
     _one_error_line(_serve("--group-size", "32"), 2, "--group-size needs --quantize")
     _one_error_line(_serve("--enable-auto-tool-choice"), 2, "--enable-auto-tool-choice needs --tool-call-parser")
-    _one_error_line(_serve("--tool-call-parser", "mistral"), 2, "--tool-call-parser")
+    _one_error_line(_serve("--tool-call-parser", "pythonic"), 2, "--tool-call-parser")
     _one_error_line(_serve("--model", "no/such/model"), 1, "no/such/model does not exist")
     _one_error_line(_serve("--chat-template", "no/such/template.jinja"), 1, "template.jinja does not exist")
 

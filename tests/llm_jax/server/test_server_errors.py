@@ -59,6 +59,7 @@ CASES = [
     ("/v1/completions", {**COMPLETION, "bad_words": [" "]}, 400, "bad_words"),
     ("/v1/completions", {**COMPLETION, "bad_words": ["a" * 200]}, 400, "bad_words"),
     ("/v1/completions", {**COMPLETION, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {**COMPLETION, "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     ("/v1/completions", {**COMPLETION, "suffix": "end"}, 400, "suffix"),
     ("/v1/completions", {**COMPLETION, "temprature": 0.5}, 400, "temprature"),
     ("/v1/completions", {**COMPLETION, "model": "gpt-4"}, 404, "model"),
@@ -138,7 +139,8 @@ FIELDS = st.sampled_from(["model", "prompt", "messages", "max_tokens", "max_comp
                           "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "best_of", "tokens",
                           "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "typical_p",
                           "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                          "guided_grammar", "bad_words", "tools", "tool_choice", "parallel_tool_calls", "unknown"])
+                          "guided_grammar", "bad_words", "tools", "tool_choice", "parallel_tool_calls",
+                          "skip_special_tokens", "unknown"])
 BASES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/tokenize": {"prompt": "Hi"},
          "/detokenize": {"tokens": [1, 2]}}
 

@@ -31,12 +31,14 @@ def hf_tokenizer(stories260k_dir):
     return transformers.AutoTokenizer.from_pretrained(stories260k_dir / "hf")
 
 
-def assistant_text(hf_tokenizer, template: str, content: str, calls, end: str) -> str:
+def assistant_text(hf_tokenizer, template: str, content: str, calls, end: str, call_ids: bool = False) -> str:
     """What the template writes for an assistant turn with these calls, without its end marker (the model's
     end-of-turn token, which ends generation)."""
     user = [{"role": "user", "content": "What's the weather?"}]
     message = {"role": "assistant", "content": content,
                "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]}
+    if call_ids:
+        message["tool_calls"] = [{**c, "id": tools.mistral_call_id()} for c in message["tool_calls"]]
     kwargs = dict(tools=TOOLS, tokenize=False, chat_template=template)
     before = hf_tokenizer.apply_chat_template(user, add_generation_prompt=True, **kwargs)
     after = hf_tokenizer.apply_chat_template([*user, message], **kwargs)
@@ -56,7 +58,7 @@ def read(reader: tools.Reader, text: str, rng: random.Random | None = None) -> t
     calls: list[list] = []
     for delta in result.calls:
         if delta.id is not None:
-            assert delta.id.startswith("call_") and delta.index == len(calls)
+            assert delta.id and delta.index == len(calls)
             calls.append([delta.index, delta.name, ""])
         calls[delta.index][2] += delta.arguments
     return result.content, [tuple(c) for c in calls]
@@ -83,6 +85,49 @@ def test_hermes_reads_the_calls_the_template_writes(hf_tokenizer, case):
         assert read(tools.HermesReader(), text, rng) == (got_content, got_calls)
     # without parallel calls, the first only
     assert read(tools.HermesReader(parallel=False), text)[1] == got_calls[:1]
+
+
+# Written after Mistral 7B Instruct v0.3's published template: its tool-call turns (ids of nine characters);
+# the tools go before the first user message here, not the last, so that a turn's text is its own.
+MISTRAL = """{{- bos_token }}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {%- if loop.first and tools is not none %}
+            {{- '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}
+        {%- endif %}
+        {{- '[INST] ' + message.content + '[/INST]' }}
+    {%- elif message.role == 'assistant' and message.tool_calls is defined %}
+        {{- '[TOOL_CALLS] [' }}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.id is not defined or tool_call.id | length != 9 %}
+                {{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}
+            {%- endif %}
+            {{- '{"name": "' + tool_call.function.name + '", "arguments": ' + tool_call.function.arguments | tojson }}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}{{- ', ' }}{%- endif %}
+        {%- endfor %}
+        {{- ']' + eos_token }}
+    {%- elif message.role == 'assistant' %}
+        {{- ' ' + message.content + eos_token }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+
+@pytest.mark.parametrize("case", [0, 2, 3])
+def test_mistral_reads_the_calls_the_template_writes(hf_tokenizer, case):
+    _, calls = CALLS[case]  # the template writes calls without content
+    text = assistant_text(hf_tokenizer, MISTRAL, "", calls, "</s>", call_ids=True)
+    content, got = read(tools.MistralReader(), text)
+    assert content == "" and [(name, json.loads(arguments)) for _, name, arguments in got] == calls
+    reader = tools.MistralReader()
+    ids = [d.id for d in reader.feed(text).calls]
+    assert all(len(i) == 9 and i.isalnum() for i in ids)  # what the template takes back
+    rng = random.Random(case)
+    for _ in range(20):
+        assert read(tools.MistralReader(), text, rng) == (content, got)
+    assert read(tools.MistralReader(parallel=False), text)[1] == got[:1]
+    assert read(tools.MistralReader(), "Sure. " + text) == ("Sure.", got)
 
 
 @pytest.mark.parametrize("case", [0, 1, 3])
@@ -113,11 +158,15 @@ ODD_OUTPUTS = [
     " {\"name\": 3}",
     "<|python_tag|>{\"name\": \"f\", \"arguments\": {}}",
     "{\"name\": \"f\", \"parameters\": {}} and more",
+    "Here: [TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"a\": 1}}, {\"name\": \"g\", \"arguments\": {}}]",
+    "[TOOL_CALLS] not json",
+    "[TOOL_CALLS] [{\"name\": \"f\", \"argu",
+    "x [TOOL_CA",
 ]
 
 
-@pytest.mark.parametrize("make", [tools.HermesReader, tools.Llama3JsonReader, tools.ArrayReader],
-                         ids=["hermes", "llama3_json", "array"])
+@pytest.mark.parametrize("make", [tools.HermesReader, tools.Llama3JsonReader, tools.MistralReader, tools.ArrayReader],
+                         ids=["hermes", "llama3_json", "mistral", "array"])
 def test_streamed_pieces_read_as_the_whole(make):
     rng = random.Random(0)
     texts = [*ODD_OUTPUTS, "[{\"name\": \"f\", \"parameters\": {\"a\": [1]}}, {\"name\": \"g\", \"parameters\": {}}]",

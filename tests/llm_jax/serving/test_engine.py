@@ -328,3 +328,27 @@ def test_the_cpu_step_reads_pages_through_the_kernel(stories):
     assert "llm_jax_paged_attention_append" in hlo
     pages = f"f32[{stories.config.n_layers},{engine.cache.num_pages},8,"  # the pages' shape, as HLO prints it
     assert not [line for line in hlo.splitlines() if pages in line and (" scatter(" in line or " copy(" in line)]
+
+
+def test_special_tokens_text_when_asked(stories260k_dir):
+    """skip_special_tokens=False keeps special tokens' text (as the Hugging Face tokenizer decodes them),
+    but that of the token ending the request; the default shows none."""
+    import transformers
+
+    model = llm_jax.load(stories260k_dir / "hf")  # BOS is no stop token here
+    hf = transformers.AutoTokenizer.from_pretrained(stories260k_dir / "hf")
+    engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=32, block_size=16, max_model_len=64)
+    bos, eos = model.tokenizer.bos_id, model.tokenizer.eos_ids[0]
+    often_bos = llm_jax.Sampling(logit_bias={bos: 100.0})
+    cases = {"kept": dict(sampling=often_bos, skip_special_tokens=False), "skipped": dict(sampling=often_bos),
+             "end": dict(sampling=llm_jax.Sampling(logit_bias={eos: 100.0}), skip_special_tokens=False)}
+    outputs = run_all(engine, {0: [(rid, "Once upon a time", dict(max_new_tokens=12, **kw))
+                                   for rid, kw in cases.items()]})
+    ids = {rid: [t for o in outs for t in o.token_ids] for rid, outs in outputs.items()}
+    text = {rid: "".join(o.text for o in outs) for rid, outs in outputs.items()}
+    assert ids["kept"] == ids["skipped"] == [bos] * 12
+    assert "<s>" in text["kept"] and "<s>" not in text["skipped"]
+    prompt = model.tokenizer.encode("Once upon a time")
+    whole = hf.decode(prompt + ids["kept"], skip_special_tokens=False)
+    assert whole.endswith(text["kept"]) and whole[:-len(text["kept"])] == hf.decode(prompt, skip_special_tokens=False)
+    assert ids["end"] == [eos] and text["end"] == "" and outputs["end"][-1].finish_reason == "eos"
