@@ -1,6 +1,7 @@
 """The ASGI app (Starlette): the routes, the error handlers and the lifespan.
 
-    POST /v1/completions        POST /v1/chat/completions     GET /v1/models
+    POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
+    GET  /v1/models
     POST /tokenize              POST /detokenize
     GET  /health                GET  /version                 GET /metrics
 
@@ -25,7 +26,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llm_jax.server import protocol, reasoning, tools
+from llm_jax.server import protocol, reasoning, responses_api, tools
+from llm_jax.server.choices import Run
 from llm_jax.server.fields import ApiError
 from llm_jax.server.metrics import CONTENT_TYPE
 from llm_jax.server.responses import ChatShape, CompletionShape
@@ -66,26 +68,45 @@ def _echo(service: Service, prompt: protocol.Prompt, ids: tuple[int, ...]) -> st
     return service.tokenizer.decode(list(ids)) if service.tokenizer is not None else ""
 
 
+def _conversation(service: Service, messages, calling: tools.ToolCalling | None, generation: protocol.Generation,
+                  rid: str, arrival: float, param: str, **template) -> tuple[Run, Callable]:
+    """A conversation's run (rendered by the chat template with its tools), and the reader of its answers."""
+    parser = service.config.tool_call_parser
+    tools.check_parser(calling, parser)
+    ids, text = service.render_chat(messages, tools=calling.specs() if calling is not None else None, **template)
+    if tools.keeps_special_tokens(calling, parser):
+        generation = dataclasses.replace(generation, skip_special_tokens=False)
+    run = service.admit(generation, [service.budget(ids, generation, param)], rid, arrival)
+    return run, reasoning.output_reader(calling, parser, service.config.reasoning_parser, prompt=text)
+
+
 async def chat_completions(service: Service, request: Request) -> Response:
     rid, arrival = request_id(request, "chatcmpl"), time.monotonic()
     try:
         parsed = protocol.parse_chat(await service.body(request), service.limits)
         service.check_model(parsed.model)
-        tools.check_parser(parsed.tools, service.config.tool_call_parser)
-        ids, text = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
-                                        continue_final_message=parsed.continue_final_message,
-                                  template_kwargs=parsed.template_kwargs,
-                                  tools=parsed.tools.specs() if parsed.tools is not None else None)
-        generation = parsed.generation
-        if tools.keeps_special_tokens(parsed.tools, service.config.tool_call_parser):
-            generation = dataclasses.replace(generation, skip_special_tokens=False)
-        run = service.admit(generation, [service.budget(ids, generation, "messages")], rid, arrival)
+        run, make_reader = _conversation(service, parsed.messages, parsed.tools, parsed.generation, rid, arrival,
+                                         "messages", add_generation_prompt=parsed.add_generation_prompt,
+                                         continue_final_message=parsed.continue_final_message,
+                                         template_kwargs=parsed.template_kwargs)
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
-    make_reader = reasoning.output_reader(parsed.tools, service.config.tool_call_parser,
-                                          service.config.reasoning_parser, prompt=text)
     shape = ChatShape(rid, int(time.time()), service.name, run, parsed.tools, make_reader)
+    return await service.respond(request, run, shape, rid)
+
+
+async def responses(service: Service, request: Request) -> Response:
+    rid, arrival = request_id(request, "resp"), time.monotonic()
+    try:
+        parsed = responses_api.parse_responses(await service.body(request), service.limits)
+        service.check_model(parsed.model)
+        run, make_reader = _conversation(service, parsed.messages, parsed.tools, parsed.generation, rid, arrival,
+                                         "input", add_generation_prompt=True, template_kwargs=parsed.template_kwargs)
+    except ApiError as error:
+        service.log_refusal(rid, error)
+        raise
+    shape = responses_api.ResponsesShape(rid, int(time.time()), service.name, run, parsed, make_reader)
     return await service.respond(request, run, shape, rid)
 
 
@@ -136,6 +157,7 @@ async def metrics(service: Service, request: Request) -> Response:
 ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("/v1/completions", "POST", completions),
     ("/v1/chat/completions", "POST", chat_completions),
+    ("/v1/responses", "POST", responses),
     ("/v1/models", "GET", models),
     ("/tokenize", "POST", tokenize),
     ("/detokenize", "POST", detokenize),

@@ -40,7 +40,8 @@ API_KEY_ENV = "LLM_JAX_API_KEY"
 DESCRIPTION = "Serve a model over HTTP with an OpenAI-compatible API (continuous batching, SSE streaming)."
 EPILOG = f"""\
 endpoints:
-  POST /v1/completions, /v1/chat/completions (stream: true for Server-Sent Events); GET /v1/models;
+  POST /v1/completions, /v1/chat/completions, /v1/responses (stream: true for Server-Sent Events);
+  GET /v1/models;
   POST /tokenize, /detokenize; GET /health (200 once ready), /version, /metrics (Prometheus).
 
 api key:

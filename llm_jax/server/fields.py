@@ -99,6 +99,10 @@ class Fields:
         value = self._left.pop(name, None)
         return default if value is None else check_kind(value, name, *kinds)
 
+    def peek(self, name: str) -> Any:
+        """A field's value as sent, left to be taken."""
+        return self._left.get(name)
+
     def required(self, name: str, *kinds: str) -> Any:
         if self._left.get(name) is None:
             raise ApiError(f"{name} is required", param=name, code="missing_field")

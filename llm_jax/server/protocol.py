@@ -136,7 +136,8 @@ def _logit_bias(fields: Fields, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _sampling(fields: Fields, limits: Limits) -> Sampling:
+def read_sampling(fields: Fields, limits: Limits) -> Sampling:
+    """The sampling fields every generation endpoint takes."""
     temperature = number(fields, "temperature", 1.0, lambda t: 0 <= t <= 2, "in [0, 2]")
     top_k = fields.take("top_k", "integer", default=0)
     check(top_k >= -1, "top_k", f"must be -1 or 0 (off) or positive, got {top_k}")
@@ -185,7 +186,7 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
         check_kind(word, f"bad_words[{i}]", "string")
         check(word.strip() != "", "bad_words", "must not hold an empty word")
     guided, guided_param = _guided(fields)
-    return Generation(max_tokens=max_tokens, min_tokens=min_tokens, n=n, sampling=_sampling(fields, limits),
+    return Generation(max_tokens=max_tokens, min_tokens=min_tokens, n=n, sampling=read_sampling(fields, limits),
                       seed=seed, stop=stop, stop_token_ids=stop_ids,
                       ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
                       stream=stream, include_usage=include_usage, continuous_usage=continuous, guided=guided,
@@ -236,7 +237,7 @@ def _response_format(value: dict[str, Any]) -> Guided | None:
     return Json(schema)
 
 
-def _structured(value: dict[str, Any], param: str = "structured_outputs") -> Guided:
+def structured_outputs(value: dict[str, Any], param: str = "structured_outputs") -> Guided:
     """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar, json_object."""
     fields = Fields(value)
     found = [(name, fields.take(name, *kinds)) for name, kinds in
@@ -263,7 +264,7 @@ def _guided_value(kind: str, value: Any, param: str) -> Guided:
     return Grammar(value)
 
 
-def _nested(name: str, parse, value: Any) -> Guided | None:
+def nested(name: str, parse, value: Any) -> Guided | None:
     """``parse(value)`` of an object field, its errors named under ``name``."""
     try:
         return parse(value)
@@ -278,10 +279,10 @@ def _guided(fields: Fields) -> tuple[Guided | None, str | None]:
     given: list[tuple[str, Guided | None]] = []
     response_format = fields.take("response_format", "object")
     if response_format is not None:
-        given.append(("response_format", _nested("response_format", _response_format, response_format)))
+        given.append(("response_format", nested("response_format", _response_format, response_format)))
     structured = fields.take("structured_outputs", "object")
     if structured is not None:
-        given.append(("structured_outputs", _nested("structured_outputs", _structured, structured)))
+        given.append(("structured_outputs", nested("structured_outputs", structured_outputs, structured)))
     for name, kinds in (("guided_json", ("object", "string")), ("guided_regex", ("string",)),
                         ("guided_choice", ("array",)), ("guided_grammar", ("string",))):
         value = fields.take(name, *kinds)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from llm_jax.server.choices import Choice, Delta, Run, TokenLogprob
 from llm_jax.server import tools
@@ -37,6 +37,20 @@ def error_event(error: ApiError) -> str:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Shape(Protocol):
+    """How a run's choices are answered: whole (``response``), or as the events of a stream."""
+
+    def response(self) -> dict[str, Any]: ...
+
+    def opening(self) -> list[str]: ...
+
+    def chunk(self, delta: Delta) -> str | None: ...
+
+    def closing(self) -> list[str]: ...
+
+    def failure(self, error: ApiError) -> list[str]: ...
 
 
 class _Shape:
@@ -63,6 +77,18 @@ class _Shape:
 
     def usage_chunk(self) -> str:
         return event({**self._head(self.chunk_name), "choices": [], "usage": self.usage()})
+
+    def opening(self) -> list[str]:
+        """The events before the first delta's."""
+        return []
+
+    def closing(self) -> list[str]:
+        """The events after the last delta's: the usage chunk when asked, and [DONE]."""
+        return [*([self.usage_chunk()] if self.run.generation.include_usage else []), DONE]
+
+    def failure(self, error: ApiError) -> list[str]:
+        """The events that end a stream an error cut short."""
+        return [error_event(error), DONE]
 
 
 class CompletionShape(_Shape):

@@ -33,7 +33,7 @@ from llm_jax.server.choices import Run
 from llm_jax.server.fields import ApiError, parse_json
 from llm_jax.server.metrics import ServerMetrics
 from llm_jax.server.protocol import Generation, Limits, check_context
-from llm_jax.server.responses import DONE, ChatShape, CompletionShape, error_event
+from llm_jax.server.responses import DONE, Shape, error_event
 from llm_jax.server.sse import CLIENT_CLOSED, Disconnected, EventStream, unless_disconnected
 from llm_jax.serving.async_engine import AsyncEngine
 from llm_jax.serving.engine import END_WIDTH
@@ -230,7 +230,7 @@ class Service:
 
     # --- running a request --------------------------------------------------------------------------
 
-    async def respond(self, request: Request, run: Run, shape: CompletionShape | ChatShape,
+    async def respond(self, request: Request, run: Run, shape: Shape,
                       request_id: str) -> Response:
         headers = {"x-request-id": request_id}
         if run.generation.stream:
@@ -257,20 +257,20 @@ class Service:
         self.finish(run, 200)
         return JSONResponse(body, headers=headers)
 
-    async def _events(self, run: Run, shape: CompletionShape | ChatShape) -> AsyncIterator[str]:
+    async def _events(self, run: Run, shape: Shape) -> AsyncIterator[str]:
         try:
-            for chunk in shape.opening() if isinstance(shape, ChatShape) else ():
+            for chunk in shape.opening():
                 yield chunk
             async with contextlib.aclosing(run.deltas()) as deltas:
                 async for delta in deltas:
                     if (chunk := shape.chunk(delta)) is not None:
                         yield chunk
-            if run.generation.include_usage:
-                yield shape.usage_chunk()
+            for chunk in shape.closing():
+                yield chunk
         except ApiError as error:  # the response has begun: the error is its last event
             self.finish(run, error.status, error)
-            yield error_event(error)
-        yield DONE
+            for chunk in shape.failure(error):
+                yield chunk
 
     def render_chat(self, messages, *, add_generation_prompt: bool, continue_final_message: bool = False,
                     template_kwargs: dict | None = None, tools: list | None = None) -> tuple[tuple[int, ...], str]:

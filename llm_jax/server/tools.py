@@ -117,21 +117,26 @@ def _tool(value: Any, param: str) -> Tool:
           f"must be 'function' (the only kind of tool), got {show(value.get('type'))}")
     unknown = set(value) - {"type", "function"}
     check(not unknown, param, f"has unknown fields {sorted(unknown)}")
-    function = check_kind(value.get("function"), f"{param}.function", "object")
-    unknown = set(function) - {"name", "description", "parameters", "strict"}
-    check(not unknown, f"{param}.function", f"has unknown fields {sorted(unknown)}")
-    name = check_kind(function.get("name"), f"{param}.function.name", "string")
-    check(NAME.match(name) is not None, f"{param}.function.name",
+    return function_tool(check_kind(value.get("function"), f"{param}.function", "object"), f"{param}.function")
+
+
+def function_tool(function: dict[str, Any], param: str, more: frozenset[str] = frozenset()) -> Tool:
+    """A function's ``name``, ``description``, ``parameters`` and ``strict`` (and ``more`` fields, taken by
+    the caller) checked; ``param`` names the object."""
+    unknown = set(function) - {"name", "description", "parameters", "strict", *more}
+    check(not unknown, param, f"has unknown fields {sorted(unknown)}")
+    name = check_kind(function.get("name"), f"{param}.name", "string")
+    check(NAME.match(name) is not None, f"{param}.name",
           f"must be 1 to 64 letters, digits, underscores or dashes, got {show(name)}")
     description = function.get("description")
     if description is not None:
-        check_kind(description, f"{param}.function.description", "string")
+        check_kind(description, f"{param}.description", "string")
     parameters = function.get("parameters")
     if parameters is not None:
-        check_kind(parameters, f"{param}.function.parameters", "object")
+        check_kind(parameters, f"{param}.parameters", "object")
     strict = function.get("strict")
     if strict is not None:
-        check_kind(strict, f"{param}.function.strict", "boolean")
+        check_kind(strict, f"{param}.strict", "boolean")
     return Tool(name=name, description=description, parameters=parameters, strict=strict)
 
 
@@ -151,14 +156,18 @@ def _tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
     return Named(name)
 
 
+def unique(tools: tuple[Tool, ...]) -> tuple[Tool, ...]:
+    names = [t.name for t in tools]
+    duplicate = next((name for name in names if names.count(name) > 1), None)
+    check(duplicate is None, "tools", f"names the function {show(duplicate)} twice")
+    return tools
+
+
 def parse_tool_calling(fields: Fields) -> ToolCalling | None:
     """``tools``, ``tool_choice`` and ``parallel_tool_calls``; None when the request has no tools."""
     value = fields.take("tools", "array", default=[])
     check(len(value) <= MAX_TOOLS, "tools", f"may hold at most {MAX_TOOLS} tools, got {len(value)}")
-    tools = tuple(_tool(tool, f"tools[{i}]") for i, tool in enumerate(value))
-    names = [t.name for t in tools]
-    duplicate = next((name for name in names if names.count(name) > 1), None)
-    check(duplicate is None, "tools", f"names the function {show(duplicate)} twice")
+    tools = unique(tuple(_tool(tool, f"tools[{i}]") for i, tool in enumerate(value)))
     choice = _tool_choice(fields.take("tool_choice", "string", "object", default="auto" if tools else "none"), tools)
     parallel = fields.take("parallel_tool_calls", "boolean", default=True)
     fields.unsupported("functions", accepted=[], why="is deprecated: give tools instead")

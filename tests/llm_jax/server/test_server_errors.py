@@ -140,9 +140,10 @@ FIELDS = st.sampled_from(["model", "prompt", "messages", "max_tokens", "max_comp
                           "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "typical_p",
                           "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                           "guided_grammar", "bad_words", "tools", "tool_choice", "parallel_tool_calls",
-                          "skip_special_tokens", "unknown"])
+                          "skip_special_tokens", "input", "instructions", "max_output_tokens", "text", "reasoning",
+                          "unknown"])
 BASES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/tokenize": {"prompt": "Hi"},
-         "/detokenize": {"tokens": [1, 2]}}
+         "/detokenize": {"tokens": [1, 2]}, "/v1/responses": {"input": "Hi", "max_output_tokens": 8}}
 
 
 def _bounded(path: str, body: dict) -> dict:
@@ -152,7 +153,7 @@ def _bounded(path: str, body: dict) -> dict:
     def integer(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
-    for key, most in (("max_tokens", 64), ("max_completion_tokens", 64), ("n", 4)):
+    for key, most in (("max_tokens", 64), ("max_completion_tokens", 64), ("max_output_tokens", 64), ("n", 4)):
         if integer(body.get(key)) and body[key] > most:
             body[key] = most
     if path == "/v1/chat/completions" and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
@@ -162,7 +163,7 @@ def _bounded(path: str, body: dict) -> dict:
 
 @settings(max_examples=120, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(path=st.sampled_from(sorted(BASES)), changes=st.dictionaries(FIELDS, EDGES | JSON, max_size=4),
-       dropped=st.sets(st.sampled_from(["prompt", "messages", "max_tokens", "tokens"]), max_size=1))
+       dropped=st.sets(st.sampled_from(["prompt", "messages", "max_tokens", "tokens", "input"]), max_size=1))
 @example(path="/v1/chat/completions", changes={"messages": [{"role": "user", "content": {"x": 1}}]}, dropped=set())
 @example(path="/v1/chat/completions", changes={"chat_template_kwargs": {"messages": 1}}, dropped=set())
 @example(path="/v1/completions", changes={"stream": True, "n": 3, "logprobs": 2}, dropped=set())
