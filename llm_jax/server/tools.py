@@ -395,25 +395,65 @@ class HermesReader(Reader):
             self.pending = self.pending[block_end:]
 
 
+class _NamedCalls(Reader):
+    """``name[ARGS]{…}`` calls, each after ``[TOOL_CALLS]`` but the first (Mistral's form since its v11
+    tokenizer: Mistral Small 3.2, Magistral, Devstral); each is given once its arguments are complete."""
+
+    ARGS = "[ARGS]"
+
+    def __init__(self, parallel: bool, marker: str):
+        super().__init__()
+        self.parallel, self.marker = parallel, marker
+        self.text, self.at = "", 0  # all of it; where the next call may start
+
+    def feed(self, text: str) -> Read:
+        self.text += text
+        read, decoder = Read(), json.JSONDecoder()
+        while True:
+            rest = self.text[self.at:].lstrip()
+            rest = rest.removeprefix(self.marker)
+            start = len(self.text) - len(rest)
+            args = self.text.find(self.ARGS, start)
+            if args < 0:
+                return read
+            begin = args + len(self.ARGS)
+            begin += len(self.text[begin:]) - len(self.text[begin:].lstrip())
+            try:
+                value, end = decoder.raw_decode(self.text, begin)
+            except ValueError:
+                return read
+            name = self.text[start:args].strip()
+            if NAME.match(name) and isinstance(value, dict) and (self.parallel or self.num_calls == 0):
+                read.calls.append(self._call(name, value))
+            self.at = end
+
+    def finish(self) -> Read:
+        return Read()
+
+
 class MistralReader(Reader):
-    """``[TOOL_CALLS]`` then a JSON array of ``{"name": …, "arguments": {…}}``; the text before the marker
-    is the content. Calls are given as their objects complete; a marker followed by no call leaves the
-    whole text content."""
+    """``[TOOL_CALLS]`` then a JSON array of ``{"name": …, "arguments": {…}}`` (Mistral 7B Instruct v0.3,
+    Nemo), or ``name[ARGS]{…}`` for each call (since Mistral's v11 tokenizer); the text before the marker
+    is the content. Calls are given as they complete; a marker followed by no call leaves the whole text
+    content."""
 
     MARKER = "[TOOL_CALLS]"
 
-    def __init__(self, parallel: bool = True):  # no super().__init__(): the calls are the array's
+    def __init__(self, parallel: bool = True):  # no super().__init__(): the calls are the tail's
         self.pending = ""  # content not given out yet
-        self.array: ArrayReader | None = None  # past the marker
+        self.after: str | None = None  # past the marker, until its form is known
+        self.tail: ArrayReader | _NamedCalls | None = None  # what reads the calls
         self.parallel = parallel
 
     @property
     def num_calls(self) -> int:
-        return self.array.num_calls if self.array is not None else 0
+        return self.tail.num_calls if self.tail is not None else 0
 
     def feed(self, text: str) -> Read:
-        if self.array is not None:
-            return self.array.feed(text)
+        if self.tail is not None:
+            return self.tail.feed(text)
+        if self.after is not None:
+            return self._after(text)
         self.pending += text
         start = self.pending.find(self.MARKER)
         if start < 0:
@@ -422,18 +462,29 @@ class MistralReader(Reader):
             return Read(content=given)
         before, rest = self.pending[:start], self.pending[start + len(self.MARKER):]
         self.pending = before[len(before.rstrip()):]  # the white space before the marker, while calls may come
-        self.array = ArrayReader(self.parallel, ("arguments", "parameters"))
-        self.array.new_id = mistral_call_id
+        self.after = ""
         read = Read(content=before.rstrip())
-        read += self.array.feed(rest)
+        read += self._after(rest)
         return read
 
+    def _after(self, text: str) -> Read:
+        self.after += text
+        head = self.after.lstrip()
+        if not head:
+            return Read()
+        if head.startswith("["):
+            self.tail = ArrayReader(self.parallel, ("arguments", "parameters"))
+        else:
+            self.tail = _NamedCalls(self.parallel, self.MARKER)
+        self.tail.new_id = mistral_call_id
+        return self.tail.feed(self.after)
+
     def finish(self) -> Read:
-        if self.array is None:
+        if self.after is None:
             text, self.pending = self.pending, ""
             return Read(content=text)
-        if self.array.num_calls == 0:  # not calls after all: the text as written
-            return Read(content=self.pending + self.MARKER + self.array.text)
+        if self.num_calls == 0:  # not calls after all: the text as written
+            return Read(content=self.pending + self.MARKER + (self.tail.text if self.tail is not None else self.after))
         return Read()
 
 

@@ -114,10 +114,36 @@ MISTRAL = """{{- bos_token }}
 """
 
 
+# Written after Mistral Small 3.2's published template (v11 tokenizer): each call as name[ARGS]{arguments}.
+MISTRAL_V11 = """{{- bos_token }}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {{- '[INST]' + message.content + '[/INST]' }}
+    {%- elif message.role == 'assistant' and message.tool_calls is defined and message.tool_calls %}
+        {%- for tool in message.tool_calls %}
+            {{- '[TOOL_CALLS]' }}
+            {%- set arguments = tool.function.arguments %}
+            {%- if arguments is not string %}
+                {%- set arguments = arguments | tojson | safe %}
+            {%- elif arguments == '' %}
+                {%- set arguments = '{}' %}
+            {%- endif %}
+            {{- tool.function.name + '[ARGS]' + arguments }}
+        {%- endfor %}
+        {{- eos_token }}
+    {%- elif message.role == 'assistant' %}
+        {{- message.content + eos_token }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+
+@pytest.mark.parametrize("template", ["v3", "v11"])
 @pytest.mark.parametrize("case", [0, 2, 3])
-def test_mistral_reads_the_calls_the_template_writes(hf_tokenizer, case):
-    _, calls = CALLS[case]  # the template writes calls without content
-    text = assistant_text(hf_tokenizer, MISTRAL, "", calls, "</s>", call_ids=True)
+def test_mistral_reads_the_calls_the_template_writes(hf_tokenizer, case, template):
+    _, calls = CALLS[case]  # the templates write calls without content
+    text = assistant_text(hf_tokenizer, MISTRAL if template == "v3" else MISTRAL_V11, "", calls, "</s>",
+                          call_ids=True)
     content, got = read(tools.MistralReader(), text)
     assert content == "" and [(name, json.loads(arguments)) for _, name, arguments in got] == calls
     reader = tools.MistralReader()
@@ -162,6 +188,9 @@ ODD_OUTPUTS = [
     "[TOOL_CALLS] not json",
     "[TOOL_CALLS] [{\"name\": \"f\", \"argu",
     "x [TOOL_CA",
+    "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Oslo\"}[TOOL_CALLS]get_time[ARGS]{}",
+    "Sure [TOOL_CALLS]bad name[ARGS]{}",
+    "[TOOL_CALLS]f[ARGS]{\"a\": ",
 ]
 
 
@@ -187,6 +216,9 @@ def test_odd_outputs():
     assert read(tools.Llama3JsonReader(), ODD_OUTPUTS[10])[1] == [(0, "f", "{}")]
     assert read(tools.ArrayReader(), '[{"name": "f", "parameters": {"a": 1}}]') == ("", [(0, "f", '{"a": 1}')])
     assert read(tools.NamedReader("f"), '{"a": 1}', random.Random(1)) == ("", [(0, "f", '{"a": 1}')])
+    assert read(tools.MistralReader(), ODD_OUTPUTS[16]) == ("", [(0, "get_weather", '{"city": "Oslo"}'),
+                                                                (1, "get_time", "{}")])
+    assert read(tools.MistralReader(), ODD_OUTPUTS[12]) == ("Here:", [(0, "f", '{"a": 1}'), (1, "g", "{}")])
 
 
 def chat(**fields):
