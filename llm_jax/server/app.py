@@ -76,6 +76,9 @@ def _conversation(service: Service, messages, calling: tools.ToolCalling | None,
     ids, text = service.render_chat(messages, tools=calling.specs() if calling is not None else None, **template)
     if tools.keeps_special_tokens(calling, parser):
         generation = dataclasses.replace(generation, skip_special_tokens=False)
+    if service.config.reasoning_parser is not None and generation.guided is not None:  # constrained after thinking
+        generation = dataclasses.replace(generation,
+                                         guided_after_token=reasoning.constraint_start(service.tokenizer, text))
     run = service.admit(generation, [service.budget(ids, generation, param)], rid, arrival)
     return run, reasoning.output_reader(calling, parser, service.config.reasoning_parser, prompt=text)
 

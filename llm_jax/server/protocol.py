@@ -65,6 +65,7 @@ class Generation:
     bad_words: tuple[str, ...] = ()  # words never to complete (vLLM's bad_words; the service tokenizes them)
     guided_param: str | None = None  # the field that gave it
     skip_special_tokens: bool = True  # False: the text keeps special tokens (vLLM's field)
+    guided_after_token: int | None = None  # the constraint starts after this token (a reasoning's end)
 
 
 Prompt = str | tuple[int, ...]

@@ -6,8 +6,9 @@ and ``</think>`` before the answer), a chat answer's reasoning goes to ``message
 too. The reasoning starts with the output when the model writes ``<think>`` first, or at once when the
 chat template already wrote it at the end of the prompt (DeepSeek-R1's, Qwen3's thinking models'); an
 answer without it is all content, as written. White space around the reasoning and before the answer is
-dropped, as ``transformers``' reader of these models drops it. A constraint (structured outputs) applies
-to the whole output, reasoning included.
+dropped, as ``transformers``' reader of these models drops it. A constraint (structured outputs, forced
+tool calls) holds from the end of the reasoning — from ``</think>``, when the tokenizer has it as one
+token (:func:`constraint_start`) — as vLLM's structured outputs with a reasoning parser do.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ OPEN, CLOSE = "<think>", "</think>"
 def thinking_at_start(prompt: str) -> bool:
     """The chat template opened the reasoning: the prompt ends with ``<think>``."""
     return prompt.rstrip().endswith(OPEN)
+
+
+def constraint_start(tokenizer, prompt: str) -> int | None:
+    """The token a constraint (structured outputs, forced tool calls) starts after: ``</think>``, when the
+    tokenizer has it as one token and the chat template did not close the reasoning already (a thinking
+    model answering without thinking); None: the constraint holds from the first token."""
+    if tokenizer is None or prompt.rstrip().endswith(CLOSE):
+        return None
+    return tokenizer.piece_to_id(CLOSE)
 
 
 class ThinkReader(Reader):
@@ -87,14 +97,13 @@ class ThinkReader(Reader):
 
 def output_reader(calling: tools.ToolCalling | None, tool_parser: str | None, reasoning_parser: str | None, *,
                   prompt: str) -> Callable[[], Reader | None]:
-    """What makes each choice's reader: the reasoning first (unless the output is constrained to calls),
-    then tool calls; None when the output is plain text."""
-    forced = calling is not None and calling.forced
+    """What makes each choice's reader: the reasoning first, then tool calls; None when the output is plain
+    text."""
     thinking = thinking_at_start(prompt)
 
     def make() -> Reader | None:
         inner = tools.reader(calling, tool_parser)
-        if reasoning_parser is None or forced:
+        if reasoning_parser is None:
             return inner
         return ThinkReader(inner or tools.PlainReader(), thinking=thinking)
 

@@ -92,6 +92,7 @@ class _Live:
     prompt_scores: dict[int, tuple[float, dict[int, float]]] = dataclasses.field(default_factory=dict)  # by position
     backoff: Backoff = Backoff()  # speculative decoding: steps it proposes nothing after failures
     matcher: Matcher | None = None  # guided decoding: where the request stands in its constraint
+    guided_after: int | None = None  # the token the constraint starts after (a reasoning's end), until it comes
 
     @property
     def scores_prompt(self) -> bool:
@@ -193,7 +194,7 @@ class Engine:
                     max_new_tokens: int | None = None, min_new_tokens: int = 0, stop: Sequence[str] = (),
                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, sample_index: int = 0, guided: Guided | None = None,
-                    skip_special_tokens: bool = True) -> None:
+                    guided_after_token: int | None = None, skip_special_tokens: bool = True) -> None:
         """Queue a request (a string, or token ids used as given). ``max_new_tokens`` None: until the
         context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own);
         ``prompt_logprobs``: the same for the prompt's tokens, reported with the first token (the request
@@ -201,6 +202,8 @@ class Engine:
         the samples of one prompt drawn with one seed, as ``generate``'s ``n``. ``guided``: a constraint the
         output follows (``llm_jax.guided``: a JSON schema, a regular expression, choices, a grammar); the
         request ends once it is complete (finish reason "stop") and never proposes speculative tokens.
+        ``guided_after_token``: the constraint starts after this token (a thinking model's end of
+        reasoning, ``</think>``), the output before it free.
         ``skip_special_tokens=False``: the text keeps special tokens (but the end-of-sequence or stop token
         that ends it)."""
         if request_id in self._live:
@@ -222,6 +225,9 @@ class Engine:
         step_controls(Shape(T=1, B=1, X=1, Q=1, kind="sample"), [sampling], np.zeros((1, 0), np.int32),
                       np.zeros((1,), np.int32), bias_width=BIAS_WIDTH)  # refuses what the step cannot run
         matcher = None
+        if guided_after_token is not None and (guided is None or not 0 <= guided_after_token < V):
+            raise ValueError(f"guided_after_token must be a token id in [0, {V}) and go with guided, got "
+                             f"{guided_after_token}")
         if guided is not None:
             if self.model.tokenizer is None:
                 raise ValueError(f"guided decoding needs the model's tokenizer, and {self.model.path} has none")
@@ -234,7 +240,7 @@ class Engine:
             stop_ids=frozenset(stop_ids), min_new_tokens=min_new_tokens, logprobs=logprobs, sample_index=sample_index,
             text=SequenceText(self.model.tokenizer, list(ids), tuple(stop), min_new_tokens,
                               skip_special=skip_special_tokens, end_ids=frozenset(end_ids)),
-            prompt_logprobs=prompt_logprobs, matcher=matcher)
+            prompt_logprobs=prompt_logprobs, matcher=matcher, guided_after=guided_after_token)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False when it is unknown or already finished."""
@@ -330,7 +336,7 @@ class Engine:
         if shape.kind != "greedy":  # what each sequence may choose: guided ones, what their constraint allows
             allowed_BW = all_allowed(B, self.config.vocab_size)
             for b, live in enumerate(lives):
-                if live.matcher is not None and plan.samples_B[b]:
+                if live.matcher is not None and live.guided_after is None and plan.samples_B[b]:
                     live.matcher.fill(allowed_BW[b])
             controls = dataclasses.replace(controls, allowed_BW=allowed_BW)
         if shape.kind == "prompt":  # the prompt token after each token, where a scored prompt has one
@@ -489,8 +495,13 @@ class Engine:
                     tokens = tokens[:i + 1]
                     break
             if live.matcher is not None and reason is None and not length:
+                guided = tokens
+                if live.guided_after is not None:  # free until its token, constrained after it
+                    guided = tokens[tokens.index(live.guided_after) + 1:] if live.guided_after in tokens else []
+                    if live.guided_after in tokens:
+                        live.guided_after = None
                 # Its constraint complete (or, which the mask rules out, broken): nothing may follow.
-                if not live.matcher.consume(tokens) or live.matcher.done:
+                if guided and (not live.matcher.consume(guided) or live.matcher.done):
                     reason = FinishReason.STOP
             kept, text, hit_stop = live.text.push(tokens, last=reason is not None or length)
             if hit_stop:

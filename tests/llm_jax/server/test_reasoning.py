@@ -62,9 +62,29 @@ def test_reasoning_reads_as_transformers(hf_tokenizer, case):
             whole.reasoning, whole.content, [(c.name, c.arguments) for c in whole.calls])
 
 
+class ThinkingTokenizer:
+    """A tokenizer that has </think> as one token (id 7)."""
+
+    def piece_to_id(self, piece):
+        return 7 if piece == "</think>" else None
+
+
+def test_constraints_start_after_the_reasoning():
+    assert reasoning.constraint_start(ThinkingTokenizer(), PROMPT) == 7
+    assert reasoning.constraint_start(ThinkingTokenizer(), PROMPT + "<think>\n") == 7
+    assert reasoning.constraint_start(ThinkingTokenizer(), PROMPT + "<think>\n\n</think>\n\n") is None
+    assert reasoning.constraint_start(None, PROMPT) is None
+    named = tools.ToolCalling(tools=(tools.Tool("add"),), choice=tools.Named("add"))
+    r = reasoning.output_reader(named, None, "qwen3", prompt=PROMPT)()
+    assert read(r, '<think>\nadd two\n</think>\n\n{"a": 2}') == ("", [(0, "add", '{"a": 2}')])
+    r = reasoning.output_reader(named, None, "qwen3", prompt=PROMPT)()
+    result = r.feed('<think>\nadd two\n</think>\n\n{"a": 2}')
+    assert result.reasoning == "add two"
+
+
 def test_without_a_parser_the_output_is_untouched():
     assert reasoning.output_reader(None, None, None, prompt=PROMPT)() is None
     r = reasoning.output_reader(None, None, "deepseek_r1", prompt=PROMPT + "<think>\n")()
     assert read(r, "x\n</think>\n\ny") == ("y", []) and r.num_calls == 0
     forced = tools.ToolCalling(tools=(tools.Tool("add"),), choice="required")
-    assert isinstance(reasoning.output_reader(forced, None, "qwen3", prompt=PROMPT)(), tools.ArrayReader)
+    assert isinstance(reasoning.output_reader(forced, None, None, prompt=PROMPT)(), tools.ArrayReader)

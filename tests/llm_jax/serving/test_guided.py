@@ -196,3 +196,34 @@ def test_constraints_that_do_not_compile_are_refused(stories):
     with pytest.raises(TypeError, match="guided must be"):
         engine.add_request("c", "Hi", guided={"type": "object"})
     assert not engine.has_unfinished
+
+
+def reference_after(reference, grammar: str, prompt_ids: list[int], marker: int, max_new: int) -> list[int]:
+    """The reference's greedy tokens, free up to ``marker`` and under llguidance's masks after it."""
+    model, tokenizer = reference
+    ids, out = list(prompt_ids), []
+    while marker not in out and len(out) < max_new:
+        with torch.no_grad():
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+        out.append(token)
+        ids.append(token)
+    return out + reference_greedy(reference, grammar, ids, max_new - len(out))
+
+
+def test_a_constraint_can_start_after_a_token(stories, reference):
+    """guided_after_token (a thinking model's </think>): the output is free up to that token and follows
+    the constraint after it — the reference's tokens, free then masked."""
+    prompt = stories.tokenizer.encode(PROMPTS[0])
+    plain = llm_jax.generate(stories, [PROMPTS[0]], max_new_tokens=12)[0].output_ids
+    marker = plain[4]  # a token the model writes early on its own
+    assert plain.index(marker) > 0
+    expected = reference_after(reference, CONSTRAINTS["regex"].grammar(), prompt, marker, 80)
+    engine = Engine(stories, max_num_seqs=2, max_num_batched_tokens=32, block_size=8, max_model_len=256)
+    outputs = run(engine, {"r": (prompt, dict(guided=CONSTRAINTS["regex"], guided_after_token=marker,
+                                              max_new_tokens=80))})
+    ids, text, reason = outputs["r"]
+    assert ids == expected and reason == "stop"
+    after = stories.tokenizer.decode(ids[ids.index(marker) + 1:])
+    assert follows("regex", after.lstrip()) and ids[:ids.index(marker) + 1] == plain[:plain.index(marker) + 1]
+    with pytest.raises(ValueError, match="guided_after_token"):
+        engine.add_request("x", prompt, guided_after_token=marker)
