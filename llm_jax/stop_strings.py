@@ -85,10 +85,11 @@ class SequenceText:
     and the serving engine, so both end a sequence on the same token.
 
     ``skip_special=False`` keeps special tokens' text (a model's tool-call marker), except that of the
-    ``end_ids`` token that ends the sequence (end-of-sequence, a stop token id), as vLLM leaves it out."""
+    ``end_ids`` token that ends the sequence (end-of-sequence, a stop token id), as vLLM leaves it out.
+    ``include_stop=True`` ends the text with the stop string that ended it."""
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop_strings: Sequence[str], min_new_tokens: int = 0, *,
-                 skip_special: bool = True, end_ids: frozenset[int] = frozenset()):
+                 skip_special: bool = True, end_ids: frozenset[int] = frozenset(), include_stop: bool = False):
         self.ids: list[int] = []
         self.pieces: list[str] = []
         self.detok = (IncrementalDetokenizer(tokenizer, context_ids=prompt_ids, skip_special=skip_special)
@@ -96,6 +97,7 @@ class SequenceText:
         self.silent = frozenset() if skip_special else end_ids  # ids whose text is not shown
         self.matcher = StopStringMatcher(stop_strings) if stop_strings else None
         self.unmatched = min_new_tokens  # leading tokens whose text is never part of a stop string
+        self.include_stop = include_stop
 
     def push(self, new_ids: list[int], last: bool) -> tuple[list[int], str, bool]:
         """Add ids one by one; return the ids kept, the text now safe to show, and whether a stop string
@@ -111,7 +113,7 @@ class SequenceText:
         for kept, text in pieces:
             if self.matcher is not None and len(self.ids) + kept > self.unmatched:
                 released = self.matcher.push(text)
-                shown.append(released.text)
+                shown.append(released.text + (released.stop or "" if self.include_stop else ""))
                 if released.stop is not None:
                     return self._keep(new_ids[:kept], shown, stopped=True)
             else:

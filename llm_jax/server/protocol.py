@@ -66,6 +66,7 @@ class Generation:
     guided_param: str | None = None  # the field that gave it
     skip_special_tokens: bool = True  # False: the text keeps special tokens (vLLM's field)
     guided_after_token: int | None = None  # the constraint starts after this token (a reasoning's end)
+    include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it (vLLM's field)
 
 
 Prompt = str | tuple[int, ...]
@@ -159,7 +160,7 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
     n = integer(fields, "n", 1, MAX_N, default=1)
     fields.unsupported("best_of", accepted=n, why="is not supported: only best_of = n")
     fields.unsupported("use_beam_search", accepted=False)
-    fields.unsupported("include_stop_str_in_output", accepted=False)
+    include_stop = fields.take("include_stop_str_in_output", "boolean", default=False)
     skip_special = fields.take("skip_special_tokens", "boolean", default=True)
     fields.unsupported("prompt_logprobs", why="is not supported: the engine computes no prompt log-probabilities")
     min_tokens = integer(fields, "min_tokens", 0, 2**31 - 1, default=0)
@@ -191,7 +192,8 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
                       seed=seed, stop=stop, stop_token_ids=stop_ids,
                       ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
                       stream=stream, include_usage=include_usage, continuous_usage=continuous, guided=guided,
-                      guided_param=guided_param, bad_words=tuple(bad_words), skip_special_tokens=skip_special)
+                      guided_param=guided_param, bad_words=tuple(bad_words), skip_special_tokens=skip_special,
+                      include_stop_str_in_output=include_stop)
 
 
 def _schema(value: Any, param: str) -> dict[str, Any]:

@@ -194,7 +194,8 @@ class Engine:
                     max_new_tokens: int | None = None, min_new_tokens: int = 0, stop: Sequence[str] = (),
                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, sample_index: int = 0, guided: Guided | None = None,
-                    guided_after_token: int | None = None, skip_special_tokens: bool = True) -> None:
+                    guided_after_token: int | None = None, skip_special_tokens: bool = True,
+                    include_stop_str_in_output: bool = False) -> None:
         """Queue a request (a string, or token ids used as given). ``max_new_tokens`` None: until the
         context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own);
         ``prompt_logprobs``: the same for the prompt's tokens, reported with the first token (the request
@@ -205,7 +206,7 @@ class Engine:
         ``guided_after_token``: the constraint starts after this token (a thinking model's end of
         reasoning, ``</think>``), the output before it free.
         ``skip_special_tokens=False``: the text keeps special tokens (but the end-of-sequence or stop token
-        that ends it)."""
+        that ends it). ``include_stop_str_in_output``: the text ends with the stop string that ended it."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
         (ids,) = encode_prompts(self.model, [prompt])
@@ -239,7 +240,8 @@ class Engine:
             request=request, sampling=sampling, end_ids=end_ids, eos_ids=frozenset(eos_ids),
             stop_ids=frozenset(stop_ids), min_new_tokens=min_new_tokens, logprobs=logprobs, sample_index=sample_index,
             text=SequenceText(self.model.tokenizer, list(ids), tuple(stop), min_new_tokens,
-                              skip_special=skip_special_tokens, end_ids=frozenset(end_ids)),
+                              skip_special=skip_special_tokens, end_ids=frozenset(end_ids),
+                              include_stop=include_stop_str_in_output),
             prompt_logprobs=prompt_logprobs, matcher=matcher, guided_after=guided_after_token)
 
     def abort(self, request_id: str) -> bool:

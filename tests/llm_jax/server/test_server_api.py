@@ -129,6 +129,12 @@ def test_stop_strings_and_stop_token_ids(client, expected):
     (choice,) = response.choices
     assert choice.text == result.text[:result.text.index(stop)]
     assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+    for stream in (False, True):  # vLLM's include_stop_str_in_output: the text ends with the stop string
+        included = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                             temperature=0, stop=[stop], stream=stream,
+                                             extra_body={"include_stop_str_in_output": True})
+        text = "".join(c.choices[0].text for c in included) if stream else included.choices[0].text
+        assert text == choice.text + stop
     stop_id = result.output_ids[5]
     response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                          extra_body={"stop_token_ids": [stop_id]})
