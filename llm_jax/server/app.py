@@ -1,7 +1,7 @@
 """The ASGI app (Starlette): the routes, the error handlers and the lifespan.
 
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
-    GET  /v1/models
+    GET  /v1/models             GET  /v1/models/{model}
     POST /tokenize              POST /detokenize
     GET  /health                GET  /version                 GET /metrics
 
@@ -22,6 +22,8 @@ from collections.abc import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -113,11 +115,19 @@ async def responses(service: Service, request: Request) -> Response:
     return await service.respond(request, run, shape, rid)
 
 
+def _model_card(service: Service, name: str) -> dict:
+    return {"id": name, "object": "model", "created": service.created, "owned_by": "llm_jax",
+            "root": service.model.path, "parent": None, "max_model_len": service.max_model_len}
+
+
 async def models(service: Service, request: Request) -> Response:
-    data = [{"id": name, "object": "model", "created": service.created, "owned_by": "llm_jax",
-             "root": service.model.path, "parent": None, "max_model_len": service.max_model_len}
-            for name in service.config.model_names]
-    return JSONResponse({"object": "list", "data": data})
+    return JSONResponse({"object": "list", "data": [_model_card(service, name) for name in service.config.model_names]})
+
+
+async def model(service: Service, request: Request) -> Response:
+    name = request.path_params["model"]
+    service.check_model(name)
+    return JSONResponse(_model_card(service, name))
 
 
 async def tokenize(service: Service, request: Request) -> Response:
@@ -162,6 +172,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("/v1/chat/completions", "POST", chat_completions),
     ("/v1/responses", "POST", responses),
     ("/v1/models", "GET", models),
+    ("/v1/models/{model:path}", "GET", model),
     ("/tokenize", "POST", tokenize),
     ("/detokenize", "POST", detokenize),
     ("/health", "GET", health),
@@ -207,8 +218,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
         yield
         await service.shutdown()
 
+    # Browsers may call the API from the origins allowed (preflight requests are answered before the key check).
+    cors = [Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                       allow_headers=["*"], expose_headers=["x-request-id", "retry-after"])]
+    cors = cors if config.allowed_origins else []
     app = Starlette(routes=[Route(path, _endpoint(service, handler), methods=[method])
-                            for path, method, handler in ROUTES],
+                            for path, method, handler in ROUTES], middleware=cors,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error}, lifespan=lifespan)
     app.state.service = service
     return app

@@ -123,6 +123,9 @@ def build_parser() -> CliParser:
     http.add_argument("--port", type=non_negative_int, default=8000,
                       help="port (default: %(default)s; 0: any free one)")
     http.add_argument("--api-key", metavar="KEY", help=f"require this key (default: ${API_KEY_ENV}, else none)")
+    http.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                      help="origins a browser may call the API from (CORS), e.g. http://localhost:3000, or '*' for "
+                           "any (default: none; same-origin only)")
     http.add_argument("--max-waiting", type=non_negative_int, default=64, metavar="N",
                       help="completions queued beyond the running batch before 503s (default: %(default)s)")
     http.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="SECONDS",
@@ -265,7 +268,8 @@ def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock
     names = tuple(args.served_model_name or (default_name,))
     config = ServerConfig(model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                           chat_template=_with_special_tokens(template, engine.model),
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          allowed_origins=tuple(args.allowed_origins))
     app = build_app(AsyncEngine(engine), config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"

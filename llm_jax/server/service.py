@@ -56,6 +56,7 @@ class ServerConfig:
     max_body_bytes: int = MAX_BODY_BYTES
     tool_call_parser: str | None = None  # how tool calls are read from a model calling tools on its own
     reasoning_parser: str | None = None  # how a thinking model's reasoning is told from its answer
+    allowed_origins: tuple[str, ...] = ()  # origins browsers may call the API from (CORS); "*": any
 
 
 def error_response(error: ApiError) -> JSONResponse:

@@ -1,6 +1,6 @@
 """Fixtures of the server tests: one server (stories260K, a small engine with n-gram speculative decoding,
-an API key, a chat template with tools, Hermes' tool-call parser and Qwen 3's reasoning parser) shared by
-a session's tests, and clients of it.
+an API key, a chat template with tools, Hermes' tool-call parser, Qwen 3's reasoning parser, and one
+origin allowed to browsers) shared by a session's tests, and clients of it.
 
 Its step programs are kept in pytest's cache folder between sessions, so a later session — or a second
 server with the same engine flags — loads them instead of compiling them (about a minute on a loaded
@@ -14,7 +14,7 @@ import pathlib
 import httpx
 import openai
 import pytest
-from server_process import API_KEY, CHAT_TEMPLATE, start_server
+from server_process import API_KEY, CHAT_TEMPLATE, UI_ORIGIN, start_server
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +36,7 @@ def server(model_path, compile_cache, tmp_path_factory):
     # Speculative decoding on: every greedy answer the tests compare with generate is verified proposals.
     process = start_server(model_path, folder, compile_cache, "--api-key", API_KEY, "--chat-template", str(template),
                            "--speculative", "ngram", "--num-speculative-tokens", "4", "--tool-call-parser", "hermes",
-                           "--reasoning-parser", "qwen3")
+                           "--reasoning-parser", "qwen3", "--allowed-origins", UI_ORIGIN)
     yield process
     process.terminate()
 

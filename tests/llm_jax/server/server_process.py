@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 API_KEY = "test-key"
+UI_ORIGIN = "http://ui.example:3000"  # the origin the shared server lets browsers call it from
 MODEL_NAME = "stories"
 # A small engine: 3 decode and 2 prefill step shapes, each compiled for greedy, sampled and logprobs steps.
 ENGINE_FLAGS = ("--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256",

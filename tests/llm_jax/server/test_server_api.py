@@ -14,7 +14,7 @@ import re
 import httpx
 import pydantic
 import pytest
-from server_process import MODEL_NAME, metric
+from server_process import API_KEY, MODEL_NAME, UI_ORIGIN, metric
 
 import llm_jax
 
@@ -211,8 +211,27 @@ def test_echo_with_logprobs_scores_the_prompt_as_generate_does(client, model, ex
     assert streamed == lp.token_logprobs
 
 
+def test_browsers_from_the_allowed_origin(server):
+    """--allowed-origins: a browser's preflight from that origin is answered (without the API key, which it
+    cannot send), and the answers carry the origin; other origins get no CORS headers."""
+    preflight = {"Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    allowed = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": UI_ORIGIN, **preflight}, timeout=30)
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == UI_ORIGIN
+    assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    other = httpx.options(f"{server.url}/v1/chat/completions", headers={"Origin": "http://evil.example", **preflight},
+                          timeout=30)
+    assert "access-control-allow-origin" not in other.headers
+    answer = httpx.get(f"{server.url}/v1/models", headers={"Origin": UI_ORIGIN, "Authorization": f"Bearer {API_KEY}"},
+                       timeout=30)
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == UI_ORIGIN
+
+
 def test_models_version_tokenize_detokenize(client, http, model, server):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    missing = http.get("/v1/models/gpt-4")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
     assert httpx.get(f"{server.url}/version").json()["version"]
     ids = model.tokenizer.encode(PROMPTS[0])
     tokenized = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()
