@@ -133,7 +133,8 @@ class Run:
                     min_new_tokens=g.min_tokens, stop=g.stop, stop_token_ids=g.stop_token_ids,
                     ignore_eos=g.ignore_eos, logprobs=g.logprobs, prompt_logprobs=g.prompt_logprobs,
                     sample_index=choice.sample, guided=g.guided, guided_after_token=g.guided_after_token,
-                    skip_special_tokens=g.skip_special_tokens, include_stop_str_in_output=g.include_stop_str_in_output):
+                    skip_special_tokens=g.skip_special_tokens, include_stop_str_in_output=g.include_stop_str_in_output,
+                    priority=g.priority):
                 queue.put_nowait((choice, out))
         except asyncio.CancelledError:
             # Cancelled before ``generate`` was past adding the request, its stream cannot abort it: do it here.

@@ -111,6 +111,9 @@ def build_parser() -> CliParser:
                         help="what the KV cache holds: int8 (a float32 scale per token and head; about half "
                              "bfloat16's bytes), bfloat16, float32; auto: the compute dtype (default: %(default)s)")
     engine.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                        help="fcfs: first come, first served; priority: by each request's 'priority' (lower "
+                             "first, then arrival; the highest preempted first) (default: %(default)s)")
     engine.add_argument("--max-logprobs", type=non_negative_int, default=20, metavar="N",
                         help="top log-probabilities a request may ask for (default: %(default)s)")
     speculative = parser.add_argument_group(
@@ -269,7 +272,7 @@ def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock
     config = ServerConfig(model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                           chat_template=_with_special_tokens(template, engine.model),
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                          allowed_origins=tuple(args.allowed_origins))
+                          allowed_origins=tuple(args.allowed_origins), scheduling_policy=args.scheduling_policy)
     app = build_app(AsyncEngine(engine), config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"

@@ -67,6 +67,7 @@ class Generation:
     skip_special_tokens: bool = True  # False: the text keeps special tokens (vLLM's field)
     guided_after_token: int | None = None  # the constraint starts after this token (a reasoning's end)
     include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it (vLLM's field)
+    priority: int = 0  # lower runs first (vLLM's field; needs --scheduling-policy priority)
 
 
 Prompt = str | tuple[int, ...]
@@ -161,6 +162,7 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
     fields.unsupported("best_of", accepted=n, why="is not supported: only best_of = n")
     fields.unsupported("use_beam_search", accepted=False)
     include_stop = fields.take("include_stop_str_in_output", "boolean", default=False)
+    priority = integer(fields, "priority", -2**31, 2**31 - 1, default=0)
     skip_special = fields.take("skip_special_tokens", "boolean", default=True)
     fields.unsupported("prompt_logprobs", why="is not supported: the engine computes no prompt log-probabilities")
     min_tokens = integer(fields, "min_tokens", 0, 2**31 - 1, default=0)
@@ -193,7 +195,7 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
                       ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
                       stream=stream, include_usage=include_usage, continuous_usage=continuous, guided=guided,
                       guided_param=guided_param, bad_words=tuple(bad_words), skip_special_tokens=skip_special,
-                      include_stop_str_in_output=include_stop)
+                      include_stop_str_in_output=include_stop, priority=priority)
 
 
 def _schema(value: Any, param: str) -> dict[str, Any]:

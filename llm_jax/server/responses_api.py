@@ -183,6 +183,7 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
     temperature, top_p = fields.peek("temperature"), fields.peek("top_p")
     sampling = protocol.read_sampling(fields, limits)
     seed = integer(fields, "seed", -protocol.MAX_SEED, protocol.MAX_SEED - 1)
+    priority = integer(fields, "priority", -2**31, 2**31 - 1, default=0)
     stream = fields.take("stream", "boolean", default=False)
     fields.finish()
     guided_param = None if guided is None else "structured_outputs" if structured is not None else "text.format"
@@ -193,7 +194,7 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
         guided, guided_param = calling.constraint(), "tools"
     generation = Generation(max_tokens=max_output_tokens, min_tokens=0, n=1, sampling=sampling, seed=seed, stop=(),
                             stop_token_ids=(), ignore_eos=False, logprobs=None, stream=stream, include_usage=False,
-                            continuous_usage=False, guided=guided, guided_param=guided_param)
+                            continuous_usage=False, guided=guided, guided_param=guided_param, priority=priority)
     if effort is not None:
         kwargs = {"reasoning_effort": effort, **kwargs}
     echo = {"instructions": instructions, "max_output_tokens": max_output_tokens, "metadata": metadata,

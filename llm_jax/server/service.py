@@ -57,6 +57,7 @@ class ServerConfig:
     tool_call_parser: str | None = None  # how tool calls are read from a model calling tools on its own
     reasoning_parser: str | None = None  # how a thinking model's reasoning is told from its answer
     allowed_origins: tuple[str, ...] = ()  # origins browsers may call the API from (CORS); "*": any
+    scheduling_policy: str = "fcfs"  # "priority": requests' priority orders them
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -158,6 +159,9 @@ class Service:
         if len(end_ids) > END_WIDTH:
             raise ApiError(f"at most {END_WIDTH} stop and end-of-sequence token ids in all, got {len(end_ids)}",
                            param="stop_token_ids", code="invalid_value")
+        if generation.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ApiError("priority needs a server started with --scheduling-policy priority", param="priority",
+                           code="invalid_value")
         if generation.guided is not None:
             self.check_guided(generation)
         if generation.bad_words:

@@ -195,7 +195,7 @@ class Engine:
                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, sample_index: int = 0, guided: Guided | None = None,
                     guided_after_token: int | None = None, skip_special_tokens: bool = True,
-                    include_stop_str_in_output: bool = False) -> None:
+                    include_stop_str_in_output: bool = False, priority: int = 0) -> None:
         """Queue a request (a string, or token ids used as given). ``max_new_tokens`` None: until the
         context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own);
         ``prompt_logprobs``: the same for the prompt's tokens, reported with the first token (the request
@@ -206,7 +206,9 @@ class Engine:
         ``guided_after_token``: the constraint starts after this token (a thinking model's end of
         reasoning, ``</think>``), the output before it free.
         ``skip_special_tokens=False``: the text keeps special tokens (but the end-of-sequence or stop token
-        that ends it). ``include_stop_str_in_output``: the text ends with the stop string that ended it."""
+        that ends it). ``include_stop_str_in_output``: the text ends with the stop string that ended it.
+        ``priority``: lower is admitted and given the step's budget first, and preempted last (ties: first
+        come, first served)."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
         (ids,) = encode_prompts(self.model, [prompt])
@@ -234,7 +236,7 @@ class Engine:
                 raise ValueError(f"guided decoding needs the model's tokenizer, and {self.model.path} has none")
             matcher = Matcher(vocabulary(self.model.tokenizer, tuple(self.model.eos_ids), V), guided)
         request = Request(request_id=request_id, prompt_token_ids=ids, max_new_tokens=max_new_tokens,
-                          use_prefix_cache=prompt_logprobs is None)
+                          use_prefix_cache=prompt_logprobs is None, priority=int(priority))
         self.scheduler.add(request)  # refuses requests that can never fit
         self._live[request_id] = _Live(
             request=request, sampling=sampling, end_ids=end_ids, eos_ids=frozenset(eos_ids),

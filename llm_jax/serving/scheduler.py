@@ -1,14 +1,17 @@
 """Continuous batching on the host: which tokens of which requests the next device step computes.
 
 Policy (that of vLLM v1): each step has one token budget, ``max_num_batched_tokens``. Running requests
-take from it first, oldest first: a decoding request needs one token, one still prefilling takes a chunk
-of what is left (chunked prefill, so a long prompt never stalls the others). Waiting requests are then
-admitted first come, first served while the budget, ``max_num_seqs`` and the free blocks allow, each
-starting from its longest cached prefix and possibly with only a chunk of the rest. When a running request
-needs a block and none is free, the newest running request is preempted: its blocks are freed and it goes
-back to the front of the queue, to recompute its prompt and the tokens it already produced (much of it
-usually from the prefix cache) and continue. Its output is then what an uninterrupted run gives, provided
-the device step computes each sequence independently of its batch.
+take from it first, in order: a decoding request needs one token, one still prefilling takes a chunk of
+what is left (chunked prefill, so a long prompt never stalls the others). Waiting requests are then
+admitted in order while the budget, ``max_num_seqs`` and the free blocks allow, each starting from its
+longest cached prefix and possibly with only a chunk of the rest. When a running request needs a block
+and none is free, the last running request in that order is preempted: its blocks are freed and it goes
+back to its place in the queue (usually its front), to recompute its prompt and the tokens it already
+produced (much of it usually from the prefix cache) and continue. Its output is then what an
+uninterrupted run gives, provided the device step computes each sequence independently of its batch.
+
+The order is each request's ``priority`` (lower first, as vLLM's priority policy), then its arrival: with
+every priority equal (0 by default), first come, first served, and the newest is preempted.
 
 Speculative decoding: a decoding request may carry proposals for its next tokens (``spec_token_ids``,
 set by the caller before ``schedule``). It is then scheduled for its latest token and as many proposals as
@@ -57,6 +60,7 @@ class Request:
     # Whether admission may start from the prefix cache (a request that needs every prompt position's
     # logits, for prompt log-probabilities, computes its whole prompt).
     use_prefix_cache: bool = True
+    priority: int = 0  # lower goes first (admission, budget) and is preempted last; ties by arrival
     arrival: int = dataclasses.field(default=-1, init=False)  # order of ``add``
     token_ids: list[int] = dataclasses.field(init=False)  # the prompt, then every token produced so far
     # Proposed next tokens for the coming step (speculative decoding; the caller sets them, update clears).
@@ -68,6 +72,11 @@ class Request:
     def __post_init__(self):
         self.prompt_token_ids = tuple(int(t) for t in self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Its place in the scheduler's order: priority, then arrival."""
+        return self.priority, self.arrival
 
     @property
     def num_tokens(self) -> int:
@@ -163,8 +172,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self._requests: dict[str, Request] = {}  # not finished
-        self._waiting: collections.deque[Request] = collections.deque()  # admission order
-        self._running: list[Request] = []  # by arrival, so the newest is last
+        self._waiting: collections.deque[Request] = collections.deque()  # in order (``Request.rank``)
+        self._running: list[Request] = []  # in order (``Request.rank``), so the one to preempt is last
         self._arrivals = itertools.count()
         self._finished_since_plan: list[str] = []
         self._pending: StepPlan | None = None  # the plan awaiting its update
@@ -191,7 +200,7 @@ class Scheduler:
 
     @property
     def running(self) -> tuple[Request, ...]:
-        """The running requests, oldest first."""
+        """The running requests, in order (priority, then arrival)."""
         return tuple(self._running)
 
     def get(self, request_id: str) -> Request | None:
@@ -236,7 +245,10 @@ class Scheduler:
         request.max_new_tokens = max_new_tokens
         request.arrival = next(self._arrivals)
         self._requests[rid] = request
-        self._waiting.append(request)
+        i = len(self._waiting)  # behind every request of its priority or a lower one
+        while i and self._waiting[i - 1].rank > request.rank:
+            i -= 1
+        self._waiting.insert(i, request)
 
     def abort(self, request_id: str) -> bool:
         """Finishes a request in any state, freeing its blocks now. False if it is unknown or finished."""
@@ -274,9 +286,9 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, chunks: list[tuple[Request, int, list[int]]],
                           preempted: list[str]) -> int:
-        """Gives each running request, oldest first, its next token (and its proposals, as far as the
-        budget and the free blocks go) or prefill chunk, preempting the newest while blocks lack. Returns
-        the budget left."""
+        """Gives each running request, in order, its next token (and its proposals, as far as the budget
+        and the free blocks go) or prefill chunk, preempting the last while blocks lack. Returns the budget
+        left."""
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
@@ -288,7 +300,7 @@ class Scheduler:
             if spec and not self.kv.allocate(request.request_id, end + len(spec)):
                 spec = []  # proposals never preempt anyone
             while not self.kv.allocate(request.request_id, end):
-                victim = self._running.pop()  # the newest; never one already planned (they are older)
+                victim = self._running.pop()  # the last; never one already planned (they come before it)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -299,7 +311,7 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, budget: int, chunks: list[tuple[Request, int, list[int]]]) -> None:
-        """Admits queued requests first come, first served, each from its cached prefix, while the budget,
+        """Admits queued requests in order, each from its cached prefix, while the budget,
         ``max_num_seqs`` and the free blocks allow. A request whose next uncached block is one a running
         request is computing waits (later ones may go ahead): a step or a few later that block is cached,
         instead of computed twice (many requests with one long shared prefix arriving together)."""
@@ -327,10 +339,10 @@ class Scheduler:
             self._waiting.extendleft(reversed(deferred))
 
     def _insert_running(self, request: Request) -> None:
-        """Adds a request to the running ones, kept in arrival order (one admitted ahead of a deferred
-        older request is still newer than those running)."""
+        """Adds a request to the running ones, kept in order (one admitted ahead of a deferred request
+        may still come before some running ones)."""
         i = len(self._running)
-        while i and self._running[i - 1].arrival > request.arrival:
+        while i and self._running[i - 1].rank > request.rank:
             i -= 1
         self._running.insert(i, request)
 
@@ -338,8 +350,8 @@ class Scheduler:
         self.kv.free(request.request_id)
         request.status, request.num_computed_tokens = RequestStatus.PREEMPTED, 0
         request.spec_token_ids = []
-        # Back in the queue by arrival: usually its front, behind any older request still deferred.
-        i = next((i for i, r in enumerate(self._waiting) if r.arrival > request.arrival), len(self._waiting))
+        # Back in the queue in order: usually its front, behind any request before it still deferred.
+        i = next((i for i, r in enumerate(self._waiting) if r.rank > request.rank), len(self._waiting))
         self._waiting.insert(i, request)
         self._num_preemptions += 1
 

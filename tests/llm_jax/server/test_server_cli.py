@@ -31,7 +31,8 @@ def test_help_lists_the_flags_without_starting_jax():
     for flag in ("--served-model-name", "--max-num-seqs", "--kv-cache-memory", "--chat-template", "--api-key",
                  "--max-waiting", "--shutdown-timeout", "--no-prefix-caching", "--kv-cache-dtype", "--speculative",
                  "--num-speculative-tokens", "--speculative-max-batch", "--quantize", "--group-size",
-                 "--tool-call-parser", "--enable-auto-tool-choice"):
+                 "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser", "--allowed-origins",
+                 "--scheduling-policy"):
         assert flag in proc.stdout
     check = subprocess.run([sys.executable, "-c", "import sys, llm_jax.server.cli, llm_jax.serve; "
                             "print('jax' in sys.modules)"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)

@@ -60,6 +60,8 @@ CASES = [
     ("/v1/completions", {**COMPLETION, "bad_words": ["a" * 200]}, 400, "bad_words"),
     ("/v1/completions", {**COMPLETION, "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {**COMPLETION, "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
+    ("/v1/completions", {**COMPLETION, "priority": 1}, 400, "priority"),  # the server schedules first come first
+    ("/v1/completions", {**COMPLETION, "priority": 1.5}, 400, "priority"),
     ("/v1/completions", {**COMPLETION, "suffix": "end"}, 400, "suffix"),
     ("/v1/completions", {**COMPLETION, "temprature": 0.5}, 400, "temprature"),
     ("/v1/completions", {**COMPLETION, "model": "gpt-4"}, 404, "model"),

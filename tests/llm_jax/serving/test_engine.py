@@ -352,3 +352,19 @@ def test_special_tokens_text_when_asked(stories260k_dir):
     whole = hf.decode(prompt + ids["kept"], skip_special_tokens=False)
     assert whole.endswith(text["kept"]) and whole[:-len(text["kept"])] == hf.decode(prompt, skip_special_tokens=False)
     assert ids["end"] == [eos] and text["end"] == "" and outputs["end"][-1].finish_reason == "eos"
+
+
+def test_priority_orders_requests(stories):
+    """A lower priority value runs first; each request still gets generate's tokens."""
+    engine = Engine(stories, max_num_seqs=1, max_num_batched_tokens=32, block_size=16, max_model_len=128)
+    prompts = {"later": "Once upon a time", "first": "The dog ran"}
+    engine.add_request("later", prompts["later"], max_new_tokens=4, priority=1)
+    engine.add_request("first", prompts["first"], max_new_tokens=4, priority=-1)
+    order, tokens = [], {rid: [] for rid in prompts}
+    while engine.has_unfinished:
+        for out in engine.step():
+            order.append(out.request_id)
+            tokens[out.request_id] += out.token_ids
+    assert order == ["first"] * 4 + ["later"] * 4
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == alone(stories, prompt, max_new_tokens=4).output_ids
