@@ -13,9 +13,9 @@ the model makes. How the calls are found depends on ``tool_choice``:
   server's ``--tool-call-parser`` reads them: ``hermes`` (``<tool_call>{"name", "arguments"}</tool_call>``:
   Qwen 2.5, Hermes and other ChatML models), ``llama3_json`` (an answer that is JSON objects
   ``{"name", "parameters"}`` separated by ``;``: Llama 3.1 and later) or ``mistral`` (``[TOOL_CALLS]``,
-  then a JSON array of ``{"name", "arguments"}``: Mistral 7B Instruct v0.3, Mistral Nemo; the marker is a
-  special token, so these requests keep special tokens' text). Without a parser, "auto" is refused, as
-  vLLM does.
+  then a JSON array of ``{"name", "arguments"}``: Mistral 7B Instruct v0.3, Mistral Nemo; or
+  ``name[ARGS]{…}`` after each marker: Mistral Small 3.2, Magistral, Devstral; the marker is a special
+  token, so these requests keep special tokens' text). Without a parser, "auto" is refused, as vLLM does.
 - ``"none"``: the model sees the tools and answers in text.
 
 Each choice's output goes through a :class:`Reader`, fed the text as it streams and finished with the
@@ -120,10 +120,10 @@ def _tool(value: Any, param: str) -> Tool:
     return function_tool(check_kind(value.get("function"), f"{param}.function", "object"), f"{param}.function")
 
 
-def function_tool(function: dict[str, Any], param: str, more: frozenset[str] = frozenset()) -> Tool:
-    """A function's ``name``, ``description``, ``parameters`` and ``strict`` (and ``more`` fields, taken by
-    the caller) checked; ``param`` names the object."""
-    unknown = set(function) - {"name", "description", "parameters", "strict", *more}
+def function_tool(function: dict[str, Any], param: str) -> Tool:
+    """A function's ``name``, ``description``, ``parameters`` and ``strict`` checked; ``param`` names the
+    object (chat's ``tools[i].function``, the Responses API's flat ``tools[i]``)."""
+    unknown = set(function) - {"name", "description", "parameters", "strict"}
     check(not unknown, param, f"has unknown fields {sorted(unknown)}")
     name = check_kind(function.get("name"), f"{param}.name", "string")
     check(NAME.match(name) is not None, f"{param}.name",
