@@ -184,7 +184,7 @@ class GenerationStream:
                  steering: np.ndarray | None = None, return_kv_cache: bool = False,
                  beams: BeamSearch | None = None, mesh: Mesh | str | None = None,
                  speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
-                 guided: Guided | Sequence[Guided | None] | None = None):
+                 guided: Guided | Sequence[Guided | None] | None = None, guided_after_token: int | None = None):
         self.kv_cache_dtype = cache_dtype(model.config, kv_cache_dtype)  # names the choices when unknown
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
@@ -238,6 +238,10 @@ class GenerationStream:
         self.prompt_hooks = LayerHooks(steering_BLD=None if steering_PLD is None else jnp.asarray(steering_PLD),
                                        record_layers=tuple(hidden_layers))
         self.matchers = self._matchers(guided, P, rows, speculative)
+        if guided_after_token is not None and self.matchers is None:
+            raise ValueError("guided_after_token goes with guided: it is where the constraint starts")
+        self.guided_after = guided_after_token  # rows still before it are free: ``waiting``
+        self.waiting = [m is not None and guided_after_token is not None for m in self.matchers or ()]
         if self.matchers is not None:  # the host tells each step which tokens may come: one step per chunk
             self.chunk_steps = 1
             self.controls = dataclasses.replace(self.controls, allowed_BW=self._allowed())
@@ -301,7 +305,7 @@ class GenerationStream:
         """The tokens each row may choose next (all for rows without a constraint)."""
         allowed_BW = all_allowed(len(self.rows), self.model.config.vocab_size)
         for row, matcher in enumerate(self.matchers):
-            if matcher is not None and not matcher.done:
+            if matcher is not None and not matcher.done and not self.waiting[row]:
                 matcher.fill(allowed_BW[row])
         return allowed_BW
 
@@ -357,9 +361,13 @@ class GenerationStream:
                     new = [int(t) for t in emitted.tokens_BS[row] if t != PAD_ID]
                     done = finish_B[row] != FinishReason.RUNNING
                     matcher, hit_stop = None if self.matchers is None else self.matchers[row], False
-                    if matcher is not None and new and not done:
+                    guided = new
+                    if matcher is not None and self.waiting[row]:  # free until guided_after_token
+                        guided = new[new.index(self.guided_after) + 1:] if self.guided_after in new else []
+                        self.waiting[row] = self.guided_after not in new
+                    if matcher is not None and guided and not done:
                         # Its constraint complete (or, which the mask rules out, broken): nothing may follow.
-                        hit_stop = not matcher.consume(new) or matcher.done
+                        hit_stop = not matcher.consume(guided) or matcher.done
                     new, piece, hit_text = text.push(new, last=done or hit_stop)
                     if hit_text or hit_stop:
                         reasons[row] = "stop"
@@ -564,7 +572,8 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                     early_stopping: bool | str = False, num_return_sequences: int = 1,
                     chunk_steps: int = DEFAULT_CHUNK_STEPS, mesh: Mesh | str | None = None,
                     speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
-                    guided: Guided | Sequence[Guided | None] | None = None) -> GenerationStream:
+                    guided: Guided | Sequence[Guided | None] | None = None,
+                    guided_after_token: int | None = None) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     Per prompt (one value for all, or a list with one per prompt): ``sampling`` (a :class:`Sampling`:
@@ -601,6 +610,8 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
     ``Choice``, ``Grammar``) constrains each completion to a JSON schema, a regular expression, choices or
     a grammar; it ends (``"stop"``) once the constraint is complete. The host computes the allowed tokens
     before each step, so such a generation decodes one step per chunk; not with beams nor speculation.
+    ``guided_after_token`` (a thinking model's ``</think>``) leaves each completion free until that token
+    and constrains it after.
     """
     beams = None
     if num_beams > 1 or num_return_sequences > 1:
@@ -612,7 +623,7 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                             min_new_tokens=min_new_tokens, n=n, logprobs=logprobs, raw_logprobs=raw_logprobs,
                             prompt_logprobs=prompt_logprobs, hidden_layers=hidden_layers, steering=steering,
                             return_kv_cache=return_kv_cache, beams=beams, mesh=mesh, speculative=speculative,
-                            kv_cache_dtype=kv_cache_dtype, guided=guided)
+                            kv_cache_dtype=kv_cache_dtype, guided=guided, guided_after_token=guided_after_token)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:

@@ -212,7 +212,7 @@ def reference_after(reference, grammar: str, prompt_ids: list[int], marker: int,
 
 def test_a_constraint_can_start_after_a_token(stories, reference):
     """guided_after_token (a thinking model's </think>): the output is free up to that token and follows
-    the constraint after it — the reference's tokens, free then masked."""
+    the constraint after it — the reference's tokens, free then masked — in the engine and generate."""
     prompt = stories.tokenizer.encode(PROMPTS[0])
     plain = llm_jax.generate(stories, [PROMPTS[0]], max_new_tokens=12)[0].output_ids
     marker = plain[4]  # a token the model writes early on its own
@@ -223,7 +223,12 @@ def test_a_constraint_can_start_after_a_token(stories, reference):
                                               max_new_tokens=80))})
     ids, text, reason = outputs["r"]
     assert ids == expected and reason == "stop"
+    (result,) = llm_jax.generate(stories, [prompt], guided=CONSTRAINTS["regex"], guided_after_token=marker,
+                                 max_new_tokens=80)
+    assert result.output_ids == expected and result.finish_reason == "stop" and result.text == text
     after = stories.tokenizer.decode(ids[ids.index(marker) + 1:])
     assert follows("regex", after.lstrip()) and ids[:ids.index(marker) + 1] == plain[:plain.index(marker) + 1]
     with pytest.raises(ValueError, match="guided_after_token"):
         engine.add_request("x", prompt, guided_after_token=marker)
+    with pytest.raises(ValueError, match="guided_after_token"):
+        llm_jax.generate(stories, [prompt], guided_after_token=marker)
