@@ -155,11 +155,12 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
     instructions = fields.take("instructions", "string")
     messages = protocol.messages(_messages(fields.required("input", "string", "array"), instructions), "input")
     max_output_tokens = integer(fields, "max_output_tokens", 1, 2**31 - 1)
-    for name, why in (("previous_response_id", "this server stores no responses: send the whole conversation"),
-                      ("conversation", "this server stores no conversations: send the whole conversation"),
+    for name, why in (("previous_response_id", "this server stores no responses: send the whole conversation "
+                                               "as input"),
+                      ("conversation", "this server stores no conversations: send the whole conversation as input"),
                       ("prompt", "this server has no stored prompts"),
                       ("max_tool_calls", "this server does not bound tool calls")):
-        fields.unsupported(name, why=f"is not supported: {why} as input")
+        fields.unsupported(name, why=f"is not supported: {why}")
     fields.unsupported("background", accepted=False, why="is not supported: responses run in the foreground")
     fields.unsupported("include", accepted=[], why="is not supported: there is nothing more to include")
     fields.unsupported("top_logprobs", accepted=0, why="is not supported on /v1/responses: use /v1/chat/completions")
@@ -168,11 +169,7 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
     for ignored in ("safety_identifier", "prompt_cache_key", "prompt_cache_retention"):
         fields.take(ignored, "string")
     metadata = fields.take("metadata", "object", default={})
-    reasoning = Fields(fields.take("reasoning", "object", default={}))
-    effort = reasoning.take("effort", "string")
-    reasoning.take("summary", "string")
-    reasoning.take("generate_summary", "string")
-    reasoning.finish()
+    effort = _effort(fields.take("reasoning", "object", default={}))
     calling = _tools(fields)
     spec, guided = _text_format(fields)
     structured = fields.take("structured_outputs", "object")  # vLLM's: a regex, a grammar, choices, …
@@ -204,6 +201,16 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
             "tool_choice": _choice_echo(calling), "tools": [_tool_echo(t) for t in (calling.tools if calling else ())]}
     return ResponsesRequest(model=model, messages=messages, tools=calling, generation=generation,
                             template_kwargs=kwargs, echo=echo)
+
+
+def _effort(value: dict[str, Any]) -> str | None:
+    """``reasoning``: its ``effort`` (``summary`` and ``generate_summary`` accepted, without effect)."""
+    unknown = set(value) - {"effort", "summary", "generate_summary"}
+    check(not unknown, "reasoning", f"has unknown fields {sorted(unknown)}")
+    for key, item in value.items():
+        if item is not None:
+            check_kind(item, f"reasoning.{key}", "string")
+    return value.get("effort")
 
 
 def _choice_echo(calling: tools.ToolCalling | None) -> Any:

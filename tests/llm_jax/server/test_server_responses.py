@@ -130,6 +130,8 @@ def test_reasoning_item_then_the_answer(client):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"colour": "red"}, "colour"),
+    ({"reasoning": {"effort": 3}}, "reasoning.effort"),
+    ({"reasoning": {"depth": "high"}}, "reasoning"),
 ])
 def test_bad_fields_are_refused_by_name(http, change, param):
     response = http.post("/v1/responses", json={"model": MODEL_NAME, "input": "Hi", **change})
