@@ -51,6 +51,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "beams": ("BeamSearch", "EarlyStopping", "beam_search"),
     "speculative": ("Speculative",),
     "scoring": ("Score", "continuation_logprobs", "score"),
+    "pooling": ("embed_texts", "pooled_hidden"),
     # Orchestration.
     "generation": ("GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError",
                  "StreamEvent", "generate", "generate_stream"),

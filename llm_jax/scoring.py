@@ -57,7 +57,8 @@ class Score:
     continuation_ids: list[int]
 
 
-def _ids(model: Model, text: str | Sequence[int], *, add_bos: bool, what: str) -> list[int]:
+def ids_of(model: Model, text: str | Sequence[int], *, add_bos: bool, what: str) -> list[int]:
+    """A text's token ids (BOS per the tokenizer's files with ``add_bos``), or a token-id list checked."""
     if isinstance(text, str):
         if model.tokenizer is None:
             raise ValueError(f"{model.path} has no tokenizer; pass the {what} as token-id lists")
@@ -79,8 +80,8 @@ def score(model: Model, prompts: Sequence[str | Sequence[int]],
     """
     if len(prompts) != len(continuations):
         raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
-    prompt_ids = [_ids(model, p, add_bos=True, what="prompt") for p in prompts]
-    cont_ids = [_ids(model, c, add_bos=False, what="continuation") for c in continuations]
+    prompt_ids = [ids_of(model, p, add_bos=True, what="prompt") for p in prompts]
+    cont_ids = [ids_of(model, c, add_bos=False, what="continuation") for c in continuations]
     for i, (p, c) in enumerate(zip(prompt_ids, cont_ids)):
         if not p or not c:
             raise ValueError(f"pair {i}: prompt and continuation need at least one token each")

@@ -1,7 +1,7 @@
 """The ASGI app (Starlette): the routes, the error handlers and the lifespan.
 
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
-    GET  /v1/models             GET  /v1/models/{model}
+    POST /v1/embeddings         GET  /v1/models               GET  /v1/models/{model}
     POST /tokenize              POST /detokenize
     GET  /health                GET  /version                 GET /metrics
 
@@ -13,6 +13,8 @@ engine's thread stops.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -28,6 +30,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from llm_jax.pooling import embed_texts
 from llm_jax.server import protocol, reasoning, responses_api, tools
 from llm_jax.server.choices import Run
 from llm_jax.server.fields import ApiError
@@ -115,6 +118,37 @@ async def responses(service: Service, request: Request) -> Response:
     return await service.respond(request, run, shape, rid)
 
 
+async def embeddings(service: Service, request: Request) -> Response:
+    """Each input's embedding (:func:`llm_jax.pooling.embed_texts`), as OpenAI's ``list`` of ``embedding`` s."""
+    rid, arrival = request_id(request, "embd"), time.monotonic()
+    try:
+        parsed = protocol.parse_embeddings(await service.body(request), service.limits)
+        service.check_model(parsed.model)
+        ids = []
+        for i, text in enumerate(parsed.inputs):
+            param = "input" if len(parsed.inputs) == 1 else f"input[{i}]"
+            encoded = service.encode(text, param)
+            if len(encoded) > service.max_model_len:
+                raise ApiError(f"{param} has {len(encoded)} tokens; this model's context is {service.max_model_len}",
+                               param=param, code="context_length_exceeded")
+            ids.append(encoded)
+    except ApiError as error:
+        service.log_refusal(rid, error)
+        raise
+    async with service.embedding_lock:
+        vectors = await asyncio.to_thread(embed_texts, service.model, ids, pooling=service.config.embedding_pooling,
+                                          dimensions=parsed.dimensions)
+    if parsed.encoding_format == "base64":
+        data = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
+    else:
+        data = vectors.tolist()
+    tokens = sum(map(len, ids))
+    log.info("%s 200 prompt_tokens=%d inputs=%d total=%.3fs", rid, tokens, len(ids), time.monotonic() - arrival)
+    return JSONResponse({"object": "list", "model": service.name,
+                         "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers={"x-request-id": rid})
+
+
 def _model_card(service: Service, name: str) -> dict:
     return {"id": name, "object": "model", "created": service.created, "owned_by": "llm_jax",
             "root": service.model.path, "parent": None, "max_model_len": service.max_model_len}
@@ -171,6 +205,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("/v1/completions", "POST", completions),
     ("/v1/chat/completions", "POST", chat_completions),
     ("/v1/responses", "POST", responses),
+    ("/v1/embeddings", "POST", embeddings),
     ("/v1/models", "GET", models),
     ("/v1/models/{model:path}", "GET", model),
     ("/tokenize", "POST", tokenize),

@@ -41,7 +41,7 @@ DESCRIPTION = "Serve a model over HTTP with an OpenAI-compatible API (continuous
 EPILOG = f"""\
 endpoints:
   POST /v1/completions, /v1/chat/completions, /v1/responses (stream: true for Server-Sent Events);
-  GET /v1/models;
+  POST /v1/embeddings; GET /v1/models;
   POST /tokenize, /detokenize; GET /health (200 once ready), /version, /metrics (Prometheus).
 
 api key:
@@ -114,6 +114,9 @@ def build_parser() -> CliParser:
     engine.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
                         help="fcfs: first come, first served; priority: by each request's 'priority' (lower "
                              "first, then arrival; the highest preempted first) (default: %(default)s)")
+    engine.add_argument("--embedding-pooling", choices=["last", "mean"], default="last",
+                        help="/v1/embeddings: the last token's final hidden state (decoder embedding models: "
+                             "Qwen3-Embedding, e5-mistral) or the mean over the input (default: %(default)s)")
     engine.add_argument("--max-logprobs", type=non_negative_int, default=20, metavar="N",
                         help="top log-probabilities a request may ask for (default: %(default)s)")
     speculative = parser.add_argument_group(
@@ -272,7 +275,8 @@ def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock
     config = ServerConfig(model_names=names, api_key=api_key, max_waiting=args.max_waiting,
                           chat_template=_with_special_tokens(template, engine.model),
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                          allowed_origins=tuple(args.allowed_origins), scheduling_policy=args.scheduling_policy)
+                          allowed_origins=tuple(args.allowed_origins), scheduling_policy=args.scheduling_policy,
+                          embedding_pooling=args.embedding_pooling)
     app = build_app(AsyncEngine(engine), config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     url = f"http://{host}:{sock.getsockname()[1]}"

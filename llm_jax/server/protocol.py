@@ -28,6 +28,7 @@ from llm_jax.serving.engine import BIAS_WIDTH as MAX_LOGIT_BIAS  # logit_bias en
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_STOP = 32  # stop strings per request
 MAX_BAD_WORDS = 64  # bad_words per request (each one or two banned token sequences)
+MAX_EMBEDDING_INPUTS = 2048  # inputs per embeddings request (OpenAI's limit)
 MAX_BIAS = 100.0  # |logit_bias| values (OpenAI's range)
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 SAMPLING_EPS = 1e-5  # a temperature below this is greedy (as vLLM)
@@ -42,6 +43,7 @@ class Limits:
 
     vocab_size: int
     max_logprobs: int
+    embedding_dim: int = 0  # the model's hidden size (embeddings' dimensions at most)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -303,22 +305,22 @@ def _guided(fields: Fields) -> tuple[Guided | None, str | None]:
 # --- the requests -------------------------------------------------------------------------------------
 
 
-def _prompts(value: Any, vocab_size: int) -> tuple[Prompt, ...]:
+def _prompts(value: Any, vocab_size: int, param: str = "prompt") -> tuple[Prompt, ...]:
     """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
     expected = "a string, a list of strings, a list of token ids or a list of lists of token ids"
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, list):
-        raise ApiError(f"prompt must be {expected}, got {show(value)}", param="prompt", code="invalid_type")
-    check(len(value) > 0, "prompt", "must not be empty")
+        raise ApiError(f"{param} must be {expected}, got {show(value)}", param=param, code="invalid_type")
+    check(len(value) > 0, param, "must not be empty")
     kinds = {kind_of(item) for item in value}
     if kinds == {"string"}:
         return tuple(value)
     if kinds == {"integer"}:
-        return (token_ids(value, "prompt", vocab_size),)
+        return (token_ids(value, param, vocab_size),)
     if kinds == {"array"}:
-        return tuple(token_ids(ids, f"prompt[{i}]", vocab_size) for i, ids in enumerate(value))
-    raise ApiError(f"prompt must be {expected}, got {show(value)}", param="prompt", code="invalid_type")
+        return tuple(token_ids(ids, f"{param}[{i}]", vocab_size) for i, ids in enumerate(value))
+    raise ApiError(f"{param} must be {expected}, got {show(value)}", param=param, code="invalid_type")
 
 
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
@@ -394,6 +396,29 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     return ChatRequest(model=model, messages=chat, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final, template_kwargs=kwargs, generation=generation,
                        tools=tools)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingsRequest:
+    model: str | None
+    inputs: tuple[Prompt, ...]
+    encoding_format: str  # "float" or "base64" (little-endian float32)
+    dimensions: int | None  # keep the first dimensions (normalized after)
+
+
+def parse_embeddings(body: Any, limits: Limits) -> EmbeddingsRequest:
+    """OpenAI's embeddings request: ``input`` (as completions' ``prompt``, at most MAX_EMBEDDING_INPUTS),
+    ``encoding_format``, ``dimensions``."""
+    fields = Fields(body)
+    model = fields.take("model", "string")
+    inputs = _prompts(fields.required("input", "string", "array"), limits.vocab_size, "input")
+    check(len(inputs) <= MAX_EMBEDDING_INPUTS, "input", f"may hold at most {MAX_EMBEDDING_INPUTS} inputs, got "
+                                                        f"{len(inputs)}")
+    encoding = fields.take("encoding_format", "string", default="float")
+    check(encoding in ("float", "base64"), "encoding_format", f"must be 'float' or 'base64', got {show(encoding)}")
+    dimensions = integer(fields, "dimensions", 1, limits.embedding_dim)
+    fields.finish()
+    return EmbeddingsRequest(model=model, inputs=inputs, encoding_format=encoding, dimensions=dimensions)
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:

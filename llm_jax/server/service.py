@@ -58,6 +58,7 @@ class ServerConfig:
     reasoning_parser: str | None = None  # how a thinking model's reasoning is told from its answer
     allowed_origins: tuple[str, ...] = ()  # origins browsers may call the API from (CORS); "*": any
     scheduling_policy: str = "fcfs"  # "priority": requests' priority orders them
+    embedding_pooling: str = "last"  # /v1/embeddings: the last token's hidden state, or the mean ("mean")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -77,7 +78,9 @@ class Service:
         self.engine, self.config, self.model = engine, config, inner.model
         self.tokenizer = inner.model.tokenizer
         self.name = config.model_names[0]
-        self.limits = Limits(vocab_size=inner.config.vocab_size, max_logprobs=inner.max_logprobs)
+        self.limits = Limits(vocab_size=inner.config.vocab_size, max_logprobs=inner.max_logprobs,
+                             embedding_dim=inner.config.d_model)
+        self.embedding_lock = asyncio.Lock()  # one embeddings batch at a time, beside the engine's steps
         self.max_model_len, self.block_size = inner.max_model_len, inner.block_size
         self.num_block_slots = inner.scheduler.pool.capacity  # blocks a request may hold at most
         self.capacity = inner.max_num_seqs + config.max_waiting

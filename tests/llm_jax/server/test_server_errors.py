@@ -143,10 +143,11 @@ FIELDS = st.sampled_from(["model", "prompt", "messages", "max_tokens", "max_comp
                           "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                           "guided_grammar", "bad_words", "tools", "tool_choice", "parallel_tool_calls",
                           "skip_special_tokens", "input", "instructions", "max_output_tokens", "text", "reasoning",
-                          "priority", "include_stop_str_in_output",
+                          "priority", "include_stop_str_in_output", "encoding_format", "dimensions",
                           "unknown"])
 BASES = {"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/tokenize": {"prompt": "Hi"},
-         "/detokenize": {"tokens": [1, 2]}, "/v1/responses": {"input": "Hi", "max_output_tokens": 8}}
+         "/detokenize": {"tokens": [1, 2]}, "/v1/responses": {"input": "Hi", "max_output_tokens": 8},
+         "/v1/embeddings": {"input": "Hi"}}
 
 
 def _bounded(path: str, body: dict) -> dict:

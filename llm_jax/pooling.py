@@ -1,0 +1,79 @@
+"""Embeddings: one vector per text, pooled from the model's final hidden states.
+
+The hidden states are the decoder's output after its final norm — what the LM head reads, and what
+``transformers``' base model (``AutoModel``) returns as ``last_hidden_state``. ``pooling="last"`` takes
+the last token's (decoder-only embedding models: Qwen3-Embedding, e5-mistral, gte-Qwen2), ``"mean"``
+the mean over the text's tokens; ``normalize`` scales each vector to unit length, and ``dimensions``
+keeps the first dimensions (Matryoshka-trained models), normalized after.
+
+``pooled_hidden`` is the jitted core; ``embed_texts`` the batched host entry point (texts sorted by
+length into batches of ``batch_size``, each padded to a power-of-two length bucket, so a server compiles
+one program per bucket).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llm_jax import buckets
+from llm_jax.backends import Backend
+from llm_jax.config import ModelConfig
+from llm_jax.loading import Model
+from llm_jax.model import Params, final_norm, forward_hidden, resolve_backend
+from llm_jax.prefilling import pad_prompts
+from llm_jax.scoring import ids_of
+
+POOLINGS = ("last", "mean")
+BATCH_SIZE = 16
+
+
+@functools.partial(jax.jit, static_argnames=("config", "pooling", "backend"))
+def pooled_hidden(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array, *,
+                  pooling: str = "last", backend: Backend | str | None = None) -> jax.Array:
+    """Each sequence's final hidden state (after the final norm) pooled over its ``lengths_B`` tokens:
+    [B, D] float32."""
+    backend = resolve_backend(backend)
+    x_BTD = final_norm(params, config, forward_hidden(params, config, tokens_BT, lengths_B, backend=backend))
+    x_BTD = x_BTD.astype(jnp.float32)
+    if pooling == "last":
+        return x_BTD[jnp.arange(x_BTD.shape[0]), lengths_B - 1]
+    real_BT = jnp.arange(x_BTD.shape[1])[None, :] < lengths_B[:, None]
+    return jnp.where(real_BT[..., None], x_BTD, 0.0).sum(1) / lengths_B[:, None].astype(jnp.float32)
+
+
+def embed_texts(model: Model, texts: Sequence[str | Sequence[int]], *, pooling: str = "last",
+                normalize: bool = True, dimensions: int | None = None,
+                batch_size: int = BATCH_SIZE) -> np.ndarray:
+    """One embedding per text (a string, tokenized with BOS as ``generate`` does, or token ids as given):
+    [len(texts), dimensions or D] float32."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    D = model.config.d_model
+    if dimensions is not None and not 1 <= dimensions <= D:
+        raise ValueError(f"dimensions must be in [1, {D}], got {dimensions}")
+    ids = [ids_of(model, text, add_bos=True, what="text") for text in texts]
+    for i, seq in enumerate(ids):
+        if not seq:
+            raise ValueError(f"text {i} has no tokens")
+        if len(seq) > model.config.max_seq_len:
+            raise ValueError(f"text {i}: {len(seq)} tokens exceed the model's context of {model.config.max_seq_len}")
+    out = np.zeros((len(ids), D), np.float32)
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        batch = [ids[i] for i in rows] + [[0]] * (batch_size - len(rows))  # a fixed batch: one program per bucket
+        block = buckets.prompt_bucket(max(map(len, batch)), context=model.config.max_seq_len)
+        tokens_BT, lengths_B = pad_prompts(batch, block)
+        vectors = jax.device_get(pooled_hidden(model.weights, model.config, tokens_BT, lengths_B, pooling=pooling,
+                                               backend=model.backend))
+        out[rows] = vectors[:len(rows)]
+    if dimensions is not None:
+        out = out[:, :dimensions]
+    if normalize or dimensions is not None:
+        out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.finfo(np.float32).tiny)
+    return out
