@@ -18,6 +18,7 @@ import pathlib
 import re
 import signal
 import socket
+import ssl
 import sys
 import time
 
@@ -129,6 +130,11 @@ def build_parser() -> CliParser:
     http.add_argument("--port", type=non_negative_int, default=8000,
                       help="port (default: %(default)s; 0: any free one)")
     http.add_argument("--api-key", metavar="KEY", help=f"require this key (default: ${API_KEY_ENV}, else none)")
+    http.add_argument("--ssl-certfile", metavar="FILE", help="serve HTTPS with this certificate (PEM; with "
+                                                             "--ssl-keyfile)")
+    http.add_argument("--ssl-keyfile", metavar="FILE", help="the certificate's private key (PEM)")
+    http.add_argument("--ssl-ca-certs", metavar="FILE",
+                      help="require client certificates signed by these CAs (PEM; mutual TLS)")
     http.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                       help="origins a browser may call the API from (CORS), e.g. http://localhost:3000, or '*' for "
                            "any (default: none; same-origin only)")
@@ -186,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--group-size needs --quantize")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        parser.error("--ssl-certfile and --ssl-keyfile go together")
+    if args.ssl_ca_certs is not None and args.ssl_certfile is None:
+        parser.error("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+    for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+        if getattr(args, flag) is not None and not pathlib.Path(getattr(args, flag)).is_file():
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not a file")
     if args.speculative is not None:
         if args.speculative != "ngram" and not pathlib.Path(args.speculative).exists():
             parser.error(f"--speculative takes 'ngram' or a draft model's path; {args.speculative} does not exist")
@@ -279,9 +292,14 @@ def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock
                           embedding_pooling=args.embedding_pooling)
     app = build_app(AsyncEngine(engine), config)
     host = f"[{args.host}]" if ":" in args.host else args.host
-    url = f"http://{host}:{sock.getsockname()[1]}"
+    scheme = "https" if args.ssl_certfile else "http"
+    url = f"{scheme}://{host}:{sock.getsockname()[1]}"
+    tls = {}
+    if args.ssl_certfile:
+        tls = dict(ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+                   ssl_cert_reqs=ssl.CERT_REQUIRED if args.ssl_ca_certs else ssl.CERT_NONE)
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                                    timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"),
+                                    timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on", **tls),
                      ready=f"ready: serving {names[0]!r} on {url}")
     # uvicorn handles SIGTERM itself (graceful shutdown), then raises it again under the handler it found:
     # this one, so that a graceful stop exits 0.

@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ ENGINE_FLAGS = ("--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-
                 "--block-size", "16")
 MAX_MODEL_LEN = 256
 START_TIMEOUT_S = 600  # a cold compile on a loaded machine
-LISTENING = re.compile(r"ready: serving '[^']*' on (http://127\.0\.0\.1:\d+)")
+LISTENING = re.compile(r"ready: serving '[^']*' on (https?://127\.0\.0\.1:\d+)")
 CHAT_TEMPLATE = (  # with tools (short: the context is 256 tokens), and calls in Hermes' format
     "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t.function.name }}"
     "({{ (t.function.parameters or {}).get('properties', {}) | list | join(', ') }}){% endfor %}\n{% endif %}"
@@ -71,8 +72,10 @@ os.execv(sys.executable, [sys.executable, "-m", "llm_jax.serve", *sys.argv[2:]])
 """
 
 
-def start_server(model: pathlib.Path, folder: pathlib.Path, cache: pathlib.Path, *flags: str) -> ServerProcess:
-    """Start a server on a free port (``--port 0``) and wait until ``/health`` answers 200."""
+def start_server(model: pathlib.Path, folder: pathlib.Path, cache: pathlib.Path, *flags: str,
+                 verify: ssl.SSLContext | bool = True) -> ServerProcess:
+    """Start a server on a free port (``--port 0``) and wait until ``/health`` answers 200 (``verify``: how
+    an HTTPS server is trusted)."""
     log_path = folder / "server.log"
     env = {**os.environ, "LLM_JAX_COMPILATION_CACHE": str(cache),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
@@ -89,7 +92,7 @@ def start_server(model: pathlib.Path, folder: pathlib.Path, cache: pathlib.Path,
         if match := LISTENING.search(server.log()):
             server.url = match.group(1)
         time.sleep(0.2)
-    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=10, verify=verify).status_code == 200
     return server
 
 

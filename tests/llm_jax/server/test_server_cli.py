@@ -32,7 +32,7 @@ def test_help_lists_the_flags_without_starting_jax():
                  "--max-waiting", "--shutdown-timeout", "--no-prefix-caching", "--kv-cache-dtype", "--speculative",
                  "--num-speculative-tokens", "--speculative-max-batch", "--quantize", "--group-size",
                  "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser", "--allowed-origins",
-                 "--scheduling-policy"):
+                 "--scheduling-policy", "--embedding-pooling", "--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs"):
         assert flag in proc.stdout
     check = subprocess.run([sys.executable, "-c", "import sys, llm_jax.server.cli, llm_jax.serve; "
                             "print('jax' in sys.modules)"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
@@ -50,6 +50,9 @@ def test_mistakes_are_one_line():
     _one_error_line(_serve("--quantize", "int3"), 2, "--quantize")
     _one_error_line(_serve("--group-size", "32"), 2, "--group-size needs --quantize")
     _one_error_line(_serve("--enable-auto-tool-choice"), 2, "--enable-auto-tool-choice needs --tool-call-parser")
+    _one_error_line(_serve("--ssl-certfile", "cert.pem"), 2, "--ssl-certfile and --ssl-keyfile go together")
+    _one_error_line(_serve("--ssl-ca-certs", "ca.pem"), 2, "--ssl-ca-certs needs --ssl-certfile")
+    _one_error_line(_serve("--ssl-certfile", "no/cert.pem", "--ssl-keyfile", "no/key.pem"), 2, "is not a file")
     _one_error_line(_serve("--tool-call-parser", "pythonic"), 2, "--tool-call-parser")
     _one_error_line(_serve("--model", "no/such/model"), 1, "no/such/model does not exist")
     _one_error_line(_serve("--chat-template", "no/such/template.jinja"), 1, "template.jinja does not exist")

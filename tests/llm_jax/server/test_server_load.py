@@ -1,17 +1,19 @@
 """The server under load, bounded: concurrent clients with mixed settings each get their own answer; a
 client that leaves mid-stream frees its KV-cache blocks at once; a full queue answers 503; SIGTERM lets
-in-flight streams finish and the process exits 0."""
+in-flight streams finish and the process exits 0; HTTPS with client certificates."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import random
+import ssl
 import threading
 import time
 
 import httpx
 import pytest
+import trustme
 from server_process import MODEL_NAME, metric, start_server, wait_until_idle
 
 PROMPTS = ["Once upon a time", "The dog ran", "Lily and Tom", "One day", "The sun was", "A little bird", "Tim had a",
@@ -169,3 +171,33 @@ def test_sigterm_aborts_what_outlives_the_grace_period(model_path, compile_cache
     whole = answers["whole"]
     assert (whole.status_code, whole.json().get("error", {}).get("code")) in ((503, "shutting_down"), (200, None))
     assert "stopped" in server.log() and "Traceback" not in server.log()
+
+
+def test_https_with_client_certificates(model_path, compile_cache, tmp_path):
+    """--ssl-certfile/--ssl-keyfile serve HTTPS; --ssl-ca-certs requires a client certificate signed by that
+    CA: a client with one is answered, one without is refused in the handshake, and plain HTTP gets nothing."""
+    ca = trustme.CA()
+    files = {name: tmp_path / f"{name}.pem" for name in ("ca", "cert", "key", "client_cert", "client_key")}
+    ca.cert_pem.write_to_path(files["ca"])
+    issued = ca.issue_cert("127.0.0.1")
+    issued.cert_chain_pems[0].write_to_path(files["cert"])
+    issued.private_key_pem.write_to_path(files["key"])
+    client = ca.issue_cert("client@example.org")
+    client.cert_chain_pems[0].write_to_path(files["client_cert"])
+    client.private_key_pem.write_to_path(files["client_key"])
+    trusted = ssl.create_default_context(cafile=str(files["ca"]))
+    with_certificate = ssl.create_default_context(cafile=str(files["ca"]))
+    with_certificate.load_cert_chain(files["client_cert"], files["client_key"])
+    server = start_server(model_path, tmp_path, compile_cache, "--ssl-certfile", str(files["cert"]), "--ssl-keyfile",
+                          str(files["key"]), "--ssl-ca-certs", str(files["ca"]), verify=with_certificate)
+    try:
+        assert server.url.startswith("https://")
+        body = {"model": MODEL_NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0}
+        answer = httpx.post(f"{server.url}/v1/completions", json=body, verify=with_certificate, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
+        with pytest.raises(httpx.HTTPError):  # no client certificate: the handshake fails
+            httpx.post(f"{server.url}/v1/completions", json=body, verify=trusted, timeout=60).raise_for_status()
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(server.url.replace("https://", "http://") + "/health", timeout=10).raise_for_status()
+    finally:
+        assert server.terminate() == 0
