@@ -90,6 +90,7 @@ def run(model: llm_jax.Model, prompts: list[list[int]], *, new_tokens: int, chun
                                            ("draft", llm_jax.Speculative(method="draft", num_tokens=3,
                                                                          draft_model=draft)))
                if draft is not None},
+           "embeddings": llm_jax.embed_texts(model, prompts, batch_size=B).tolist(),
            "int8_cache_specs": {name: list(getattr(a.sharding, "spec", []))
                                 for name, a in _leaves(int8.kv_cache).items()},
            "n_kv_heads": config.n_kv_heads, "k_proj": np.asarray(model.params["layers"]["attn"]["k_proj"]).tolist()}

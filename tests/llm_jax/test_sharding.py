@@ -172,6 +172,7 @@ def test_sharded_generation_matches_one_device(report, model, mesh):
     # float32, summed in another order across shards. stories260K's logits reach |13.5|, where 1e-5 is
     # 10 ulps; the tolerance grows with the logit accordingly.
     np.testing.assert_allclose(sharded["logits"], one["logits"], atol=1e-5, rtol=1e-6)
+    np.testing.assert_allclose(sharded["embeddings"], one["embeddings"], atol=1e-5)  # unit vectors
 
 
 @pytest.mark.parametrize("model, mesh", RUNS)
