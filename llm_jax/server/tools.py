@@ -306,29 +306,47 @@ class NamedReader(Reader):
         return self.feed("") if not self.started else Read()
 
 
-class ArrayReader(Reader):
-    """The output is a JSON array of ``{"name", "parameters"}`` (``tool_choice="required"``): each call is
-    given as soon as its object is complete."""
+class _CallRun(Reader):
+    """Calls one after another in a text that grows; each is given once complete (``_next`` finds it)."""
 
-    def __init__(self, parallel: bool = True, arguments_keys: tuple[str, ...] = ("parameters", "arguments")):
+    def __init__(self, parallel: bool):
         super().__init__()
-        self.parallel, self.arguments_keys = parallel, arguments_keys
-        self.text, self.at = "", 0  # all of it; where the next element may start
+        self.parallel = parallel
+        self.text, self.at = "", 0  # all of it; where the next call may start
+
+    def _next(self, decoder: json.JSONDecoder) -> tuple[tuple[str, Any] | None, int] | None:
+        """The call starting at ``at`` ((name, arguments), or None for something that is not a call) and
+        where it ends; None while it is not complete."""
+        raise NotImplementedError
 
     def feed(self, text: str) -> Read:
         self.text += text
         read, decoder = Read(), json.JSONDecoder()
-        while True:
-            rest = self.text[self.at:]
-            skip = len(rest) - len(rest.lstrip(" \t\r\n[,"))
-            try:
-                value, end = decoder.raw_decode(self.text, self.at + skip)
-            except ValueError:
-                return read
-            call = _as_call(value, self.arguments_keys)
+        while (found := self._next(decoder)) is not None:
+            call, self.at = found
             if call is not None and (self.parallel or self.num_calls == 0):
                 read.calls.append(self._call(*call))
-            self.at = end
+        return read
+
+    def finish(self) -> Read:
+        return Read()
+
+
+class ArrayReader(_CallRun):
+    """The output is a JSON array of ``{"name", "parameters"}`` (``tool_choice="required"``): each call is
+    given as soon as its object is complete."""
+
+    def __init__(self, parallel: bool = True, arguments_keys: tuple[str, ...] = ("parameters", "arguments")):
+        super().__init__(parallel)
+        self.arguments_keys = arguments_keys
+
+    def _next(self, decoder: json.JSONDecoder) -> tuple[tuple[str, Any] | None, int] | None:
+        rest = self.text[self.at:]
+        try:
+            value, end = decoder.raw_decode(self.text, self.at + len(rest) - len(rest.lstrip(" \t\r\n[,")))
+        except ValueError:
+            return None
+        return _as_call(value, self.arguments_keys), end
 
     def finish(self) -> Read:
         if self.num_calls == 0:  # cut short, or not calls: the text is all there is
@@ -395,40 +413,30 @@ class HermesReader(Reader):
             self.pending = self.pending[block_end:]
 
 
-class _NamedCalls(Reader):
+class _NamedCalls(_CallRun):
     """``name[ARGS]{…}`` calls, each after ``[TOOL_CALLS]`` but the first (Mistral's form since its v11
     tokenizer: Mistral Small 3.2, Magistral, Devstral); each is given once its arguments are complete."""
 
     ARGS = "[ARGS]"
 
     def __init__(self, parallel: bool, marker: str):
-        super().__init__()
-        self.parallel, self.marker = parallel, marker
-        self.text, self.at = "", 0  # all of it; where the next call may start
+        super().__init__(parallel)
+        self.marker = marker
 
-    def feed(self, text: str) -> Read:
-        self.text += text
-        read, decoder = Read(), json.JSONDecoder()
-        while True:
-            rest = self.text[self.at:].lstrip()
-            rest = rest.removeprefix(self.marker)
-            start = len(self.text) - len(rest)
-            args = self.text.find(self.ARGS, start)
-            if args < 0:
-                return read
-            begin = args + len(self.ARGS)
-            begin += len(self.text[begin:]) - len(self.text[begin:].lstrip())
-            try:
-                value, end = decoder.raw_decode(self.text, begin)
-            except ValueError:
-                return read
-            name = self.text[start:args].strip()
-            if NAME.match(name) and isinstance(value, dict) and (self.parallel or self.num_calls == 0):
-                read.calls.append(self._call(name, value))
-            self.at = end
-
-    def finish(self) -> Read:
-        return Read()
+    def _next(self, decoder: json.JSONDecoder) -> tuple[tuple[str, Any] | None, int] | None:
+        rest = self.text[self.at:].lstrip().removeprefix(self.marker)
+        start = len(self.text) - len(rest)
+        args = self.text.find(self.ARGS, start)
+        if args < 0:
+            return None
+        begin = args + len(self.ARGS)
+        begin += len(self.text[begin:]) - len(self.text[begin:].lstrip())
+        try:
+            value, end = decoder.raw_decode(self.text, begin)
+        except ValueError:
+            return None
+        name = self.text[start:args].strip()
+        return ((name, value) if NAME.match(name) and isinstance(value, dict) else None), end
 
 
 class MistralReader(Reader):
