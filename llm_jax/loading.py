@@ -19,12 +19,14 @@ from jax.sharding import Mesh
 from llm_jax import backends
 from llm_jax.backends import Backend, Pallas
 from llm_jax.config import ModelConfig, Quantization
+from llm_jax.lora import LoraAdapter, merge_lora
 from llm_jax.model import Params, param_shapes
 from llm_jax.quantization import parse_quantization, quantize_params
 from llm_jax.sharding import make_mesh, param_shardings, shard_params
 from llm_jax.tokenizer import Tokenizer, load_tokenizer
 from llm_jax.weights import sources
 from llm_jax.weights.checkpoint import load_checkpoint
+from llm_jax.weights.from_peft import load_peft_adapter
 from llm_jax.weights.placement import ShardingArg, device_placer, resolve_shardings
 from llm_jax.weights.sources import WeightFormat
 
@@ -67,10 +69,24 @@ class Model:
         """This model run by ``backend`` (a :class:`Backend` or a name)."""
         return dataclasses.replace(self, backend=backend)
 
+    def with_lora(self, adapter: LoraAdapter | str | os.PathLike) -> "Model":
+        """This model with a LoRA adapter merged into its weights (an adapter, or a PEFT folder)."""
+        adapter = load_lora(adapter, self.config)
+        return dataclasses.replace(self, params=merge_lora(self.params, self.config, adapter))
+
+
+def load_lora(adapter: LoraAdapter | str | os.PathLike, config: ModelConfig, name: str | None = None) -> LoraAdapter:
+    """A :class:`~llm_jax.lora.LoraAdapter` for ``config``'s model: ``adapter`` itself, or read from the
+    PEFT folder it names."""
+    if isinstance(adapter, LoraAdapter):
+        return adapter.for_config(config)
+    return load_peft_adapter(adapter, config, name)
+
 
 def load(path: str | os.PathLike, *, dtype=None, backend: Backend | str = "auto", sharding: ShardingArg = None,
          mesh: Mesh | str | None = None, tokenizer: str | os.PathLike | None = None, verify: bool = True,
-         quantize: Quantization | str | None = None, dequantize: bool = False) -> Model:
+         quantize: Quantization | str | None = None, dequantize: bool = False,
+         lora: LoraAdapter | str | os.PathLike | None = None) -> Model:
     """Load an llm_jax checkpoint, a Hugging Face folder, a llama2.c ``.bin`` or a GGUF file.
 
     ``dtype`` sets both parameter and compute dtype (default: the checkpoint's own; float32 for
@@ -83,7 +99,9 @@ def load(path: str | os.PathLike, *, dtype=None, backend: Backend | str = "auto"
     llm_jax checkpoint's checksums. ``quantize`` (a :class:`llm_jax.Quantization`, or ``"int8"`` /
     ``"int4"``) quantizes the weights once loaded (``llm_jax.quantization``); a quantized checkpoint
     loads quantized without it, and so does a GGUF file whose projections are all Q8_0 or all Q4_0
-    (``weights/from_gguf.py``) unless ``dequantize`` (or ``quantize``) asks for float weights.
+    (``weights/from_gguf.py``) unless ``dequantize`` (or ``quantize``) asks for float weights. ``lora`` (a
+    PEFT adapter folder or a :class:`llm_jax.lora.LoraAdapter`) is merged into the weights, before they
+    are quantized.
     """
     if isinstance(quantize, str):
         quantize = parse_quantization(quantize)
@@ -108,6 +126,8 @@ def load(path: str | os.PathLike, *, dtype=None, backend: Backend | str = "auto"
         params = sources.source_params(path, fmt, config, dtype=config.param_jnp_dtype, place=place)
         tok = _tokenizer(tokenizer, sources.tokenizer_source(path, fmt, config))
         eos_ids, stop_ids = sources.generation_ids(fmt, tok)
+    if lora is not None:
+        params = merge_lora(params, config, load_lora(lora, config))
     if quantize is not None:
         config, params = quantize_params(params, config, quantize)
     if mesh is not None:  # K/V heads repeated where the mesh needs it (nothing moves otherwise)

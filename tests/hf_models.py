@@ -29,3 +29,27 @@ def save_tiny_llama(folder: pathlib.Path, *, seed: int = 0, perturb_norms: bool 
                     param.add_(0.3 * torch.randn_like(param))
     model.save_pretrained(folder)
     return model
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def save_peft_adapter(base: transformers.PreTrainedModel, folder: pathlib.Path, *, seed: int = 0, scale: float = 1.0,
+                      **fields):
+    """A random PEFT LoRA adapter of ``base`` (every projection unless ``target_modules`` says) saved to
+    ``folder``; returns the ``PeftModel`` (which wraps ``base``: build one base model per adapter).
+
+    Both matrices are random (PEFT's ``init_lora_weights=False``); ``scale`` multiplies B, to make the
+    update as large as a test needs."""
+    import peft
+
+    config = peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": LORA_TARGETS, "init_lora_weights": False,
+                                **fields})
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(base, config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(scale)
+    model.save_pretrained(folder)
+    return model

@@ -13,6 +13,7 @@ from flax import linen as nn
 
 from llm_jax.backends.base import Backend, Xla, layer_of
 from llm_jax.config import ModelConfig
+from llm_jax.lora import LoraBatch
 from llm_jax.model.layers import RMSNorm, stacked_param, weight
 from llm_jax.model.rope import apply_rope, inverse_frequencies, rope_angles
 
@@ -40,12 +41,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L)
             self.k_norm = RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L)
 
-    def project(self, x_BTD: jax.Array, positions_BT: jax.Array, layer: jax.Array | None = None):
-        """Queries [B, T, N, H] and keys/values [B, T, K, H] at ``positions_BT``, RoPE applied."""
+    def project(self, x_BTD: jax.Array, positions_BT: jax.Array, layer: jax.Array | None = None,
+                lora: LoraBatch | None = None):
+        """Queries [B, T, N, H] and keys/values [B, T, K, H] at ``positions_BT``, RoPE applied (``lora``:
+        each token's adapter updates the projections)."""
         c, dtype = self.config, x_BTD.dtype
         q_BTNH, k_BTKH, v_BTKH = self.backend.dense_many(
             ["BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTD,DKH->BTKH"], x_BTD, [self.q_proj, self.k_proj, self.v_proj],
             jnp.float32, layer)
+        if lora is not None:
+            q_BTNH, k_BTKH, v_BTKH = (lora.apply(name, x_BTD, y, layer) for name, y in
+                                      (("q_proj", q_BTNH), ("k_proj", k_BTKH), ("v_proj", v_BTKH)))
         if c.qkv_bias:
             biases = (self.q_bias, self.k_bias, self.v_bias)
             q_NH, k_KH, v_KH = biases if layer is None else (layer_of(b, layer) for b in biases)
@@ -56,5 +62,8 @@ class Attention(nn.Module):
         cos, sin = rope_angles(positions_BT, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling))
         return apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin), v_BTKH
 
-    def output(self, o_BTNH: jax.Array, layer: jax.Array | None = None) -> jax.Array:
-        return self.backend.dense("BTNH,NHD->BTD", o_BTNH, self.o_proj, o_BTNH.dtype, layer)
+    def output(self, o_BTNH: jax.Array, layer: jax.Array | None = None, lora: LoraBatch | None = None) -> jax.Array:
+        if lora is None:
+            return self.backend.dense("BTNH,NHD->BTD", o_BTNH, self.o_proj, o_BTNH.dtype, layer)
+        y_BTD = self.backend.dense("BTNH,NHD->BTD", o_BTNH, self.o_proj, jnp.float32, layer)
+        return lora.apply("o_proj", o_BTNH, y_BTD, layer).astype(o_BTNH.dtype)

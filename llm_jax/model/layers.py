@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from llm_jax.backends.base import Backend, Xla, layer_of
+from llm_jax.backends.base import Backend, Xla, gated, layer_of
 from llm_jax.config import Activation, ModelConfig
+from llm_jax.lora import LoraBatch
 
 _init = nn.initializers.normal(stddev=0.02)
 
@@ -93,10 +94,17 @@ class GatedMLP(nn.Module):
     stack: int | None = None
 
     @nn.compact
-    def __call__(self, x_BTD: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, layer: jax.Array | None = None, lora: LoraBatch | None = None) -> jax.Array:
         D, F = x_BTD.shape[-1], self.d_ff
         gate_DF = weight(self, "gate_proj", (D, F), self.stack)
         up_DF = weight(self, "up_proj", (D, F), self.stack)
         down_FD = weight(self, "down_proj", (F, D), self.stack)
-        gated_BTF = self.backend.gate_up(x_BTD, gate_DF, up_DF, self.activation, layer)
-        return self.backend.dense("BTF,FD->BTD", gated_BTF.astype(x_BTD.dtype), down_FD, x_BTD.dtype, layer)
+        if lora is None:
+            gated_BTF = self.backend.gate_up(x_BTD, gate_DF, up_DF, self.activation, layer)
+            return self.backend.dense("BTF,FD->BTD", gated_BTF.astype(x_BTD.dtype), down_FD, x_BTD.dtype, layer)
+        # With adapters the products are updated before the activation: no fused gate/up.
+        gate_BTF, up_BTF = self.backend.dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, layer)
+        gated_BTF = gated(lora.apply("gate_proj", x_BTD, gate_BTF, layer), lora.apply("up_proj", x_BTD, up_BTF, layer),
+                          self.activation).astype(x_BTD.dtype)
+        y_BTD = self.backend.dense("BTF,FD->BTD", gated_BTF, down_FD, jnp.float32, layer)
+        return lora.apply("down_proj", gated_BTF, y_BTD, layer).astype(x_BTD.dtype)

@@ -28,6 +28,7 @@ from llm_jax import kv_cache as kvc
 from llm_jax.backends import Backend
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache, PagedBatch, PagedKVCache
+from llm_jax.lora import LoraBatch
 from llm_jax.model.attention import Attention
 from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, final_norm
 from llm_jax.quantization import quantize_params, quantized_shapes
@@ -56,21 +57,21 @@ class DecoderLayer(nn.Module):
     backend: Backend = backends.Xla()
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, attend: Callable, layer: jax.Array):
+    def __call__(self, x_BTD, positions_BT, attend: Callable, layer: jax.Array, lora: LoraBatch | None = None):
         c, L = self.config, self.config.n_layers
 
         def norm(name: str, x_BTD: jax.Array) -> jax.Array:
             return RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L, name=name)(x_BTD, layer)
 
         attn = Attention(c, self.backend, stack=L, name="attn")
-        q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm", x_BTD), positions_BT, layer)
+        q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm", x_BTD), positions_BT, layer, lora)
         o_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)
-        y_BTD = attn.output(o_BTNH, layer)
+        y_BTD = attn.output(o_BTNH, layer, lora)
         if c.sandwich_norm:
             y_BTD = norm("post_attn_norm", y_BTD)
         x_BTD = x_BTD + y_BTD
         mlp = GatedMLP(d_ff=c.d_ff, activation=c.activation, backend=self.backend, stack=L, name="mlp")
-        y_BTD = mlp(norm("mlp_norm", x_BTD), layer)
+        y_BTD = mlp(norm("mlp_norm", x_BTD), layer, lora)
         if c.sandwich_norm:
             y_BTD = norm("post_mlp_norm", y_BTD)
         return x_BTD + y_BTD, aux
@@ -189,8 +190,10 @@ class LayerHooks:
 
 
 def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positions_BT: jax.Array,
-                  attend: AttendFn, cache: KVCache | None, hooks: LayerHooks | None, backend: Backend):
-    """Run every layer over ``x_BTD``; ``attend`` decides what attention sees and how the cache changes.
+                  attend: AttendFn, cache: KVCache | None, hooks: LayerHooks | None, backend: Backend,
+                  lora: LoraBatch | None = None):
+    """Run every layer over ``x_BTD``; ``attend`` decides what attention sees and how the cache changes;
+    ``lora``: each token's LoRA adapter (:mod:`llm_jax.lora`) updates the projections.
 
     Returns the final residual stream and the cache, plus the recorded layers [B, T, R, D] (or None)
     when ``hooks`` is given.
@@ -218,7 +221,7 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
             index = group * period + j
             x_BTD, cache = layer.apply(
                 {"params": params["layers"]}, x_BTD, positions_BT,
-                functools.partial(attend, index, window=windows[j], cache=cache), index)
+                functools.partial(attend, index, window=windows[j], cache=cache), index, lora)
             if steering_PBD is not None:
                 x_BTD = x_BTD + steering_PBD[j][:, None, :].astype(x_BTD.dtype)
             if recorded is not None:
@@ -247,30 +250,32 @@ def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool, 
 
 
 def forward_hidden(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array | None = None,
-                   *, hooks: LayerHooks | None = None, backend: BackendArg = None):
+                   *, hooks: LayerHooks | None = None, backend: BackendArg = None, lora: LoraBatch | None = None):
     """Full-sequence causal pass without a cache: the final residual stream [B, T, D] (before the final
-    norm), plus the recorded layers when ``hooks`` is given. ``lengths_B`` marks right padding."""
+    norm), plus the recorded layers when ``hooks`` is given. ``lengths_B`` marks right padding; ``lora``
+    chooses each token's LoRA adapter."""
     backend = resolve_backend(backend)
     B, T = tokens_BT.shape
     lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     out = decoder_stack(params, config, embed(params, config, tokens_BT, backend), positions_BT,
-                        _attend_fresh(config, lengths_B, False, backend), None, hooks, backend)
+                        _attend_fresh(config, lengths_B, False, backend), None, hooks, backend, lora)
     return out[0] if hooks is None else (out[0], out[2])
 
 
 def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array | None = None,
-            *, hooks: LayerHooks | None = None, backend: BackendArg = None):
+            *, hooks: LayerHooks | None = None, backend: BackendArg = None, lora: LoraBatch | None = None):
     """Full-sequence causal forward pass without a cache: logits [B, T, V] (float32), plus the recorded
     layers when ``hooks`` is given. Differentiable in ``params`` (canonical) on every backend.
 
     ``lengths_B`` marks right padding (default: every token is real); logits at padded positions are
-    meaningless.
+    meaningless. ``lora``: each token's LoRA adapter (:class:`llm_jax.lora.LoraBatch`).
     """
     backend = resolve_backend(backend)
     if hooks is None:
-        return unembed(params, config, forward_hidden(params, config, tokens_BT, lengths_B, backend=backend), backend)
-    x_BTD, recorded = forward_hidden(params, config, tokens_BT, lengths_B, hooks=hooks, backend=backend)
+        x_BTD = forward_hidden(params, config, tokens_BT, lengths_B, backend=backend, lora=lora)
+        return unembed(params, config, x_BTD, backend)
+    x_BTD, recorded = forward_hidden(params, config, tokens_BT, lengths_B, hooks=hooks, backend=backend, lora=lora)
     return unembed(params, config, x_BTD, backend), recorded
 
 
@@ -322,10 +327,11 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
 
 
 def forward_paged(params: Params, config: ModelConfig, tokens_T: jax.Array, positions_T: jax.Array,
-                  cache: PagedKVCache, batch: PagedBatch, mesh: Mesh | None = None, *, backend: BackendArg = None):
+                  cache: PagedKVCache, batch: PagedBatch, mesh: Mesh | None = None, *, backend: BackendArg = None,
+                  lora: LoraBatch | None = None):
     """A serving step: T tokens of many sequences, flat and ragged (``kv_cache.PagedBatch`` says whose each
     is), at ``positions_T``, over the paged cache: hidden states [T, D] (before the final norm) and the
-    cache holding the tokens' keys and values."""
+    cache holding the tokens' keys and values. ``lora``: each token's adapter ([1, T, S] selection)."""
     backend = resolve_backend(backend)
 
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
@@ -335,5 +341,5 @@ def forward_paged(params: Params, config: ModelConfig, tokens_T: jax.Array, posi
         return o_TNH[None], PagedKVCache(k_LPZKH=k_LPZKH, v_LPZKH=v_LPZKH)
 
     x_1TD, cache = decoder_stack(params, config, embed(params, config, tokens_T[None], backend), positions_T[None],
-                                 attend, cache, None, backend)
+                                 attend, cache, None, backend, lora)
     return x_1TD[0], cache

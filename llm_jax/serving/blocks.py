@@ -24,7 +24,14 @@ NULL_BLOCK = 0
 
 BlockHash = bytes
 ROOT_HASH: BlockHash = bytes(16)
-"""The parent hash of a sequence's first block. (A LoRA or model id would be mixed in here.)"""
+"""The parent hash of a sequence's first block; sequences whose K/V differ for the same tokens (another
+LoRA adapter: :func:`root_hash`) start from another."""
+
+
+def root_hash(namespace: str) -> BlockHash:
+    """The parent hash of the first block of sequences in ``namespace`` (a LoRA adapter's name): their
+    blocks are never shared with other namespaces' or the base model's."""
+    return hashlib.blake2b(namespace.encode(), digest_size=16, person=b"llm_jax.root").digest()
 
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
@@ -37,13 +44,13 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 
 
 def extend_block_hashes(hashes: list[BlockHash], token_ids: Sequence[int], num_blocks: int,
-                        block_size: int) -> list[BlockHash]:
-    """Extends ``hashes`` in place (the hashes of ``token_ids``' first blocks) to its first ``num_blocks``
-    full blocks, hashing only the new ones; returns it."""
+                        block_size: int, root: BlockHash = ROOT_HASH) -> list[BlockHash]:
+    """Extends ``hashes`` in place (the hashes of ``token_ids``' first blocks, the first block's parent
+    ``root``) to its first ``num_blocks`` full blocks, hashing only the new ones; returns it."""
     if num_blocks * block_size > len(token_ids):
         raise ValueError(f"{num_blocks=} full blocks of {block_size=} need more than {len(token_ids)} tokens")
     for i in range(len(hashes), num_blocks):
-        parent = hashes[i - 1] if i else ROOT_HASH
+        parent = hashes[i - 1] if i else root
         hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size]))
     return hashes
 
@@ -158,20 +165,20 @@ class BlockPool:
             self._hashes[block] = None
         self._cached.clear()
 
-    def find_cached_prefix(self, token_ids: Sequence[int],
-                           block_hashes: Sequence[BlockHash] | None = None) -> list[int]:
+    def find_cached_prefix(self, token_ids: Sequence[int], block_hashes: Sequence[BlockHash] | None = None,
+                           root: BlockHash = ROOT_HASH) -> list[int]:
         """The blocks holding the longest cached prefix of ``token_ids`` in whole blocks.
 
         Never the whole sequence: the cached prefix covers at most ``len(token_ids) - 1`` tokens, so the
         last token is always computed and gives the logits the next token is sampled from. When the tokens
         are whole blocks all cached, the whole last block is recomputed into a fresh block, rather than one
         token written into a shared block (which must never change). ``block_hashes`` may give the
-        tokens' block hashes already computed (at least that many blocks)."""
+        tokens' block hashes already computed (at least that many blocks); ``root``, their namespace."""
         if not self.enable_prefix_caching:
             return []
         num_blocks = max(len(token_ids) - 1, 0) // self.block_size
         if block_hashes is None:
-            block_hashes = extend_block_hashes([], token_ids, num_blocks, self.block_size)
+            block_hashes = extend_block_hashes([], token_ids, num_blocks, self.block_size, root)
         blocks = []
         for block_hash in block_hashes[:num_blocks]:
             if (block := self._cached.get(block_hash)) is None:
@@ -203,13 +210,14 @@ class KVBlockManager:
     def block_table(self, request_id: Hashable) -> tuple[int, ...]:
         return tuple(self._tables.get(request_id, ()))
 
-    def cached_prefix(self, request_id: Hashable, token_ids: Sequence[int]) -> list[int]:
-        """``BlockPool.find_cached_prefix`` for a request's tokens, reusing the hashes it already computed."""
+    def cached_prefix(self, request_id: Hashable, token_ids: Sequence[int], root: BlockHash = ROOT_HASH) -> list[int]:
+        """``BlockPool.find_cached_prefix`` for a request's tokens (in namespace ``root``), reusing the
+        hashes it already computed."""
         if not self.pool.enable_prefix_caching:
             return []
         num_blocks = max(len(token_ids) - 1, 0) // self.pool.block_size
         hashes = self._hashes.setdefault(request_id, [])
-        extend_block_hashes(hashes, token_ids, num_blocks, self.pool.block_size)
+        extend_block_hashes(hashes, token_ids, num_blocks, self.pool.block_size, root)
         return self.pool.find_cached_prefix(token_ids, hashes)
 
     def num_blocks_to_take(self, request_id: Hashable, num_tokens: int, prefix: Sequence[int] = ()) -> int:
@@ -244,9 +252,11 @@ class KVBlockManager:
         table.extend(self.pool.allocate(max(cdiv(num_tokens, self.pool.block_size) - len(table), 0)))
         return True
 
-    def cache_full_blocks(self, request_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
-        """Offers the request's blocks that became full of computed K/V to the prefix cache. Call it after
-        the step that computed them: a block is findable only once its K/V are written."""
+    def cache_full_blocks(self, request_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int,
+                          root: BlockHash = ROOT_HASH) -> None:
+        """Offers the request's blocks that became full of computed K/V to the prefix cache (named in
+        namespace ``root``). Call it after the step that computed them: a block is findable only once its
+        K/V are written."""
         if not self.pool.enable_prefix_caching:
             return
         table = self._tables[request_id]
@@ -255,7 +265,7 @@ class KVBlockManager:
         if num_full <= start:
             return
         hashes = extend_block_hashes(self._hashes.setdefault(request_id, []), token_ids, num_full,
-                                     self.pool.block_size)
+                                     self.pool.block_size, root)
         for i in range(start, num_full):
             self.pool.cache(table[i], hashes[i])
         self._uncount(hashes, start, min(num_full, self._num_counted.get(request_id, 0)))

@@ -18,6 +18,10 @@ step itself draws them from the draft model, which keeps its own paged cache und
 tables. The scheduler budgets the proposals with the request's latest token, and the step verifies them
 exactly (greedy output identical, sampled output with the model's own distribution). A request whose
 proposals keep failing stops proposing for 1, 2, 4, ... steps (``Speculative.max_backoff`` at most).
+
+With ``lora_adapters`` (PEFT folders or ``llm_jax.lora.LoraAdapter`` s) each request may name one
+(``add_request(..., lora=name)``); requests of every adapter and of the base model run in the same steps
+(:mod:`llm_jax.serving.adapters`), and the prefix cache keeps each adapter's blocks apart.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from llm_jax.guided import Guided, Matcher, all_allowed, vocabulary
 from llm_jax.kv_cache import PagedBatch, cache_bytes_per_token, cache_dtype, init_paged_cache
 from llm_jax.loading import Model
 from llm_jax.sampling import GREEDY, Sampling
-from llm_jax.serving.blocks import NULL_BLOCK
+from llm_jax.serving.adapters import AdapterArg, LoraSlots
+from llm_jax.serving.blocks import NULL_BLOCK, ROOT_HASH
 from llm_jax.serving.scheduler import FinishReason, Request, Scheduler, SchedulerStats, StepPlan
 from llm_jax.serving.step import Draft, Shape, StepInputs, abstract_inputs, step, step_controls
 from llm_jax.sharding import paged_cache_shardings
@@ -63,6 +68,7 @@ class RequestOutput:
     # the first, which nothing predicts) and the most likely tokens at its position.
     prompt_logprobs: tuple[float | None, ...] | None = None
     prompt_top_logprobs: tuple[dict[int, float] | None, ...] | None = None
+    prompt_ranks: tuple[int | None, ...] | None = None  # each prompt token's rank (1: the most likely)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # after this step
 
@@ -89,10 +95,13 @@ class _Live:
     sample_index: int
     text: SequenceText
     prompt_logprobs: int | None = None
-    prompt_scores: dict[int, tuple[float, dict[int, float]]] = dataclasses.field(default_factory=dict)  # by position
+    # By position: each prompt token's log-probability, rank and top tokens.
+    prompt_scores: dict[int, tuple[float, int, dict[int, float]]] = dataclasses.field(default_factory=dict)
     backoff: Backoff = Backoff()  # speculative decoding: steps it proposes nothing after failures
     matcher: Matcher | None = None  # guided decoding: where the request stands in its constraint
     guided_after: int | None = None  # the token the constraint starts after (a reasoning's end), until it comes
+    lora: str | None = None  # its LoRA adapter's name
+    lora_slot: int = -1  # and its slot (-1: the base model)
 
     @property
     def scores_prompt(self) -> bool:
@@ -127,13 +136,16 @@ class Engine:
     verified each step (n-gram prompt lookup or a draft model; see the module docstring).
     ``kv_cache_dtype``: what the cache holds, "int8" (a float32 scale per token and head: about half a
     bfloat16 cache's bytes, so ``kv_cache_memory`` holds about twice the blocks), "bfloat16" or "float32";
-    None: the model's compute dtype.
+    None: the model's compute dtype. ``lora_adapters``: LoRA adapters requests may name (PEFT folders or
+    ``LoraAdapter`` s), in ``max_loras`` slots (room for :meth:`add_lora` later), ranks up to
+    ``max_lora_rank`` (see :class:`llm_jax.serving.adapters.LoraSlots`).
     """
 
     def __init__(self, model: Model, *, max_num_seqs: int = 8, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_batched_tokens: int = 256,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, max_logprobs: int = 20,
-                 speculative: Speculative | None = None, kv_cache_dtype: str | None = None):
+                 speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
+                 lora_adapters: Sequence[AdapterArg] = (), max_loras: int = 0, max_lora_rank: int | None = None):
         config = model.config
         self.kv_cache_dtype = cache_dtype(config, kv_cache_dtype)
         self.model, self.config = model, config
@@ -154,6 +166,10 @@ class Engine:
                                  "a mesh: it is laid out on the model's)")
             if self.draft.mesh != model.mesh:  # the draft runs where the model does
                 self.draft = self.draft.shard(model.mesh)
+        self.lora = None
+        if lora_adapters or max_loras:
+            self.lora = LoraSlots(config, lora_adapters, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                                  mesh=model.mesh)
         num_blocks = self._num_blocks(num_blocks, kv_cache_memory)
         self.cache = self._new_cache(num_blocks)
         self.draft_cache = None
@@ -195,7 +211,7 @@ class Engine:
                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, sample_index: int = 0, guided: Guided | None = None,
                     guided_after_token: int | None = None, skip_special_tokens: bool = True,
-                    include_stop_str_in_output: bool = False, priority: int = 0) -> None:
+                    include_stop_str_in_output: bool = False, priority: int = 0, lora: str | None = None) -> None:
         """Queue a request (a string, or token ids used as given). ``max_new_tokens`` None: until the
         context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own);
         ``prompt_logprobs``: the same for the prompt's tokens, reported with the first token (the request
@@ -208,9 +224,13 @@ class Engine:
         ``skip_special_tokens=False``: the text keeps special tokens (but the end-of-sequence or stop token
         that ends it). ``include_stop_str_in_output``: the text ends with the stop string that ended it.
         ``priority``: lower is admitted and given the step's budget first, and preempted last (ties: first
-        come, first served)."""
+        come, first served). ``lora``: the name of the LoRA adapter the request runs with (None: the base
+        model)."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
+        if lora is not None and self.lora is None:
+            raise ValueError(f"request {request_id!r} names LoRA adapter {lora!r}, and this engine has no adapters")
+        lora_slot = -1 if lora is None else self.lora.slot(lora)  # refuses unknown names
         (ids,) = encode_prompts(self.model, [prompt])
         for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if value is not None and not 0 <= value <= self.max_logprobs:
@@ -236,7 +256,8 @@ class Engine:
                 raise ValueError(f"guided decoding needs the model's tokenizer, and {self.model.path} has none")
             matcher = Matcher(vocabulary(self.model.tokenizer, tuple(self.model.eos_ids), V), guided)
         request = Request(request_id=request_id, prompt_token_ids=ids, max_new_tokens=max_new_tokens,
-                          use_prefix_cache=prompt_logprobs is None, priority=int(priority))
+                          use_prefix_cache=prompt_logprobs is None, priority=int(priority),
+                          hash_root=ROOT_HASH if lora is None else self.lora.hash_root(lora))
         self.scheduler.add(request)  # refuses requests that can never fit
         self._live[request_id] = _Live(
             request=request, sampling=sampling, end_ids=end_ids, eos_ids=frozenset(eos_ids),
@@ -244,7 +265,31 @@ class Engine:
             text=SequenceText(self.model.tokenizer, list(ids), tuple(stop), min_new_tokens,
                               skip_special=skip_special_tokens, end_ids=frozenset(end_ids),
                               include_stop=include_stop_str_in_output),
-            prompt_logprobs=prompt_logprobs, matcher=matcher, guided_after=guided_after_token)
+            prompt_logprobs=prompt_logprobs, matcher=matcher, guided_after=guided_after_token, lora=lora,
+            lora_slot=lora_slot)
+
+    # LoRA adapters.
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The loaded LoRA adapters' names."""
+        return () if self.lora is None else self.lora.names
+
+    def add_lora(self, adapter: AdapterArg, name: str | None = None) -> str:
+        """Loads a LoRA adapter (a PEFT folder, named ``name`` or after the folder, or a ``LoraAdapter``)
+        into a free slot, for requests to name from now on; returns its name. Compiles nothing."""
+        if self.lora is None:
+            raise ValueError("this engine was started without LoRA slots: give it max_loras")
+        return self.lora.add(adapter, name).name
+
+    def remove_lora(self, name: str) -> None:
+        """Unloads LoRA adapter ``name``; refused while a request runs with it. Its cached blocks are left to
+        eviction: nothing matches them any more (each load of an adapter has a prefix-cache namespace of its
+        own, even under a reused name)."""
+        if self.lora is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}: this engine has no adapters")
+        if users := [rid for rid, live in self._live.items() if live.lora == name]:
+            raise ValueError(f"LoRA adapter {name!r} is in use by requests {users[:5]}")
+        self.lora.remove(name)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False when it is unknown or already finished."""
@@ -280,7 +325,8 @@ class Engine:
         shapes = self.shapes()
         for shape in shapes:
             inputs = abstract_inputs(shape, self.config, bias_width=BIAS_WIDTH, end_width=END_WIDTH,
-                                     max_model_len=self.max_model_len, draft=self.draft is not None)
+                                     max_model_len=self.max_model_len, draft=self.draft is not None,
+                                     lora=self.lora is not None)
             self._run(inputs)
         jax.block_until_ready((self.cache, self.draft_cache))
         return len(shapes)
@@ -292,7 +338,7 @@ class Engine:
             draft_backend=self.draft.backend)
         self.cache, emitted, scored, self.draft_cache = step(
             self.model.weights, self.config, self.cache, inputs, backend=self.model.backend, mesh=self.model.mesh,
-            **draft)
+            lora_weights=None if self.lora is None else self.lora.weights, **draft)
         return emitted, scored
 
     def _shape(self, plan: StepPlan, kind: str) -> Shape:
@@ -360,6 +406,11 @@ class Engine:
             extra.update(proposals_BK=proposals_BK, num_proposals_B=padded(plan.num_proposals_B, B))
         if self.draft is not None:
             extra["draft"] = self._draft_inputs(plan, shape, tables)
+        if self.lora is not None:  # each token's adapter slot
+            slots_T = np.full((shape.T,), -1, np.int32)
+            for b, live in enumerate(lives):
+                slots_T[plan.query_start_B[b]:plan.query_start_B[b] + plan.num_tokens_B[b]] = live.lora_slot
+            extra["lora_slots_T"] = slots_T
         return StepInputs(tokens_T=padded(plan.token_ids_T, shape.T), positions_T=padded(plan.positions_T, shape.T),
                           batch=batch, controls=controls, num_generated_B=generated_B, **extra)
 
@@ -416,14 +467,15 @@ class Engine:
                 if position < len(live.request.prompt_token_ids):
                     top = ({} if not n else {int(i): float(p) for i, p in
                                              zip(scored.top_ids_BTN[0, t, :n], scored.top_logprobs_BTN[0, t, :n])})
-                    live.prompt_scores[position] = (float(scored.logprobs_BT[0, t]), top)
+                    live.prompt_scores[position] = (float(scored.logprobs_BT[0, t]), int(scored.ranks_BT[0, t]), top)
 
     @staticmethod
     def _prompt_scores(live: _Live) -> dict:
         """A prompt's log-probabilities, as :class:`RequestOutput` gives them."""
         scores = [live.prompt_scores[p] for p in range(1, len(live.request.prompt_token_ids))]
-        return dict(prompt_logprobs=(None, *(lp for lp, _ in scores)),
-                    prompt_top_logprobs=(None, *(top for _, top in scores)))
+        return dict(prompt_logprobs=(None, *(lp for lp, _, _ in scores)),
+                    prompt_ranks=(None, *(rank for _, rank, _ in scores)),
+                    prompt_top_logprobs=(None, *(top for _, _, top in scores)))
 
     def _propose(self) -> None:
         """Proposals for each decoding request's next tokens (speculative decoding), as many as its length

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from llm_jax.serving.blocks import NULL_BLOCK, BlockPool, KVBlockManager, cdiv
+from llm_jax.serving.blocks import NULL_BLOCK, ROOT_HASH, BlockHash, BlockPool, KVBlockManager, cdiv
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +61,9 @@ class Request:
     # logits, for prompt log-probabilities, computes its whole prompt).
     use_prefix_cache: bool = True
     priority: int = 0  # lower goes first (admission, budget) and is preempted last; ties by arrival
+    # The parent hash of its first block: another for requests whose K/V differ for equal tokens (a LoRA
+    # adapter's, ``blocks.root_hash``), so the prefix cache never mixes them.
+    hash_root: BlockHash = ROOT_HASH
     arrival: int = dataclasses.field(default=-1, init=False)  # order of ``add``
     token_ids: list[int] = dataclasses.field(init=False)  # the prompt, then every token produced so far
     # Proposed next tokens for the coming step (speculative decoding; the caller sets them, update clears).
@@ -319,7 +322,8 @@ class Scheduler:
         try:
             while self._waiting and budget > 0 and len(self._running) < self.max_num_seqs:
                 request = self._waiting[0]
-                prefix = self.kv.cached_prefix(request.request_id, request.token_ids) if request.use_prefix_cache else []
+                prefix = (self.kv.cached_prefix(request.request_id, request.token_ids, request.hash_root)
+                          if request.use_prefix_cache else [])
                 if request.use_prefix_cache and self.kv.computing(request.request_id, len(prefix)):
                     deferred.append(self._waiting.popleft())
                     continue
@@ -412,7 +416,7 @@ class Scheduler:
             num_kept = min(max(len(tokens) - 1, 0), num_proposals)
             request.num_computed_tokens += int(plan.num_tokens_B[b]) - num_proposals + num_kept
             request.token_ids.extend(tokens)
-            self.kv.cache_full_blocks(rid, request.token_ids, request.num_computed_tokens)
+            self.kv.cache_full_blocks(rid, request.token_ids, request.num_computed_tokens, request.hash_root)
             if num_proposals and plan.samples_B[b]:
                 accepted = num_kept if accepted_B is None else int(accepted_B[b])
                 self._count_speculation(num_proposals, accepted)

@@ -27,6 +27,7 @@ from llm_jax.guided import all_allowed, apply_bitmask
 from llm_jax.kv_cache import PagedBatch, PagedKVCache
 from llm_jax.logits_processors import History
 from llm_jax.logprobs import TokenLogprobs, chosen_and_top, token_logprobs
+from llm_jax.lora import LoraBatch, LoraWeights
 from llm_jax.model import Params, forward_paged, greedy_tokens, unembed
 from llm_jax.sampling import process_logits
 from llm_jax.sharding import constrain_cache, constrain_replicated
@@ -82,6 +83,8 @@ class StepInputs:
     # With a draft model: the tokens it runs first, every step (its cache follows the model's): each
     # sequence's known tokens of the step, after the token before them for a sequence with proposals.
     draft: Draft | None = None
+    # With LoRA adapters: each token's adapter slot (-1: the base model), ``llm_jax.lora.LoraBatch``.
+    lora_slots_T: jax.Array | None = None  # int32
 
 
 @jax.tree_util.register_dataclass
@@ -112,7 +115,8 @@ def history(tokens_BS: jax.Array, prompt_lens_B: jax.Array, lengths_B: jax.Array
 @functools.partial(jax.jit, static_argnames=("config", "backend", "mesh", "draft_config", "draft_backend"),
                    donate_argnames=("cache", "draft_cache"))
 def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: StepInputs, *, backend: Backend,
-         mesh: Mesh | None = None, draft_weights: Params | None = None, draft_cache: PagedKVCache | None = None,
+         mesh: Mesh | None = None, lora_weights: LoraWeights | None = None,
+         draft_weights: Params | None = None, draft_cache: PagedKVCache | None = None,
          draft_config: ModelConfig | None = None, draft_backend: Backend | None = None
          ) -> tuple[PagedKVCache, Emitted, TokenLogprobs | None, PagedKVCache | None]:
     """Run the step's tokens and choose each sequence's next token: the cache, what each sequence
@@ -120,7 +124,8 @@ def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: Step
     then ``PAD_ID``; rows of padding sequences and of chunks that do not end their prompt are meaningless)
     and, for a "prompt" step, the log-probabilities of ``inputs.prompt_targets_T`` ([1, T] arrays, the
     model's own, before any processor); last, the draft model's cache (None without). ``cache`` and
-    ``draft_cache`` are donated."""
+    ``draft_cache`` are donated. ``lora_weights``: the adapters ``inputs.lora_slots_T`` choose from (the
+    draft model proposes without them; verification is exact all the same)."""
     batch, tokens_T, q_BKV = inputs.batch, inputs.tokens_T, None
     if inputs.draft is not None:
         proposals_BK, q_BKV, draft_cache = draft_proposals(draft_weights, draft_config, draft_cache, inputs,
@@ -132,8 +137,9 @@ def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: Step
             rows_BK = jnp.where(jnp.arange(K) < num_B[:, None], rows_BK, tokens_T.shape[0])
             tokens_T = tokens_T.at[rows_BK].set(proposals_BK, mode="drop")
             inputs = dataclasses.replace(inputs, proposals_BK=proposals_BK)
+    lora = None if inputs.lora_slots_T is None else LoraBatch.of_slots(lora_weights, inputs.lora_slots_T[None])
     x_TD, cache = forward_paged(weights, config, tokens_T, inputs.positions_T, constrain_cache(cache, mesh),
-                                batch, mesh, backend=backend)
+                                batch, mesh, backend=backend, lora=lora)
     cache = constrain_cache(cache, mesh)
     prompt = None
     if inputs.prompt_targets_T is not None:
@@ -266,9 +272,9 @@ def verify_proposals(weights: Params, config: ModelConfig, x_TD: jax.Array, inpu
 
 
 def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_width: int,
-                    max_model_len: int, draft: bool = False) -> StepInputs:
-    """Zero :class:`StepInputs` of ``shape`` (``draft``: with a draft model's pass): a step of padding
-    only, which compiles its program."""
+                    max_model_len: int, draft: bool = False, lora: bool = False) -> StepInputs:
+    """Zero :class:`StepInputs` of ``shape`` (``draft``: with a draft model's pass; ``lora``: with LoRA
+    adapters): a step of padding only, which compiles its program."""
     from llm_jax.sampling import GREEDY
 
     T, B, X = shape.T, shape.B, shape.X
@@ -286,7 +292,8 @@ def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_w
                       **(dict(prompt_targets_T=np.full((T,), -1, np.int32)) if shape.kind == "prompt" else {}),
                       **(dict(proposals_BK=np.zeros((B, shape.K), np.int32), num_proposals_B=zeros_B)
                          if shape.K else {}),
-                      draft=Draft(tokens_T=zeros_T, positions_T=zeros_T, batch=batch) if draft else None)
+                      draft=Draft(tokens_T=zeros_T, positions_T=zeros_T, batch=batch) if draft else None,
+                      lora_slots_T=np.full((T,), -1, np.int32) if lora else None)
 
 
 def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens_B: np.ndarray, *,
