@@ -21,11 +21,13 @@ CHUNK = 128  # positions unembedded at once
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TokenLogprobs:
-    """Per position: the log-probability of the chosen token and of the ``top_n`` most likely ones."""
+    """Per position: the log-probability of the chosen token and of the ``top_n`` most likely ones, and the
+    chosen token's rank (1 + the tokens more likely than it)."""
 
     logprobs_BT: jax.Array  # float32
     top_ids_BTN: jax.Array | None = None  # int32
     top_logprobs_BTN: jax.Array | None = None  # float32
+    ranks_BT: jax.Array | None = None  # int32
 
 
 def token_logprobs(params: Params, config: ModelConfig, x_BTD: jax.Array, targets_BT: jax.Array, *,
@@ -47,10 +49,11 @@ def token_logprobs(params: Params, config: ModelConfig, x_BTD: jax.Array, target
         x_BcD, targets_Bc = inputs
         logp_BcV = jax.nn.log_softmax(unembed(params, config, x_BcD, backend), axis=-1)
         chosen_Bc = jnp.take_along_axis(logp_BcV, targets_Bc[..., None], axis=-1)[..., 0]
+        rank_Bc = 1 + jnp.sum(logp_BcV > chosen_Bc[..., None], axis=-1, dtype=jnp.int32)
         if not top_n:
-            return chosen_Bc, None, None
+            return chosen_Bc, None, None, rank_Bc
         top_logprobs_BcN, top_ids_BcN = jax.lax.top_k(logp_BcV, top_n)
-        return chosen_Bc, top_ids_BcN.astype(jnp.int32), top_logprobs_BcN
+        return chosen_Bc, top_ids_BcN.astype(jnp.int32), top_logprobs_BcN, rank_Bc
 
     out = jax.lax.map(one_chunk, (x_CBcD, targets_CBc))
 

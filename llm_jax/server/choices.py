@@ -15,6 +15,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import NamedTuple
 
 from llm_jax.server.fields import ApiError
 from llm_jax.server.metrics import ServerMetrics
@@ -30,13 +31,23 @@ MIN_LOGPROB = -9999.0  # what a filtered-out token's -inf reads as (JSON has no 
 _END = object()
 
 
+class Top(NamedTuple):
+    """One of the most likely tokens at a step."""
+
+    token_id: int
+    token: str  # its text where it stands
+    logprob: float
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's text and log-probability, and the most likely tokens at its step."""
+    """One token's text and log-probability, and the most likely tokens at its step."""
 
+    token_id: int
     token: str
     logprob: float | None  # None for a prompt's first token, which nothing predicts
-    top: tuple[tuple[str, float], ...]  # most likely first
+    top: tuple[Top, ...]  # most likely first
+    rank: int | None = None  # a prompt token's: 1 + how many tokens are more likely; None where not known
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -52,7 +63,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when echoed with logprobs
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when the engine scores it
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or string that ended it (None for EOS)
     num_output_tokens: int = 0
@@ -131,7 +142,7 @@ class Run:
             async for out in self.engine.generate(
                     choice.engine_id, list(choice.prompt_ids), sampling=self.sampling, max_new_tokens=choice.max_tokens,
                     min_new_tokens=g.min_tokens, stop=g.stop, stop_token_ids=g.stop_token_ids,
-                    ignore_eos=g.ignore_eos, logprobs=g.logprobs, prompt_logprobs=g.prompt_logprobs,
+                    ignore_eos=g.ignore_eos, logprobs=g.logprobs, prompt_logprobs=g.scored_prompt,
                     sample_index=choice.sample, guided=g.guided, guided_after_token=g.guided_after_token,
                     skip_special_tokens=g.skip_special_tokens, include_stop_str_in_output=g.include_stop_str_in_output,
                     priority=g.priority):
@@ -182,26 +193,27 @@ class Run:
     def _logprobs(self, choice: Choice, out: RequestOutput) -> list[TokenLogprob]:
         entries, context = [], [*choice.prompt_ids[-CONTEXT_TOKENS:], *choice.token_ids[-CONTEXT_TOKENS:]]
         for i, token in enumerate(out.token_ids):
-            top = out.top_logprobs[i] if out.top_logprobs else {}
-            ranked = sorted(top.items(), key=lambda item: -item[1])
-            entries.append(TokenLogprob(
-                token=token_text(self.tokenizer, context, token), logprob=_finite(out.logprobs[i]),
-                top=tuple((token_text(self.tokenizer, context, t), _finite(lp)) for t, lp in ranked)))
+            entries.append(TokenLogprob(token_id=token, token=token_text(self.tokenizer, context, token),
+                                        logprob=_finite(out.logprobs[i]),
+                                        top=self._top(context, out.top_logprobs[i] if out.top_logprobs else {})))
             context.append(token)
         return entries
 
-
     def _prompt_logprobs(self, out: RequestOutput) -> list[TokenLogprob]:
-        """The prompt's tokens with their log-probabilities (None for the first) and top tokens."""
+        """The prompt's tokens with their log-probabilities (None for the first), ranks and top tokens."""
         entries, ids = [], self._prompt_ids(out.request_id)
         for i, token in enumerate(ids):
             logprob, top = out.prompt_logprobs[i], out.prompt_top_logprobs[i] or {}
-            ranked = sorted(top.items(), key=lambda item: -item[1])
             context = ids[max(i - CONTEXT_TOKENS, 0):i]
             entries.append(TokenLogprob(
-                token=token_text(self.tokenizer, context, token), logprob=None if logprob is None else _finite(logprob),
-                top=tuple((token_text(self.tokenizer, context, t), _finite(lp)) for t, lp in ranked)))
+                token_id=token, token=token_text(self.tokenizer, context, token),
+                logprob=None if logprob is None else _finite(logprob), top=self._top(context, top),
+                rank=None if out.prompt_ranks is None else out.prompt_ranks[i]))
         return entries
+
+    def _top(self, context: Sequence[int], top: dict[int, float]) -> tuple[Top, ...]:
+        ranked = sorted(top.items(), key=lambda item: -item[1])
+        return tuple(Top(t, token_text(self.tokenizer, context, t), _finite(lp)) for t, lp in ranked)
 
     def _prompt_ids(self, engine_id: str) -> tuple[int, ...]:
         return next(c.prompt_ids for c in self.choices if c.engine_id == engine_id)

@@ -1,7 +1,8 @@
 """Requests in: a JSON body checked field by field (:mod:`llm_jax.server.fields`) into a typed request.
 
 Fields follow OpenAI's API, with vLLM's extras under vLLM's names (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``add_generation_prompt``, …).
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``add_generation_prompt``,
+``prompt_logprobs``, …).
 A field this server does not know is refused (as OpenAI does), as is a known one set to something the
 engine cannot do (``suffix``, ``best_of`` other than ``n``, …); fields OpenAI
 accepts without effect on generation (``user``, ``metadata``, …) are ignored. Every error names its
@@ -62,7 +63,11 @@ class Generation:
     stream: bool
     include_usage: bool  # a usage chunk before [DONE]
     continuous_usage: bool  # usage on every chunk (vLLM's continuous_usage_stats)
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens (completions' echo with logprobs)
+    # vLLM's prompt_logprobs: each prompt token's log-probability and rank, with this many alternatives,
+    # reported beside the choices (never streamed, as vLLM's)
+    prompt_logprobs: int | None = None
+    echo_logprobs: int | None = None  # completions' echo with logprobs: the echoed prompt's alternatives
+    scored_prompt: int | None = None  # alternatives the engine reports per prompt token (None: no scores)
     guided: Guided | None = None  # a constraint the output follows (structured outputs)
     bad_words: tuple[str, ...] = ()  # words never to complete (vLLM's bad_words; the service tokenizes them)
     guided_param: str | None = None  # the field that gave it
@@ -166,7 +171,7 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
     include_stop = fields.take("include_stop_str_in_output", "boolean", default=False)
     priority = integer(fields, "priority", -2**31, 2**31 - 1, default=0)
     skip_special = fields.take("skip_special_tokens", "boolean", default=True)
-    fields.unsupported("prompt_logprobs", why="is not supported: the engine computes no prompt log-probabilities")
+    prompt_logprobs = integer(fields, "prompt_logprobs", 0, limits.max_logprobs)
     min_tokens = integer(fields, "min_tokens", 0, 2**31 - 1, default=0)
     if max_tokens is not None:
         check(min_tokens <= max_tokens, "min_tokens", f"({min_tokens}) must not exceed max_tokens ({max_tokens})")
@@ -175,6 +180,9 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
     stop_ids = fields.take("stop_token_ids", "array", default=[])
     stop_ids = token_ids(stop_ids, "stop_token_ids", limits.vocab_size) if stop_ids else ()
     stream = fields.take("stream", "boolean", default=False)
+    if stream and prompt_logprobs:  # vLLM's refusal: its streams carry no prompt log-probabilities
+        raise ApiError("prompt_logprobs are not available with stream=true", param="prompt_logprobs",
+                       code="invalid_value")
     options = fields.take("stream_options", "object", default=None)
     if options is not None and not stream:
         raise ApiError("stream_options can only be given with stream=true", param="stream_options",
@@ -197,7 +205,19 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
                       ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
                       stream=stream, include_usage=include_usage, continuous_usage=continuous, guided=guided,
                       guided_param=guided_param, bad_words=tuple(bad_words), skip_special_tokens=skip_special,
-                      include_stop_str_in_output=include_stop, priority=priority)
+                      include_stop_str_in_output=include_stop, priority=priority,
+                      prompt_logprobs=None if stream else prompt_logprobs)
+
+
+def _prompt_scores(generation: Generation, limits: Limits, *, echo_logprobs: int | None = None) -> Generation:
+    """What the engine scores of the prompt: the alternatives vLLM's ``prompt_logprobs`` reports (which an
+    echo with logprobs also reports, as vLLM's does, unless streamed) or the echo shows, the more of them."""
+    reported = generation.prompt_logprobs
+    if reported is None and not generation.stream:
+        reported = echo_logprobs
+    scored = None if reported is None and echo_logprobs is None else max(reported or 0, echo_logprobs or 0)
+    return dataclasses.replace(generation, prompt_logprobs=reported, echo_logprobs=echo_logprobs,
+                               scored_prompt=scored)
 
 
 def _schema(value: Any, param: str) -> dict[str, Any]:
@@ -332,8 +352,8 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     echo = fields.take("echo", "boolean", default=False)
     fields.unsupported("suffix", why="is not supported: the served model does not fill in the middle")
     generation = _generation(fields, limits, max_tokens=max_tokens, logprobs=logprobs)
-    if echo and logprobs is not None:  # the echoed prompt's tokens come with their log-probabilities
-        generation = dataclasses.replace(generation, prompt_logprobs=logprobs)
+    # The echoed prompt's tokens come with their log-probabilities when it asks for logprobs.
+    generation = _prompt_scores(generation, limits, echo_logprobs=logprobs if echo else None)
     fields.finish()
     return CompletionRequest(model=model, prompts=prompts, echo=echo, generation=generation)
 
@@ -386,6 +406,7 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
                        code="invalid_value")
     kwargs = fields.take("chat_template_kwargs", "object", default={})
     generation = _generation(fields, limits, max_tokens=max_tokens, logprobs=(top or 0) if wants_logprobs else None)
+    generation = _prompt_scores(generation, limits)
     fields.finish()
     if tools is not None and tools.forced:  # the output is the calls: constrained to their JSON
         if generation.guided is not None:

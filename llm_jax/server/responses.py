@@ -6,11 +6,14 @@ Each choice has OpenAI's ``finish_reason`` and vLLM's ``stop_reason`` (the stop 
 ended it, null for end-of-sequence). Log-probabilities come in each API's own shape: completions'
 ``{tokens, token_logprobs, top_logprobs, text_offset}`` (``top_logprobs`` maps token text to
 log-probability and includes the chosen token), chat's ``{content: [{token, logprob, bytes,
-top_logprobs}]}``. A stream ends with the usage chunk when asked (``stream_options.include_usage``), then
-``data: [DONE]``; an error inside it is an ``{"error": ...}`` event before ``[DONE]``. A chat request with
-tools reads each choice's output into content and ``tool_calls`` (:mod:`llm_jax.server.tools`), and a
-reasoning parser the reasoning into ``reasoning_content`` (:mod:`llm_jax.server.reasoning`); streamed, a
-call's first delta carries its id and name, the next ones pieces of its arguments.
+top_logprobs}]}``. vLLM's ``prompt_logprobs`` is each completion choice's (chat: the response's): None
+for the prompt's first token, then per token ``{token id: {logprob, rank, decoded_token}}`` for the token
+and its most likely alternatives, the token first; streams never carry it (as vLLM's). A stream ends with
+the usage chunk when asked (``stream_options.include_usage``), then ``data: [DONE]``; an error inside it
+is an ``{"error": ...}`` event before ``[DONE]``. A chat request with tools reads each choice's output
+into content and ``tool_calls`` (:mod:`llm_jax.server.tools`), and a reasoning parser the reasoning into
+``reasoning_content`` (:mod:`llm_jax.server.reasoning`); streamed, a call's first delta carries its id
+and name, the next ones pieces of its arguments.
 """
 
 from __future__ import annotations
@@ -106,7 +109,8 @@ class CompletionShape(_Shape):
                   prompt: Sequence[TokenLogprob] = ()) -> dict[str, Any] | None:
         """``prompt``: the echoed prompt's entries, first (their offsets count from the echo's start; the
         first has no log-probability, as OpenAI's echo gives it)."""
-        if self.run.generation.logprobs is None:
+        g = self.run.generation
+        if g.logprobs is None:
             return None
         offsets, offset = [], 0
         for entry in prompt:
@@ -117,13 +121,20 @@ class CompletionShape(_Shape):
             self._offsets[choice.index] += len(entry.token)
         every = [*prompt, *entries]
         return {"tokens": [e.token for e in every], "token_logprobs": [e.logprob for e in every],
-                "top_logprobs": [None if e.logprob is None else {**dict(e.top), e.token: e.logprob} for e in every],
+                "top_logprobs": [None if e.logprob is None else {**{t.token: t.logprob for t in e.top[:g.logprobs]},
+                                                                 e.token: e.logprob} for e in every],
                 "text_offset": offsets}
 
+    def _echoed_prompt(self, entries: Sequence[TokenLogprob]) -> Sequence[TokenLogprob]:
+        return entries if self.run.generation.echo_logprobs is not None else ()
+
     def response(self) -> dict[str, Any]:
+        g = self.run.generation
         choices = [{"index": c.index, "text": self.echoes[c.prompt_index] + c.text,
-                    "logprobs": self._logprobs(c, c.logprobs, c.prompt_logprobs), "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in self.run.choices]
+                    "logprobs": self._logprobs(c, c.logprobs, self._echoed_prompt(c.prompt_logprobs)),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    "prompt_logprobs": prompt_logprobs(c.prompt_logprobs, g.prompt_logprobs)}
+                   for c in self.run.choices]
         return {**self._head(self.object_name), "choices": choices, "usage": self.usage()}
 
     def chunk(self, delta: Delta) -> str | None:
@@ -132,11 +143,30 @@ class CompletionShape(_Shape):
         if choice.index not in self._echoed:
             self._echoed.add(choice.index)
             text = self.echoes[choice.prompt_index] + text
-        if not text and delta.finish_reason is None and not delta.logprobs and not delta.prompt_logprobs:
+        echoed = self._echoed_prompt(delta.prompt_logprobs)
+        if not text and delta.finish_reason is None and not delta.logprobs and not echoed:
             return None  # nothing to show yet (text held back)
         return self._chunk([{"index": choice.index, "text": text,
-                             "logprobs": self._logprobs(choice, delta.logprobs, delta.prompt_logprobs),
+                             "logprobs": self._logprobs(choice, delta.logprobs, echoed),
                              "finish_reason": delta.finish_reason, "stop_reason": choice.stop_reason}])
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprob], n: int | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs`` of a prompt's entries, with ``n`` alternatives (None: not asked for)."""
+    if n is None:
+        return None
+    out = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        scores = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}}
+        for t in e.top[:n]:
+            # Ranked as the token is: 1 + the alternatives above it (all among the top).
+            rank = 1 + sum(other.logprob > t.logprob for other in e.top)
+            scores.setdefault(str(t.token_id), {"logprob": t.logprob, "rank": rank, "decoded_token": t.token})
+        out.append(scores)
+    return out
 
 
 def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
@@ -176,8 +206,8 @@ class ChatShape(_Shape):
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
         if self.run.generation.logprobs is None:
             return None
-        return {"content": [{**_chat_entry(e.token, e.logprob), "top_logprobs": [_chat_entry(t, lp) for t, lp in e.top]}
-                            for e in entries]}
+        return {"content": [{**_chat_entry(e.token, e.logprob),
+                             "top_logprobs": [_chat_entry(t.token, t.logprob) for t in e.top]} for e in entries]}
 
     def response(self) -> dict[str, Any]:
         choices = []
@@ -186,7 +216,9 @@ class ChatShape(_Shape):
             choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(c.logprobs),
                             "finish_reason": self._finish_reason(c.finish_reason, len(message.get("tool_calls", ()))),
                             "stop_reason": c.stop_reason})
-        return {**self._head(self.object_name), "choices": choices, "usage": self.usage()}
+        g = self.run.generation
+        return {**self._head(self.object_name), "choices": choices, "usage": self.usage(),
+                "prompt_logprobs": prompt_logprobs(self.run.choices[0].prompt_logprobs, g.prompt_logprobs)}
 
     def opening(self) -> list[str]:
         """The first chunk of each choice: the assistant's role."""

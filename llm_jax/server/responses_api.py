@@ -5,7 +5,8 @@ made, ``function_call_output`` items with their results) and ``instructions`` be
 the chat template, as chat completions' messages do. Generation takes ``max_output_tokens``,
 ``temperature``, ``top_p`` (and vLLM's extras: ``top_k``, ``min_p``, penalties, ``seed``, …),
 ``text.format`` (``text``, ``json_object``, ``json_schema``: a constraint, as ``response_format``; or
-vLLM's ``structured_outputs``),
+vLLM's ``structured_outputs``), ``include: ["message.output_text.logprobs"]`` with ``top_logprobs``
+(log-probabilities of the answer's tokens, as chat's ``logprobs`` with ``top_logprobs``),
 function ``tools`` with ``tool_choice`` and ``parallel_tool_calls`` (:mod:`llm_jax.server.tools`), and
 ``reasoning.effort`` (given to the template as ``reasoning_effort``).
 
@@ -16,8 +17,13 @@ token budget cut it. Streamed, it is the API's events — ``response.created``, 
 each item's ``output_item.added``, its part's ``content_part.added``, text deltas
 (``output_text.delta``, ``reasoning_text.delta``, ``function_call_arguments.delta``) and their
 ``done`` events, ``output_item.done`` — ending with ``response.completed`` (or ``response.incomplete``),
-each with its ``sequence_number``. Nothing is stored: ``previous_response_id``, ``conversation`` and
-``background`` are refused (send the whole conversation as ``input``), as are built-in tools.
+each with its ``sequence_number``. With logprobs, the message's ``output_text`` part holds ``logprobs:
+[{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]`` for every token of the answer (those
+of its reasoning and tool calls too, as vLLM's); streamed, each ``output_text.delta`` carries
+``[{token, logprob, top_logprobs: [{token, logprob}]}]`` for the tokens since the last one (a stream
+leaves out those after the message's end: a tool call's). Nothing is stored: ``previous_response_id``,
+``conversation`` and ``background`` are refused (send the whole conversation as ``input``), as are
+built-in tools.
 """
 
 from __future__ import annotations
@@ -26,16 +32,17 @@ import copy
 import dataclasses
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from llm_jax.guided import Json
 from llm_jax.server import protocol, tools
-from llm_jax.server.choices import Delta, Run
+from llm_jax.server.choices import Delta, Run, TokenLogprob
 from llm_jax.server.fields import ApiError, Fields, check, check_kind, integer, show
 from llm_jax.server.protocol import Generation, Limits
 
 TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"  # the one thing ``include`` may ask for
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
 
@@ -162,8 +169,9 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
                       ("max_tool_calls", "this server does not bound tool calls")):
         fields.unsupported(name, why=f"is not supported: {why}")
     fields.unsupported("background", accepted=False, why="is not supported: responses run in the foreground")
-    fields.unsupported("include", accepted=[], why="is not supported: there is nothing more to include")
-    fields.unsupported("top_logprobs", accepted=0, why="is not supported on /v1/responses: use /v1/chat/completions")
+    wants_logprobs = _include(fields.take("include", "array", default=[]))
+    top_logprobs = integer(fields, "top_logprobs", 0, limits.max_logprobs)
+    logprobs = (top_logprobs or 0) if wants_logprobs else None  # top_logprobs alone asks for none (as vLLM)
     fields.unsupported("truncation", accepted="disabled", why="is not supported: inputs are never truncated")
     fields.unsupported("stream_options", why="is not supported on /v1/responses")
     for ignored in ("safety_identifier", "prompt_cache_key", "prompt_cache_retention"):
@@ -190,17 +198,28 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
                            param="tool_choice", code="invalid_value")
         guided, guided_param = calling.constraint(), "tools"
     generation = Generation(max_tokens=max_output_tokens, min_tokens=0, n=1, sampling=sampling, seed=seed, stop=(),
-                            stop_token_ids=(), ignore_eos=False, logprobs=None, stream=stream, include_usage=False,
-                            continuous_usage=False, guided=guided, guided_param=guided_param, priority=priority)
+                            stop_token_ids=(), ignore_eos=False, logprobs=logprobs,
+                            stream=stream, include_usage=False, continuous_usage=False, guided=guided,
+                            guided_param=guided_param, priority=priority)
     if effort is not None:
         kwargs = {"reasoning_effort": effort, **kwargs}
     echo = {"instructions": instructions, "max_output_tokens": max_output_tokens, "metadata": metadata,
             "parallel_tool_calls": calling.parallel if calling is not None else True,
             "reasoning": {"effort": effort, "summary": None}, "text": {"format": spec},
             "temperature": 1.0 if temperature is None else temperature, "top_p": 1.0 if top_p is None else top_p,
-            "tool_choice": _choice_echo(calling), "tools": [_tool_echo(t) for t in (calling.tools if calling else ())]}
+            "tool_choice": _choice_echo(calling), "tools": [_tool_echo(t) for t in (calling.tools if calling else ())],
+            "top_logprobs": top_logprobs}
     return ResponsesRequest(model=model, messages=messages, tools=calling, generation=generation,
                             template_kwargs=kwargs, echo=echo)
+
+
+def _include(value: list[Any]) -> bool:
+    """``include``: whether it asks for the answer's log-probabilities (nothing else can be included)."""
+    for i, item in enumerate(value):
+        check_kind(item, f"include[{i}]", "string")
+        check(item == LOGPROBS, f"include[{i}]", f"must be {show(LOGPROBS)} (there is nothing else to include), "
+                                                 f"got {show(item)}")
+    return LOGPROBS in value
 
 
 def _effort(value: dict[str, Any]) -> str | None:
@@ -233,15 +252,37 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def _part_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    """A token as an ``output_text`` part lists it."""
+    return {**_scored(entry.token, entry.logprob), "bytes": list(entry.token.encode("utf-8")),
+            "top_logprobs": [{**_scored(t.token, t.logprob), "bytes": list(t.token.encode("utf-8"))}
+                             for t in entry.top]}
+
+
+def _event_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    """A token as the ``output_text.delta`` and ``.done`` events list it (without bytes)."""
+    return {**_scored(entry.token, entry.logprob), "top_logprobs": [_scored(t.token, t.logprob) for t in entry.top]}
+
+
+def _scored(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob}
+
+
 class _Output:
-    """The response's output items, built from what the reader reads, with the events that build them."""
+    """The response's output items, built from what the reader reads, with the events that build them.
+
+    The log-probabilities of the tokens given (``apply``'s ``entries``) wait for the next message text, which
+    carries them; those left at the end go with the message when it is still open."""
 
     def __init__(self, event: Callable[..., str]):
         self.event = event  # builds one event (a no-op for a whole answer)
         self.items: list[dict[str, Any]] = []
         self.open: int | None = None  # the item text still goes to
+        self.pending: list[TokenLogprob] = []  # tokens whose log-probabilities no message text carried yet
+        self.event_logprobs: dict[int, list[dict[str, Any]]] = {}  # by item: its tokens, as events list them
 
-    def apply(self, read: tools.Read) -> list[str]:
+    def apply(self, read: tools.Read, entries: Sequence[TokenLogprob] = ()) -> list[str]:
+        self.pending += entries
         events = []
         if read.reasoning:
             events += self._text("reasoning", read.reasoning)
@@ -259,8 +300,11 @@ class _Output:
         return events
 
     def finish(self, complete: bool) -> list[str]:
-        """Close the open item; an answer with no output gets an empty message."""
-        events = [] if self.items else self._text("message", "")
+        """Close the open item; an answer with no output gets an empty message (which carries the tokens
+        still pending, as an open message does)."""
+        message_open = self.open is not None and self.items[self.open]["type"] == "message"
+        events = self._text("message", "") if not self.items or (self.pending and message_open) else []
+        self.pending = []
         return events + self._close("completed" if complete else "incomplete")
 
     def _text(self, kind: str, text: str) -> list[str]:
@@ -271,8 +315,12 @@ class _Output:
         item = self.items[self.open]
         item["content"][0]["text"] += text
         if kind == "message":
+            entries, self.pending = self.pending, []
+            item["content"][0]["logprobs"] += [_part_logprob(e) for e in entries]
+            logprobs = [_event_logprob(e) for e in entries]
+            self.event_logprobs.setdefault(self.open, []).extend(logprobs)
             events.append(self.event("response.output_text.delta", item_id=item["id"], output_index=self.open,
-                                           content_index=0, delta=text, logprobs=[]))
+                                           content_index=0, delta=text, logprobs=logprobs))
         else:
             events.append(self.event("response.reasoning_text.delta", item_id=item["id"],
                                            output_index=self.open, content_index=0, delta=text))
@@ -313,7 +361,7 @@ class _Output:
         else:
             part = item["content"][0]
             name = "output_text" if item["type"] == "message" else "reasoning_text"
-            extra = {"logprobs": []} if item["type"] == "message" else {}
+            extra = {"logprobs": self.event_logprobs.get(index, [])} if item["type"] == "message" else {}
             events.append(self.event(f"response.{name}.done", item_id=item["id"], output_index=index,
                                            content_index=0, text=part["text"], **extra))
             events.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
@@ -361,7 +409,7 @@ class ResponsesShape:
         output, reader = _Output(lambda kind, **fields: ""), self.make_reader()
         read = reader.feed(choice.text)
         read += reader.finish()
-        output.apply(read)
+        output.apply(read, choice.logprobs)
         output.finish(self._status() == "completed")
         return self._object(self._status(), output.items, finished=True)
 
@@ -373,7 +421,7 @@ class ResponsesShape:
         read = self.reader.feed(delta.text)
         if delta.finish_reason is not None:
             read += self.reader.finish()
-        events = self.output.apply(read)
+        events = self.output.apply(read, delta.logprobs)
         if delta.finish_reason is not None:
             events += self.output.finish(self._status() == "completed")
         return "".join(events) or None
