@@ -92,6 +92,8 @@ def _add_model_flags(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--backend", choices=["auto", "xla", "cpu", "pallas"], default="auto",
                        help="how the model runs: the CPU kernels on one CPU device, Pallas attention kernels on "
                             "GPU/TPU, or XLA's own operations (default: %(default)s, which picks by platform)")
+    group.add_argument("--lora", metavar="PATH",
+                       help="a PEFT LoRA adapter folder, merged into the weights (before --quantize)")
     add_quantize_flags(group)
 
 
@@ -271,6 +273,8 @@ def check_flags(parser: CliParser, args: argparse.Namespace) -> None:
         parser.error("--logprobs and --prompt-logprobs are reported in the --json object: add --json")
     if args.group_size is not None and args.quantize is None:
         parser.error("--group-size needs --quantize")
+    if args.lora is not None and not (pathlib.Path(args.lora) / "adapter_config.json").is_file():
+        parser.error(f"--lora {args.lora}: not a PEFT adapter folder (no adapter_config.json)")
     guided = args.json_schema is not None or args.regex is not None or args.choice or args.grammar is not None
     if guided and (args.num_beams > 1 or args.speculative is not None):
         parser.error("--json-schema, --regex, --choice and --grammar cannot be combined with --num-beams or "
@@ -363,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     # Every process runs the same program; several processes always shard over all their devices.
     mesh = args.mesh if args.mesh is not None or jax.process_count() == 1 else make_mesh()
     try:
-        model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=mesh, quantize=quantization(args))
+        model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=mesh, quantize=quantization(args),
+                     lora=args.lora)
         if args.chat:
             return run_chat(model, template, system=args.system, first_messages=prompts, quiet=args.quiet,
                             generation=dict(generation_options(args),

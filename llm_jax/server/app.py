@@ -4,6 +4,10 @@
     POST /v1/embeddings         GET  /v1/models               GET  /v1/models/{model}
     POST /tokenize              POST /detokenize
     GET  /health                GET  /version                 GET /metrics
+    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter  (with --allow-runtime-lora-updating)
+
+A request's "model" names the served model or one of its LoRA adapters (``Engine``'s ``lora_adapters``),
+which run side by side in the engine's steps.
 
 ``build_app(engine, config)`` takes an :class:`~llm_jax.serving.async_engine.AsyncEngine` whose engine
 is already compiled (``Engine.warm_up``): the server is ready the moment it listens. At shutdown (the
@@ -27,13 +31,13 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from llm_jax.pooling import embed_texts
 from llm_jax.server import protocol, reasoning, responses_api, tools
 from llm_jax.server.choices import Run
-from llm_jax.server.fields import ApiError
+from llm_jax.server.fields import ApiError, Fields
 from llm_jax.server.metrics import CONTENT_TYPE
 from llm_jax.server.responses import ChatShape, CompletionShape
 from llm_jax.server.service import ServerConfig, Service, error_response, request_id
@@ -56,8 +60,7 @@ async def completions(service: Service, request: Request) -> Response:
     rid, arrival = request_id(request, "cmpl"), time.monotonic()
     try:
         parsed = protocol.parse_completion(await service.body(request), service.limits)
-        service.check_model(parsed.model)
-        g = parsed.generation
+        g = dataclasses.replace(parsed.generation, lora=service.check_model(parsed.model))
         prompts = [service.budget(service.encode(p, "prompt"), g, "prompt") for p in parsed.prompts]
         echoes = [_echo(service, p, ids) if parsed.echo else "" for p, (ids, _) in zip(parsed.prompts, prompts)]
         run = service.admit(g, prompts, rid, arrival)
@@ -92,8 +95,8 @@ async def chat_completions(service: Service, request: Request) -> Response:
     rid, arrival = request_id(request, "chatcmpl"), time.monotonic()
     try:
         parsed = protocol.parse_chat(await service.body(request), service.limits)
-        service.check_model(parsed.model)
-        run, make_reader = _conversation(service, parsed.messages, parsed.tools, parsed.generation, rid, arrival,
+        generation = dataclasses.replace(parsed.generation, lora=service.check_model(parsed.model))
+        run, make_reader = _conversation(service, parsed.messages, parsed.tools, generation, rid, arrival,
                                          "messages", add_generation_prompt=parsed.add_generation_prompt,
                                          continue_final_message=parsed.continue_final_message,
                                          template_kwargs=parsed.template_kwargs)
@@ -108,8 +111,8 @@ async def responses(service: Service, request: Request) -> Response:
     rid, arrival = request_id(request, "resp"), time.monotonic()
     try:
         parsed = responses_api.parse_responses(await service.body(request), service.limits)
-        service.check_model(parsed.model)
-        run, make_reader = _conversation(service, parsed.messages, parsed.tools, parsed.generation, rid, arrival,
+        generation = dataclasses.replace(parsed.generation, lora=service.check_model(parsed.model))
+        run, make_reader = _conversation(service, parsed.messages, parsed.tools, generation, rid, arrival,
                                          "input", add_generation_prompt=True, template_kwargs=parsed.template_kwargs)
     except ApiError as error:
         service.log_refusal(rid, error)
@@ -123,7 +126,9 @@ async def embeddings(service: Service, request: Request) -> Response:
     rid, arrival = request_id(request, "embd"), time.monotonic()
     try:
         parsed = protocol.parse_embeddings(await service.body(request), service.limits)
-        service.check_model(parsed.model)
+        if service.check_model(parsed.model) is not None:
+            raise ApiError(f"model {parsed.model!r} is a LoRA adapter: embeddings come from the base model "
+                           f"{service.name!r}", param="model", code="model_not_supported")
         ids = []
         for i, text in enumerate(parsed.inputs):
             param = "input" if len(parsed.inputs) == 1 else f"input[{i}]"
@@ -150,18 +155,56 @@ async def embeddings(service: Service, request: Request) -> Response:
 
 
 def _model_card(service: Service, name: str) -> dict:
-    return {"id": name, "object": "model", "created": service.created, "owned_by": "llm_jax",
+    """The base model's card, or a LoRA adapter's (its folder as root, the base model as parent)."""
+    card = {"id": name, "object": "model", "created": service.created, "owned_by": "llm_jax",
             "root": service.model.path, "parent": None, "max_model_len": service.max_model_len}
+    if name in service.config.model_names:
+        return card
+    return {**card, "root": service.engine.engine.lora.adapter(name).path, "parent": service.name}
 
 
 async def models(service: Service, request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(service, name) for name in service.config.model_names]})
+    names = [*service.config.model_names, *service.lora_names]
+    return JSONResponse({"object": "list", "data": [_model_card(service, name) for name in names]})
 
 
 async def model(service: Service, request: Request) -> Response:
     name = request.path_params["model"]
     service.check_model(name)
     return JSONResponse(_model_card(service, name))
+
+
+async def load_lora_adapter(service: Service, request: Request) -> Response:
+    """vLLM's runtime loading: ``{"lora_name", "lora_path"}`` (a PEFT folder on the server) into a free slot."""
+    fields = Fields(await service.body(request))
+    name, path = fields.required("lora_name", "string"), fields.required("lora_path", "string")
+    fields.finish()
+    if name in (*service.config.model_names, *service.lora_names):
+        raise ApiError(f"lora_name {name!r} is taken: the server serves "
+                       f"{[*service.config.model_names, *service.lora_names]}", param="lora_name", code="invalid_value")
+    try:
+        await service.engine.call(lambda engine: engine.add_lora(path, name))
+    except ValueError as error:  # not an adapter of this model, or no free slot
+        raise ApiError(str(error), param="lora_path", code="invalid_value") from None
+    log.info("loaded LoRA adapter %r from %s", name, path)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(service: Service, request: Request) -> Response:
+    """vLLM's runtime unloading: ``{"lora_name"}``; refused while requests run with it."""
+    fields = Fields(await service.body(request))
+    name = fields.required("lora_name", "string")
+    fields.take("lora_int_id", "integer", default=None)  # vLLM's, unused: adapters are named
+    fields.finish()
+    if name not in service.lora_names:
+        raise ApiError(f"The LoRA adapter `{name}` does not exist; loaded: {list(service.lora_names)}", status=404,
+                       type="not_found_error", param="lora_name", code="model_not_found")
+    try:
+        await service.engine.call(lambda engine: engine.remove_lora(name))
+    except ValueError as error:
+        raise ApiError(str(error), param="lora_name", code="invalid_value") from None
+    log.info("unloaded LoRA adapter %r", name)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def tokenize(service: Service, request: Request) -> Response:
@@ -214,6 +257,10 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("/version", "GET", version),
     ("/metrics", "GET", metrics),
 )
+LORA_ROUTES: tuple[tuple[str, str, Handler], ...] = (  # with --allow-runtime-lora-updating
+    ("/v1/load_lora_adapter", "POST", load_lora_adapter),
+    ("/v1/unload_lora_adapter", "POST", unload_lora_adapter),
+)
 
 
 def _endpoint(service: Service, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -257,8 +304,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     cors = [Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                        allow_headers=["*"], expose_headers=["x-request-id", "retry-after"])]
     cors = cors if config.allowed_origins else []
+    routes = ROUTES + (LORA_ROUTES if config.allow_runtime_lora_updating else ())
     app = Starlette(routes=[Route(path, _endpoint(service, handler), methods=[method])
-                            for path, method, handler in ROUTES], middleware=cors,
+                            for path, method, handler in routes], middleware=cors,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error}, lifespan=lifespan)
     app.state.service = service
     return app

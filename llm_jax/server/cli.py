@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import pathlib
@@ -120,6 +121,20 @@ def build_parser() -> CliParser:
                              "Qwen3-Embedding, e5-mistral) or the mean over the input (default: %(default)s)")
     engine.add_argument("--max-logprobs", type=non_negative_int, default=20, metavar="N",
                         help="top log-probabilities a request may ask for (default: %(default)s)")
+    lora = parser.add_argument_group("LoRA adapters (a request's 'model' names one; all run in the same steps)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="keep --max-loras adapter slots (implied by --lora-modules)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", type=_lora_module,
+                      help="PEFT adapter folders to serve, each as NAME=PATH or vLLM's JSON "
+                           "'{\"name\": ..., \"path\": ...}'")
+    lora.add_argument("--max-loras", type=positive_int, default=1, metavar="N",
+                      help="adapter slots, room for adapters loaded at run time (at least one per --lora-modules; "
+                           "default: %(default)s)")
+    lora.add_argument("--max-lora-rank", type=positive_int, metavar="R",
+                      help="the largest rank of adapters loaded at run time (default: the largest given, or 16)")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; the paths "
+                           "are the server's: only for trusted clients)")
     speculative = parser.add_argument_group(
         "speculative decoding (each decoding request verifies proposals every step; same output)")
     _add_speculative_flags(speculative)
@@ -199,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
         if getattr(args, flag) is not None and not pathlib.Path(getattr(args, flag)).is_file():
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not a file")
+    for name, path in args.lora_modules:
+        if not (pathlib.Path(path) / "adapter_config.json").is_file():
+            parser.error(f"--lora-modules {name}={path}: not a PEFT adapter folder (no adapter_config.json)")
     if args.speculative is not None:
         if args.speculative != "ngram" and not pathlib.Path(args.speculative).exists():
             parser.error(f"--speculative takes 'ngram' or a draft model's path; {args.speculative} does not exist")
@@ -235,20 +253,41 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """``NAME=PATH``, or vLLM's JSON ``{"name": ..., "path": ...}`` (its ``base_model_name`` ignored)."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+            return str(spec["name"]), str(spec["path"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object with name and path") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=PATH")
+    return name, path
+
+
 def _start_engine(args: argparse.Namespace):
     """Load the model, build the engine and compile every step program it can run."""
     from llm_jax.compilation import enable_persistent_cache
-    from llm_jax.loading import load
+    from llm_jax.loading import load, load_lora
     from llm_jax.serving.engine import Engine
 
     enable_persistent_cache()  # a restart loads its step programs instead of compiling them
     t0 = time.perf_counter()
     model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=args.mesh, quantize=quantization(args))
+    try:
+        adapters = [load_lora(path, model.config, name) for name, path in args.lora_modules]
+    except ValueError as error:
+        raise CliError(f"--lora-modules: {error}") from None
+    lora = args.enable_lora or adapters or args.allow_runtime_lora_updating
     engine = Engine(model, max_num_seqs=args.max_num_seqs, block_size=args.block_size, num_blocks=args.num_blocks,
                     kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                     max_logprobs=args.max_logprobs, speculative=_speculative(args, model.mesh),
-                    kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype)
+                    kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+                    lora_adapters=adapters, max_loras=args.max_loras if lora else 0,
+                    max_lora_rank=args.max_lora_rank)
     log.info("loaded %s in %.1f s; compiling the engine's step programs", args.model, time.perf_counter() - t0)
     t0 = time.perf_counter()
     count = engine.warm_up()
@@ -289,7 +328,8 @@ def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock
                           chat_template=_with_special_tokens(template, engine.model),
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                           allowed_origins=tuple(args.allowed_origins), scheduling_policy=args.scheduling_policy,
-                          embedding_pooling=args.embedding_pooling)
+                          embedding_pooling=args.embedding_pooling,
+                          allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     app = build_app(AsyncEngine(engine), config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     scheme = "https" if args.ssl_certfile else "http"

@@ -73,6 +73,7 @@ class Generation:
     guided_param: str | None = None  # the field that gave it
     skip_special_tokens: bool = True  # False: the text keeps special tokens (vLLM's field)
     guided_after_token: int | None = None  # the constraint starts after this token (a reasoning's end)
+    lora: str | None = None  # the LoRA adapter the request's "model" names (None: the base model)
     include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it (vLLM's field)
     priority: int = 0  # lower runs first (vLLM's field; needs --scheduling-policy priority)
 

@@ -59,6 +59,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # origins browsers may call the API from (CORS); "*": any
     scheduling_policy: str = "fcfs"  # "priority": requests' priority orders them
     embedding_pooling: str = "last"  # /v1/embeddings: the last token's hidden state, or the mean ("mean")
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -127,10 +128,20 @@ class Service:
             chunks.append(chunk)
         return parse_json(b"".join(chunks))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.config.model_names:
-            raise ApiError(f"The model `{model}` does not exist; this server serves {list(self.config.model_names)}",
-                           status=404, type="not_found_error", param="model", code="model_not_found")
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters requests may name as their model."""
+        return self.engine.engine.lora_names
+
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names, None for the base model (or no model given); a 404 for others."""
+        if model is None or model in self.config.model_names:
+            return None
+        if model in self.lora_names:
+            return model
+        raise ApiError(f"The model `{model}` does not exist; this server serves "
+                       f"{[*self.config.model_names, *self.lora_names]}", status=404, type="not_found_error",
+                       param="model", code="model_not_found")
 
     def encode(self, prompt: protocol.Prompt, param: str) -> tuple[int, ...]:
         if isinstance(prompt, tuple):

@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -77,6 +77,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request between steps and free its blocks; its stream ends."""
         self._commands.put(("abort", request_id))
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` on the engine's thread, between steps (loading a LoRA adapter); its result, or
+        its exception raised here."""
+        if not self.is_running:
+            raise RuntimeError("the engine's loop has stopped")
+        done: Future = Future()
+        self._commands.put(("call", fn, done))
+        return await asyncio.wrap_future(done)
 
     @property
     def is_running(self) -> bool:
@@ -143,6 +152,11 @@ class AsyncEngine:
             case ("abort", request_id):
                 self.engine.abort(request_id)
                 self._deliver(request_id, None)
+            case ("call", fn, done):
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as error:
+                    done.set_exception(error)
             case ("exit",):
                 return True
         return False

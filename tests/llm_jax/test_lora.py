@@ -170,3 +170,18 @@ def test_adapters_of_other_modules_or_models_are_refused_by_name(tmp_path):
         model.with_lora(tmp_path / "other")
     with pytest.raises(ValueError, match="not a PEFT adapter folder"):
         model.with_lora(tmp_path / "base")
+
+
+def test_generate_cli_merges_an_adapter(stories, stories260k_dir, tmp_path, capsys):
+    from llm_jax.cli import generate
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(stories260k_dir / "hf", dtype=torch.float32).eval()
+    save_peft_adapter(base, tmp_path / "ad", seed=8, scale=0.3)
+    prompt = "Once upon a time"
+    assert generate.main(["--model", str(stories260k_dir / "stories260K.bin"), "--lora", str(tmp_path / "ad"),
+                          "--prompt", prompt, "--max-new-tokens", "20", "--ignore-eos", "--quiet"]) == 0
+    expected = llm_jax.generate(stories.with_lora(tmp_path / "ad"), [prompt], max_new_tokens=20, ignore_eos=True)[0]
+    assert capsys.readouterr().out == prompt + expected.text + "\n"
+    with pytest.raises(SystemExit) as exit_info:
+        generate.main(["--model", "m.bin", "--lora", str(tmp_path), "--prompt", "x"])
+    assert exit_info.value.code == 2 and "not a PEFT adapter folder" in capsys.readouterr().err

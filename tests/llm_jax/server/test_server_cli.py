@@ -32,7 +32,8 @@ def test_help_lists_the_flags_without_starting_jax():
                  "--max-waiting", "--shutdown-timeout", "--no-prefix-caching", "--kv-cache-dtype", "--speculative",
                  "--num-speculative-tokens", "--speculative-max-batch", "--quantize", "--group-size",
                  "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser", "--allowed-origins",
-                 "--scheduling-policy", "--embedding-pooling", "--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs"):
+                 "--scheduling-policy", "--embedding-pooling", "--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs",
+                 "--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--allow-runtime-lora-updating"):
         assert flag in proc.stdout
     check = subprocess.run([sys.executable, "-c", "import sys, llm_jax.server.cli, llm_jax.serve; "
                             "print('jax' in sys.modules)"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
@@ -54,6 +55,10 @@ def test_mistakes_are_one_line():
     _one_error_line(_serve("--ssl-ca-certs", "ca.pem"), 2, "--ssl-ca-certs needs --ssl-certfile")
     _one_error_line(_serve("--ssl-certfile", "no/cert.pem", "--ssl-keyfile", "no/key.pem"), 2, "is not a file")
     _one_error_line(_serve("--tool-call-parser", "pythonic"), 2, "--tool-call-parser")
+    _one_error_line(_serve("--lora-modules", "tales"), 2, "'tales' is not NAME=PATH")
+    _one_error_line(_serve("--lora-modules", '{"name": "a"}'), 2, "is not a JSON object with name and path")
+    _one_error_line(_serve("--lora-modules", "a=no/such/adapter"), 2, "a=no/such/adapter: not a PEFT adapter folder")
+    _one_error_line(_serve("--max-loras", "0"), 2, "--max-loras")
     _one_error_line(_serve("--model", "no/such/model"), 1, "no/such/model does not exist")
     _one_error_line(_serve("--chat-template", "no/such/template.jinja"), 1, "template.jinja does not exist")
 

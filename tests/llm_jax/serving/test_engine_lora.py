@@ -117,3 +117,39 @@ def test_adapters_that_do_not_fit_are_refused(stories, adapters):
     fixed.remove_lora("poems")
     with pytest.raises(ValueError, match=r"changes \['gate_proj', 'k_proj', 'o_proj', 'up_proj'\], outside"):
         fixed.add_lora(adapters["tales"])
+
+
+SHARDED = """
+import json, sys, llm_jax
+from llm_jax.serving.engine import Engine
+model = llm_jax.load(sys.argv[1], mesh=sys.argv[2])
+requests = json.loads(sys.argv[3])
+engine = Engine(model, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128,
+                lora_adapters=sys.argv[4:])
+for i, (prompt, lora) in enumerate(requests):
+    engine.add_request(str(i), prompt, max_new_tokens=16, ignore_eos=True, lora=lora)
+tokens = {str(i): [] for i in range(len(requests))}
+while engine.has_unfinished:
+    for out in engine.step():
+        tokens[out.request_id] += out.token_ids
+print(model.config.n_kv_heads, json.dumps([tokens[str(i)] for i in range(len(requests))]))
+"""
+
+
+def test_a_sharded_engine_serves_adapters_as_one_device(stories, adapters, merged):
+    """On 8 simulated devices (model=8: each K/V head repeated twice, the adapters' k/v updates with them)."""
+    import json
+    import subprocess
+
+    from multi_device import PYTHON, REPO, cpu_devices_env
+
+    requests = [([1, 403, 407, 9], "tales"), ([1, 29, 80, 123, 77, 5, 301], None), ([1, 88], "poems"),
+                ([1, 403, 407, 9], "poems")]
+    done = subprocess.run([PYTHON, "-c", SHARDED, stories.path, "model=8", json.dumps(requests),
+                           str(adapters["tales"]), str(adapters["poems"])], env=cpu_devices_env(8),
+                          capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kv_heads, tokens = done.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert int(kv_heads) == 2 * stories.config.n_kv_heads
+    assert json.loads(tokens) == [alone(merged[lora], prompt, max_new_tokens=16, ignore_eos=True).output_ids
+                                  for prompt, lora in requests]
