@@ -32,7 +32,9 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     # How the model runs: the backend seam.
     "backends": ("Backend", "BackendError", "CpuKernels", "Pallas", "Xla"),
     # Loading models.
-    "loading": ("Model", "load"),
+    "loading": ("Model", "load", "load_lora"),
+    # LoRA adapters (PEFT folders): merged, or many per batch.
+    "lora": ("LoraAdapter", "LoraBatch", "LoraWeights", "merge_lora"),
     "weights.checkpoint": ("CheckpointError", "is_checkpoint", "load_checkpoint", "save_checkpoint"),
     "weights.convert": ("convert",),
     "weights.layout": ("WeightsError",),

@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "lookup ('ngram') or from the draft model at PATH")
     e.add_argument("--num-speculative-tokens", type=positive_int, default=4, metavar="K",
                    help="proposals per request and step at most (default 4)")
+    e.add_argument("--lora", type=positive_int, metavar="N",
+                   help="serve N random LoRA adapters (every projection), the requests taking turns among them")
+    e.add_argument("--lora-rank", type=positive_int, default=16, metavar="R", help="their rank (default 16)")
     e.add_argument("--speculative-max-batch", type=positive_int, metavar="N",
                    help="propose only while at most N requests run (default: always)")
     o = p.add_argument_group("online (over HTTP, streamed /v1/completions; any of these turns it on)")
@@ -171,10 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latency targets for goodput (requests/s meeting all of them): ttft:MS, tpot:MS, e2e:MS")
     c = p.add_argument_group("comparisons")
     c.add_argument("--compare", action="append",
-                   choices=["generate", "hf", "no-prefix-cache", "no-speculation", "engine"], default=[],
+                   choices=["generate", "hf", "no-prefix-cache", "no-speculation", "no-lora", "engine"], default=[],
                    help="also run llm_jax.generate in static batches, transformers' continuous batching, the engine "
-                        "with its prefix cache or its speculative decoding off, or (online) llm_jax's engine in "
-                        "this process on the same prompts (repeatable)")
+                        "with its prefix cache, its speculative decoding or its LoRA adapters off, or (online) "
+                        "llm_jax's engine in this process on the same prompts (repeatable)")
     c.add_argument("--static-batch", type=positive_int, default=8, help="batch size of the static runs (default 8)")
     c.add_argument("--repeats", type=positive_int, default=1, help="rounds of runs, the engines taking turns (default 1)")
     c.add_argument("--threads", type=positive_int, help="torch threads (default: every CPU)")
@@ -266,6 +269,8 @@ def run(args, argv: list[str], spec, workdir: pathlib.Path, name: str, log) -> d
     log(f"{source.label} {args.dtype}: loading" + (" (and saving the Hugging Face copy)" if source.hf_folder else ""))
     model = source.load_model(args.dtype, args.backend)
     options = engine_options(args)
+    if args.lora:
+        options["lora_adapters"] = serving.random_adapters(model.config, args.lora, args.lora_rank, seed=args.seed)
     check_fits(spec, min(options.get("max_model_len", model.config.max_seq_len), model.config.max_seq_len),
                "the longest sequence the engine serves")
     requests = serving.sample_requests(spec, model.config.vocab_size)
@@ -280,6 +285,8 @@ def run(args, argv: list[str], spec, workdir: pathlib.Path, name: str, log) -> d
     if "no-speculation" in args.compare:
         engines.append(serving.LlmJaxServing(model, options | {"speculative": None}, name=name,
                                              variant="no speculation"))
+    if "no-lora" in args.compare:
+        engines.append(serving.LlmJaxServing(model, options | {"lora_adapters": ()}, name=name, variant="no LoRA"))
     if "generate" in args.compare:
         engines.append(serving.StaticGenerate(model, args.static_batch, name=name))
     warm_ups = {}

@@ -170,7 +170,7 @@ def _terminate(signum, frame):
     raise _Terminated
 
 
-def _read_template(args: argparse.Namespace):
+def read_template(args: argparse.Namespace):
     """The chat template: --chat-template's file, else the model's own, else None (chat requests 400)."""
     from llm_jax.chat_template import ChatTemplate, load_chat_template
 
@@ -201,7 +201,21 @@ def _with_special_tokens(template, model):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    args = parse_args(build_parser(), argv)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    sock = _bind(args.host, args.port)  # a busy port fails now, not after the compilation
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        template = read_template(args)
+        engine = start_engine(args)
+    except _Terminated:
+        log.info("terminated while starting")
+        return 0
+    return _serve(args, engine, template, api_key, sock)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The flags, checked (mistakes exit 2 with one line), and logging set up; ``--model`` must exist."""
     args = parser.parse_args(argv)
     if args.group_size is not None and args.quantize is None:
         parser.error("--group-size needs --quantize")
@@ -229,16 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(args.log_level.upper())
     if not pathlib.Path(args.model).exists():
         raise CliError(f"model path {args.model} does not exist")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    sock = _bind(args.host, args.port)  # a busy port fails now, not after the compilation
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        template = _read_template(args)
-        engine = _start_engine(args)
-    except _Terminated:
-        log.info("terminated while starting")
-        return 0
-    return _serve(args, engine, template, api_key, sock)
+    return args
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -267,7 +272,7 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
-def _start_engine(args: argparse.Namespace):
+def start_engine(args: argparse.Namespace):
     """Load the model, build the engine and compile every step program it can run."""
     from llm_jax.compilation import enable_persistent_cache
     from llm_jax.loading import load, load_lora
@@ -316,20 +321,28 @@ class _Server(uvicorn.Server):
         log.info(self.ready)
 
 
-def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock: socket.socket) -> int:
-    from llm_jax.server.app import build_app
+def server_config(args: argparse.Namespace, engine, template, **overrides):
+    """The :class:`~llm_jax.server.service.ServerConfig` the flags ask for (``overrides`` replace fields)."""
     from llm_jax.server.service import ServerConfig
-    from llm_jax.serving.async_engine import AsyncEngine
 
     # Default name: --model as given, or the shipped model's folder name when none was.
     default_name = DEFAULT_MODEL.name if args.model == str(DEFAULT_MODEL) else args.model
     names = tuple(args.served_model_name or (default_name,))
-    config = ServerConfig(model_names=names, api_key=api_key, max_waiting=args.max_waiting,
-                          chat_template=_with_special_tokens(template, engine.model),
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                          allowed_origins=tuple(args.allowed_origins), scheduling_policy=args.scheduling_policy,
-                          embedding_pooling=args.embedding_pooling,
-                          allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+    fields = dict(model_names=names, max_waiting=args.max_waiting,
+                  chat_template=_with_special_tokens(template, engine.model),
+                  tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                  allowed_origins=tuple(args.allowed_origins), scheduling_policy=args.scheduling_policy,
+                  embedding_pooling=args.embedding_pooling,
+                  allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+    return ServerConfig(**(fields | overrides))
+
+
+def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock: socket.socket) -> int:
+    from llm_jax.server.app import build_app
+    from llm_jax.serving.async_engine import AsyncEngine
+
+    config = server_config(args, engine, template, api_key=api_key)
+    names = config.model_names
     app = build_app(AsyncEngine(engine), config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     scheme = "https" if args.ssl_certfile else "http"

@@ -28,7 +28,9 @@ import numpy as np
 import llm_jax
 from llm_jax import buckets
 from llm_jax.compile_stats import measure_compilation
+from llm_jax.config import ModelConfig
 from llm_jax.loading import Model
+from llm_jax.lora import LoraAdapter
 from llm_jax.serving import Engine
 from llm_jax.serving import step as step_module
 
@@ -272,6 +274,23 @@ def _traces(requests: Sequence[ServingRequest], tokens: dict, deliveries: dict,
                  for r in requests)
 
 
+def random_adapters(config: ModelConfig, count: int, rank: int, *, seed: int = 0) -> list[LoraAdapter]:
+    """``count`` LoRA adapters of every projection at ``rank``, random (small updates: the text stays
+    the model's kind), named lora0, lora1, ..."""
+    from llm_jax.lora import TARGETS, target_dims
+
+    rng, L = np.random.default_rng(seed), config.n_layers
+    adapters = []
+    for i in range(count):
+        weights = {}
+        for target in TARGETS:
+            In, Out = target_dims(config, target)
+            weights[target] = (rng.normal(0, In ** -0.5, (L, In, rank)).astype(np.float32),
+                               rng.normal(0, 0.01 * rank ** -0.5, (L, rank, Out)).astype(np.float32))
+        adapters.append(LoraAdapter(name=f"lora{i}", weights=weights))
+    return adapters
+
+
 # llm_jax's serving engine.
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineLimits:
@@ -327,6 +346,7 @@ def _serve(engine: Engine, requests: Sequence[ServingRequest],
     around it; the blocks in use are sampled between steps (a request that finishes in a step is not
     counted in it)."""
     scheduler = engine.scheduler
+    adapters = engine.lora_names  # the requests take turns among them
     tokens = {r.request_id: [] for r in requests}
     deliveries = {r.request_id: [] for r in requests}
     steps = seqs = computed = peak = 0
@@ -336,7 +356,8 @@ def _serve(engine: Engine, requests: Sequence[ServingRequest],
         now = time.perf_counter() - start
         while i < len(requests) and requests[i].arrival_s <= now and in_flight < limit:
             r = requests[i]
-            engine.add_request(r.request_id, list(r.prompt_ids), max_new_tokens=r.max_new_tokens, ignore_eos=True)
+            engine.add_request(r.request_id, list(r.prompt_ids), max_new_tokens=r.max_new_tokens, ignore_eos=True,
+                               lora=adapters[i % len(adapters)] if adapters else None)
             i, in_flight, sent[r.request_id] = i + 1, in_flight + 1, max(now, r.arrival_s)
         if not engine.has_unfinished:
             time.sleep(requests[i].arrival_s - now)
