@@ -84,6 +84,13 @@ def build_parser() -> CliParser:
                        help="how the model runs (default: %(default)s, by platform)")
     model.add_argument("--mesh", metavar="SPEC", help="shard over devices: 'model=8', ... (default: one device)")
     add_quantize_flags(model)
+    model.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                       help="default sampling settings of requests that leave them out: auto, the model's "
+                            "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                            "max_new_tokens as max_tokens); vllm, the API's neutral ones; or a folder's file "
+                            "(default: %(default)s)")
+    model.add_argument("--override-generation-config", type=_json_object, default={}, metavar="JSON",
+                       help="settings on top of those, e.g. '{\"temperature\": 0.5}'")
     model.add_argument("--chat-template", metavar="FILE",
                        help="a Jinja chat template for /v1/chat/completions (default: the model's own)")
     model.add_argument("--tool-call-parser", choices=PARSERS,
@@ -228,6 +235,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
     for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
         if getattr(args, flag) is not None and not pathlib.Path(getattr(args, flag)).is_file():
             parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not a file")
+    if args.generation_config not in ("auto", "vllm") and not pathlib.Path(args.generation_config).is_dir():
+        parser.error(f"--generation-config takes auto, vllm or a folder; {args.generation_config} is not a folder")
     for name, path in args.lora_modules:
         if not (pathlib.Path(path) / "adapter_config.json").is_file():
             parser.error(f"--lora-modules {name}={path}: not a PEFT adapter folder (no adapter_config.json)")
@@ -256,6 +265,34 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise CliError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
     return sock
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
+def sampling_defaults(args: argparse.Namespace, engine) -> dict:
+    """The request defaults ``--generation-config`` and ``--override-generation-config`` give, checked as
+    requests' fields are (a bad value fails the start, naming it)."""
+    from llm_jax.server import defaults, protocol
+    from llm_jax.server.fields import ApiError, Fields
+
+    try:
+        found = defaults.sampling_defaults(args.generation_config, args.model, args.override_generation_config)
+        limits = protocol.Limits(vocab_size=engine.config.vocab_size, max_logprobs=0, defaults=found)
+        protocol.read_sampling(Fields({}), limits)
+        protocol.integer(Fields({}), "max_tokens", 1, 2**31 - 1, default=found.get("max_tokens"))
+    except (ValueError, ApiError) as error:
+        raise CliError(f"--generation-config: {getattr(error, 'message', error)}") from None
+    if found:
+        log.info("default sampling settings from the generation config (requests' own values win): %s", found)
+    return found
 
 
 def _lora_module(text: str) -> tuple[str, str]:
@@ -333,7 +370,8 @@ def server_config(args: argparse.Namespace, engine, template, **overrides):
                   tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                   allowed_origins=tuple(args.allowed_origins), scheduling_policy=args.scheduling_policy,
                   embedding_pooling=args.embedding_pooling,
-                  allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                  allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                  sampling_defaults=sampling_defaults(args, engine))
     return ServerConfig(**(fields | overrides))
 
 

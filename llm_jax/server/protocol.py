@@ -45,6 +45,9 @@ class Limits:
     vocab_size: int
     max_logprobs: int
     embedding_dim: int = 0  # the model's hidden size (embeddings' dimensions at most)
+    # What requests that leave them out get: the model's recommended sampling settings and max_tokens
+    # (``llm_jax.server.defaults``); the API's own defaults otherwise.
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,19 +151,21 @@ def _logit_bias(fields: Fields, vocab_size: int) -> dict[int, float]:
 
 
 def read_sampling(fields: Fields, limits: Limits) -> Sampling:
-    """The sampling fields every generation endpoint takes."""
-    temperature = number(fields, "temperature", 1.0, lambda t: 0 <= t <= 2, "in [0, 2]")
-    top_k = fields.take("top_k", "integer", default=0)
+    """The sampling fields every generation endpoint takes (those left out: ``limits.defaults``)."""
+    d = limits.defaults
+    temperature = number(fields, "temperature", d.get("temperature", 1.0), lambda t: 0 <= t <= 2, "in [0, 2]")
+    top_k = fields.take("top_k", "integer", default=d.get("top_k", 0))
     check(top_k >= -1, "top_k", f"must be -1 or 0 (off) or positive, got {top_k}")
     penalties = {name: number(fields, name, 0.0, lambda p: -MAX_PENALTY <= p <= MAX_PENALTY, "in [-2, 2]")
                  for name in ("presence_penalty", "frequency_penalty")}
     return Sampling(
         temperature=0.0 if temperature < SAMPLING_EPS else temperature,
         top_k=min(max(top_k, 0), limits.vocab_size),  # beyond the vocabulary: all of it
-        top_p=number(fields, "top_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]"),
-        min_p=number(fields, "min_p", 0.0, lambda p: 0 <= p <= 1, "in [0, 1]"),
+        top_p=number(fields, "top_p", d.get("top_p", 1.0), lambda p: 0 < p <= 1, "in (0, 1]"),
+        min_p=number(fields, "min_p", d.get("min_p", 0.0), lambda p: 0 <= p <= 1, "in [0, 1]"),
         typical_p=number(fields, "typical_p", 1.0, lambda p: 0 < p <= 1, "in (0, 1]"),
-        repetition_penalty=number(fields, "repetition_penalty", 1.0, lambda p: 0 < p <= 2, "in (0, 2]"),
+        repetition_penalty=number(fields, "repetition_penalty", d.get("repetition_penalty", 1.0),
+                                  lambda p: 0 < p <= 2, "in (0, 2]"),
         logit_bias=_logit_bias(fields, limits.vocab_size), **penalties)
 
 
@@ -348,7 +353,8 @@ def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     fields = Fields(body)
     model = fields.take("model", "string")
     prompts = _prompts(fields.required("prompt", "string", "array"), limits.vocab_size)
-    max_tokens = integer(fields, "max_tokens", 1, 2**31 - 1, default=DEFAULT_COMPLETION_TOKENS)
+    max_tokens = integer(fields, "max_tokens", 1, 2**31 - 1,
+                         default=limits.defaults.get("max_tokens", DEFAULT_COMPLETION_TOKENS))
     logprobs = integer(fields, "logprobs", 0, limits.max_logprobs)
     echo = fields.take("echo", "boolean", default=False)
     fields.unsupported("suffix", why="is not supported: the served model does not fill in the middle")
@@ -395,6 +401,7 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
     completion_tokens = integer(fields, "max_completion_tokens", 1, 2**31 - 1)
     max_tokens = integer(fields, "max_tokens", 1, 2**31 - 1)
     max_tokens = completion_tokens if completion_tokens is not None else max_tokens
+    max_tokens = limits.defaults.get("max_tokens") if max_tokens is None else max_tokens
     wants_logprobs = fields.take("logprobs", "boolean", default=False)
     top = integer(fields, "top_logprobs", 0, limits.max_logprobs)
     if top is not None and not wants_logprobs:

@@ -161,7 +161,7 @@ def parse_responses(body: Any, limits: Limits) -> ResponsesRequest:
     model = fields.take("model", "string")
     instructions = fields.take("instructions", "string")
     messages = protocol.messages(_messages(fields.required("input", "string", "array"), instructions), "input")
-    max_output_tokens = integer(fields, "max_output_tokens", 1, 2**31 - 1)
+    max_output_tokens = integer(fields, "max_output_tokens", 1, 2**31 - 1, default=limits.defaults.get("max_tokens"))
     for name, why in (("previous_response_id", "this server stores no responses: send the whole conversation "
                                                "as input"),
                       ("conversation", "this server stores no conversations: send the whole conversation as input"),

@@ -60,6 +60,8 @@ class ServerConfig:
     scheduling_policy: str = "fcfs"  # "priority": requests' priority orders them
     embedding_pooling: str = "last"  # /v1/embeddings: the last token's hidden state, or the mean ("mean")
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # What requests leave out: the model's recommended sampling settings (``llm_jax.server.defaults``).
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -80,7 +82,7 @@ class Service:
         self.tokenizer = inner.model.tokenizer
         self.name = config.model_names[0]
         self.limits = Limits(vocab_size=inner.config.vocab_size, max_logprobs=inner.max_logprobs,
-                             embedding_dim=inner.config.d_model)
+                             embedding_dim=inner.config.d_model, defaults=config.sampling_defaults)
         self.embedding_lock = asyncio.Lock()  # one embeddings batch at a time, beside the engine's steps
         self.max_model_len, self.block_size = inner.max_model_len, inner.block_size
         self.num_block_slots = inner.scheduler.pool.capacity  # blocks a request may hold at most
