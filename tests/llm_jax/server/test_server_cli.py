@@ -33,7 +33,8 @@ def test_help_lists_the_flags_without_starting_jax():
                  "--num-speculative-tokens", "--speculative-max-batch", "--quantize", "--group-size",
                  "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser", "--allowed-origins",
                  "--scheduling-policy", "--embedding-pooling", "--ssl-certfile", "--ssl-keyfile", "--ssl-ca-certs",
-                 "--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--allow-runtime-lora-updating"):
+                 "--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank", "--allow-runtime-lora-updating",
+                 "--generation-config", "--override-generation-config"):
         assert flag in proc.stdout
     check = subprocess.run([sys.executable, "-c", "import sys, llm_jax.server.cli, llm_jax.serve; "
                             "print('jax' in sys.modules)"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
@@ -59,6 +60,8 @@ def test_mistakes_are_one_line():
     _one_error_line(_serve("--lora-modules", '{"name": "a"}'), 2, "is not a JSON object with name and path")
     _one_error_line(_serve("--lora-modules", "a=no/such/adapter"), 2, "a=no/such/adapter: not a PEFT adapter folder")
     _one_error_line(_serve("--max-loras", "0"), 2, "--max-loras")
+    _one_error_line(_serve("--generation-config", "no/such/folder"), 2, "no/such/folder is not a folder")
+    _one_error_line(_serve("--override-generation-config", "[1]"), 2, "is not a JSON object")
     _one_error_line(_serve("--model", "no/such/model"), 1, "no/such/model does not exist")
     _one_error_line(_serve("--chat-template", "no/such/template.jinja"), 1, "template.jinja does not exist")
 
@@ -85,7 +88,7 @@ def test_the_kv_cache_dtype_reaches_the_engine(monkeypatch, flag, expected):
     monkeypatch.setattr("llm_jax.loading.load", lambda *args, **kwargs: types.SimpleNamespace(mesh=None))
     monkeypatch.setattr("llm_jax.serving.engine.Engine", engine)
     with pytest.raises(Built) as built:
-        cli._start_engine(cli.build_parser().parse_args(["--kv-cache-dtype", flag]))
+        cli.start_engine(cli.build_parser().parse_args(["--kv-cache-dtype", flag]))
     assert built.value.args[0]["kv_cache_dtype"] == expected
 
 
@@ -103,8 +106,8 @@ def test_quantize_reaches_the_loader(monkeypatch):
     monkeypatch.setattr("llm_jax.compilation.enable_persistent_cache", lambda: None)
     monkeypatch.setattr("llm_jax.loading.load", load)
     with pytest.raises(Loaded) as loaded:
-        cli._start_engine(cli.build_parser().parse_args(["--quantize", "int4-asym", "--group-size", "64"]))
+        cli.start_engine(cli.build_parser().parse_args(["--quantize", "int4-asym", "--group-size", "64"]))
     assert loaded.value.args[0]["quantize"] == llm_jax.Quantization(bits=4, group_size=64, offsets=True)
     with pytest.raises(Loaded) as loaded:
-        cli._start_engine(cli.build_parser().parse_args([]))
+        cli.start_engine(cli.build_parser().parse_args([]))
     assert loaded.value.args[0]["quantize"] is None
