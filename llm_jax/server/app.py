@@ -140,7 +140,7 @@ async def embeddings(service: Service, request: Request) -> Response:
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
-    async with service.embedding_lock:
+    async with service.side_lock:
         vectors = await asyncio.to_thread(embed_texts, service.model, ids, pooling=service.config.embedding_pooling,
                                           dimensions=parsed.dimensions)
     if parsed.encoding_format == "base64":

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple
 
+from llm_jax.loading import Model
 from llm_jax.server.fields import ApiError
 from llm_jax.server.metrics import ServerMetrics
 from llm_jax.server.protocol import Generation
@@ -217,6 +218,45 @@ class Run:
 
     def _prompt_ids(self, engine_id: str) -> tuple[int, ...]:
         return next(c.prompt_ids for c in self.choices if c.engine_id == engine_id)
+
+
+class BeamRun(Run):
+    """The choices of a beam search (vLLM's ``use_beam_search``): each prompt's n best hypotheses, from
+    ``llm_jax.generate(num_beams=n)`` (``transformers``' beam search, ``llm_jax.beams``), computed beside the
+    engine's steps, one search at a time (``lock``), and delivered whole (a stream gets each in one chunk).
+    A client that leaves does not stop a search under way."""
+
+    def __init__(self, *args, model: Model, lock: asyncio.Lock, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model, self.lock = model, lock
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        async with self.lock:
+            results = await asyncio.to_thread(self._search)
+        now = time.monotonic()
+        self.first_token_at = now
+        self.metrics.ttft.observe(now - self.arrival)
+        self.metrics.prompt_tokens.inc(self.prompt_tokens)
+        for choice, result in zip(self.choices, results):
+            choice.text, choice.token_ids = result.text, list(result.output_ids)
+            choice.num_output_tokens = len(result.output_ids)
+            choice.finish_reason = FINISH_REASONS[result.finish_reason]
+            choice.stop_reason = result.output_ids[-1] if result.finish_reason == "stop" else None
+            self.metrics.generation_tokens.inc(choice.num_output_tokens)
+            self.metrics.e2e.observe(now - self.arrival)
+            self.metrics.finished(choice.finish_reason)
+            yield Delta(choice=choice, text=choice.text, logprobs=(), finish_reason=choice.finish_reason)
+
+    def _search(self) -> list:
+        """Every prompt's n best hypotheses, prompt-major, as the choices are."""
+        from llm_jax.generation import generate
+
+        g, n = self.generation, self.generation.n
+        firsts = self.choices[::n]
+        return generate(self.model, [list(c.prompt_ids) for c in firsts], max_new_tokens=[c.max_tokens for c in firsts],
+                        sampling=dataclasses.replace(self.sampling, temperature=0.0), stop_token_ids=g.stop_token_ids,
+                        ignore_eos=g.ignore_eos, min_new_tokens=g.min_tokens, num_beams=n, num_return_sequences=n,
+                        length_penalty=g.beam_search.length_penalty, early_stopping=g.beam_search.early_stopping)
 
 
 def _finite(logprob: float) -> float:

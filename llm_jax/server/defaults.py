@@ -5,10 +5,11 @@ top_k 20 ...). With ``--generation-config auto`` (the default, as vLLM's) the se
 model's folder (a Hugging Face folder, or an llm_jax checkpoint, which keeps the file) and uses them for
 requests that do not set them: ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``,
 and ``max_new_tokens`` as the default ``max_tokens``: each value the file sets (``transformers``'
-``GenerationConfig.to_diff_dict``, whose defaults are all unset). ``--generation-config vllm`` keeps the API's neutral defaults, a folder reads that
-folder's file instead, and ``--override-generation-config '{"temperature": 0.5}'`` sets values on top.
-A request's own values always win; the defaults only fill what it leaves out (vLLM also caps every
-request at the default ``max_tokens``; here it is only a default).
+``GenerationConfig.to_diff_dict``, whose defaults are all unset). ``--generation-config vllm`` keeps the
+API's neutral defaults, a folder reads that folder's file instead, and
+``--override-generation-config '{"temperature": 0.5}'`` sets values on top. A request's own values always
+win; the defaults only fill what it leaves out (vLLM also caps every request at the default
+``max_tokens``; here it is only a default).
 """
 
 from __future__ import annotations

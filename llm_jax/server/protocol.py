@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 from llm_jax.guided import Choice, Grammar, Guided, Json, Regex
@@ -77,8 +78,17 @@ class Generation:
     skip_special_tokens: bool = True  # False: the text keeps special tokens (vLLM's field)
     guided_after_token: int | None = None  # the constraint starts after this token (a reasoning's end)
     lora: str | None = None  # the LoRA adapter the request's "model" names (None: the base model)
+    beam_search: BeamOptions | None = None  # vLLM's use_beam_search: n beams, the n best returned
     include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it (vLLM's field)
     priority: int = 0  # lower runs first (vLLM's field; needs --scheduling-policy priority)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BeamOptions:
+    """A beam search's options, as ``transformers``' (``llm_jax.beams``)."""
+
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # True, False or "never"
 
 
 Prompt = str | tuple[int, ...]
@@ -173,7 +183,6 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
     """The fields completions and chat share; ``max_tokens`` and ``logprobs`` are read by the caller."""
     n = integer(fields, "n", 1, MAX_N, default=1)
     fields.unsupported("best_of", accepted=n, why="is not supported: only best_of = n")
-    fields.unsupported("use_beam_search", accepted=False)
     include_stop = fields.take("include_stop_str_in_output", "boolean", default=False)
     priority = integer(fields, "priority", -2**31, 2**31 - 1, default=0)
     skip_special = fields.take("skip_special_tokens", "boolean", default=True)
@@ -206,13 +215,49 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
         check_kind(word, f"bad_words[{i}]", "string")
         check(word.strip() != "", "bad_words", "must not hold an empty word")
     guided, guided_param = _guided(fields)
+    beam_search = _beam_search(fields)
     return Generation(max_tokens=max_tokens, min_tokens=min_tokens, n=n, sampling=read_sampling(fields, limits),
                       seed=seed, stop=stop, stop_token_ids=stop_ids,
                       ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
                       stream=stream, include_usage=include_usage, continuous_usage=continuous, guided=guided,
                       guided_param=guided_param, bad_words=tuple(bad_words), skip_special_tokens=skip_special,
                       include_stop_str_in_output=include_stop, priority=priority,
-                      prompt_logprobs=None if stream else prompt_logprobs)
+                      prompt_logprobs=None if stream else prompt_logprobs, beam_search=beam_search)
+
+
+def _beam_search(fields: Fields) -> BeamOptions | None:
+    """vLLM's ``use_beam_search`` and its ``length_penalty`` (and ``transformers``' ``early_stopping``),
+    which mean nothing without it."""
+    use = fields.take("use_beam_search", "boolean", default=False)
+    length_penalty = number(fields, "length_penalty", 1.0, math.isfinite, "a finite number")
+    early_stopping = fields.take("early_stopping", "boolean", "string", default=False)
+    check(early_stopping in (True, False, "never"), "early_stopping", f"must be true, false or \"never\", got "
+                                                                      f"{show(early_stopping)}")
+    if not use:
+        for name, value, neutral in (("length_penalty", length_penalty, 1.0),
+                                     ("early_stopping", early_stopping, False)):
+            check(value == neutral, name, "needs use_beam_search=true")
+        return None
+    return BeamOptions(length_penalty=length_penalty, early_stopping=early_stopping)
+
+
+def check_beam_search(generation: Generation) -> None:
+    """What a beam search cannot do, refused by name: it is deterministic (it ranks the model's
+    log-probabilities), reports no log-probabilities, follows no constraint and ends at end ids only."""
+    if generation.beam_search is None:
+        return
+    s = generation.sampling
+    unsupported = {"temperature": s.temperature not in (0.0, 1.0), "top_p": s.top_p < 1, "top_k": s.top_k > 0,
+                   "min_p": s.min_p > 0, "typical_p": s.typical_p < 1,
+                   "logprobs": generation.logprobs is not None,
+                   "prompt_logprobs": generation.prompt_logprobs is not None or generation.echo_logprobs is not None,
+                   "stop": bool(generation.stop), generation.guided_param or "structured_outputs": generation.guided
+                   is not None, "skip_special_tokens": not generation.skip_special_tokens,
+                   "model": generation.lora is not None}
+    for name, used in unsupported.items():
+        if used:
+            why = "a LoRA adapter" if name == "model" else name
+            raise ApiError(f"use_beam_search does not support {why}", param=name, code="unsupported")
 
 
 def _prompt_scores(generation: Generation, limits: Limits, *, echo_logprobs: int | None = None) -> Generation:

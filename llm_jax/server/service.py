@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from llm_jax import guided
 from llm_jax.chat_template import ChatTemplate, encode_chat
 from llm_jax.server import protocol
-from llm_jax.server.choices import Run
+from llm_jax.server.choices import BeamRun, Run
 from llm_jax.server.fields import ApiError, parse_json
 from llm_jax.server.metrics import ServerMetrics
 from llm_jax.server.protocol import Generation, Limits, check_context
@@ -83,7 +83,7 @@ class Service:
         self.name = config.model_names[0]
         self.limits = Limits(vocab_size=inner.config.vocab_size, max_logprobs=inner.max_logprobs,
                              embedding_dim=inner.config.d_model, defaults=config.sampling_defaults)
-        self.embedding_lock = asyncio.Lock()  # one embeddings batch at a time, beside the engine's steps
+        self.side_lock = asyncio.Lock()  # one computation beside the engine's steps at a time: embeddings, beams
         self.max_model_len, self.block_size = inner.max_model_len, inner.block_size
         self.num_block_slots = inner.scheduler.pool.capacity  # blocks a request may hold at most
         self.capacity = inner.max_num_seqs + config.max_waiting
@@ -178,6 +178,7 @@ class Service:
         if generation.priority != 0 and self.config.scheduling_policy != "priority":
             raise ApiError("priority needs a server started with --scheduling-policy priority", param="priority",
                            code="invalid_value")
+        protocol.check_beam_search(generation)
         if generation.guided is not None:
             self.check_guided(generation)
         if generation.bad_words:
@@ -195,8 +196,10 @@ class Service:
             raise ApiError(f"the server is full ({self.in_flight} completions running or queued); retry later",
                            status=503, type="service_unavailable_error", code="queue_full",
                            headers={"Retry-After": "1"})
-        run = Run(self.engine, self.tokenizer, generation, prompts, stop_ids=self.model.stop_ids,
-                  metrics=self.metrics, arrival=arrival)
+        kind, extra = (Run, {}) if generation.beam_search is None else (BeamRun, dict(model=self.model,
+                                                                                       lock=self.side_lock))
+        run = kind(self.engine, self.tokenizer, generation, prompts, stop_ids=self.model.stop_ids,
+                   metrics=self.metrics, arrival=arrival, **extra)
         self._runs[run] = request_id
         return run
 
