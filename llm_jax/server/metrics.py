@@ -10,12 +10,15 @@ over the pool, 0 to 1), ``prefix_cache_queries_total`` and ``prefix_cache_hits_t
 ``num_preemptions_total``; with speculative decoding ``spec_decode_num_drafts_total`` (sequence steps that
 verified proposals), ``spec_decode_num_draft_tokens_total`` (proposals), ``spec_decode_num_accepted_tokens_total``
 and ``spec_decode_num_accepted_tokens_per_pos_total`` by ``position`` (0 for the first proposal); the
-acceptance rate is accepted over draft tokens, the mean accepted length 1 + accepted over drafts. Each server
-has its own registry, so several can live in one process.
+acceptance rate is accepted over draft tokens, the mean accepted length 1 + accepted over drafts; with
+LoRA adapters ``lora_requests_info`` (as vLLM's: labels ``max_lora``, ``running_lora_adapters`` and
+``waiting_lora_adapters``, comma-separated names; the value the scrape's time). Each server has its own
+registry, so several can live in one process.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import (
@@ -40,8 +43,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class _SchedulerCollector(Collector):
     """The engine's state at scrape time (``stats`` returns a ``SchedulerStats``)."""
 
-    def __init__(self, stats: Callable, model_name: str):
-        self._stats, self._model_name = stats, model_name
+    def __init__(self, stats: Callable, model_name: str, lora: Callable | None = None):
+        self._stats, self._model_name, self._lora = stats, model_name, lora
 
     def collect(self) -> Iterator[Metric]:
         stats, labels = self._stats(), [self._model_name]
@@ -73,12 +76,19 @@ class _SchedulerCollector(Collector):
         for position, value in enumerate(stats.spec_accepted_per_position):
             per_position.add_metric([*labels, str(position)], value)
         yield per_position
+        if self._lora is not None:
+            max_lora, running, waiting = self._lora()
+            info = GaugeMetricFamily(PREFIX + "lora_requests_info", "The LoRA adapters of running and waiting "
+                                     "requests.", labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(max_lora), ",".join(running), ",".join(waiting)], time.time())
+            yield info
 
 
 class ServerMetrics:
-    """One server's metrics; ``stats`` reads the engine's scheduler (``Engine.stats``)."""
+    """One server's metrics; ``stats`` reads the engine's scheduler (``Engine.stats``), ``lora`` (with
+    adapters) the adapter slots and the adapters requests use: (slots, running names, waiting names)."""
 
-    def __init__(self, stats: Callable, model_name: str):
+    def __init__(self, stats: Callable, model_name: str, lora: Callable | None = None):
         self.registry = CollectorRegistry()
         labels = {"labelnames": ["model_name"], "registry": self.registry}
         self._model_name = model_name
@@ -95,7 +105,7 @@ class ServerMetrics:
                                  labelnames=["model_name", "finished_reason"], registry=self.registry)
         self._rejected = Counter(PREFIX + "requests_rejected", "HTTP requests refused for lack of room, by reason.",
                                  labelnames=["model_name", "reason"], registry=self.registry)
-        self.registry.register(_SchedulerCollector(stats, model_name))
+        self.registry.register(_SchedulerCollector(stats, model_name, lora))
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self._model_name, reason).inc()

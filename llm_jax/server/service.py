@@ -87,7 +87,8 @@ class Service:
         self.max_model_len, self.block_size = inner.max_model_len, inner.block_size
         self.num_block_slots = inner.scheduler.pool.capacity  # blocks a request may hold at most
         self.capacity = inner.max_num_seqs + config.max_waiting
-        self.metrics = ServerMetrics(inner.stats, self.name)
+        lora = None if inner.lora is None else (lambda: (inner.lora.num_slots, *inner.lora_requests()))
+        self.metrics = ServerMetrics(inner.stats, self.name, lora)
         self.created = int(time.time())
         self.shutting_down = False
         self._runs: dict[Run, str] = {}  # in flight → request id

@@ -62,6 +62,10 @@ class LoraSlots:
         return self._roots[name]
 
     @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    @property
     def names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self._slots if a is not None)
 

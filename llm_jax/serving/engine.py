@@ -274,6 +274,14 @@ class Engine:
         """The loaded LoRA adapters' names."""
         return () if self.lora is None else self.lora.names
 
+    def lora_requests(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The adapters the running requests use, and those the waiting ones do (each name once)."""
+        def names(requests) -> tuple[str, ...]:
+            lives = (self._live.get(r.request_id) for r in list(requests))
+            return tuple(dict.fromkeys(live.lora for live in lives if live is not None and live.lora is not None))
+
+        return names(self.scheduler.running), names(self.scheduler.waiting)
+
     def add_lora(self, adapter: AdapterArg, name: str | None = None) -> str:
         """Loads a LoRA adapter (a PEFT folder, named ``name`` or after the folder, or a ``LoraAdapter``)
         into a free slot, for requests to name from now on; returns its name. Compiles nothing."""

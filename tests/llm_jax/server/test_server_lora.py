@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 import transformers
-from server_process import API_KEY, CHAT_TEMPLATE, MODEL_NAME, start_server
+from server_process import API_KEY, CHAT_TEMPLATE, MODEL_NAME, metric, start_server, wait_until_idle
 
 import llm_jax
 from tests.hf_models import save_peft_adapter
@@ -128,3 +128,15 @@ def test_runtime_loading_is_off_unless_asked(http, server):
     """The shared server runs without the flag: the routes are not there."""
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as plain:
         assert plain.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/tmp"}).status_code == 404
+
+
+def test_metrics_name_the_adapters_of_running_requests(client, http):
+    """vLLM's lora_requests_info: the adapters of running requests while one streams, none once idle."""
+    stream = client.completions.create(model="tales", prompt="Once upon a time", max_tokens=200, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # running now
+    assert metric(http, "llm_jax:lora_requests_info", max_lora="2", running_lora_adapters="tales") > 0
+    stream.close()
+    wait_until_idle(http)
+    assert metric(http, "llm_jax:lora_requests_info", max_lora="2", running_lora_adapters="",
+                  waiting_lora_adapters="") > 0
