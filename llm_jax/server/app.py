@@ -2,6 +2,7 @@
 
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
     POST /v1/embeddings         GET  /v1/models               GET  /v1/models/{model}
+    POST /v1/score (/score)     POST /v1/rerank (/rerank, /v2/rerank)
     POST /tokenize              POST /detokenize
     GET  /health                GET  /version                 GET /metrics
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter  (with --allow-runtime-lora-updating)
@@ -35,7 +36,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from llm_jax.pooling import embed_texts
-from llm_jax.server import protocol, reasoning, responses_api, tools
+from llm_jax.server import protocol, reasoning, responses_api, similarity, tools
 from llm_jax.server.choices import Run
 from llm_jax.server.fields import ApiError, Fields
 from llm_jax.server.metrics import CONTENT_TYPE
@@ -126,23 +127,12 @@ async def embeddings(service: Service, request: Request) -> Response:
     rid, arrival = request_id(request, "embd"), time.monotonic()
     try:
         parsed = protocol.parse_embeddings(await service.body(request), service.limits)
-        if service.check_model(parsed.model) is not None:
-            raise ApiError(f"model {parsed.model!r} is a LoRA adapter: embeddings come from the base model "
-                           f"{service.name!r}", param="model", code="model_not_supported")
-        ids = []
-        for i, text in enumerate(parsed.inputs):
-            param = "input" if len(parsed.inputs) == 1 else f"input[{i}]"
-            encoded = service.encode(text, param)
-            if len(encoded) > service.max_model_len:
-                raise ApiError(f"{param} has {len(encoded)} tokens; this model's context is {service.max_model_len}",
-                               param=param, code="context_length_exceeded")
-            ids.append(encoded)
+        _embedding_model(service, parsed.model)
+        ids = _embedding_inputs(service, parsed.inputs, "input")
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
-    async with service.side_lock:
-        vectors = await asyncio.to_thread(embed_texts, service.model, ids, pooling=service.config.embedding_pooling,
-                                          dimensions=parsed.dimensions)
+    vectors = await _embed(service, ids, parsed.dimensions)
     if parsed.encoding_format == "base64":
         data = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
     else:
@@ -152,6 +142,70 @@ async def embeddings(service: Service, request: Request) -> Response:
     return JSONResponse({"object": "list", "model": service.name,
                          "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers={"x-request-id": rid})
+
+
+def _embedding_model(service: Service, model: str | None) -> None:
+    if service.check_model(model) is not None:
+        raise ApiError(f"model {model!r} is a LoRA adapter: embeddings come from the base model {service.name!r}",
+                       param="model", code="model_not_supported")
+
+
+def _embedding_inputs(service: Service, texts, param: str) -> list[tuple[int, ...]]:
+    """Each text's (or token list's) ids, each within the context; ``param`` names the field."""
+    ids = []
+    for i, text in enumerate(texts):
+        name = param if len(texts) == 1 else f"{param}[{i}]"
+        encoded = service.encode(text, name)
+        if len(encoded) > service.max_model_len:
+            raise ApiError(f"{name} has {len(encoded)} tokens; this model's context is {service.max_model_len}",
+                           param=name, code="context_length_exceeded")
+        ids.append(encoded)
+    return ids
+
+
+async def _embed(service: Service, ids: list[tuple[int, ...]], dimensions: int | None = None):
+    """Unit embeddings [len(ids), D] (:func:`llm_jax.pooling.embed_texts`), beside the engine's steps."""
+    async with service.side_lock:
+        return await asyncio.to_thread(embed_texts, service.model, ids, pooling=service.config.embedding_pooling,
+                                       dimensions=dimensions)
+
+
+async def score(service: Service, request: Request) -> Response:
+    """vLLM's score: the cosine similarity of each pair of texts' embeddings (:mod:`llm_jax.server.similarity`)."""
+    rid, arrival = request_id(request, "score"), time.monotonic()
+    try:
+        parsed = similarity.parse_score(await service.body(request))
+        _embedding_model(service, parsed.model)
+        queries = _embedding_inputs(service, parsed.queries, "text_1")
+        documents = _embedding_inputs(service, parsed.documents, "text_2")
+    except ApiError as error:
+        service.log_refusal(rid, error)
+        raise
+    vectors = await _embed(service, queries + documents)
+    scores = similarity.pair_scores(vectors[:len(queries)], vectors[len(queries):])
+    tokens = sum(map(len, queries + documents))
+    log.info("%s 200 prompt_tokens=%d pairs=%d total=%.3fs", rid, tokens, len(scores), time.monotonic() - arrival)
+    return JSONResponse(similarity.score_response(rid, int(time.time()), service.name, scores, tokens),
+                        headers={"x-request-id": rid})
+
+
+async def rerank(service: Service, request: Request) -> Response:
+    """Jina's and Cohere's rerank: documents by the cosine similarity of their embedding to the query's."""
+    rid, arrival = request_id(request, "rerank"), time.monotonic()
+    try:
+        parsed = similarity.parse_rerank(await service.body(request))
+        _embedding_model(service, parsed.model)
+        query = _embedding_inputs(service, (parsed.query,), "query")
+        documents = _embedding_inputs(service, parsed.documents, "documents")
+    except ApiError as error:
+        service.log_refusal(rid, error)
+        raise
+    vectors = await _embed(service, query + documents)
+    scores = similarity.pair_scores(vectors[:1], vectors[1:])
+    tokens = sum(map(len, query + documents))
+    log.info("%s 200 prompt_tokens=%d documents=%d total=%.3fs", rid, tokens, len(scores), time.monotonic() - arrival)
+    return JSONResponse(similarity.rerank_response(rid, service.name, parsed, scores, tokens),
+                        headers={"x-request-id": rid})
 
 
 def _model_card(service: Service, name: str) -> dict:
@@ -249,6 +303,11 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("/v1/chat/completions", "POST", chat_completions),
     ("/v1/responses", "POST", responses),
     ("/v1/embeddings", "POST", embeddings),
+    ("/v1/score", "POST", score),
+    ("/score", "POST", score),
+    ("/v1/rerank", "POST", rerank),
+    ("/rerank", "POST", rerank),
+    ("/v2/rerank", "POST", rerank),
     ("/v1/models", "GET", models),
     ("/v1/models/{model:path}", "GET", model),
     ("/tokenize", "POST", tokenize),

@@ -42,7 +42,7 @@ from llm_jax.serving.step import BANNED
 log = logging.getLogger("llm_jax.server")
 
 MAX_BODY_BYTES = 32 * 2**20
-PROTECTED = ("/v1/", "/tokenize", "/detokenize")
+PROTECTED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank")
 STOPPED = ApiError("the server stopped before this request finished", status=503, type="service_unavailable_error",
                    code="shutting_down")
 
