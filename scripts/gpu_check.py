@@ -202,14 +202,32 @@ def parity_outputs(backend: str, new_tokens: int) -> dict:
     params = llm_jax.init_params(config, seed=0)
     tokens, lengths = parity_inputs()
     with jax.default_matmul_precision("highest"):
-        forward = jax.jit(lambda p, t, n: llm_jax.forward(p, config, t, n, backend=backend))
+        forward = jax.jit(lambda p, t, n, lora=None: llm_jax.forward(p, config, t, n, backend=backend, lora=lora))
         logits = np.asarray(forward(params, tokens, lengths))
+        # Two random LoRA adapters of every projection, one per row (the serving engine's unmerged form).
+        lora = llm_jax.LoraBatch.of_slots(_random_lora(config), np.array([[0], [1]], np.int32).repeat(16, 1))
+        lora_logits = np.asarray(forward(params, tokens, lengths, lora))
         model = llm_jax.Model(config=config, params=params, tokenizer=None, eos_ids=(),
                               backend=backend)
         prompts = [tokens[b, :n].tolist() for b, n in enumerate(lengths)]
         results = llm_jax.generate(model, prompts, max_new_tokens=new_tokens)
     checksum = float(sum(np.asarray(x, np.float64).sum() for x in jax.tree.leaves(params)))
-    return dict(logits=logits, ids=np.array([r.output_ids for r in results]), checksum=checksum)
+    return dict(logits=logits, lora_logits=lora_logits, ids=np.array([r.output_ids for r in results]),
+                checksum=checksum)
+
+
+def _random_lora(config):
+    """Two rank-4 adapters of every projection in a stack, drawn the same on every platform."""
+    import numpy as np
+
+    from llm_jax.lora import TARGETS, LoraAdapter, LoraWeights, target_dims
+
+    rng, L, adapters = np.random.default_rng(11), config.n_layers, []
+    for i in range(2):
+        weights = {t: (rng.normal(0, 0.3, (L, target_dims(config, t)[0], 4)).astype(np.float32),
+                       rng.normal(0, 0.3, (L, 4, target_dims(config, t)[1])).astype(np.float32)) for t in TARGETS}
+        adapters.append(LoraAdapter(name=f"lora{i}", weights=weights))
+    return LoraWeights.stack(adapters, config)
 
 
 def cpu_reference(out_path: str, new_tokens: int) -> int:
@@ -248,10 +266,11 @@ def check_parity(plan: Plan, timeout_s: float) -> list[Row]:
     for backend, out in ours.items():
         if out["checksum"] != float(reference["checksum"]):
             raise RuntimeError("the CPU reference drew other random weights")
-        delta = float(np.max(np.abs(out["logits"] - reference["logits"])[valid_BT]))
-        rows.append(Row(check=f"(b) logits {backend} vs cpu", result="PASS" if delta <= PARITY_BOUND
-                        else "FAIL", figure=f"max|Δ| {delta:.1e}",
-                        detail=f"bound {PARITY_BOUND:g}, float32, matmul precision highest"))
+        for name, key in (("logits", "logits"), ("LoRA logits", "lora_logits")):
+            delta = float(np.max(np.abs(out[key] - reference[key])[valid_BT]))
+            rows.append(Row(check=f"(b) {name} {backend} vs cpu", result="PASS" if delta <= PARITY_BOUND
+                            else "FAIL", figure=f"max|Δ| {delta:.1e}",
+                            detail=f"bound {PARITY_BOUND:g}, float32, matmul precision highest"))
         same = np.array_equal(out["ids"], reference["ids"])
         rows.append(Row(check=f"(b) greedy ids {backend} vs cpu", result="PASS" if same else "FAIL",
                         figure=f"{out['ids'].shape[1]} tokens x {out['ids'].shape[0]}",

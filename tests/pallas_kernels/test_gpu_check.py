@@ -11,8 +11,8 @@ import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHECKS = ["device", "(a) pallas kernel tests", "(a) default tiles compile",
-          "(b) logits pallas vs cpu", "(b) greedy ids pallas vs cpu", "(b) logits xla vs cpu",
-          "(b) greedy ids xla vs cpu",
+          "(b) logits pallas vs cpu", "(b) LoRA logits pallas vs cpu", "(b) greedy ids pallas vs cpu",
+          "(b) logits xla vs cpu", "(b) LoRA logits xla vs cpu", "(b) greedy ids xla vs cpu",
           "(c) decode xla", "(c) decode pallas_kernels", "(c) decode cudnn", "(c) prefill xla",
           "(c) prefill pallas_kernels", "(c) prefill cudnn", "(c) decode stacked layer",
           "(c) ragged paged attention", "(c) ragged paged attention int8",
