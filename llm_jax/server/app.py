@@ -63,7 +63,9 @@ async def completions(service: Service, request: Request) -> Response:
         parsed = protocol.parse_completion(await service.body(request), service.limits)
         g = dataclasses.replace(parsed.generation, lora=service.check_model(parsed.model))
         prompts = [service.budget(service.encode(p, "prompt"), g, "prompt") for p in parsed.prompts]
-        echoes = [_echo(service, p, ids) if parsed.echo else "" for p, (ids, _) in zip(parsed.prompts, prompts)]
+        truncated = g.truncate_prompt_tokens is not None  # the echo is what the model read
+        echoes = [_echo(service, () if truncated else p, ids) if parsed.echo else ""
+                  for p, (ids, _) in zip(parsed.prompts, prompts)]
         run = service.admit(g, prompts, rid, arrival)
     except ApiError as error:
         service.log_refusal(rid, error)
@@ -72,6 +74,7 @@ async def completions(service: Service, request: Request) -> Response:
 
 
 def _echo(service: Service, prompt: protocol.Prompt, ids: tuple[int, ...]) -> str:
+    """The prompt as given when it is a string, else its ids' text."""
     if isinstance(prompt, str):
         return prompt
     return service.tokenizer.decode(list(ids)) if service.tokenizer is not None else ""
@@ -128,7 +131,7 @@ async def embeddings(service: Service, request: Request) -> Response:
     try:
         parsed = protocol.parse_embeddings(await service.body(request), service.limits)
         _embedding_model(service, parsed.model)
-        ids = _embedding_inputs(service, parsed.inputs, "input")
+        ids = _embedding_inputs(service, parsed.inputs, "input", parsed.truncate_prompt_tokens)
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
@@ -150,12 +153,13 @@ def _embedding_model(service: Service, model: str | None) -> None:
                        param="model", code="model_not_supported")
 
 
-def _embedding_inputs(service: Service, texts, param: str) -> list[tuple[int, ...]]:
-    """Each text's (or token list's) ids, each within the context; ``param`` names the field."""
+def _embedding_inputs(service: Service, texts, param: str, truncate: int | None = None) -> list[tuple[int, ...]]:
+    """Each text's (or token list's) ids (its last ``truncate`` tokens, vLLM's ``truncate_prompt_tokens``),
+    each within the context; ``param`` names the field."""
     ids = []
     for i, text in enumerate(texts):
         name = param if len(texts) == 1 else f"{param}[{i}]"
-        encoded = service.encode(text, name)
+        encoded = protocol.truncate(service.encode(text, name), truncate, service.max_model_len)
         if len(encoded) > service.max_model_len:
             raise ApiError(f"{name} has {len(encoded)} tokens; this model's context is {service.max_model_len}",
                            param=name, code="context_length_exceeded")

@@ -81,6 +81,8 @@ class Generation:
     beam_search: BeamOptions | None = None  # vLLM's use_beam_search: n beams, the n best returned
     include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it (vLLM's field)
     priority: int = 0  # lower runs first (vLLM's field; needs --scheduling-policy priority)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context's worth)
+    cache_salt: str | None = None  # share cached prefixes only with requests of the same salt (vLLM's)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -216,13 +218,32 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
         check(word.strip() != "", "bad_words", "must not hold an empty word")
     guided, guided_param = _guided(fields)
     beam_search = _beam_search(fields)
+    truncate = truncation(fields)
+    cache_salt = fields.take("cache_salt", "string")
+    check(cache_salt is None or cache_salt != "", "cache_salt", "must not be empty")
     return Generation(max_tokens=max_tokens, min_tokens=min_tokens, n=n, sampling=read_sampling(fields, limits),
                       seed=seed, stop=stop, stop_token_ids=stop_ids,
                       ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
                       stream=stream, include_usage=include_usage, continuous_usage=continuous, guided=guided,
                       guided_param=guided_param, bad_words=tuple(bad_words), skip_special_tokens=skip_special,
                       include_stop_str_in_output=include_stop, priority=priority,
-                      prompt_logprobs=None if stream else prompt_logprobs, beam_search=beam_search)
+                      prompt_logprobs=None if stream else prompt_logprobs, beam_search=beam_search,
+                      truncate_prompt_tokens=truncate, cache_salt=cache_salt)
+
+
+def truncation(fields: Fields) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: k keeps the prompt's last k tokens, -1 as many as the context holds."""
+    k = integer(fields, "truncate_prompt_tokens", -1, 2**31 - 1)
+    check(k != 0, "truncate_prompt_tokens", "must be -1 or positive, got 0")
+    return k
+
+
+def truncate(ids: tuple[int, ...], k: int | None, max_model_len: int) -> tuple[int, ...]:
+    """``ids`` left-truncated as ``truncate_prompt_tokens`` asks (vLLM's rule: the last k tokens)."""
+    if k is None:
+        return ids
+    check(k <= max_model_len, "truncate_prompt_tokens", f"({k}) exceeds the model's context ({max_model_len})")
+    return ids[-(max_model_len if k == -1 else k):]
 
 
 def _beam_search(fields: Fields) -> BeamOptions | None:
@@ -478,6 +499,7 @@ class EmbeddingsRequest:
     inputs: tuple[Prompt, ...]
     encoding_format: str  # "float" or "base64" (little-endian float32)
     dimensions: int | None  # keep the first dimensions (normalized after)
+    truncate_prompt_tokens: int | None = None  # keep each input's last k tokens (-1: the context's worth)
 
 
 def parse_embeddings(body: Any, limits: Limits) -> EmbeddingsRequest:
@@ -491,8 +513,10 @@ def parse_embeddings(body: Any, limits: Limits) -> EmbeddingsRequest:
     encoding = fields.take("encoding_format", "string", default="float")
     check(encoding in ("float", "base64"), "encoding_format", f"must be 'float' or 'base64', got {show(encoding)}")
     dimensions = integer(fields, "dimensions", 1, limits.embedding_dim)
+    truncate_tokens = truncation(fields)
     fields.finish()
-    return EmbeddingsRequest(model=model, inputs=inputs, encoding_format=encoding, dimensions=dimensions)
+    return EmbeddingsRequest(model=model, inputs=inputs, encoding_format=encoding, dimensions=dimensions,
+                             truncate_prompt_tokens=truncate_tokens)
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:

@@ -160,7 +160,9 @@ class Service:
         return tuple(ids)
 
     def budget(self, ids: tuple[int, ...], generation: Generation, param: str) -> tuple[tuple[int, ...], int]:
-        """The prompt and its completion's token budget, checked against the context and the KV cache."""
+        """The prompt (truncated as asked) and its completion's token budget, checked against the context
+        and the KV cache."""
+        ids = protocol.truncate(ids, generation.truncate_prompt_tokens, self.max_model_len)
         budget = check_context(len(ids), generation.max_tokens, self.max_model_len, param=param)
         blocks = math.ceil((len(ids) + budget - 1) / self.block_size)
         if blocks > self.num_block_slots:

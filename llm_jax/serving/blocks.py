@@ -34,6 +34,12 @@ def root_hash(namespace: str) -> BlockHash:
     return hashlib.blake2b(namespace.encode(), digest_size=16, person=b"llm_jax.root").digest()
 
 
+def salted(root: BlockHash, salt: str) -> BlockHash:
+    """``root``'s namespace split by ``salt`` (vLLM's ``cache_salt``): requests share cached blocks only when
+    they give the same salt, so one user cannot probe the cache for another's prompts."""
+    return hashlib.blake2b(root + salt.encode(), digest_size=16, person=b"llm_jax.salt").digest()
+
+
 def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """The name of a full block: a 16-byte blake2b digest of the parent's hash and the tokens as int64.
 

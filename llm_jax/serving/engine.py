@@ -41,7 +41,7 @@ from llm_jax.kv_cache import PagedBatch, cache_bytes_per_token, cache_dtype, ini
 from llm_jax.loading import Model
 from llm_jax.sampling import GREEDY, Sampling
 from llm_jax.serving.adapters import AdapterArg, LoraSlots
-from llm_jax.serving.blocks import NULL_BLOCK, ROOT_HASH
+from llm_jax.serving.blocks import NULL_BLOCK, ROOT_HASH, salted
 from llm_jax.serving.scheduler import FinishReason, Request, Scheduler, SchedulerStats, StepPlan
 from llm_jax.serving.step import Draft, Shape, StepInputs, abstract_inputs, step, step_controls
 from llm_jax.sharding import paged_cache_shardings
@@ -211,7 +211,8 @@ class Engine:
                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, sample_index: int = 0, guided: Guided | None = None,
                     guided_after_token: int | None = None, skip_special_tokens: bool = True,
-                    include_stop_str_in_output: bool = False, priority: int = 0, lora: str | None = None) -> None:
+                    include_stop_str_in_output: bool = False, priority: int = 0, lora: str | None = None,
+                    cache_salt: str | None = None) -> None:
         """Queue a request (a string, or token ids used as given). ``max_new_tokens`` None: until the
         context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own);
         ``prompt_logprobs``: the same for the prompt's tokens, reported with the first token (the request
@@ -225,7 +226,7 @@ class Engine:
         that ends it). ``include_stop_str_in_output``: the text ends with the stop string that ended it.
         ``priority``: lower is admitted and given the step's budget first, and preempted last (ties: first
         come, first served). ``lora``: the name of the LoRA adapter the request runs with (None: the base
-        model)."""
+        model). ``cache_salt``: the request shares cached prefix blocks only with requests of the same salt."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
         if lora is not None and self.lora is None:
@@ -257,7 +258,7 @@ class Engine:
             matcher = Matcher(vocabulary(self.model.tokenizer, tuple(self.model.eos_ids), V), guided)
         request = Request(request_id=request_id, prompt_token_ids=ids, max_new_tokens=max_new_tokens,
                           use_prefix_cache=prompt_logprobs is None, priority=int(priority),
-                          hash_root=ROOT_HASH if lora is None else self.lora.hash_root(lora))
+                          hash_root=self._hash_root(lora, cache_salt))
         self.scheduler.add(request)  # refuses requests that can never fit
         self._live[request_id] = _Live(
             request=request, sampling=sampling, end_ids=end_ids, eos_ids=frozenset(eos_ids),
@@ -267,6 +268,11 @@ class Engine:
                               include_stop=include_stop_str_in_output),
             prompt_logprobs=prompt_logprobs, matcher=matcher, guided_after=guided_after_token, lora=lora,
             lora_slot=lora_slot)
+
+    def _hash_root(self, lora: str | None, cache_salt: str | None) -> bytes:
+        """The prefix-cache namespace of a request: its adapter's (as loaded now), salted."""
+        root = ROOT_HASH if lora is None else self.lora.hash_root(lora)
+        return root if cache_salt is None else salted(root, cache_salt)
 
     # LoRA adapters.
     @property
