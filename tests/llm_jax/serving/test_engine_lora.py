@@ -153,3 +153,20 @@ def test_a_sharded_engine_serves_adapters_as_one_device(stories, adapters, merge
     assert int(kv_heads) == 2 * stories.config.n_kv_heads
     assert json.loads(tokens) == [alone(merged[lora], prompt, max_new_tokens=16, ignore_eos=True).output_ids
                                   for prompt, lora in requests]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_decoding_with_adapters_keeps_their_tokens(stories, adapters, merged, method):
+    """Proposals (prompt lookup, or the draft model, which has no adapter) are verified by the adapted model:
+    greedy tokens stay the merged model's."""
+    speculative = llm_jax.Speculative(method=method, num_tokens=3, draft_model=stories if method == "draft" else None)
+    engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128,
+                    lora_adapters=list(adapters.values()), speculative=speculative, kv_cache_dtype="int8")
+    prompt = [1] + [30, 31, 32, 33] * 5  # repetitive: prompt lookup proposes
+    requests = {f"r{i}": (prompt[:12 + 3 * i], lora) for i, lora in enumerate(["tales", None, "poems", "tales"])}
+    outputs = run_all(engine, {0: [(rid, p, dict(max_new_tokens=20, ignore_eos=True, lora=lora))
+                                   for rid, (p, lora) in requests.items()]})
+    for rid, (p, lora) in requests.items():
+        expected = alone(merged[lora], p, max_new_tokens=20, ignore_eos=True, kv_cache_dtype="int8").output_ids
+        assert [t for o in outputs[rid] for t in o.token_ids] == expected, rid
+    assert engine.stats().spec_proposed_tokens > 0
