@@ -168,6 +168,7 @@ def beam_search(params: Params, config: ModelConfig, last_logits_BV: jax.Array, 
         cache = take_cache_rows(s.cache, source_N)
         history = jax.tree.map(lambda a: a[source_N], s.history).append(new_N, active_N)
         x_N1D, cache = forward_extend(params, config, new_N[:, None], cache, active_N, mesh, hooks=controls.hooks,
+                                      lora=controls.lora_batch(1),
                                       backend=backend)[:2]
         return _Search(step=s.step + 1, logits_NV=unembed(params, config, x_N1D, backend)[:, 0], cache=cache,
                        history=history, running_BWM=running_BWM, running_scores_BW=running_scores_BW,

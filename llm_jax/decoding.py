@@ -26,6 +26,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.logits_processors import PAD_ID, History
 from llm_jax.logprobs import chosen_and_top
+from llm_jax.lora import LoraBatch, LoraRows
 from llm_jax.backends import Backend
 from llm_jax.model import LayerHooks, Params, forward_extend, greedy_tokens, resolve_backend, unembed
 from llm_jax.sampling import Sampling, SamplingParams, process_logits, sample
@@ -86,6 +87,7 @@ class DecodeControls:
     # Guided decoding: the tokens each row may choose next, a bit each (int32 [B, ⌈V / 32⌉], all ones for
     # rows without a constraint; ``llm_jax.guided``). The host sets it before each call; its shape is fixed.
     allowed_BW: jax.Array | None = None
+    lora: LoraRows | None = None  # each row's LoRA adapter (``llm_jax.lora``)
     logprobs: Logprobs | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
@@ -121,9 +123,13 @@ class DecodeControls:
 
     def take_rows(self, index_B: jax.Array) -> "DecodeControls":
         """The controls of rows ``index_B`` (n samples of a prompt, beams)."""
-        table, self_without_table = self.stop_table, dataclasses.replace(self, stop_table=None)
-        taken = jax.tree.map(lambda a: jnp.asarray(a)[index_B], self_without_table)
-        return dataclasses.replace(taken, stop_table=table)
+        table, lora = self.stop_table, self.lora
+        taken = jax.tree.map(lambda a: jnp.asarray(a)[index_B], dataclasses.replace(self, stop_table=None, lora=None))
+        return dataclasses.replace(taken, stop_table=table, lora=None if lora is None else lora.take_rows(index_B))
+
+    def lora_batch(self, T: int) -> LoraBatch | None:
+        """The rows' adapters for a call over T tokens per row (None without adapters)."""
+        return None if self.lora is None else self.lora.batch(T)
 
     @property
     def end_ids_BE(self) -> jax.Array:
@@ -257,7 +263,7 @@ def decode_step(params: Params, config: ModelConfig, cache: KVCache, state: Deco
     next. What each row emitted is [B] (``PAD_ID`` for finished rows)."""
     running_B = ~state.done_B
     x_B1D, cache, *hidden = forward_extend(params, config, state.tokens_B[:, None], cache, running_B, mesh,
-                                           hooks=controls.hooks, backend=backend)
+                                           hooks=controls.hooks, backend=backend, lora=controls.lora_batch(1))
     # Only the argmax wanted: without every logit where the backend can (None: it cannot).
     token_B = greedy_tokens(params, config, x_B1D[:, 0], backend) if argmax_only(controls) else None
     if token_B is None:

@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llm_jax import buckets, executable_cache, sharding
 from llm_jax.beams import BeamSearch, EarlyStopping, beam_search
@@ -24,7 +24,8 @@ from llm_jax.compile_stats import measure_compilation
 from llm_jax.decoding import PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, decode, start, take_cache_rows
 from llm_jax.guided import Guided, Matcher, all_allowed, vocabulary
 from llm_jax.kv_cache import KVCache, cache_dtype, init_cache
-from llm_jax.loading import Model
+from llm_jax.loading import Model, load_lora
+from llm_jax.lora import LoraAdapter, LoraRows, LoraWeights
 from llm_jax.model import LayerHooks
 from llm_jax.prefilling import PrefillExtras, pad_prompts, prefill, prefill_with_extras
 from llm_jax.sampling import GREEDY, Sampling
@@ -184,7 +185,8 @@ class GenerationStream:
                  steering: np.ndarray | None = None, return_kv_cache: bool = False,
                  beams: BeamSearch | None = None, mesh: Mesh | str | None = None,
                  speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
-                 guided: Guided | Sequence[Guided | None] | None = None, guided_after_token: int | None = None):
+                 guided: Guided | Sequence[Guided | None] | None = None, guided_after_token: int | None = None,
+                 lora=None):
         self.kv_cache_dtype = cache_dtype(model.config, kv_cache_dtype)  # names the choices when unknown
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
@@ -237,6 +239,10 @@ class GenerationStream:
             steering_BLD=None if steering_PLD is None else steering_PLD[self.rows], record_layers=hidden_layers)
         self.prompt_hooks = LayerHooks(steering_BLD=None if steering_PLD is None else jnp.asarray(steering_PLD),
                                        record_layers=tuple(hidden_layers))
+        self.prompt_lora = None  # each prompt's LoRA adapter (prefill); the rows' are the controls'
+        if lora is not None and any(a is not None for a in _per_prompt(lora, P, "lora")):
+            self.prompt_lora = self._lora_rows(_per_prompt(lora, P, "lora"))
+            self.controls = dataclasses.replace(self.controls, lora=self.prompt_lora.take_rows(self.rows))
         self.matchers = self._matchers(guided, P, rows, speculative)
         if guided_after_token is not None and self.matchers is None:
             raise ValueError("guided_after_token goes with guided: it is where the constraint starts")
@@ -289,6 +295,18 @@ class GenerationStream:
                 raise ValueError("the draft model must be on the target's mesh, or on one device (load it without "
                                  "a mesh: it is laid out on the target's)")
 
+    def _lora_rows(self, adapters: list) -> LoraRows:
+        """The prompts' adapters (``LoraAdapter`` s, PEFT folders or None) stacked, each prompt naming its slot."""
+        config, mesh, slots, unique = self.model.config, self.model.mesh, [], {}
+        for adapter in adapters:
+            if adapter is not None:
+                key = id(adapter) if isinstance(adapter, LoraAdapter) else str(adapter)
+                unique.setdefault(key, load_lora(adapter, config))
+            slots.append(-1 if adapter is None else list(unique).index(key))
+        weights = LoraWeights.stack(list(unique.values()), config)
+        weights = jax.device_put(weights, NamedSharding(mesh, PartitionSpec()) if mesh is not None else None)
+        return LoraRows(weights=weights, slots_B=jnp.asarray(slots, jnp.int32))
+
     def _matchers(self, guided, P: int, rows, speculative) -> list[Matcher | None] | None:
         """One matcher per row whose prompt has a constraint (None for the others); None without any."""
         if guided is None or (isinstance(guided, (list, tuple)) and all(g is None for g in guided)):
@@ -323,9 +341,11 @@ class GenerationStream:
         cache = init_cache(config, P, self.cache_len, self.kv_cache_dtype, sharding=layout)
         hooks = self.prompt_hooks
         if hooks.steering_BLD is None and not hooks.record_layers and self.prompt_logprobs is None:
-            return (*_prefill(params, config, tokens_BT, lengths_B, cache, mesh=mesh, backend=backend), None)
+            return (*_prefill(params, config, tokens_BT, lengths_B, cache, mesh=mesh, backend=backend,
+                              lora=self.prompt_lora), None)
         return _prefill_with_extras(params, config, tokens_BT, lengths_B, cache, hooks,
-                                   prompt_logprobs=self.prompt_logprobs, mesh=mesh, backend=backend)
+                                   prompt_logprobs=self.prompt_logprobs, mesh=mesh, backend=backend,
+                                   lora=self.prompt_lora)
 
     def _run(self) -> Iterator[StreamEvent]:
         model, config, mesh = self.model, self.model.config, self.model.mesh
@@ -573,7 +593,7 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                     chunk_steps: int = DEFAULT_CHUNK_STEPS, mesh: Mesh | str | None = None,
                     speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
                     guided: Guided | Sequence[Guided | None] | None = None,
-                    guided_after_token: int | None = None) -> GenerationStream:
+                    guided_after_token: int | None = None, lora=None) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     Per prompt (one value for all, or a list with one per prompt): ``sampling`` (a :class:`Sampling`:
@@ -606,6 +626,10 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
     (:class:`llm_jax.kv_cache.Int8KV`), with a mesh too (the scales split as the values) and with
     speculative decoding (the draft model's cache stays in its compute dtype).
 
+    ``lora`` (one for every prompt, or one or None per prompt: a :class:`llm_jax.lora.LoraAdapter` or a PEFT
+    folder) runs each prompt with its LoRA adapter unmerged, several in one batch; every other option
+    takes it (a draft model proposes without it, and verification keeps the output exact).
+
     ``guided`` (one for every prompt, or one or None per prompt: ``llm_jax.guided.Json``, ``Regex``,
     ``Choice``, ``Grammar``) constrains each completion to a JSON schema, a regular expression, choices or
     a grammar; it ends (``"stop"``) once the constraint is complete. The host computes the allowed tokens
@@ -623,7 +647,8 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                             min_new_tokens=min_new_tokens, n=n, logprobs=logprobs, raw_logprobs=raw_logprobs,
                             prompt_logprobs=prompt_logprobs, hidden_layers=hidden_layers, steering=steering,
                             return_kv_cache=return_kv_cache, beams=beams, mesh=mesh, speculative=speculative,
-                            kv_cache_dtype=kv_cache_dtype, guided=guided, guided_after_token=guided_after_token)
+                            kv_cache_dtype=kv_cache_dtype, guided=guided, guided_after_token=guided_after_token,
+                            lora=lora)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:

@@ -182,3 +182,21 @@ class LoraBatch:
         delta_BTO = jnp.einsum("btsr,sro->bto", xa_BTSR, b_SRO)
         return (y.astype(jnp.float32) + delta_BTO.reshape(y.shape)).astype(y.dtype)
 
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraRows:
+    """Each row's adapter for a whole generation (``generate(..., lora=)``): the stacked weights and each
+    row's slot ``slots_B`` (int32, -1 for the base model)."""
+
+    weights: LoraWeights
+    slots_B: jax.Array
+
+    def batch(self, T: int) -> LoraBatch:
+        """The :class:`LoraBatch` of a call over T tokens per row."""
+        slots_B = jnp.asarray(self.slots_B)
+        return LoraBatch.of_slots(self.weights, jnp.broadcast_to(slots_B[:, None], (slots_B.shape[0], T)))
+
+    def take_rows(self, index_B: jax.Array) -> "LoraRows":
+        return dataclasses.replace(self, slots_B=jnp.asarray(self.slots_B)[index_B])

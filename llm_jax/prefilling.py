@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache
 from llm_jax.logprobs import TokenLogprobs, token_logprobs
+from llm_jax.lora import LoraRows
 from llm_jax.backends import Backend
 from llm_jax.model import LayerHooks, Params, forward_prefill, resolve_backend, unembed
 from llm_jax.sharding import constrain, constrain_cache, constrain_replicated
@@ -26,17 +27,18 @@ from llm_jax.sharding import constrain, constrain_cache, constrain_replicated
 
 @functools.partial(jax.jit, static_argnames=("config", "mesh", "backend"), donate_argnames=("cache",))
 def prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
-            cache: KVCache, *, mesh: Mesh | None = None, backend: Backend | str | None = None) -> tuple[jax.Array, KVCache]:
+            cache: KVCache, *, mesh: Mesh | None = None, backend: Backend | str | None = None,
+            lora: LoraRows | None = None) -> tuple[jax.Array, KVCache]:
     """Logits [B, V] (float32) of each row's last real token, and the cache holding the prompts.
 
     ``cache`` must be empty (fresh from ``init_cache``) with at least T slots; it is donated. With a
     ``mesh``, params and cache are laid out by ``llm_jax.sharding``: the cache keeps its sharding and
-    the logits stay split by batch and vocabulary.
+    the logits stay split by batch and vocabulary. ``lora``: each row's LoRA adapter.
     """
     backend = resolve_backend(backend)
     tokens_BT, lengths_B = constrain(tokens_BT, "BT", mesh), constrain(lengths_B, "B", mesh)
     x_BTD, cache = forward_prefill(params, config, tokens_BT, lengths_B, constrain_cache(cache, mesh), mesh,
-                                   backend=backend)
+                                   backend=backend, lora=None if lora is None else lora.batch(tokens_BT.shape[1]))
     last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
     return constrain(unembed(params, config, last_B1D, backend)[:, 0], "BV", mesh), constrain_cache(cache, mesh)
 
@@ -55,15 +57,16 @@ class PrefillExtras:
                    donate_argnames=("cache",))
 def prefill_with_extras(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
                         cache: KVCache, hooks: LayerHooks, *, prompt_logprobs: int | None = None,
-                        mesh: Mesh | None = None,
-                        backend: Backend | str | None = None) -> tuple[jax.Array, KVCache, PrefillExtras]:
+                        mesh: Mesh | None = None, backend: Backend | str | None = None,
+                        lora: LoraRows | None = None) -> tuple[jax.Array, KVCache, PrefillExtras]:
     """``prefill`` with research hooks (steering vectors, recorded layers) and, when ``prompt_logprobs`` is
     an int, the prompt tokens' log-probabilities with that many top alternatives per position. The
     extras come back whole on every device of ``mesh``."""
     backend = resolve_backend(backend)
     tokens_BT, lengths_B = constrain(tokens_BT, "BT", mesh), constrain(lengths_B, "B", mesh)
     x_BTD, cache, hidden_BTRD = forward_prefill(params, config, tokens_BT, lengths_B, constrain_cache(cache, mesh),
-                                                mesh, hooks=hooks, backend=backend)
+                                                mesh, hooks=hooks, backend=backend,
+                                                lora=None if lora is None else lora.batch(tokens_BT.shape[1]))
     last_B1D = jnp.take_along_axis(x_BTD, (lengths_B - 1)[:, None, None], axis=1)
     scored = None
     if prompt_logprobs is not None:

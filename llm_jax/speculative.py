@@ -403,6 +403,7 @@ def _verify(params, config, cache, state, spec, proposals_BK, proposed_BK, q_BKV
     length_B = cache.lengths_B
     fed_BT = jnp.concatenate([state.tokens_B[:, None], jnp.where(proposed_BK, proposals_BK, 0)], axis=1)
     x_BTD, cache, *hidden = forward_extend(params, config, fed_BT, cache, running_B, mesh, hooks=controls.hooks,
+                                           lora=controls.lora_batch(fed_BT.shape[1]),
                                            backend=backend)
     T = k + 1
     # Greedy without processors: the backend's argmax of each position, as plain decoding takes it.

@@ -281,7 +281,7 @@ def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B
 
 def forward_prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array,
                     cache: KVCache, mesh: Mesh | None = None, *, hooks: LayerHooks | None = None,
-                    backend: BackendArg = None):
+                    backend: BackendArg = None, lora: LoraBatch | None = None):
     """Run right-padded prompts from an empty cache: final hidden states [B, T, D] and the filled cache
     (plus the recorded layers when ``hooks`` is given).
 
@@ -295,13 +295,13 @@ def forward_prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, l
     dtype = cache.k_LBSKH.dtype
     x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT, backend), positions_BT,
                                             _attend_fresh(config, lengths_B, True, backend, mesh),
-                                            kvc.as_bits(cache), hooks, backend)
+                                            kvc.as_bits(cache), hooks, backend, lora)
     return (x_BTD, dataclasses.replace(kvc.from_bits(cache, dtype), lengths_B=lengths_B.astype(jnp.int32)), *recorded)
 
 
 def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, cache: KVCache,
                    active_B: jax.Array, mesh: Mesh | None = None, *, hooks: LayerHooks | None = None,
-                   backend: BackendArg = None):
+                   backend: BackendArg = None, lora: LoraBatch | None = None):
     """Append T tokens per active row after its ``cache.lengths_B`` tokens (decode): hidden [B, T, D]
     and the cache (plus the recorded layers when ``hooks`` is given).
 
@@ -322,7 +322,7 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
         return o_BTNH, KVCache(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH, lengths_B=cache.lengths_B)
 
     x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT, backend), positions_BT,
-                                            attend, cache, hooks, backend)
+                                            attend, cache, hooks, backend, lora)
     return (x_BTD, dataclasses.replace(cache, lengths_B=new_lengths_B), *recorded)
 
 

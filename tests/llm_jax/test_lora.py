@@ -185,3 +185,42 @@ def test_generate_cli_merges_an_adapter(stories, stories260k_dir, tmp_path, caps
     with pytest.raises(SystemExit) as exit_info:
         generate.main(["--model", "m.bin", "--lora", str(tmp_path), "--prompt", "x"])
     assert exit_info.value.code == 2 and "not a PEFT adapter folder" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def story_adapters(stories260k_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("story_adapters")
+    for name, seed, scale in (("tales", 1, 0.3), ("poems", 2, 0.5)):
+        base = transformers.AutoModelForCausalLM.from_pretrained(stories260k_dir / "hf", dtype=torch.float32).eval()
+        save_peft_adapter(base, folder / name, seed=seed, scale=scale, r=4 if name == "tales" else 8)
+    return folder / "tales", folder / "poems"
+
+
+def test_generate_runs_an_adapter_per_prompt_as_its_merged_model(stories, story_adapters):
+    """One batch, unmerged: each prompt's tokens (greedy, seeded samples, beams, speculative, prompt
+    log-probabilities) are those of its adapter merged into the weights."""
+    tales, poems = story_adapters
+    merged = {tales: stories.with_lora(tales), None: stories, poems: stories.with_lora(poems)}
+    prompts = ["Once upon a time", "The little dog", "Lily and Ben"]
+    adapters = [tales, None, poems]
+    greedy = llm_jax.generate(stories, prompts, max_new_tokens=24, ignore_eos=True, lora=adapters, prompt_logprobs=1)
+    sampling = llm_jax.Sampling(temperature=0.9, top_p=0.9, seed=4)
+    sampled = llm_jax.generate(stories, prompts, max_new_tokens=16, ignore_eos=True, lora=adapters, n=2,
+                               sampling=sampling)
+    ngram = llm_jax.Speculative(method="ngram", num_tokens=3)
+    speculative = llm_jax.generate(stories, prompts, max_new_tokens=24, ignore_eos=True, lora=adapters,
+                                   speculative=ngram)
+    beams = llm_jax.generate(stories, prompts, max_new_tokens=12, lora=adapters, num_beams=3, num_return_sequences=2)
+    for p, (prompt, adapter) in enumerate(zip(prompts, adapters)):
+        alone = llm_jax.generate(merged[adapter], [prompt], max_new_tokens=24, ignore_eos=True, prompt_logprobs=1)[0]
+        assert greedy[p].output_ids == alone.output_ids == speculative[p].output_ids, prompt
+        np.testing.assert_allclose(np.array(greedy[p].prompt_logprobs[1:], float),
+                                   np.array(alone.prompt_logprobs[1:], float), atol=1e-4, rtol=0)
+        alone_samples = llm_jax.generate(merged[adapter], [prompt], max_new_tokens=16, ignore_eos=True, n=2,
+                                         sampling=sampling)
+        assert [r.output_ids for r in sampled[2 * p:2 * p + 2]] == [r.output_ids for r in alone_samples]
+        alone_beams = llm_jax.generate(merged[adapter], [prompt], max_new_tokens=12, num_beams=3,
+                                       num_return_sequences=2)
+        assert [r.output_ids for r in beams[2 * p:2 * p + 2]] == [r.output_ids for r in alone_beams]
+    assert greedy[0].output_ids != llm_jax.generate(stories, prompts[:1], max_new_tokens=24,
+                                                    ignore_eos=True)[0].output_ids
