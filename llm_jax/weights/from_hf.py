@@ -8,13 +8,15 @@ side (architectures, field names, family defaults) is ``hf_config.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any, Callable
 
 import numpy as np
 
-from llm_jax.config import ModelConfig
-from llm_jax.weights.hf_config import read_hf_config
+from llm_jax.config import PROJECTION_NAMES, ModelConfig
+from llm_jax.weights import from_compressed
+from llm_jax.weights.hf_config import read_hf_config, read_json
 from llm_jax.weights.layout import TensorSpec, assemble, heads_bias, heads_in, heads_out, transpose
 from llm_jax.weights.safetensors_file import SafetensorsFolder
 
@@ -71,8 +73,44 @@ def load_hf_params(folder: str | pathlib.Path, config: ModelConfig, *, dtype=np.
     if config.tie_embeddings:
         # Some tied checkpoints still store the (identical) head; it carries no information.
         names.discard("lm_head.weight")
-    return assemble(tensor_specs(config), config, reader.read, names, where=str(folder), dtype=dtype,
-                    progress=progress, locate=reader.where, place=place)
+    specs, packed = tensor_specs(config), {}
+    scheme = from_compressed.read_scheme(read_json(folder / "config.json"), str(folder))
+    if scheme is not None:  # compressed-tensors: the packed projections are read apart
+        stored = from_compressed.quantization(scheme, names, config, str(folder))
+        packed = {spec.path: spec for spec in specs if spec.path[:1] == ("layers",)
+                  and spec.path[-1] in PROJECTION_NAMES and stored.scheme(spec.path[-1]) is not None}
+        specs = [spec for spec in specs if spec.path not in packed]
+        names -= {f"{from_compressed.hf_name(path[-1], layer)}.{suffix}" for path in packed
+                  for layer in range(config.n_layers) for suffix in ("weight_packed", "weight_scale", "weight_shape")}
+    params = assemble(specs, config, reader.read, names, where=str(folder), dtype=dtype, progress=progress,
+                      locate=reader.where, place=place)
+    for path in packed:  # quantized leaves, or floats when the config asks for floats (dequantize)
+        leaf = _packed_leaf(reader, config, path[-1], scheme, str(folder), progress)
+        if config.quantization is None:
+            leaf = np.asarray(leaf.dequantize(np.float32)).astype(dtype)
+            leaf = leaf if place is None else place(path, leaf)
+        elif place is not None:
+            leaf = dataclasses.replace(leaf, values=place((*path, "values"), leaf.values),
+                                       scales=place((*path, "scales"), leaf.scales))
+        params.setdefault(path[0], {}).setdefault(path[1], {})[path[2]] = leaf
+    return params
+
+
+def _packed_leaf(reader: SafetensorsFolder, config: ModelConfig, name: str, scheme, where: str, progress):
+    """Projection ``name``'s layers from their compressed-tensors packing, as one quantized leaf."""
+    from llm_jax.quantization import QuantizedArray, projection_dims
+
+    ins, outs = projection_dims(name, config)
+    K, N = int(np.prod(ins)), int(np.prod(outs))
+    values, scales = [], []
+    for layer in range(config.n_layers):
+        module = from_compressed.hf_name(name, layer)
+        v, s = from_compressed.packed_projection(reader.read, module, scheme, K, N, where)
+        values.append(v)
+        scales.append(s)
+        if progress is not None:
+            progress(f"{module}.weight_packed")
+    return QuantizedArray(np.stack(values), np.stack(scales), ins, outs, scheme.bits, scheme.group_size or K)
 
 
 def load_hf(folder: str | pathlib.Path, *, dtype=np.float32, progress=None) -> tuple[ModelConfig, dict]:

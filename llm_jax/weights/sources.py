@@ -21,8 +21,9 @@ import numpy as np
 from llm_jax import gguf_tokenizer
 from llm_jax.config import ModelConfig
 from llm_jax.tokenizer import Tokenizer
-from llm_jax.weights import checkpoint, from_gguf, from_hf, from_llama2c
+from llm_jax.weights import checkpoint, from_compressed, from_gguf, from_hf, from_llama2c
 from llm_jax.weights.hf_config import read_hf_config, read_json
+from llm_jax.weights.safetensors_file import SafetensorsFolder
 
 # Tokenizer files of a Hugging Face folder worth keeping with converted weights.
 HF_TOKENIZER_FILES = checkpoint.TOKENIZER_FILES
@@ -62,7 +63,12 @@ def source_config(path: pathlib.Path, fmt: WeightFormat, *, dequantize: bool = F
             hf = read_json(path / "config.json")
             dtype = hf.get("dtype") or hf.get("torch_dtype")
             dtype = dtype if dtype in checkpoint.PARAM_DTYPES else "float32"
-            return read_hf_config(path).replace(param_dtype=dtype, compute_dtype=dtype)
+            config = read_hf_config(path).replace(param_dtype=dtype, compute_dtype=dtype)
+            scheme = from_compressed.read_scheme(hf, str(path))  # a compressed-tensors folder: its quantization
+            if scheme is None or dequantize:
+                return config
+            names = SafetensorsFolder(path).names()
+            return config.replace(quantization=from_compressed.quantization(scheme, names, config, str(path)))
         case WeightFormat.LLAMA2C:
             return from_llama2c.read_llama2c_config(path)
         case WeightFormat.GGUF:

@@ -1,0 +1,132 @@
+"""Hugging Face folders quantized with compressed-tensors (llm-compressor's W4A16 / W8A16 checkpoints, the
+``pack-quantized`` format) → quantized leaves, bit for bit.
+
+Such a folder's ``config.json`` has a ``quantization_config`` with ``quant_method: "compressed-tensors"``;
+each quantized Linear ``…{proj}`` stores, instead of ``weight``:
+
+- ``weight_packed`` int32 [out, ⌈in · b / 32⌉]: the b-bit integers ``q`` of a row along the input, each
+  stored as ``q + 2^(b-1)`` (unsigned) and packed densely from the low bits of the first word up. For
+  b = 4 that is two inputs per byte, input 2j in the low nibble, offset by 8 — exactly our 4-bit storage
+  (``llm_jax.quantization``), so the bytes are taken as they are; for b = 8 each byte is ``q + 128``.
+- ``weight_scale`` [out, groups] (``strategy: group``, ``group_size`` inputs each) or [out, 1]
+  (``channel``): W[o, i] = scale[o, i // group_size] · q[o, i]; ``weight_shape`` [out, in].
+
+Read: ``type: int`` weights of 4 or 8 bits, symmetric, per group or per channel, without activation
+reordering (``actorder``; a ``weight_g_idx`` is refused) and without activation quantization (W8A8: a
+``quantization_config`` with ``input_activations``), on any subset of the seven projections (the others,
+listed in ``ignore``, stay floats). Anything else is refused by name. The same folder loads as floats
+(each weight dequantized, as ``transformers`` decompresses it) with ``dequantize=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from llm_jax.config import PROJECTION_NAMES, ModelConfig, Quantization, QuantScheme
+from llm_jax.weights.layout import WeightsError
+
+_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_GROUPS = {name: ("attn" if module == "self_attn" else "mlp") for name, module in _MODULES.items()}
+
+
+def hf_name(name: str, layer: int) -> str:
+    """The Hugging Face module of projection ``name`` in ``layer``."""
+    return f"model.layers.{layer}.{_MODULES[name]}.{name}"
+
+
+def read_scheme(hf: dict[str, Any], where: str) -> QuantScheme | None:
+    """The scheme a ``config.json``'s ``quantization_config`` gives its quantized projections (None: none)."""
+    qc = hf.get("quantization_config")
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if method != "compressed-tensors":
+        raise WeightsError(f"{where}: quant_method {method!r} is not read; llm_jax reads compressed-tensors "
+                           "(pack-quantized W4A16 / W8A16) folders, GGUF files, and its own checkpoints")
+    for field, ok in (("sparsity_config", not qc.get("sparsity_config")), ("transform_config",
+                      not qc.get("transform_config")), ("kv_cache_scheme", qc.get("kv_cache_scheme") is None)):
+        if not ok:
+            raise WeightsError(f"{where}: quantization_config.{field} is set; llm_jax reads weight-only schemes")
+    groups = qc.get("config_groups") or {}
+    schemes = {_group_scheme(name, group, qc.get("format"), where) for name, group in groups.items()}
+    if len(schemes) != 1:
+        raise WeightsError(f"{where}: quantization_config has {len(schemes)} different weight schemes; llm_jax "
+                           "reads one")
+    return schemes.pop()
+
+
+def _group_scheme(name: str, group: dict[str, Any], default_format: str | None, where: str) -> QuantScheme:
+    where = f"{where}: quantization_config.config_groups.{name}"
+    fmt = group.get("format") or default_format
+    if fmt != "pack-quantized":
+        raise WeightsError(f"{where}: format {fmt!r} is not read; supported: pack-quantized")
+    if group.get("input_activations") or group.get("output_activations"):
+        raise WeightsError(f"{where}: activations are quantized (W8A8); llm_jax reads weight-only schemes "
+                           "(W4A16, W8A16)")
+    weights = group.get("weights") or {}
+    bits, strategy = weights.get("num_bits"), weights.get("strategy")
+    refusals = {"type": weights.get("type") != "int", "num_bits": bits not in (4, 8),
+                "strategy": strategy not in ("group", "channel"), "symmetric": not weights.get("symmetric", True),
+                "actorder": weights.get("actorder") not in (None, False), "dynamic": bool(weights.get("dynamic"))}
+    for field, bad in refusals.items():
+        if bad:
+            raise WeightsError(f"{where}.weights.{field} is {weights.get(field)!r}; llm_jax reads symmetric int "
+                               "weights of 4 or 8 bits, per group or per channel, without activation reordering")
+    group_size = weights.get("group_size") if strategy == "group" else None
+    if strategy == "group" and not isinstance(group_size, int):
+        raise WeightsError(f"{where}.weights.group_size is {group_size!r}")
+    return QuantScheme(bits=bits, group_size=group_size)
+
+
+def quantization(scheme: QuantScheme, names: set[str], config: ModelConfig, where: str) -> Quantization:
+    """The model's :class:`Quantization`: ``scheme`` for the projections stored packed (every layer alike),
+    floats for the others."""
+    if reordered := sorted(n for n in names if n.endswith(".weight_g_idx")):
+        raise WeightsError(f"{where}: {reordered[0]} reorders the inputs' groups (GPTQ's activation order); "
+                           "llm_jax reads groups of consecutive inputs")
+    floats = []
+    for proj in PROJECTION_NAMES:
+        packed = [f"{hf_name(proj, layer)}.weight_packed" in names for layer in range(config.n_layers)]
+        if any(packed) != all(packed):
+            raise WeightsError(f"{where}: {proj} is packed in some layers only; llm_jax stacks a projection's "
+                               "layers in one scheme")
+        if not packed[0]:
+            floats.append((proj, None))
+    if "lm_head.weight_packed" in names:
+        raise WeightsError(f"{where}: the LM head is quantized; llm_jax reads compressed-tensors folders whose "
+                           "lm_head is in the ignore list")
+    if len(floats) == len(PROJECTION_NAMES):
+        raise WeightsError(f"{where}: quantization_config is set but no projection is packed")
+    return Quantization(bits=scheme.bits, group_size=scheme.group_size, projections=tuple(floats))
+
+
+def packed_projection(read: Callable[[str], np.ndarray], module: str, scheme: QuantScheme, K: int, N: int,
+                      where: str) -> tuple[np.ndarray, np.ndarray]:
+    """One layer's ``values`` [⌈K / 2⌉, N] uint8 (4 bits) or [K, N] int8 (8 bits) and ``scales``
+    [groups, N] float32 for our leaf, from the module's packed tensors."""
+    shape = tuple(int(d) for d in np.asarray(read(f"{module}.weight_shape")))
+    if shape != (N, K):
+        raise WeightsError(f"{where}: {module}.weight_shape is {list(shape)}, expected [{N}, {K}]")
+    packed = np.ascontiguousarray(read(f"{module}.weight_packed"))
+    words = -(-K * scheme.bits // 32)
+    if packed.dtype != np.int32 or packed.shape != (N, words):
+        raise WeightsError(f"{where}: {module}.weight_packed is {packed.dtype}{list(packed.shape)}, expected "
+                           f"int32[{N}, {words}]")
+    raw = packed.astype("<i4", copy=False).view(np.uint8).reshape(N, words * 4)
+    if scheme.bits == 4:
+        values = raw[:, :-(-K // 2)]
+        if K % 2:  # the last input's partner nibble: ours holds 8 (a zero)
+            values = values.copy()
+            values[:, -1] = (values[:, -1] & 0x0F) | 0x80
+    else:
+        values = (raw[:, :K].astype(np.int16) - 128).astype(np.int8)
+    group = scheme.group_size or K
+    scales = np.asarray(read(f"{module}.weight_scale"), np.float32)
+    groups = -(-K // group)
+    if scales.shape != (N, groups):
+        raise WeightsError(f"{where}: {module}.weight_scale has shape {list(scales.shape)}, expected [{N}, {groups}]")
+    return np.ascontiguousarray(values.T), np.ascontiguousarray(scales.T)
+

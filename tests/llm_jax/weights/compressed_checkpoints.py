@@ -1,0 +1,43 @@
+"""Tiny compressed-tensors checkpoints written by the ``compressed-tensors`` package itself (llm-compressor's
+format): a random ``transformers`` model, its Linear weights quantized by the package's own rules
+(``calculate_qparams`` from each group's range, ``compress_model`` to pack them), saved as a Hugging Face
+folder that ``transformers`` loads by decompressing."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+import transformers
+
+
+def save_compressed(folder: pathlib.Path, *, bits: int, group_size: int | None, ignore=("lm_head",),
+                    seed: int = 0, **overrides) -> None:
+    """A random Llama quantized to ``bits`` per group (``group_size``) or per channel (None), saved packed."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    fields = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=128, bos_token_id=1,
+                  eos_token_id=2)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides})).eval()
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True,
+                            strategy="group" if group_size else "channel", group_size=group_size)
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                                ignore=list(ignore))
+    apply_quantization_config(model, config)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "weight_scale"):
+                w = module.weight
+                rows = w.reshape(w.shape[0], -1, group_size or w.shape[1])
+                scale, zero = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
+                module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
+                module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(folder)
