@@ -10,8 +10,12 @@ each quantized Linear ``…{proj}`` stores, instead of ``weight``:
   (``llm_jax.quantization``), so the bytes are taken as they are; for b = 8 each byte is ``q + 128``.
 - ``weight_scale`` [out, groups] (``strategy: group``, ``group_size`` inputs each) or [out, 1]
   (``channel``): W[o, i] = scale[o, i // group_size] · q[o, i]; ``weight_shape`` [out, in].
+- asymmetric weights (``symmetric: false``) add ``weight_zero_point`` z, packed the same way along the
+  outputs (int32 [⌈out · b / 32⌉, groups]): W = scale · (q − z). Our leaf with offsets holds W = s · u + o
+  (u the stored nibble for 4 bits, q for 8), so o = −s · (z + 8) for 4 bits, −s · z for 8: the same
+  weights, rounded twice rather than once (within an ulp of ``transformers``' dequantization).
 
-Read: ``type: int`` weights of 4 or 8 bits, symmetric, per group or per channel, without activation
+Read: ``type: int`` weights of 4 or 8 bits, symmetric or not, per group or per channel, without activation
 reordering (``actorder``; a ``weight_g_idx`` is refused) and without activation quantization (W8A8: a
 ``quantization_config`` with ``input_activations``), on any subset of the seven projections (the others,
 listed in ``ignore``, stay floats). Anything else is refused by name. The same folder loads as floats
@@ -69,16 +73,16 @@ def _group_scheme(name: str, group: dict[str, Any], default_format: str | None, 
     weights = group.get("weights") or {}
     bits, strategy = weights.get("num_bits"), weights.get("strategy")
     refusals = {"type": weights.get("type") != "int", "num_bits": bits not in (4, 8),
-                "strategy": strategy not in ("group", "channel"), "symmetric": not weights.get("symmetric", True),
+                "strategy": strategy not in ("group", "channel"),
                 "actorder": weights.get("actorder") not in (None, False), "dynamic": bool(weights.get("dynamic"))}
     for field, bad in refusals.items():
         if bad:
-            raise WeightsError(f"{where}.weights.{field} is {weights.get(field)!r}; llm_jax reads symmetric int "
-                               "weights of 4 or 8 bits, per group or per channel, without activation reordering")
+            raise WeightsError(f"{where}.weights.{field} is {weights.get(field)!r}; llm_jax reads int weights "
+                               "of 4 or 8 bits, per group or per channel, without activation reordering")
     group_size = weights.get("group_size") if strategy == "group" else None
     if strategy == "group" and not isinstance(group_size, int):
         raise WeightsError(f"{where}.weights.group_size is {group_size!r}")
-    return QuantScheme(bits=bits, group_size=group_size)
+    return QuantScheme(bits=bits, group_size=group_size, offsets=not weights.get("symmetric", True))
 
 
 def quantization(scheme: QuantScheme, names: set[str], config: ModelConfig, where: str) -> Quantization:
@@ -100,13 +104,23 @@ def quantization(scheme: QuantScheme, names: set[str], config: ModelConfig, wher
                            "lm_head is in the ignore list")
     if len(floats) == len(PROJECTION_NAMES):
         raise WeightsError(f"{where}: quantization_config is set but no projection is packed")
-    return Quantization(bits=scheme.bits, group_size=scheme.group_size, projections=tuple(floats))
+    return Quantization(bits=scheme.bits, group_size=scheme.group_size, offsets=scheme.offsets,
+                        projections=tuple(floats))
+
+
+def _unpacked(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """The first ``count`` b-bit integers of each row of int32 words, offset back to signed (int8)."""
+    raw = np.ascontiguousarray(packed).astype("<i4", copy=False).view(np.uint8).reshape(packed.shape[0], -1)
+    if bits == 8:
+        return (raw[:, :count].astype(np.int16) - 128).astype(np.int8)
+    nibbles = np.stack([raw & 0x0F, raw >> 4], axis=-1).reshape(raw.shape[0], -1)
+    return (nibbles[:, :count].astype(np.int16) - 8).astype(np.int8)
 
 
 def packed_projection(read: Callable[[str], np.ndarray], module: str, scheme: QuantScheme, K: int, N: int,
-                      where: str) -> tuple[np.ndarray, np.ndarray]:
-    """One layer's ``values`` [⌈K / 2⌉, N] uint8 (4 bits) or [K, N] int8 (8 bits) and ``scales``
-    [groups, N] float32 for our leaf, from the module's packed tensors."""
+                      where: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """One layer's ``values`` [⌈K / 2⌉, N] uint8 (4 bits) or [K, N] int8 (8 bits), ``scales`` [groups, N]
+    float32 and (asymmetric) ``offsets`` [groups, N] float32 for our leaf, from the module's packed tensors."""
     shape = tuple(int(d) for d in np.asarray(read(f"{module}.weight_shape")))
     if shape != (N, K):
         raise WeightsError(f"{where}: {module}.weight_shape is {list(shape)}, expected [{N}, {K}]")
@@ -128,5 +142,15 @@ def packed_projection(read: Callable[[str], np.ndarray], module: str, scheme: Qu
     groups = -(-K // group)
     if scales.shape != (N, groups):
         raise WeightsError(f"{where}: {module}.weight_scale has shape {list(scales.shape)}, expected [{N}, {groups}]")
-    return np.ascontiguousarray(values.T), np.ascontiguousarray(scales.T)
+    offsets = None
+    if scheme.offsets:
+        zero = np.asarray(read(f"{module}.weight_zero_point"))
+        if zero.dtype == np.int32:  # packed along the outputs: [⌈N · b / 32⌉, groups]
+            zero = _unpacked(zero.T, scheme.bits, N).T
+        if zero.shape != (N, groups):
+            raise WeightsError(f"{where}: {module}.weight_zero_point has shape {list(zero.shape)}, expected "
+                               f"[{N}, {groups}]")
+        shift = 8 if scheme.bits == 4 else 0  # our 4-bit nibble with offsets is the stored one, q + 8
+        offsets = np.ascontiguousarray((-scales * (zero.astype(np.float32) + shift)).T)
+    return np.ascontiguousarray(values.T), np.ascontiguousarray(scales.T), offsets
 

@@ -81,7 +81,8 @@ def load_hf_params(folder: str | pathlib.Path, config: ModelConfig, *, dtype=np.
                   and spec.path[-1] in PROJECTION_NAMES and stored.scheme(spec.path[-1]) is not None}
         specs = [spec for spec in specs if spec.path not in packed]
         names -= {f"{from_compressed.hf_name(path[-1], layer)}.{suffix}" for path in packed
-                  for layer in range(config.n_layers) for suffix in ("weight_packed", "weight_scale", "weight_shape")}
+                  for layer in range(config.n_layers)
+                  for suffix in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")}
     params = assemble(specs, config, reader.read, names, where=str(folder), dtype=dtype, progress=progress,
                       locate=reader.where, place=place)
     for path in packed:  # quantized leaves, or floats when the config asks for floats (dequantize)
@@ -91,7 +92,9 @@ def load_hf_params(folder: str | pathlib.Path, config: ModelConfig, *, dtype=np.
             leaf = leaf if place is None else place(path, leaf)
         elif place is not None:
             leaf = dataclasses.replace(leaf, values=place((*path, "values"), leaf.values),
-                                       scales=place((*path, "scales"), leaf.scales))
+                                       scales=place((*path, "scales"), leaf.scales),
+                                       offsets=None if leaf.offsets is None else place((*path, "offsets"),
+                                                                                       leaf.offsets))
         params.setdefault(path[0], {}).setdefault(path[1], {})[path[2]] = leaf
     return params
 
@@ -102,15 +105,17 @@ def _packed_leaf(reader: SafetensorsFolder, config: ModelConfig, name: str, sche
 
     ins, outs = projection_dims(name, config)
     K, N = int(np.prod(ins)), int(np.prod(outs))
-    values, scales = [], []
+    values, scales, offsets = [], [], []
     for layer in range(config.n_layers):
         module = from_compressed.hf_name(name, layer)
-        v, s = from_compressed.packed_projection(reader.read, module, scheme, K, N, where)
+        v, s, o = from_compressed.packed_projection(reader.read, module, scheme, K, N, where)
         values.append(v)
         scales.append(s)
+        offsets.append(o)
         if progress is not None:
             progress(f"{module}.weight_packed")
-    return QuantizedArray(np.stack(values), np.stack(scales), ins, outs, scheme.bits, scheme.group_size or K)
+    return QuantizedArray(np.stack(values), np.stack(scales), ins, outs, scheme.bits, scheme.group_size or K,
+                          offsets=None if scheme.offsets is False else np.stack(offsets))
 
 
 def load_hf(folder: str | pathlib.Path, *, dtype=np.float32, progress=None) -> tuple[ModelConfig, dict]:

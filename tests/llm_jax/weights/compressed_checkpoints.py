@@ -1,10 +1,12 @@
 """Tiny compressed-tensors checkpoints written by the ``compressed-tensors`` package itself (llm-compressor's
 format): a random ``transformers`` model, its Linear weights quantized by the package's own rules
 (``calculate_qparams`` from each group's range, ``compress_model`` to pack them), saved as a Hugging Face
-folder that ``transformers`` loads by decompressing."""
+folder. The reference is the package's own round trip: a dense copy of the model whose weights are its
+``fake_quantize`` (quantize, then dequantize) of each weight."""
 
 from __future__ import annotations
 
+import copy
 import pathlib
 
 import torch
@@ -12,11 +14,12 @@ import transformers
 
 
 def save_compressed(folder: pathlib.Path, *, bits: int, group_size: int | None, ignore=("lm_head",),
-                    seed: int = 0, **overrides) -> None:
-    """A random Llama quantized to ``bits`` per group (``group_size``) or per channel (None), saved packed."""
+                    symmetric: bool = True, seed: int = 0, **overrides) -> transformers.LlamaForCausalLM:
+    """A random Llama quantized to ``bits`` per group (``group_size``) or per channel (None), symmetric or
+    with zero points, saved packed; returns the dense model the folder stands for."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
+                                                 apply_quantization_config, fake_quantize)
     from compressed_tensors.quantization.utils import calculate_qparams
 
     fields = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -24,20 +27,24 @@ def save_compressed(folder: pathlib.Path, *, bits: int, group_size: int | None, 
                   eos_token_id=2)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides})).eval()
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=True,
+    reference = copy.deepcopy(model)
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
                             strategy="group" if group_size else "channel", group_size=group_size)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
                                 ignore=list(ignore))
     apply_quantization_config(model, config)
+    dense = dict(reference.named_modules())
     with torch.no_grad():
-        for module in model.modules():
+        for name, module in model.named_modules():
             if hasattr(module, "weight_scale"):
                 w = module.weight
                 rows = w.reshape(w.shape[0], -1, group_size or w.shape[1])
                 scale, zero = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
                 module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
                 module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
+                dense[name].weight.copy_(fake_quantize(w, module.weight_scale, module.weight_zero_point, args))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
     compressor.compress_model(model)
     model.save_pretrained(folder)
     compressor.update_config(folder)
+    return reference

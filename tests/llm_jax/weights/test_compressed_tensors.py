@@ -1,8 +1,8 @@
 """compressed-tensors folders (llm-compressor's pack-quantized W4A16 / W8A16) against the package that writes
-them and ``transformers``, which decompresses them: our quantized leaves dequantize to ``transformers``'
-weights bit for bit, logits agree within 1e-4 in float32 on XLA and the CPU kernels (greedy tokens
-identical), as floats too (``dequantize=True``), through a converted checkpoint; what we do not read is
-refused by name."""
+them (its own quantize-dequantize of each weight) and ``transformers``, which decompresses the symmetric
+ones: our quantized leaves dequantize to those weights bit for bit (within an ulp with zero points),
+logits agree within 1e-4 in float32 on XLA and the CPU kernels (greedy tokens identical), as floats too
+(``dequantize=True``), through a converted checkpoint; what we do not read is refused by name."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ CASES = {
     "w8_g32": dict(bits=8, group_size=32),
     "w8_channel": dict(bits=8, group_size=None),
     "w4_g16_down_proj_in_floats": dict(bits=4, group_size=16, ignore=("lm_head", "re:.*down_proj")),
+    "w4_g16_zero_points": dict(bits=4, group_size=16, symmetric=False),
+    "w8_channel_zero_points": dict(bits=8, group_size=None, symmetric=False),
 }
 jit_forward = jax.jit(forward, static_argnames=("config", "backend"))
 
@@ -38,8 +40,13 @@ jit_forward = jax.jit(forward, static_argnames=("config", "backend"))
 @pytest.fixture(scope="module", params=sorted(CASES))
 def compressed(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    save_compressed(folder, **CASES[request.param])
-    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = save_compressed(folder, **CASES[request.param])
+    if CASES[request.param].get("symmetric", True):  # transformers decompresses these: the same model
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            loaded(torch.tensor(TOKENS))  # it decompresses on its first call
+        for name, param in reference.state_dict().items():
+            torch.testing.assert_close(loaded.state_dict()[name], param, rtol=0, atol=0, msg=name)
     return request.param, folder, reference
 
 
@@ -50,7 +57,7 @@ def test_quantized_leaves_are_transformers_weights_and_logits(compressed):
     model = llm_jax.load(folder, dtype="float32", backend="xla")
     case = CASES[name]
     q = model.config.quantization
-    assert (q.bits, q.group_size) == (case["bits"], case["group_size"])
+    assert (q.bits, q.group_size, q.offsets) == (case["bits"], case["group_size"], not case.get("symmetric", True))
     for proj in PROJECTION_NAMES:
         group = "attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
         leaf = model.params["layers"][group][proj]
@@ -61,7 +68,11 @@ def test_quantized_leaves_are_transformers_weights_and_logits(compressed):
         for layer in range(model.config.n_layers):
             module = getattr(reference.model.layers[layer], "self_attn" if group == "attn" else "mlp")
             hf = getattr(module, proj).weight.detach().numpy()  # [out, in]
-            np.testing.assert_array_equal(ours[layer].reshape(hf.shape[1], -1), hf.T, err_msg=f"{proj} {layer}")
+            if case.get("symmetric", True):  # the same integers times the same scales: bit for bit
+                np.testing.assert_array_equal(ours[layer].reshape(hf.shape[1], -1), hf.T, err_msg=f"{proj} {layer}")
+            else:  # s·u + o rounds twice where s·(q − z) rounds once
+                np.testing.assert_allclose(ours[layer].reshape(hf.shape[1], -1), hf.T, rtol=1e-6, atol=1e-7,
+                                           err_msg=f"{proj} {layer}")
     for backend in ("xla", "cpu"):
         model = llm_jax.load(folder, dtype="float32", backend=backend)
         logits = np.asarray(jit_forward(model.weights, model.config, jnp.asarray(TOKENS), backend=model.backend))
@@ -98,7 +109,6 @@ def _edit(folder, change):
 
 @pytest.mark.parametrize("change, message", [
     (lambda q: q.update(quant_method="awq"), "quant_method 'awq' is not read"),
-    (lambda q: q["config_groups"]["group_0"]["weights"].update(symmetric=False), r"weights.symmetric is False"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"), r"weights.actorder is 'group'"),
     (lambda q: q["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "activations are quantized"),
     (lambda q: q["config_groups"]["group_0"].update(format="int-quantized"), "format 'int-quantized' is not read"),
