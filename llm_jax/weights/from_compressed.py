@@ -15,6 +15,10 @@ each quantized Linear ``…{proj}`` stores, instead of ``weight``:
   (u the stored nibble for 4 bits, q for 8), so o = −s · (z + 8) for 4 bits, −s · z for 8: the same
   weights, rounded twice rather than once (within an ulp of ``transformers``' dequantization).
 
+FP8 folders (``float-quantized``: ``weight`` in float8 e4m3 beside ``weight_scale`` per tensor, channel,
+group or block) load as floats, each weight ``weight · scale`` exactly as stored (activations are not
+quantized: a W8A8-FP8 checkpoint runs with float activations).
+
 Read: ``type: int`` weights of 4 or 8 bits, symmetric or not, per group or per channel, without activation
 reordering (``actorder``; a ``weight_g_idx`` is refused) and without activation quantization (W8A8: a
 ``quantization_config`` with ``input_activations``), on any subset of the seven projections (the others,
@@ -25,6 +29,8 @@ listed in ``ignore``, stay floats). Anything else is refused by name. The same f
 from __future__ import annotations
 
 from typing import Any, Callable
+
+import dataclasses
 
 import numpy as np
 
@@ -41,7 +47,16 @@ def hf_name(name: str, layer: int) -> str:
     return f"model.layers.{layer}.{_MODULES[name]}.{name}"
 
 
-def read_scheme(hf: dict[str, Any], where: str) -> QuantScheme | None:
+@dataclasses.dataclass(frozen=True)
+class Float8Weights:
+    """FP8 (e4m3) weights with a float scale per tensor, channel, group or block: loaded as floats."""
+
+    strategy: str  # "tensor", "channel", "group" or "block"
+    group_size: int | None = None
+    block: tuple[int, int] | None = None  # (outputs, inputs) per block
+
+
+def read_scheme(hf: dict[str, Any], where: str) -> QuantScheme | Float8Weights | None:
     """The scheme a ``config.json``'s ``quantization_config`` gives its quantized projections (None: none)."""
     qc = hf.get("quantization_config")
     if qc is None:
@@ -65,8 +80,10 @@ def read_scheme(hf: dict[str, Any], where: str) -> QuantScheme | None:
 def _group_scheme(name: str, group: dict[str, Any], default_format: str | None, where: str) -> QuantScheme:
     where = f"{where}: quantization_config.config_groups.{name}"
     fmt = group.get("format") or default_format
+    if fmt == "float-quantized":
+        return _float8(group.get("weights") or {}, where)
     if fmt != "pack-quantized":
-        raise WeightsError(f"{where}: format {fmt!r} is not read; supported: pack-quantized")
+        raise WeightsError(f"{where}: format {fmt!r} is not read; supported: pack-quantized, float-quantized")
     if group.get("input_activations") or group.get("output_activations"):
         raise WeightsError(f"{where}: activations are quantized (W8A8); llm_jax reads weight-only schemes "
                            "(W4A16, W8A16)")
@@ -83,6 +100,42 @@ def _group_scheme(name: str, group: dict[str, Any], default_format: str | None, 
     if strategy == "group" and not isinstance(group_size, int):
         raise WeightsError(f"{where}.weights.group_size is {group_size!r}")
     return QuantScheme(bits=bits, group_size=group_size, offsets=not weights.get("symmetric", True))
+
+
+def _float8(weights: dict[str, Any], where: str) -> Float8Weights:
+    strategy = weights.get("strategy")
+    if weights.get("type") != "float" or weights.get("num_bits") != 8 or strategy not in ("tensor", "channel", "group",
+                                                                                          "block"):
+        raise WeightsError(f"{where}.weights is {weights}; llm_jax reads float weights of 8 bits (e4m3) per "
+                           "tensor, channel, group or block")
+    block = weights.get("block_structure")
+    return Float8Weights(strategy=strategy, group_size=weights.get("group_size"),
+                         block=None if block is None else (int(block[0]), int(block[1])))
+
+
+def float8_reader(read: Callable[[str], np.ndarray], names: set[str], scheme: Float8Weights,
+                  where: str) -> tuple[Callable[[str], np.ndarray], set[str]]:
+    """A ``read`` that gives each FP8 weight with a ``weight_scale`` beside it as float32 ``weight · scale``
+    (an exact product), and the tensor names without the scales."""
+    scaled = {name[:-len("_scale")] for name in names if name.endswith(".weight_scale")}
+
+    def read_float(name: str) -> np.ndarray:
+        w = read(name)
+        if name not in scaled:
+            return w
+        w = np.asarray(w, np.float32)
+        s = np.asarray(read(f"{name}_scale"), np.float32)
+        out, inputs = w.shape
+        if scheme.strategy == "block":
+            (bo, bi), s_full = scheme.block, s
+            s = np.repeat(np.repeat(s_full, bo, axis=0)[:out], bi, axis=1)[:, :inputs]
+        elif scheme.strategy == "group":
+            s = np.repeat(s, scheme.group_size, axis=1)[:, :inputs]
+        if s.size != 1 and s.shape not in ((out, 1), (out, inputs)):
+            raise WeightsError(f"{where}: {name}_scale has shape {list(s.shape)} for a weight {list(w.shape)}")
+        return w * s.reshape(s.shape if s.size != 1 else ())
+
+    return read_float, names - {f"{name}_scale" for name in scaled}
 
 
 def quantization(scheme: QuantScheme, names: set[str], config: ModelConfig, where: str) -> Quantization:

@@ -73,9 +73,11 @@ def load_hf_params(folder: str | pathlib.Path, config: ModelConfig, *, dtype=np.
     if config.tie_embeddings:
         # Some tied checkpoints still store the (identical) head; it carries no information.
         names.discard("lm_head.weight")
-    specs, packed = tensor_specs(config), {}
+    specs, packed, read = tensor_specs(config), {}, reader.read
     scheme = from_compressed.read_scheme(read_json(folder / "config.json"), str(folder))
-    if scheme is not None:  # compressed-tensors: the packed projections are read apart
+    if isinstance(scheme, from_compressed.Float8Weights):  # FP8 weights: read as floats, scales applied
+        read, names = from_compressed.float8_reader(reader.read, names, scheme, str(folder))
+    elif scheme is not None:  # compressed-tensors: the packed projections are read apart
         stored = from_compressed.quantization(scheme, names, config, str(folder))
         packed = {spec.path: spec for spec in specs if spec.path[:1] == ("layers",)
                   and spec.path[-1] in PROJECTION_NAMES and stored.scheme(spec.path[-1]) is not None}
@@ -83,7 +85,7 @@ def load_hf_params(folder: str | pathlib.Path, config: ModelConfig, *, dtype=np.
         names -= {f"{from_compressed.hf_name(path[-1], layer)}.{suffix}" for path in packed
                   for layer in range(config.n_layers)
                   for suffix in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")}
-    params = assemble(specs, config, reader.read, names, where=str(folder), dtype=dtype, progress=progress,
+    params = assemble(specs, config, read, names, where=str(folder), dtype=dtype, progress=progress,
                       locate=reader.where, place=place)
     for path in packed:  # quantized leaves, or floats when the config asks for floats (dequantize)
         leaf = _packed_leaf(reader, config, path[-1], scheme, str(folder), progress)

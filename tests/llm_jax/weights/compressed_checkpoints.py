@@ -14,9 +14,11 @@ import transformers
 
 
 def save_compressed(folder: pathlib.Path, *, bits: int, group_size: int | None, ignore=("lm_head",),
-                    symmetric: bool = True, seed: int = 0, **overrides) -> transformers.LlamaForCausalLM:
+                    symmetric: bool = True, seed: int = 0, fp8: str | None = None,
+                    **overrides) -> transformers.LlamaForCausalLM:
     """A random Llama quantized to ``bits`` per group (``group_size``) or per channel (None), symmetric or
-    with zero points, saved packed; returns the dense model the folder stands for."""
+    with zero points, saved packed; or with ``fp8`` (a strategy: "tensor", "channel", "block") its weights in
+    float8 e4m3 with float scales. Returns the dense model the folder stands for."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config, fake_quantize)
@@ -28,8 +30,12 @@ def save_compressed(folder: pathlib.Path, *, bits: int, group_size: int | None, 
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides})).eval()
     reference = copy.deepcopy(model)
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
-                            strategy="group" if group_size else "channel", group_size=group_size)
+    if fp8 is not None:
+        args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy=fp8,
+                                **(dict(block_structure=[32, 32]) if fp8 == "block" else {}))
+    else:
+        args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
+                                strategy="group" if group_size else "channel", group_size=group_size)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
                                 ignore=list(ignore))
     apply_quantization_config(model, config)
@@ -38,12 +44,20 @@ def save_compressed(folder: pathlib.Path, *, bits: int, group_size: int | None, 
         for name, module in model.named_modules():
             if hasattr(module, "weight_scale"):
                 w = module.weight
-                rows = w.reshape(w.shape[0], -1, group_size or w.shape[1])
-                scale, zero = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
+                if fp8 == "tensor":
+                    low, high = w.amin().reshape(1), w.amax().reshape(1)
+                elif fp8 == "block":
+                    blocks = w.reshape(w.shape[0] // 32, 32, w.shape[1] // 32, 32)
+                    low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
+                else:
+                    rows = w.reshape(w.shape[0], -1, group_size or w.shape[1])
+                    low, high = rows.amin(-1), rows.amax(-1)
+                scale, zero = calculate_qparams(low, high, args)
                 module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
                 module.weight_zero_point.copy_(zero.reshape(module.weight_zero_point.shape))
                 dense[name].weight.copy_(fake_quantize(w, module.weight_scale, module.weight_zero_point, args))
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor = ModelCompressor.from_pretrained_model(
+        model, quantization_format="float-quantized" if fp8 else "pack-quantized")
     compressor.compress_model(model)
     model.save_pretrained(folder)
     compressor.update_config(folder)

@@ -119,3 +119,21 @@ def test_what_is_not_read_is_refused_by_name(tmp_path, change, message):
     _edit(tmp_path, change)
     with pytest.raises(WeightsError, match=message):
         llm_jax.load(tmp_path)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_fp8_folders_load_as_their_floats(tmp_path, strategy):
+    """float-quantized (FP8 e4m3 weights, a scale per tensor, channel or 32×32 block): floats equal to the
+    package's quantize-dequantize bit for bit, which transformers' decompression gives too."""
+    reference = save_compressed(tmp_path, bits=8, group_size=None, fp8=strategy)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor(TOKENS)).logits.numpy()
+        np.testing.assert_array_equal(loaded(torch.tensor(TOKENS)).logits.numpy(), expected)
+    model = llm_jax.load(tmp_path, dtype="float32", backend="xla")
+    assert model.config.quantization is None
+    for layer in range(model.config.n_layers):
+        hf = reference.model.layers[layer].mlp.down_proj.weight.detach().numpy()
+        np.testing.assert_array_equal(np.asarray(model.params["layers"]["mlp"]["down_proj"][layer]), hf.T)
+    np.testing.assert_allclose(np.asarray(jit_forward(model.params, model.config, jnp.asarray(TOKENS))), expected,
+                               atol=ATOL, rtol=0)
