@@ -1,15 +1,18 @@
-"""LoRA adapters (Hu et al. 2021): a low-rank update ``W + s·A·B`` of the model's projections.
+"""LoRA adapters (Hu et al. 2021): a low-rank update ``W + s·a·b`` of the model's projections.
+
+Letters here, beside the package's: I a projection's flat inputs, O its flat outputs, R the adapters'
+rank, A the adapter slots of a stack.
 
 An adapter (:class:`LoraAdapter`, read from PEFT's files by ``weights/from_peft.py``) holds, for each
-projection it changes, A [L, in, r] and B [L, r, out] over the projection's flat input and output (the
-scale ``s`` = alpha / r, or alpha / √r for rsLoRA, already in B). It is used two ways:
+projection it changes, a [L, I, R] and b [L, R, O] (PEFT's ``lora_A`` and ``lora_B``, transposed; the
+scale ``s`` = alpha / r, or alpha / √r for rsLoRA, already in b). It is used two ways:
 
-- **merged** (:func:`merge_lora`, ``Model.with_lora``, ``load(..., lora=)``): W + A·B written into the
+- **merged** (:func:`merge_lora`, ``Model.with_lora``, ``load(..., lora=)``): W + a·b written into the
   params, so ``generate`` and every backend run the adapted model at the base model's speed;
-- **batched** (:class:`LoraWeights` and :class:`LoraBatch`): many adapters stacked in S slots beside the
-  unchanged weights, each token choosing its slot (or none), as the serving engine runs requests of
-  different adapters in one step. Each projection adds ``((x·A_s) · select_s) · B_s`` summed over the
-  slots: two matrix products over S·r columns, whatever the mix of adapters.
+- **batched** (:class:`LoraWeights`, :class:`LoraBatch`, :class:`LoraRows`): many adapters stacked in A
+  slots beside the unchanged weights, each token choosing its slot (or none), as the serving engine runs
+  requests of different adapters in one step. Each projection adds ``((x·a) · select) · b`` over the
+  slots: two matrix products over A·R columns, whatever the mix of adapters.
 
 The targets are the seven projections, named as PEFT names them (``TARGETS``). Quantized base weights
 take batched adapters (the update is added to the product), not merged ones.
@@ -44,8 +47,8 @@ def target_dims(config: ModelConfig, target: str) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraAdapter:
-    """One adapter on the host: ``weights[target] = (A [L, in, r], B [L, r, out])`` in float32, the
-    scale in B; layers the adapter leaves alone hold zeros."""
+    """One adapter on the host: ``weights[target] = (a [L, I, R], b [L, R, O])`` in float32, the scale in
+    b; layers the adapter leaves alone hold zeros."""
 
     name: str
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
@@ -85,7 +88,7 @@ class LoraAdapter:
 
 
 def merge_lora(params: dict, config: ModelConfig, adapter: LoraAdapter) -> dict:
-    """``params`` with the adapter's update added to each projection it changes (W + A·B, in the
+    """``params`` with the adapter's update added to each projection it changes (W + a·b, in the
     weight's dtype); other leaves are shared, not copied."""
     adapter = adapter.for_config(config)
     layers = {group: dict(leaves) for group, leaves in params["layers"].items()}
@@ -104,7 +107,7 @@ def merge_lora(params: dict, config: ModelConfig, adapter: LoraAdapter) -> dict:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraWeights:
-    """Adapters stacked in S slots, on device: ``a[target]`` [L, S, In, R] and ``b[target]`` [L, S, R, Out]
+    """Adapters stacked in A slots, on device: ``a[target]`` [L, A, I, R] and ``b[target]`` [L, A, R, O]
     (R the largest rank; smaller ranks and empty slots padded with zeros, which add nothing)."""
 
     a: dict[str, jax.Array]
@@ -136,16 +139,16 @@ class LoraWeights:
             if adapter.rank > rank:
                 raise ValueError(f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, above the largest rank "
                                  f"{rank}")
-        L, S = config.n_layers, len(adapters)
+        L, A = config.n_layers, len(adapters)
         a_stacks, b_stacks = {}, {}
         for target in targets:
             In, Out = target_dims(config, target)
-            a_LSIR, b_LSRO = np.zeros((L, S, In, rank), np.float32), np.zeros((L, S, rank, Out), np.float32)
+            a_LAIR, b_LARO = np.zeros((L, A, In, rank), np.float32), np.zeros((L, A, rank, Out), np.float32)
             for s, adapter in enumerate(adapters):
                 if adapter is not None and target in adapter.weights:
                     a, b = adapter.weights[target]
-                    a_LSIR[:, s, :, :a.shape[2]], b_LSRO[:, s, :b.shape[1]] = a, b
-            a_stacks[target], b_stacks[target] = jnp.asarray(a_LSIR), jnp.asarray(b_LSRO)
+                    a_LAIR[:, s, :, :a.shape[2]], b_LARO[:, s, :b.shape[1]] = a, b
+            a_stacks[target], b_stacks[target] = jnp.asarray(a_LAIR), jnp.asarray(b_LARO)
         return LoraWeights(a=a_stacks, b=b_stacks)
 
     def with_slot(self, slot: int, adapter: LoraAdapter | None, config: ModelConfig) -> "LoraWeights":
@@ -158,16 +161,16 @@ class LoraWeights:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraBatch:
-    """The adapters of one call: the stacked weights and each token's choice of slot, ``select_BTS``
+    """The adapters of one call: the stacked weights and each token's choice of slot, ``select_BTA``
     (one-hot, or zeros for the base model)."""
 
     weights: LoraWeights
-    select_BTS: jax.Array
+    select_BTA: jax.Array
 
     @staticmethod
     def of_slots(weights: LoraWeights, slots_BT: jax.Array) -> "LoraBatch":
         """Token (b, t) uses slot ``slots_BT[b, t]``; -1: no adapter."""
-        return LoraBatch(weights=weights, select_BTS=jax.nn.one_hot(slots_BT, weights.num_slots, dtype=jnp.float32))
+        return LoraBatch(weights=weights, select_BTA=jax.nn.one_hot(slots_BT, weights.num_slots, dtype=jnp.float32))
 
     def apply(self, target: str, x_BTI: jax.Array, y: jax.Array, layer: jax.Array) -> jax.Array:
         """``y`` (a projection of ``x_BTI`` [B, T, ...inputs] by layer ``layer``'s ``target`` weight, [B, T,
@@ -177,9 +180,9 @@ class LoraBatch:
             return y
         B, T = y.shape[:2]
         x_BTI = x_BTI.reshape(B, T, -1).astype(jnp.float32)
-        a_SIR, b_SRO = layer_of(self.weights.a[target], layer), layer_of(self.weights.b[target], layer)
-        xa_BTSR = jnp.einsum("bti,sir->btsr", x_BTI, a_SIR) * self.select_BTS[..., None]
-        delta_BTO = jnp.einsum("btsr,sro->bto", xa_BTSR, b_SRO)
+        a_AIR, b_ARO = layer_of(self.weights.a[target], layer), layer_of(self.weights.b[target], layer)
+        xa_BTAR = jnp.einsum("bti,air->btar", x_BTI, a_AIR) * self.select_BTA[..., None]
+        delta_BTO = jnp.einsum("btar,aro->bto", xa_BTAR, b_ARO)
         return (y.astype(jnp.float32) + delta_BTO.reshape(y.shape)).astype(y.dtype)
 
 

@@ -331,7 +331,7 @@ def forward_paged(params: Params, config: ModelConfig, tokens_T: jax.Array, posi
                   lora: LoraBatch | None = None):
     """A serving step: T tokens of many sequences, flat and ragged (``kv_cache.PagedBatch`` says whose each
     is), at ``positions_T``, over the paged cache: hidden states [T, D] (before the final norm) and the
-    cache holding the tokens' keys and values. ``lora``: each token's adapter ([1, T, S] selection)."""
+    cache holding the tokens' keys and values. ``lora``: each token's adapter ([1, T, A] selection)."""
     backend = resolve_backend(backend)
 
     def attend(layer, q_BTNH, k_BTKH, v_BTKH, *, window, cache):
