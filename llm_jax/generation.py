@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from llm_jax import buckets, executable_cache, sharding
 from llm_jax.beams import BeamSearch, EarlyStopping, beam_search
@@ -24,8 +24,7 @@ from llm_jax.compile_stats import measure_compilation
 from llm_jax.decoding import PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, decode, start, take_cache_rows
 from llm_jax.guided import Guided, Matcher, all_allowed, vocabulary
 from llm_jax.kv_cache import KVCache, cache_dtype, init_cache
-from llm_jax.loading import Model, load_lora
-from llm_jax.lora import LoraAdapter, LoraRows, LoraWeights
+from llm_jax.loading import Model, lora_rows
 from llm_jax.model import LayerHooks
 from llm_jax.prefilling import PrefillExtras, pad_prompts, prefill, prefill_with_extras
 from llm_jax.sampling import GREEDY, Sampling
@@ -241,7 +240,7 @@ class GenerationStream:
                                        record_layers=tuple(hidden_layers))
         self.prompt_lora = None  # each prompt's LoRA adapter (prefill); the rows' are the controls'
         if lora is not None and any(a is not None for a in _per_prompt(lora, P, "lora")):
-            self.prompt_lora = self._lora_rows(_per_prompt(lora, P, "lora"))
+            self.prompt_lora = lora_rows(self.model, _per_prompt(lora, P, "lora"))
             self.controls = dataclasses.replace(self.controls, lora=self.prompt_lora.take_rows(self.rows))
         self.matchers = self._matchers(guided, P, rows, speculative)
         if guided_after_token is not None and self.matchers is None:
@@ -294,18 +293,6 @@ class GenerationStream:
             if draft.mesh is not None and draft.mesh != self.model.mesh:
                 raise ValueError("the draft model must be on the target's mesh, or on one device (load it without "
                                  "a mesh: it is laid out on the target's)")
-
-    def _lora_rows(self, adapters: list) -> LoraRows:
-        """The prompts' adapters (``LoraAdapter`` s, PEFT folders or None) stacked, each prompt naming its slot."""
-        config, mesh, slots, unique = self.model.config, self.model.mesh, [], {}
-        for adapter in adapters:
-            if adapter is not None:
-                key = id(adapter) if isinstance(adapter, LoraAdapter) else str(adapter)
-                unique.setdefault(key, load_lora(adapter, config))
-            slots.append(-1 if adapter is None else list(unique).index(key))
-        weights = LoraWeights.stack(list(unique.values()), config)
-        weights = jax.device_put(weights, NamedSharding(mesh, PartitionSpec()) if mesh is not None else None)
-        return LoraRows(weights=weights, slots_B=jnp.asarray(slots, jnp.int32))
 
     def _matchers(self, guided, P: int, rows, speculative) -> list[Matcher | None] | None:
         """One matcher per row whose prompt has a constraint (None for the others); None without any."""

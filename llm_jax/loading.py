@@ -12,14 +12,16 @@ import dataclasses
 import functools
 import os
 import pathlib
+from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llm_jax import backends
 from llm_jax.backends import Backend, Pallas
 from llm_jax.config import ModelConfig, Quantization
-from llm_jax.lora import LoraAdapter, merge_lora
+from llm_jax.lora import LoraAdapter, LoraRows, LoraWeights, merge_lora
 from llm_jax.model import Params, param_shapes
 from llm_jax.quantization import parse_quantization, quantize_params
 from llm_jax.sharding import make_mesh, param_shardings, shard_params
@@ -73,6 +75,20 @@ class Model:
         """This model with a LoRA adapter merged into its weights (an adapter, or a PEFT folder)."""
         adapter = load_lora(adapter, self.config)
         return dataclasses.replace(self, params=merge_lora(self.params, self.config, adapter))
+
+
+def lora_rows(model: Model, adapters: Sequence[LoraAdapter | str | os.PathLike | None]) -> LoraRows:
+    """Rows' adapters (``LoraAdapter`` s, PEFT folders, or None for the base model) for ``model``, unmerged:
+    the distinct adapters stacked (on every device of the model's mesh), each row naming its slot."""
+    slots, unique = [], {}
+    for adapter in adapters:
+        if adapter is not None:
+            key = id(adapter) if isinstance(adapter, LoraAdapter) else str(adapter)
+            unique.setdefault(key, load_lora(adapter, model.config))
+        slots.append(-1 if adapter is None else list(unique).index(key))
+    weights = LoraWeights.stack(list(unique.values()), model.config)
+    weights = jax.device_put(weights, None if model.mesh is None else NamedSharding(model.mesh, PartitionSpec()))
+    return LoraRows(weights=weights, slots_B=jnp.asarray(slots, jnp.int32))
 
 
 def load_lora(adapter: LoraAdapter | str | os.PathLike, config: ModelConfig, name: str | None = None) -> LoraAdapter:

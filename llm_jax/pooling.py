@@ -13,6 +13,7 @@ one program per bucket).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -23,7 +24,8 @@ import numpy as np
 from llm_jax import buckets
 from llm_jax.backends import Backend
 from llm_jax.config import ModelConfig
-from llm_jax.loading import Model
+from llm_jax.loading import Model, lora_rows
+from llm_jax.lora import LoraRows
 from llm_jax.model import Params, final_norm, forward_hidden, resolve_backend
 from llm_jax.prefilling import pad_prompts
 from llm_jax.scoring import ids_of
@@ -34,11 +36,14 @@ BATCH_SIZE = 16
 
 @functools.partial(jax.jit, static_argnames=("config", "pooling", "backend"))
 def pooled_hidden(params: Params, config: ModelConfig, tokens_BT: jax.Array, lengths_B: jax.Array, *,
-                  pooling: str = "last", backend: Backend | str | None = None) -> jax.Array:
+                  pooling: str = "last", backend: Backend | str | None = None,
+                  lora: LoraRows | None = None) -> jax.Array:
     """Each sequence's final hidden state (after the final norm) pooled over its ``lengths_B`` tokens:
-    [B, D] float32."""
+    [B, D] float32. ``lora``: each row's LoRA adapter."""
     backend = resolve_backend(backend)
-    x_BTD = final_norm(params, config, forward_hidden(params, config, tokens_BT, lengths_B, backend=backend))
+    adapters = None if lora is None else lora.batch(tokens_BT.shape[1])
+    x_BTD = final_norm(params, config, forward_hidden(params, config, tokens_BT, lengths_B, backend=backend,
+                                                      lora=adapters))
     x_BTD = x_BTD.astype(jnp.float32)
     if pooling == "last":
         return x_BTD[jnp.arange(x_BTD.shape[0]), lengths_B - 1]
@@ -47,10 +52,11 @@ def pooled_hidden(params: Params, config: ModelConfig, tokens_BT: jax.Array, len
 
 
 def embed_texts(model: Model, texts: Sequence[str | Sequence[int]], *, pooling: str = "last",
-                normalize: bool = True, dimensions: int | None = None,
-                batch_size: int = BATCH_SIZE) -> np.ndarray:
+                normalize: bool = True, dimensions: int | None = None, batch_size: int = BATCH_SIZE,
+                lora=None) -> np.ndarray:
     """One embedding per text (a string, tokenized with BOS as ``generate`` does, or token ids as given):
-    [len(texts), dimensions or D] float32."""
+    [len(texts), dimensions or D] float32. ``lora``: a LoRA adapter (a ``LoraAdapter`` or PEFT folder) for
+    every text, one (or None) per text, or a ``LoraRows`` naming each text's slot."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     D = model.config.d_model
@@ -62,6 +68,7 @@ def embed_texts(model: Model, texts: Sequence[str | Sequence[int]], *, pooling: 
             raise ValueError(f"text {i} has no tokens")
         if len(seq) > model.config.max_seq_len:
             raise ValueError(f"text {i}: {len(seq)} tokens exceed the model's context of {model.config.max_seq_len}")
+    rows_lora = _text_adapters(model, lora, len(ids))
     out = np.zeros((len(ids), D), np.float32)
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     for start in range(0, len(order), batch_size):
@@ -69,11 +76,28 @@ def embed_texts(model: Model, texts: Sequence[str | Sequence[int]], *, pooling: 
         batch = [ids[i] for i in rows] + [[0]] * (batch_size - len(rows))  # a fixed batch: one program per bucket
         block = buckets.prompt_bucket(max(map(len, batch)), context=model.config.max_seq_len)
         tokens_BT, lengths_B = pad_prompts(batch, block)
+        batch_lora = None
+        if rows_lora is not None:  # the batch's rows' slots, padding rows on the base model
+            slots = np.full((batch_size,), -1, np.int32)
+            slots[:len(rows)] = np.asarray(rows_lora.slots_B)[rows]
+            batch_lora = dataclasses.replace(rows_lora, slots_B=slots)
         vectors = jax.device_get(pooled_hidden(model.weights, model.config, tokens_BT, lengths_B, pooling=pooling,
-                                               backend=model.backend))
+                                               backend=model.backend, lora=batch_lora))
         out[rows] = vectors[:len(rows)]
     if dimensions is not None:
         out = out[:, :dimensions]
     if normalize or dimensions is not None:
         out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), np.finfo(np.float32).tiny)
     return out
+
+
+def _text_adapters(model: Model, lora, count: int) -> LoraRows | None:
+    """Each text's adapter as ``LoraRows`` (None: none at all)."""
+    if lora is None or isinstance(lora, LoraRows):
+        if lora is not None and np.asarray(lora.slots_B).shape != (count,):
+            raise ValueError(f"lora names {np.asarray(lora.slots_B).shape} slots for {count} texts")
+        return lora
+    adapters = list(lora) if isinstance(lora, (list, tuple)) else [lora] * count
+    if len(adapters) != count:
+        raise ValueError(f"lora has {len(adapters)} entries for {count} texts")
+    return None if all(a is None for a in adapters) else lora_rows(model, adapters)

@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import numpy as np
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -35,6 +36,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from llm_jax.lora import LoraRows
 from llm_jax.pooling import embed_texts
 from llm_jax.server import protocol, reasoning, responses_api, similarity, tools
 from llm_jax.server.choices import Run
@@ -130,12 +132,12 @@ async def embeddings(service: Service, request: Request) -> Response:
     rid, arrival = request_id(request, "embd"), time.monotonic()
     try:
         parsed = protocol.parse_embeddings(await service.body(request), service.limits)
-        _embedding_model(service, parsed.model)
+        lora = service.check_model(parsed.model)
         ids = _embedding_inputs(service, parsed.inputs, "input", parsed.truncate_prompt_tokens)
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
-    vectors = await _embed(service, ids, parsed.dimensions)
+    vectors = await _embed(service, ids, parsed.dimensions, lora)
     if parsed.encoding_format == "base64":
         data = [base64.b64encode(v.astype("<f4").tobytes()).decode("ascii") for v in vectors]
     else:
@@ -145,12 +147,6 @@ async def embeddings(service: Service, request: Request) -> Response:
     return JSONResponse({"object": "list", "model": service.name,
                          "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)],
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers={"x-request-id": rid})
-
-
-def _embedding_model(service: Service, model: str | None) -> None:
-    if service.check_model(model) is not None:
-        raise ApiError(f"model {model!r} is a LoRA adapter: embeddings come from the base model {service.name!r}",
-                       param="model", code="model_not_supported")
 
 
 def _embedding_inputs(service: Service, texts, param: str, truncate: int | None = None) -> list[tuple[int, ...]]:
@@ -167,11 +163,17 @@ def _embedding_inputs(service: Service, texts, param: str, truncate: int | None 
     return ids
 
 
-async def _embed(service: Service, ids: list[tuple[int, ...]], dimensions: int | None = None):
-    """Unit embeddings [len(ids), D] (:func:`llm_jax.pooling.embed_texts`), beside the engine's steps."""
+async def _embed(service: Service, ids: list[tuple[int, ...]], dimensions: int | None = None,
+                 lora: str | None = None):
+    """Unit embeddings [len(ids), D] (:func:`llm_jax.pooling.embed_texts`), beside the engine's steps;
+    ``lora``: the LoRA adapter (of the engine's) they come from."""
+    rows = None
+    if lora is not None:  # the engine's stack of adapters, as it stands now
+        slots = service.engine.engine.lora
+        rows = LoraRows(weights=slots.weights, slots_B=np.full((len(ids),), slots.slot(lora), np.int32))
     async with service.side_lock:
         return await asyncio.to_thread(embed_texts, service.model, ids, pooling=service.config.embedding_pooling,
-                                       dimensions=dimensions)
+                                       dimensions=dimensions, lora=rows)
 
 
 async def score(service: Service, request: Request) -> Response:
@@ -179,13 +181,13 @@ async def score(service: Service, request: Request) -> Response:
     rid, arrival = request_id(request, "score"), time.monotonic()
     try:
         parsed = similarity.parse_score(await service.body(request))
-        _embedding_model(service, parsed.model)
+        lora = service.check_model(parsed.model)
         queries = _embedding_inputs(service, parsed.queries, "text_1")
         documents = _embedding_inputs(service, parsed.documents, "text_2")
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
-    vectors = await _embed(service, queries + documents)
+    vectors = await _embed(service, queries + documents, lora=lora)
     scores = similarity.pair_scores(vectors[:len(queries)], vectors[len(queries):])
     tokens = sum(map(len, queries + documents))
     log.info("%s 200 prompt_tokens=%d pairs=%d total=%.3fs", rid, tokens, len(scores), time.monotonic() - arrival)
@@ -198,13 +200,13 @@ async def rerank(service: Service, request: Request) -> Response:
     rid, arrival = request_id(request, "rerank"), time.monotonic()
     try:
         parsed = similarity.parse_rerank(await service.body(request))
-        _embedding_model(service, parsed.model)
+        lora = service.check_model(parsed.model)
         query = _embedding_inputs(service, (parsed.query,), "query")
         documents = _embedding_inputs(service, parsed.documents, "documents")
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
-    vectors = await _embed(service, query + documents)
+    vectors = await _embed(service, query + documents, lora=lora)
     scores = similarity.pair_scores(vectors[:1], vectors[1:])
     tokens = sum(map(len, query + documents))
     log.info("%s 200 prompt_tokens=%d documents=%d total=%.3fs", rid, tokens, len(scores), time.monotonic() - arrival)

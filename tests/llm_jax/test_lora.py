@@ -224,3 +224,14 @@ def test_generate_runs_an_adapter_per_prompt_as_its_merged_model(stories, story_
         assert [r.output_ids for r in beams[2 * p:2 * p + 2]] == [r.output_ids for r in alone_beams]
     assert greedy[0].output_ids != llm_jax.generate(stories, prompts[:1], max_new_tokens=24,
                                                     ignore_eos=True)[0].output_ids
+
+
+def test_embeddings_per_text_are_each_adapters_merged_models(stories, story_adapters):
+    tales, poems = story_adapters
+    texts = ["Once upon a time", "The little dog", "Lily and Ben went to the park"]
+    ours = llm_jax.embed_texts(stories, texts, lora=[tales, None, poems], batch_size=2)
+    for i, (text, adapter) in enumerate(zip(texts, [tales, None, poems])):
+        model = stories if adapter is None else stories.with_lora(adapter)
+        np.testing.assert_allclose(ours[i], llm_jax.embed_texts(model, [text])[0], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="lora has 2 entries for 3 texts"):
+        llm_jax.embed_texts(stories, texts, lora=[tales, None])

@@ -119,9 +119,19 @@ def test_adapters_load_and_unload_at_run_time(client, http, stories, adapters):
     assert http.get("/health").status_code == 200
 
 
-def test_embeddings_of_an_adapter_are_refused_by_name(http):
-    response = http.post("/v1/embeddings", json={"model": "tales", "input": "hello"})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+def test_embeddings_of_an_adapter_are_its_merged_models(client, http, stories, adapters):
+    """An adapter's embeddings (and scores) are those of the adapter merged into the weights."""
+    import numpy as np
+
+    texts = ["Once upon a time", "The little dog ran to the park."]
+    merged = stories.with_lora(adapters / "tales")
+    response = client.embeddings.create(model="tales", input=texts)
+    np.testing.assert_allclose([d.embedding for d in response.data], llm_jax.embed_texts(merged, texts), atol=1e-5)
+    base = client.embeddings.create(model=MODEL_NAME, input=texts)
+    np.testing.assert_allclose([d.embedding for d in base.data], llm_jax.embed_texts(stories, texts), atol=1e-5)
+    score = http.post("/v1/score", json={"model": "tales", "text_1": texts[0], "text_2": texts[1]}).json()
+    expected = llm_jax.embed_texts(merged, texts)
+    np.testing.assert_allclose(score["data"][0]["score"], expected[0] @ expected[1], atol=1e-5)
 
 
 def test_runtime_loading_is_off_unless_asked(http, server):
