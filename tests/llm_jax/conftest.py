@@ -10,6 +10,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 import llm_jax
 from distribution import near_copy
+from tests.hf_models import save_peft_adapter
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +21,37 @@ def stories(stories260k_dir):
 @pytest.fixture(scope="module")
 def near_draft(stories):
     return near_copy(stories)
+
+
+@pytest.fixture(scope="module")
+def single_threaded_torch():
+    """Tiny models: torch's thread pool only adds spin-waits (10x slower on a busy 2-core machine). Modules
+    use it with ``pytestmark = pytest.mark.usefixtures("single_threaded_torch")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def story_adapters(stories260k_dir, tmp_path_factory) -> dict[str, pathlib.Path]:
+    """PEFT LoRA adapters of stories260K's Hugging Face copy, written by PEFT: "tales" (every projection,
+    rank 4), "poems" (q, v and down projections, rank 8) and "wide" (rank 16)."""
+    import torch
+    import transformers
+
+    folder = tmp_path_factory.mktemp("story_adapters")
+
+    def base():
+        return transformers.AutoModelForCausalLM.from_pretrained(stories260k_dir / "hf", dtype=torch.float32).eval()
+
+    save_peft_adapter(base(), folder / "tales", seed=1, scale=0.3)
+    save_peft_adapter(base(), folder / "poems", seed=2, scale=0.5, r=8, lora_alpha=4,
+                      target_modules=["q_proj", "v_proj", "down_proj"])
+    save_peft_adapter(base(), folder / "wide", seed=3, r=16)
+    return {name: folder / name for name in ("tales", "poems", "wide")}
 
 
 # Text the test tokenizers are trained on and tested with: English, Chinese, code, emoji, whitespace runs.

@@ -27,12 +27,7 @@ ATOL = 1e-4  # float32 max |Δlogit| against PEFT
 jit_forward = jax.jit(forward, static_argnames=("config", "backend"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_torch():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
 
 
 def peft_logits(model, tokens: np.ndarray, adapter: bool = True) -> np.ndarray:
@@ -187,19 +182,10 @@ def test_generate_cli_merges_an_adapter(stories, stories260k_dir, tmp_path, caps
     assert exit_info.value.code == 2 and "not a PEFT adapter folder" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def story_adapters(stories260k_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("story_adapters")
-    for name, seed, scale in (("tales", 1, 0.3), ("poems", 2, 0.5)):
-        base = transformers.AutoModelForCausalLM.from_pretrained(stories260k_dir / "hf", dtype=torch.float32).eval()
-        save_peft_adapter(base, folder / name, seed=seed, scale=scale, r=4 if name == "tales" else 8)
-    return folder / "tales", folder / "poems"
-
-
 def test_generate_runs_an_adapter_per_prompt_as_its_merged_model(stories, story_adapters):
     """One batch, unmerged: each prompt's tokens (greedy, seeded samples, beams, speculative, prompt
     log-probabilities) are those of its adapter merged into the weights."""
-    tales, poems = story_adapters
+    tales, poems = story_adapters["tales"], story_adapters["poems"]
     merged = {tales: stories.with_lora(tales), None: stories, poems: stories.with_lora(poems)}
     prompts = ["Once upon a time", "The little dog", "Lily and Ben"]
     adapters = [tales, None, poems]
@@ -227,7 +213,7 @@ def test_generate_runs_an_adapter_per_prompt_as_its_merged_model(stories, story_
 
 
 def test_embeddings_per_text_are_each_adapters_merged_models(stories, story_adapters):
-    tales, poems = story_adapters
+    tales, poems = story_adapters["tales"], story_adapters["poems"]
     texts = ["Once upon a time", "The little dog", "Lily and Ben went to the park"]
     ours = llm_jax.embed_texts(stories, texts, lora=[tales, None, poems], batch_size=2)
     for i, (text, adapter) in enumerate(zip(texts, [tales, None, poems])):

@@ -81,13 +81,7 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_torch():
-    """Tiny models: torch's thread pool only adds spin-waits (10x slower on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
 
 
 def build(family: Family, folder, seed: int = 0):

@@ -11,27 +11,17 @@ import concurrent.futures
 import httpx
 import openai
 import pytest
-import torch
-import transformers
 from server_process import API_KEY, CHAT_TEMPLATE, MODEL_NAME, metric, start_server, wait_until_idle
 
 import llm_jax
-from tests.hf_models import save_peft_adapter
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park"]
 
 
 @pytest.fixture(scope="module")
-def adapters(stories260k_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("adapters")
-
-    def base():
-        return transformers.AutoModelForCausalLM.from_pretrained(stories260k_dir / "hf", dtype=torch.float32).eval()
-
-    save_peft_adapter(base(), folder / "tales", seed=1, scale=0.3)
-    save_peft_adapter(base(), folder / "poems", seed=2, scale=0.5, r=8, lora_alpha=4)
-    save_peft_adapter(base(), folder / "wide", seed=3, r=16)
-    return folder
+def adapters(story_adapters):
+    """The shared adapters (tests/llm_jax/conftest.py), as a folder name → path map."""
+    return story_adapters
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +29,7 @@ def lora_server(model_path, compile_cache, adapters, tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora_server")
     (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     process = start_server(model_path, folder, compile_cache, "--api-key", API_KEY, "--chat-template",
-                           str(folder / "chat_template.jinja"), "--lora-modules", f"tales={adapters / 'tales'}",
+                           str(folder / "chat_template.jinja"), "--lora-modules", f"tales={adapters['tales']}",
                            "--max-loras", "2", "--max-lora-rank", "8", "--allow-runtime-lora-updating")
     yield process
     process.terminate()
@@ -64,12 +54,12 @@ def test_models_lists_the_adapters_with_their_parent(client, adapters):
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {MODEL_NAME, "tales"}
     assert cards["tales"].model_extra["parent"] == MODEL_NAME
-    assert cards["tales"].model_extra["root"] == str(adapters / "tales")
+    assert cards["tales"].model_extra["root"] == str(adapters["tales"])
     assert client.models.retrieve("tales").id == "tales"
 
 
 def test_adapters_and_the_base_model_answer_side_by_side(client, stories, adapters):
-    tales = stories.with_lora(adapters / "tales")
+    tales = stories.with_lora(adapters["tales"])
 
     def complete(model, prompt, stream):
         kwargs = dict(model=model, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
@@ -87,17 +77,17 @@ def test_adapters_and_the_base_model_answer_side_by_side(client, stories, adapte
 
 
 def test_adapters_load_and_unload_at_run_time(client, http, stories, adapters):
-    response = http.post("/v1/load_lora_adapter", json={"lora_name": "poems", "lora_path": str(adapters / "poems")})
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "poems", "lora_path": str(adapters["poems"])})
     assert response.status_code == 200 and response.text == "Success: LoRA adapter 'poems' added successfully."
     text = client.completions.create(model="poems", prompt=PROMPTS[1], max_tokens=16, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text
-    assert text == expected(stories.with_lora(adapters / "poems"), PROMPTS[1])
+    assert text == expected(stories.with_lora(adapters["poems"]), PROMPTS[1])
     chat = client.chat.completions.create(model="poems", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert chat.model == MODEL_NAME and chat.choices[0].message.content is not None
 
-    bad = [({"lora_name": "more", "lora_path": str(adapters / "tales")}, 400, "lora_path", "all 2 LoRA slots"),
-           ({"lora_name": "tales", "lora_path": str(adapters / "tales")}, 400, "lora_name", "is taken"),
-           ({"lora_name": MODEL_NAME, "lora_path": str(adapters / "tales")}, 400, "lora_name", "is taken"),
+    bad = [({"lora_name": "more", "lora_path": str(adapters["tales"])}, 400, "lora_path", "all 2 LoRA slots"),
+           ({"lora_name": "tales", "lora_path": str(adapters["tales"])}, 400, "lora_name", "is taken"),
+           ({"lora_name": MODEL_NAME, "lora_path": str(adapters["tales"])}, 400, "lora_name", "is taken"),
            ({"lora_name": "x"}, 400, "lora_path", "lora_path is required"),
            ({"lora_name": "x", "lora_path": 3}, 400, "lora_path", "must be a string")]
     for body, status, param, message in bad:
@@ -111,8 +101,9 @@ def test_adapters_load_and_unload_at_run_time(client, http, stories, adapters):
         client.completions.create(model="poems", prompt="x", max_tokens=2)
     response = http.post("/v1/unload_lora_adapter", json={"lora_name": "poems"})
     assert response.status_code == 404 and response.json()["error"]["param"] == "lora_name"
-    for body, message in (({"lora_name": "wide", "lora_path": str(adapters / "wide")}, "rank 16, above the largest"),
-                          ({"lora_name": "none", "lora_path": str(adapters / "missing")}, "not a PEFT adapter")):
+    missing = adapters["tales"].parent / "missing"
+    for body, message in (({"lora_name": "wide", "lora_path": str(adapters["wide"])}, "rank 16, above the largest"),
+                          ({"lora_name": "none", "lora_path": str(missing)}, "not a PEFT adapter")):
         response = http.post("/v1/load_lora_adapter", json=body)
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.json()
     assert {m.id for m in client.models.list().data} == {MODEL_NAME, "tales"}
@@ -124,7 +115,7 @@ def test_embeddings_of_an_adapter_are_its_merged_models(client, http, stories, a
     import numpy as np
 
     texts = ["Once upon a time", "The little dog ran to the park."]
-    merged = stories.with_lora(adapters / "tales")
+    merged = stories.with_lora(adapters["tales"])
     response = client.embeddings.create(model="tales", input=texts)
     np.testing.assert_allclose([d.embedding for d in response.data], llm_jax.embed_texts(merged, texts), atol=1e-5)
     base = client.embeddings.create(model=MODEL_NAME, input=texts)

@@ -6,28 +6,17 @@ within an adapter and never across; adapters loaded and unloaded while serving c
 import random
 
 import pytest
-import torch
-import transformers
 
 import llm_jax
 from llm_jax.serving.engine import Engine
 from llm_jax.serving.step import step
-from tests.hf_models import save_peft_adapter
 from tests.llm_jax.serving.test_engine import SAMPLINGS, alone, run_all
 
 
 @pytest.fixture(scope="module")
-def adapters(stories260k_dir, tmp_path_factory):
-    """Two PEFT adapters of stories260K's Hugging Face copy: every projection, and a few at another rank."""
-    folder = tmp_path_factory.mktemp("adapters")
-
-    def base():
-        return transformers.AutoModelForCausalLM.from_pretrained(stories260k_dir / "hf", dtype=torch.float32).eval()
-
-    save_peft_adapter(base(), folder / "tales", seed=1, scale=0.3)
-    save_peft_adapter(base(), folder / "poems", seed=2, scale=0.5, r=8, lora_alpha=4,
-                      target_modules=["q_proj", "v_proj", "down_proj"])
-    return {"tales": folder / "tales", "poems": folder / "poems"}
+def adapters(story_adapters):
+    """Two of the shared adapters (tests/llm_jax/conftest.py): every projection, and a few at another rank."""
+    return {name: story_adapters[name] for name in ("tales", "poems")}
 
 
 @pytest.fixture(scope="module")

@@ -178,12 +178,7 @@ GGUF_FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_torch():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
 
 
 @pytest.fixture(scope="module")
