@@ -1,5 +1,6 @@
 """Hugging Face folders quantized with compressed-tensors (llm-compressor's W4A16 / W8A16 checkpoints, the
-``pack-quantized`` format) → quantized leaves, bit for bit.
+``pack-quantized`` format) → quantized leaves, bit for bit; FP8 folders (compressed-tensors' and
+``transformers``' own) → floats.
 
 Such a folder's ``config.json`` has a ``quantization_config`` with ``quant_method: "compressed-tensors"``;
 each quantized Linear ``…{proj}`` stores, instead of ``weight``:
@@ -24,6 +25,17 @@ reordering (``actorder``; a ``weight_g_idx`` is refused) and without activation 
 ``quantization_config`` with ``input_activations``), on any subset of the seven projections (the others,
 listed in ``ignore``, stay floats). Anything else is refused by name. The same folder loads as floats
 (each weight dequantized, as ``transformers`` decompresses it) with ``dequantize=True``.
+
+``transformers``' own FP8 folders (``FineGrainedFP8Config``, ``quant_method: "fp8"``, the format of
+Qwen3-*-FP8 and DeepSeek-V3) load as floats too. Each quantized Linear stores ``weight`` float8 e4m3 [out, in] beside
+``weight_scale_inv`` float32 [⌈out / bo⌉, ⌈in / bi⌉] for ``weight_block_size: [bo, bi]`` (a scalar with
+``weight_block_size: null``); despite its name it multiplies: W[o, i] = weight[o, i] ·
+weight_scale_inv[o // bo, i // bi], the last blocks of a row or column partial. Modules in
+``modules_to_not_convert`` are stored in floats, without a scale: in both formats a weight is scaled when
+its scale is stored beside it (the LM head too), so the lists need no reading. Read: ``activation_scheme:
+dynamic`` (per-token activation quantization on GPUs; floats here) and float32 scales (``scale_fmt:
+float``); refused by name: static activation scales, power-of-two (``ue8m0``) scales, FP8 embeddings
+(``modules_to_convert``), FP4 experts, and fields not in ``_FP8_FIELDS``.
 """
 
 from __future__ import annotations
@@ -54,6 +66,13 @@ class Float8Weights:
     strategy: str  # "tensor", "channel", "group" or "block"
     group_size: int | None = None
     block: tuple[int, int] | None = None  # (outputs, inputs) per block
+    scale: str = "weight_scale"  # the tensor beside ``weight`` holding its scales ("weight_scale_inv": transformers')
+
+
+# The fields of transformers' FineGrainedFP8Config (``ignored_layers``: MiniMax's name for modules_to_not_convert;
+# ``fmt``: DeepSeek's note of the float8 format) and ``dequantize``, a loading option it saves with them.
+_FP8_FIELDS = ("quant_method", "activation_scheme", "weight_block_size", "modules_to_not_convert", "ignored_layers",
+               "modules_to_convert", "scale_fmt", "expert_dtype", "dequantize", "fmt")
 
 
 def read_scheme(hf: dict[str, Any], where: str) -> QuantScheme | Float8Weights | None:
@@ -62,9 +81,12 @@ def read_scheme(hf: dict[str, Any], where: str) -> QuantScheme | Float8Weights |
     if qc is None:
         return None
     method = qc.get("quant_method")
+    if method == "fp8":
+        return _finegrained_fp8(qc, where)
     if method != "compressed-tensors":
         raise WeightsError(f"{where}: quant_method {method!r} is not read; llm_jax reads compressed-tensors "
-                           "(pack-quantized W4A16 / W8A16) folders, GGUF files, and its own checkpoints")
+                           "(pack-quantized W4A16 / W8A16, float-quantized FP8) and transformers' fp8 folders, "
+                           "GGUF files, and its own checkpoints")
     for field, ok in (("sparsity_config", not qc.get("sparsity_config")), ("transform_config",
                       not qc.get("transform_config")), ("kv_cache_scheme", qc.get("kv_cache_scheme") is None)):
         if not ok:
@@ -113,29 +135,65 @@ def _float8(weights: dict[str, Any], where: str) -> Float8Weights:
                          block=None if block is None else (int(block[0]), int(block[1])))
 
 
+def _finegrained_fp8(qc: dict[str, Any], where: str) -> Float8Weights:
+    """transformers' FP8 format, from its ``FineGrainedFP8Config`` (defaults: dynamic, 128 × 128 blocks)."""
+    where = f"{where}: quantization_config"
+    if unknown := sorted(set(qc) - set(_FP8_FIELDS)):
+        raise WeightsError(f"{where}.{unknown[0]} is not a field of transformers' fp8 format that llm_jax reads; "
+                           f"it reads {', '.join(_FP8_FIELDS)}")
+    activations = qc.get("activation_scheme", "dynamic")
+    refusals = {
+        "activation_scheme": (str(activations).lower() != "dynamic", "static activation scales (activation_scale) "
+                              "clip the activations to a calibrated range; llm_jax reads dynamic fp8 folders, "
+                              "whose activations it keeps in floats"),
+        "scale_fmt": (qc.get("scale_fmt", "float") != "float", "llm_jax reads float32 scales (scale_fmt 'float'), "
+                      "not power-of-two ue8m0 bytes"),
+        "modules_to_convert": (bool(qc.get("modules_to_convert")), "llm_jax reads fp8 Linear weights, not FP8 "
+                               "embedding tables"),
+        "expert_dtype": (qc.get("expert_dtype", "fp8") != "fp8", "llm_jax reads fp8 weights, not FP4 experts"),
+        "fmt": (qc.get("fmt", "e4m3") != "e4m3", "llm_jax reads e4m3 weights"),
+    }
+    for field, (bad, supported) in refusals.items():
+        if bad:
+            raise WeightsError(f"{where}.{field} is {qc.get(field)!r}; {supported}")
+    block = qc.get("weight_block_size", (128, 128))
+    if block is None:  # one scale per tensor
+        return Float8Weights(strategy="tensor", scale="weight_scale_inv")
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise WeightsError(f"{where}.weight_block_size is {block!r}; expected [outputs, inputs] per block, or null")
+    return Float8Weights(strategy="block", block=(block[0], block[1]), scale="weight_scale_inv")
+
+
 def float8_reader(read: Callable[[str], np.ndarray], names: set[str], scheme: Float8Weights,
                   where: str) -> tuple[Callable[[str], np.ndarray], set[str]]:
-    """A ``read`` that gives each FP8 weight with a ``weight_scale`` beside it as float32 ``weight · scale``
-    (an exact product), and the tensor names without the scales."""
-    scaled = {name[:-len("_scale")] for name in names if name.endswith(".weight_scale")}
+    """A ``read`` that gives each FP8 weight with a scale beside it (``scheme.scale``) as float32
+    ``weight · scale`` (an exact product), and the tensor names without the scales."""
+    suffix = scheme.scale.removeprefix("weight")  # "…weight" + suffix names the weight's scales
+    scaled = {name[:-len(suffix)] for name in names if name.endswith(f".{scheme.scale}")}
 
     def read_float(name: str) -> np.ndarray:
         w = read(name)
         if name not in scaled:
+            if w.dtype.name.startswith("float8"):
+                raise WeightsError(f"{where}: {name} is {w.dtype.name} without {name}{suffix} beside it")
             return w
         w = np.asarray(w, np.float32)
-        s = np.asarray(read(f"{name}_scale"), np.float32)
+        s = np.asarray(read(f"{name}{suffix}"), np.float32)
         out, inputs = w.shape
         if scheme.strategy == "block":
-            (bo, bi), s_full = scheme.block, s
-            s = np.repeat(np.repeat(s_full, bo, axis=0)[:out], bi, axis=1)[:, :inputs]
+            (bo, bi), s_grid = scheme.block, s
+            if s_grid.shape != (grid := (-(-out // bo), -(-inputs // bi))):
+                raise WeightsError(f"{where}: {name}{suffix} has shape {list(s_grid.shape)}, expected {list(grid)} "
+                                   f"for a weight {list(w.shape)} in blocks of {bo} × {bi}")
+            s = np.repeat(np.repeat(s_grid, bo, axis=0)[:out], bi, axis=1)[:, :inputs]
         elif scheme.strategy == "group":
             s = np.repeat(s, scheme.group_size, axis=1)[:, :inputs]
         if s.size != 1 and s.shape not in ((out, 1), (out, inputs)):
-            raise WeightsError(f"{where}: {name}_scale has shape {list(s.shape)} for a weight {list(w.shape)}")
+            raise WeightsError(f"{where}: {name}{suffix} has shape {list(s.shape)} for a weight {list(w.shape)}")
         return w * s.reshape(s.shape if s.size != 1 else ())
 
-    return read_float, names - {f"{name}_scale" for name in scaled}
+    return read_float, names - {f"{name}{suffix}" for name in scaled}
 
 
 def quantization(scheme: QuantScheme, names: set[str], config: ModelConfig, where: str) -> Quantization:

@@ -64,7 +64,7 @@ def source_config(path: pathlib.Path, fmt: WeightFormat, *, dequantize: bool = F
             dtype = hf.get("dtype") or hf.get("torch_dtype")
             dtype = dtype if dtype in checkpoint.PARAM_DTYPES else "float32"
             config = read_hf_config(path).replace(param_dtype=dtype, compute_dtype=dtype)
-            scheme = from_compressed.read_scheme(hf, str(path))  # a compressed-tensors folder: its quantization
+            scheme = from_compressed.read_scheme(hf, str(path))  # packed projections stay quantized; FP8: floats
             if scheme is None or dequantize or isinstance(scheme, from_compressed.Float8Weights):
                 return config
             names = SafetensorsFolder(path).names()

@@ -62,3 +62,17 @@ def save_compressed(folder: pathlib.Path, *, bits: int, group_size: int | None, 
     model.save_pretrained(folder)
     compressor.update_config(folder)
     return reference
+
+
+def assert_greedy_tokens_equal(reference: transformers.PreTrainedModel, folder: pathlib.Path, prompt: list[int],
+                               new_tokens: int = 16):
+    """``llm_jax.generate``'s greedy tokens on ``folder`` equal ``reference``'s ``generate``; the model."""
+    import llm_jax
+
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, len(prompt)), dtype=torch.long),
+                                 max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
+    model = llm_jax.load(folder, dtype="float32")
+    ours = llm_jax.generate(model, [prompt], max_new_tokens=new_tokens, ignore_eos=True)[0].output_ids
+    assert ours == out[0, len(prompt):].tolist()
+    return model

@@ -19,7 +19,7 @@ import llm_jax
 from llm_jax.config import PROJECTION_NAMES
 from llm_jax.model import forward
 from llm_jax.weights.layout import WeightsError
-from tests.llm_jax.weights.compressed_checkpoints import save_compressed
+from tests.llm_jax.weights.compressed_checkpoints import assert_greedy_tokens_equal, save_compressed
 
 pytest.importorskip("compressed_tensors")  # a test dependency (pyproject's test extra)
 
@@ -85,13 +85,7 @@ def test_quantized_leaves_are_transformers_weights_and_logits(compressed):
 
 def test_greedy_tokens_and_a_converted_checkpoint(compressed, tmp_path):
     name, folder, reference = compressed
-    prompt = TOKENS[0, :6].tolist()
-    with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), attention_mask=torch.ones((1, 6), dtype=torch.long),
-                                 max_new_tokens=16, do_sample=False, min_new_tokens=16)
-    model = llm_jax.load(folder, dtype="float32")
-    ours = llm_jax.generate(model, [prompt], max_new_tokens=16, ignore_eos=True)[0].output_ids
-    assert ours == out[0, 6:].tolist()
+    model = assert_greedy_tokens_equal(reference, folder, TOKENS[0, :6].tolist())
     llm_jax.convert(folder, tmp_path / "ckpt", dtype="float32")
     converted = llm_jax.load(tmp_path / "ckpt", backend="xla")
     assert converted.config.quantization == model.config.quantization
