@@ -9,6 +9,7 @@ Dimension key, used in array names (``x_BTD``, ``k_cache_LBSKH``) and einsums th
     G  query heads per kv head (N/K) H  head dim
     L  layers                        P  pages of the paged KV cache
     Z  tokens per page               X  a padded table's width (stop ids, logit bias, a block table)
+    C  a classifier's classes
 
 The run path, in pipeline order: ``tokenizer`` → ``prefilling`` → ``decoding`` (``sampling`` and stop
 conditions inside) → ``detokenize``, orchestrated by ``generation``; the model is in ``model/``, its cache
@@ -25,8 +26,8 @@ import importlib
 # The public surface, grouped: submodule → the names it contributes.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # Configuration.
-    "config": ("Activation", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig", "Quantization",
-               "QuantScheme"),
+    "config": ("Activation", "Classifier", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig",
+               "NoLanguageModelHead", "Problem", "Quantization", "QuantScheme"),
     # Integer weights.
     "quantization": ("QuantizedArray", "quantize", "quantize_params"),
     # How the model runs: the backend seam.
@@ -53,7 +54,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "beams": ("BeamSearch", "EarlyStopping", "beam_search"),
     "speculative": ("Speculative",),
     "scoring": ("Score", "continuation_logprobs", "score"),
-    "pooling": ("embed_texts", "pooled_hidden"),
+    "pooling": ("Classification", "class_probabilities", "classifier_logits", "classify", "embed_texts",
+                "pooled_hidden"),
     # Orchestration.
     "generation": ("GenerationMetrics", "GenerationResult", "GenerationStream", "PromptTooLongError",
                  "StreamEvent", "generate", "generate_stream"),

@@ -49,6 +49,39 @@ class Llama3Rope:
 RopeScaling = DefaultRope | LinearRope | Llama3Rope
 
 
+class Problem(enum.Enum):
+    """What a classifier's logits mean (``transformers``' ``problem_type``), and so how they become
+    probabilities, as vLLM's ``/classify`` turns them: one class of many (softmax; a single logit: sigmoid),
+    independent labels (a sigmoid each), or a regression (the logits as they are)."""
+
+    SINGLE_LABEL = "single_label_classification"
+    MULTI_LABEL = "multi_label_classification"
+    REGRESSION = "regression"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Classifier:
+    """A sequence-classification head in place of the LM head (``*ForSequenceClassification``: reward
+    models, classifiers, rerankers): ``score`` [D, C] reads the last token's final hidden state."""
+
+    labels: tuple[str, ...]  # C: each class's name (``id2label``)
+    problem: Problem = Problem.SINGLE_LABEL
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "labels", tuple(str(label) for label in self.labels))
+        object.__setattr__(self, "problem", Problem(self.problem))
+        if not self.labels:
+            raise ConfigError("a classifier needs at least one label")
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+
+class NoLanguageModelHead(ConfigError):
+    """Asked for token logits (generation, scoring) of a model whose head is a classifier's."""
+
+
 # The projections of every family's layers, by name (``llm_jax.quantization.PROJECTIONS`` groups them).
 PROJECTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -177,6 +210,8 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] | None = None
     # Integer weights (``llm_jax.quantization``): how the stored projections are quantized; None: floats.
     quantization: Quantization | None = None
+    # A sequence classifier's head (``score``) instead of the LM head; None: a language model.
+    classifier: Classifier | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
@@ -264,6 +299,8 @@ class ModelConfig:
         norms = D * (4 if self.sandwich_norm else 2) + (2 * H if self.qk_norm else 0)
         per_layer = attn + 3 * D * F + norms
         head = 0 if self.tie_embeddings else V * D
+        if self.classifier is not None:
+            head = D * self.classifier.num_labels
         return V * D + self.n_layers * per_layer + D + head
 
     def replace(self, **changes: Any) -> "ModelConfig":
@@ -280,10 +317,12 @@ class ModelConfig:
                 value = {"type": type(value).__name__, **dataclasses.asdict(value)}
             elif isinstance(value, tuple):
                 value = list(value)
-            elif field.name == "quantization":
+            elif field.name in ("quantization", "classifier"):
                 if value is None:
-                    continue  # float weights: configs read the same as before quantization existed
+                    continue  # float weights, an LM head: configs read the same as before these existed
                 value = dataclasses.asdict(value)
+                if field.name == "classifier":
+                    value = {"labels": list(value["labels"]), "problem": value["problem"].value}
             out[field.name] = value
         return out
 
@@ -306,4 +345,6 @@ class ModelConfig:
             data["sliding_layers"] = tuple(data["sliding_layers"])
         if data.get("quantization") is not None:
             data["quantization"] = Quantization.from_dict(data["quantization"])
+        if data.get("classifier") is not None:
+            data["classifier"] = Classifier(**data["classifier"])
         return cls(**data)

@@ -62,6 +62,7 @@ FALLBACK: Mapping[str, str] = {MODEL: "D"}
 PARAM_DIMS: Mapping[str, str] = {
     "embedder/embedding": "VD",
     "lm_head": "DV",
+    "score": "DC",  # a classifier's head: small, replicated
     "final_norm/scale": "D",
     "layers/attn_norm/scale": "LD",
     "layers/mlp_norm/scale": "LD",

@@ -10,8 +10,14 @@
 A request's "model" names the served model or one of its LoRA adapters (``Engine``'s ``lora_adapters``),
 which run side by side in the engine's steps.
 
+A sequence classifier (``*ForSequenceClassification``: reward models, classifiers) does not generate: its
+server answers ``POST /classify`` (``/v1/classify``; :mod:`llm_jax.server.classification`) and
+``/v1/embeddings`` beside the routes that do not generate (models, tokenize, detokenize, health, version,
+metrics); the generating routes answer 404 naming what it serves, as ``/classify`` does on a language model.
+
 ``build_app(engine, config)`` takes an :class:`~llm_jax.serving.async_engine.AsyncEngine` whose engine
-is already compiled (``Engine.warm_up``): the server is ready the moment it listens. At shutdown (the
+is already compiled (``Engine.warm_up``): the server is ready the moment it listens; a classifier's
+``build_app(None, config, model=model)``. At shutdown (the
 lifespan's end, after the HTTP server's grace period) the requests still in flight are aborted and the
 engine's thread stops.
 """
@@ -37,8 +43,9 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from llm_jax.lora import LoraRows
-from llm_jax.pooling import embed_texts
-from llm_jax.server import protocol, reasoning, responses_api, similarity, tools
+from llm_jax.loading import Model
+from llm_jax.pooling import classify, embed_texts
+from llm_jax.server import classification, protocol, reasoning, responses_api, similarity, tools
 from llm_jax.server.choices import Run
 from llm_jax.server.fields import ApiError, Fields
 from llm_jax.server.metrics import CONTENT_TYPE
@@ -149,13 +156,14 @@ async def embeddings(service: Service, request: Request) -> Response:
                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, headers={"x-request-id": rid})
 
 
-def _embedding_inputs(service: Service, texts, param: str, truncate: int | None = None) -> list[tuple[int, ...]]:
+def _embedding_inputs(service: Service, texts, param: str, truncate: int | None = None,
+                      add_special_tokens: bool = True) -> list[tuple[int, ...]]:
     """Each text's (or token list's) ids (its last ``truncate`` tokens, vLLM's ``truncate_prompt_tokens``),
     each within the context; ``param`` names the field."""
     ids = []
     for i, text in enumerate(texts):
         name = param if len(texts) == 1 else f"{param}[{i}]"
-        encoded = protocol.truncate(service.encode(text, name), truncate, service.max_model_len)
+        encoded = protocol.truncate(service.encode(text, name, add_special_tokens), truncate, service.max_model_len)
         if len(encoded) > service.max_model_len:
             raise ApiError(f"{name} has {len(encoded)} tokens; this model's context is {service.max_model_len}",
                            param=name, code="context_length_exceeded")
@@ -168,12 +176,39 @@ async def _embed(service: Service, ids: list[tuple[int, ...]], dimensions: int |
     """Unit embeddings [len(ids), D] (:func:`llm_jax.pooling.embed_texts`), beside the engine's steps;
     ``lora``: the LoRA adapter (of the engine's) they come from."""
     rows = None
-    if lora is not None:  # the engine's stack of adapters, as it stands now
+    if lora is not None:  # the engine's stack of adapters, as it stands now (a classifier's server has none)
         slots = service.engine.engine.lora
         rows = LoraRows(weights=slots.weights, slots_B=np.full((len(ids),), slots.slot(lora), np.int32))
     async with service.side_lock:
         return await asyncio.to_thread(embed_texts, service.model, ids, pooling=service.config.embedding_pooling,
                                        dimensions=dimensions, lora=rows)
+
+
+async def classify_route(service: Service, request: Request) -> Response:
+    """vLLM's classification: each input's (or the conversation's) classes (:func:`llm_jax.pooling.classify`)."""
+    rid, arrival = request_id(request, "classify"), time.monotonic()
+    try:
+        parsed = classification.parse_classify(await service.body(request), service.limits)
+        service.check_model(parsed.model)
+        if parsed.messages is not None:
+            rendered, _ = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
+                                              continue_final_message=parsed.continue_final_message,
+                                              template_kwargs=parsed.template_kwargs)
+            inputs, param = (rendered,), "messages"
+        else:
+            inputs, param = parsed.inputs, "input"
+        ids = _embedding_inputs(service, inputs, param, parsed.truncate_prompt_tokens, parsed.add_special_tokens)
+    except ApiError as error:
+        service.log_refusal(rid, error)
+        raise
+    async with service.side_lock:
+        result = await asyncio.to_thread(classify, service.model, ids)
+    tokens = sum(map(len, ids))
+    service.metrics.prompt_tokens.inc(tokens)
+    log.info("%s 200 prompt_tokens=%d inputs=%d total=%.3fs", rid, tokens, len(ids), time.monotonic() - arrival)
+    return JSONResponse(classification.classify_response(rid, int(time.time()), service.name, result,
+                                                         parsed.use_activation, tokens),
+                        headers={"x-request-id": rid})
 
 
 async def score(service: Service, request: Request) -> Response:
@@ -304,16 +339,30 @@ async def metrics(service: Service, request: Request) -> Response:
     return Response(service.metrics.render(), media_type=CONTENT_TYPE)
 
 
-ROUTES: tuple[tuple[str, str, Handler], ...] = (
+def _not_served(what: str, served: str) -> Handler:
+    """A route the served model has no use for: a 404 saying what it is and what it serves."""
+    async def handler(service: Service, request: Request) -> Response:
+        raise ApiError(f"{request.url.path}: the model {service.name!r} is {what}; this server answers {served}",
+                       status=404, type="not_found_error", code="not_found")
+    return handler
+
+
+GENERATING = (  # a language model's routes
     ("/v1/completions", "POST", completions),
     ("/v1/chat/completions", "POST", chat_completions),
     ("/v1/responses", "POST", responses),
-    ("/v1/embeddings", "POST", embeddings),
     ("/v1/score", "POST", score),
     ("/score", "POST", score),
     ("/v1/rerank", "POST", rerank),
     ("/rerank", "POST", rerank),
     ("/v2/rerank", "POST", rerank),
+)
+CLASSIFYING = (  # a sequence classifier's
+    ("/classify", "POST", classify_route),
+    ("/v1/classify", "POST", classify_route),
+)
+ROUTES: tuple[tuple[str, str, Handler], ...] = (  # every server's
+    ("/v1/embeddings", "POST", embeddings),
     ("/v1/models", "GET", models),
     ("/v1/models/{model:path}", "GET", model),
     ("/tokenize", "POST", tokenize),
@@ -356,9 +405,10 @@ async def _internal_error(request: Request, error: Exception) -> Response:
                                    type="internal_error"))
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
-    """The server's ASGI app over ``engine`` (compiled already); ``app.state.service`` holds its state."""
-    service = Service(engine, config)
+def build_app(engine: AsyncEngine | None, config: ServerConfig, model: Model | None = None) -> Starlette:
+    """The server's ASGI app over ``engine`` (compiled already), or over a sequence classifier ``model`` without
+    one; ``app.state.service`` holds its state."""
+    service = Service(engine, config, model)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -369,7 +419,14 @@ def build_app(engine: AsyncEngine, config: ServerConfig) -> Starlette:
     cors = [Middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                        allow_headers=["*"], expose_headers=["x-request-id", "retry-after"])]
     cors = cors if config.allowed_origins else []
-    routes = ROUTES + (LORA_ROUTES if config.allow_runtime_lora_updating else ())
+    if engine is None:
+        absent = _not_served("a sequence classifier, which does not generate", "/classify and /v1/embeddings")
+        routes = ROUTES + CLASSIFYING + tuple((path, method, absent) for path, method, _ in GENERATING)
+    else:
+        absent = _not_served("a language model, not a sequence classifier", "completions, chat, responses, "
+                             "embeddings, score and rerank")
+        routes = ROUTES + GENERATING + tuple((path, method, absent) for path, method, _ in CLASSIFYING)
+        routes += LORA_ROUTES if config.allow_runtime_lora_updating else ()
     app = Starlette(routes=[Route(path, _endpoint(service, handler), methods=[method])
                             for path, method, handler in routes], middleware=cors,
                     exception_handlers={HTTPException: _http_error, Exception: _internal_error}, lifespan=lifespan)

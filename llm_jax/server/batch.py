@@ -178,13 +178,13 @@ class _Progress:
             log.info("batch: %d/%d done, %d failed, %.1f s", done, total, failed, now - self.start)
 
 
-async def _run(args: argparse.Namespace, engine, template, entries: list[Entry]) -> list[dict]:
+async def _run(args: argparse.Namespace, engine, model, template, entries: list[Entry]) -> list[dict]:
     from llm_jax.server.app import build_app
     from llm_jax.serving.async_engine import AsyncEngine
 
     # Every request is queued at once: no 503 for a full queue.
-    config = cli.server_config(args, engine, template, api_key=None, max_waiting=max(len(entries), 1))
-    app = build_app(AsyncEngine(engine), config)
+    config = cli.server_config(args, model, template, api_key=None, max_waiting=max(len(entries), 1))
+    app = build_app(None if engine is None else AsyncEngine(engine), config, model)
     try:
         return await run_entries(app, entries, max_concurrency=args.max_concurrency or max(len(entries), 1),
                                  progress=_Progress())
@@ -198,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if not entries:
         raise CliError(f"the input file {args.input_file} holds no requests")
     template = cli.read_template(args)
-    engine = cli.start_engine(args)
-    lines = asyncio.run(_run(args, engine, template, entries))
+    engine, model = cli.start_engine(args)
+    lines = asyncio.run(_run(args, engine, model, template, entries))
     write_atomically(args.output_file, lines)
     failed = sum(line["error"] is not None or line["response"]["status_code"] != 200 for line in lines)
     log.info("wrote %d results to %s (%d failed)", len(lines), args.output_file, failed)

@@ -43,11 +43,14 @@ DESCRIPTION = "Serve a model over HTTP with an OpenAI-compatible API (continuous
 EPILOG = f"""\
 endpoints:
   POST /v1/completions, /v1/chat/completions, /v1/responses (stream: true for Server-Sent Events);
-  POST /v1/embeddings; GET /v1/models;
+  POST /v1/embeddings, /v1/score, /v1/rerank; GET /v1/models;
   POST /tokenize, /detokenize; GET /health (200 once ready), /version, /metrics (Prometheus).
+  A sequence classifier (a *ForSequenceClassification folder: reward models) answers POST /classify instead
+  of the generating routes.
 
 api key:
-  --api-key or ${API_KEY_ENV}: /v1/*, /tokenize and /detokenize then need 'Authorization: Bearer KEY'.
+  --api-key or ${API_KEY_ENV}: /v1/*, /tokenize, /detokenize, /score, /rerank and /classify then need
+  'Authorization: Bearer KEY'.
 
 examples:
   serve.py                                              # the story model shipped in checkpoints/, port 8000
@@ -214,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     try:
         template = read_template(args)
-        engine = start_engine(args)
+        engine, model = start_engine(args)
     except _Terminated:
         log.info("terminated while starting")
         return 0
-    return _serve(args, engine, template, api_key, sock)
+    return _serve(args, engine, model, template, api_key, sock)
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -277,7 +280,7 @@ def _json_object(text: str) -> dict:
     return value
 
 
-def sampling_defaults(args: argparse.Namespace, engine) -> dict:
+def sampling_defaults(args: argparse.Namespace, model) -> dict:
     """The request defaults ``--generation-config`` and ``--override-generation-config`` give, checked as
     requests' fields are (a bad value fails the start, naming it)."""
     from llm_jax.server import defaults, protocol
@@ -285,7 +288,7 @@ def sampling_defaults(args: argparse.Namespace, engine) -> dict:
 
     try:
         found = defaults.sampling_defaults(args.generation_config, args.model, args.override_generation_config)
-        limits = protocol.Limits(vocab_size=engine.config.vocab_size, max_logprobs=0, defaults=found)
+        limits = protocol.Limits(vocab_size=model.config.vocab_size, max_logprobs=0, defaults=found)
         protocol.read_sampling(Fields({}), limits)
         protocol.integer(Fields({}), "max_tokens", 1, 2**31 - 1, default=found.get("max_tokens"))
     except (ValueError, ApiError) as error:
@@ -310,7 +313,8 @@ def _lora_module(text: str) -> tuple[str, str]:
 
 
 def start_engine(args: argparse.Namespace):
-    """Load the model, build the engine and compile every step program it can run."""
+    """Load the model, build the engine and compile every step program it can run: ``(engine, model)``. A
+    sequence classifier, which does not generate, has no engine: ``(None, model)``."""
     from llm_jax.compilation import enable_persistent_cache
     from llm_jax.loading import load, load_lora
     from llm_jax.serving.engine import Engine
@@ -318,6 +322,11 @@ def start_engine(args: argparse.Namespace):
     enable_persistent_cache()  # a restart loads its step programs instead of compiling them
     t0 = time.perf_counter()
     model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=args.mesh, quantize=quantization(args))
+    if model.config.classifier is not None:
+        _check_classifier_flags(args)
+        log.info("loaded %s in %.1f s: a sequence classifier (%d labels), served on /classify", args.model,
+                 time.perf_counter() - t0, model.config.classifier.num_labels)
+        return None, model
     try:
         adapters = [load_lora(path, model.config, name) for name, path in args.lora_modules]
     except ValueError as error:
@@ -336,7 +345,16 @@ def start_engine(args: argparse.Namespace):
     log.info("compiled %d step programs in %.1f s (KV cache: %d blocks of %d tokens, %s, max_model_len %d)", count,
              time.perf_counter() - t0, engine.scheduler.pool.num_blocks, engine.block_size, engine.kv_cache_dtype.name,
              engine.max_model_len)
-    return engine
+    return engine, model
+
+
+def _check_classifier_flags(args: argparse.Namespace) -> None:
+    """Flags about generating (speculation, LoRA adapters) have no meaning for a classifier: refused by name."""
+    flags = (("--speculative", args.speculative is not None), ("--lora-modules", args.lora_modules),
+             ("--enable-lora", args.enable_lora), ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating))
+    given = [flag for flag, on in flags if on]
+    if given:
+        raise CliError(f"{', '.join(given)}: the model is a sequence classifier, which does not generate")
 
 
 def _speculative(args: argparse.Namespace, mesh=None):
@@ -358,7 +376,7 @@ class _Server(uvicorn.Server):
         log.info(self.ready)
 
 
-def server_config(args: argparse.Namespace, engine, template, **overrides):
+def server_config(args: argparse.Namespace, model, template, **overrides):
     """The :class:`~llm_jax.server.service.ServerConfig` the flags ask for (``overrides`` replace fields)."""
     from llm_jax.server.service import ServerConfig
 
@@ -366,22 +384,22 @@ def server_config(args: argparse.Namespace, engine, template, **overrides):
     default_name = DEFAULT_MODEL.name if args.model == str(DEFAULT_MODEL) else args.model
     names = tuple(args.served_model_name or (default_name,))
     fields = dict(model_names=names, max_waiting=args.max_waiting,
-                  chat_template=_with_special_tokens(template, engine.model),
+                  chat_template=_with_special_tokens(template, model),
                   tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                   allowed_origins=tuple(args.allowed_origins), scheduling_policy=args.scheduling_policy,
                   embedding_pooling=args.embedding_pooling,
                   allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                  sampling_defaults=sampling_defaults(args, engine))
+                  sampling_defaults=sampling_defaults(args, model) if model.config.classifier is None else {})
     return ServerConfig(**(fields | overrides))
 
 
-def _serve(args: argparse.Namespace, engine, template, api_key: str | None, sock: socket.socket) -> int:
+def _serve(args: argparse.Namespace, engine, model, template, api_key: str | None, sock: socket.socket) -> int:
     from llm_jax.server.app import build_app
     from llm_jax.serving.async_engine import AsyncEngine
 
-    config = server_config(args, engine, template, api_key=api_key)
+    config = server_config(args, model, template, api_key=api_key)
     names = config.model_names
-    app = build_app(AsyncEngine(engine), config)
+    app = build_app(None if engine is None else AsyncEngine(engine), config, model)
     host = f"[{args.host}]" if ":" in args.host else args.host
     scheme = "https" if args.ssl_certfile else "http"
     url = f"{scheme}://{host}:{sock.getsockname()[1]}"

@@ -85,10 +85,11 @@ class _SchedulerCollector(Collector):
 
 
 class ServerMetrics:
-    """One server's metrics; ``stats`` reads the engine's scheduler (``Engine.stats``), ``lora`` (with
-    adapters) the adapter slots and the adapters requests use: (slots, running names, waiting names)."""
+    """One server's metrics; ``stats`` reads the engine's scheduler (``Engine.stats``; None: a server without
+    an engine, a classifier's), ``lora`` (with adapters) the adapter slots and the adapters requests use:
+    (slots, running names, waiting names)."""
 
-    def __init__(self, stats: Callable, model_name: str, lora: Callable | None = None):
+    def __init__(self, stats: Callable | None, model_name: str, lora: Callable | None = None):
         self.registry = CollectorRegistry()
         labels = {"labelnames": ["model_name"], "registry": self.registry}
         self._model_name = model_name
@@ -105,7 +106,8 @@ class ServerMetrics:
                                  labelnames=["model_name", "finished_reason"], registry=self.registry)
         self._rejected = Counter(PREFIX + "requests_rejected", "HTTP requests refused for lack of room, by reason.",
                                  labelnames=["model_name", "reason"], registry=self.registry)
-        self.registry.register(_SchedulerCollector(stats, model_name, lora))
+        if stats is not None:  # an engine's server (a classifier's has none)
+            self.registry.register(_SchedulerCollector(stats, model_name, lora))
 
     def finished(self, reason: str) -> None:
         self._finished.labels(self._model_name, reason).inc()

@@ -397,7 +397,7 @@ def _guided(fields: Fields) -> tuple[Guided | None, str | None]:
 # --- the requests -------------------------------------------------------------------------------------
 
 
-def _prompts(value: Any, vocab_size: int, param: str = "prompt") -> tuple[Prompt, ...]:
+def prompt_inputs(value: Any, vocab_size: int, param: str = "prompt") -> tuple[Prompt, ...]:
     """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
     expected = "a string, a list of strings, a list of token ids or a list of lists of token ids"
     if isinstance(value, str):
@@ -418,7 +418,7 @@ def _prompts(value: Any, vocab_size: int, param: str = "prompt") -> tuple[Prompt
 def parse_completion(body: Any, limits: Limits) -> CompletionRequest:
     fields = Fields(body)
     model = fields.take("model", "string")
-    prompts = _prompts(fields.required("prompt", "string", "array"), limits.vocab_size)
+    prompts = prompt_inputs(fields.required("prompt", "string", "array"), limits.vocab_size)
     max_tokens = integer(fields, "max_tokens", 1, 2**31 - 1,
                          default=limits.defaults.get("max_tokens", DEFAULT_COMPLETION_TOKENS))
     logprobs = integer(fields, "logprobs", 0, limits.max_logprobs)
@@ -507,7 +507,7 @@ def parse_embeddings(body: Any, limits: Limits) -> EmbeddingsRequest:
     ``encoding_format``, ``dimensions``."""
     fields = Fields(body)
     model = fields.take("model", "string")
-    inputs = _prompts(fields.required("input", "string", "array"), limits.vocab_size, "input")
+    inputs = prompt_inputs(fields.required("input", "string", "array"), limits.vocab_size, "input")
     check(len(inputs) <= MAX_EMBEDDING_INPUTS, "input", f"may hold at most {MAX_EMBEDDING_INPUTS} inputs, got "
                                                         f"{len(inputs)}")
     encoding = fields.take("encoding_format", "string", default="float")

@@ -1,8 +1,9 @@
 """What the routes share: the engine, the model's limits, the API key, the requests in flight.
 
 Requests run on an :class:`~llm_jax.serving.async_engine.AsyncEngine`, whose thread steps the engine
-while the event loop parses, streams and answers. With an API key, ``/v1/*``, ``/tokenize`` and
-``/detokenize`` need ``Authorization: Bearer <key>`` (the probes and the scraper need none). The server
+while the event loop parses, streams and answers; a sequence classifier, which does not generate, is
+served without one (its requests run beside the event loop, one batch at a time). With an API key, the
+API's routes (``PROTECTED``) need ``Authorization: Bearer <key>`` (the probes and the scraper need none). The server
 takes at most ``max_num_seqs + max_waiting`` engine requests (choices) at once; past that it answers 503
 with ``Retry-After`` rather than queueing without bound. Every refusal is a 4xx (5xx only for the
 server's own failures) with ``{"error": {"message", "type", "param", "code"}}``. Each completion or chat
@@ -28,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 
 from llm_jax import guided
 from llm_jax.chat_template import ChatTemplate, encode_chat
+from llm_jax.loading import Model
 from llm_jax.server import protocol
 from llm_jax.server.choices import BeamRun, Run
 from llm_jax.server.fields import ApiError, parse_json
@@ -42,7 +44,7 @@ from llm_jax.serving.step import BANNED
 log = logging.getLogger("llm_jax.server")
 
 MAX_BODY_BYTES = 32 * 2**20
-PROTECTED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank")
+PROTECTED = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/score", "/rerank", "/classify")
 STOPPED = ApiError("the server stopped before this request finished", status=503, type="service_unavailable_error",
                    code="shutting_down")
 
@@ -74,21 +76,30 @@ def _first_line(error: BaseException) -> str:
 
 
 class Service:
-    """The routes' state: the engine, the model's tokenizer and limits, the requests in flight."""
+    """The routes' state: the engine (None for a sequence classifier: ``model`` then), the model's tokenizer
+    and limits, the requests in flight."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig):
-        inner = engine.engine
-        self.engine, self.config, self.model = engine, config, inner.model
-        self.tokenizer = inner.model.tokenizer
+    def __init__(self, engine: AsyncEngine | None, config: ServerConfig, model: Model | None = None):
+        self.engine, self.config = engine, config
+        self.model = engine.engine.model if engine is not None else model
+        self.tokenizer = self.model.tokenizer
         self.name = config.model_names[0]
-        self.limits = Limits(vocab_size=inner.config.vocab_size, max_logprobs=inner.max_logprobs,
-                             embedding_dim=inner.config.d_model, defaults=config.sampling_defaults)
         self.side_lock = asyncio.Lock()  # one computation beside the engine's steps at a time: embeddings, beams
-        self.max_model_len, self.block_size = inner.max_model_len, inner.block_size
-        self.num_block_slots = inner.scheduler.pool.capacity  # blocks a request may hold at most
-        self.capacity = inner.max_num_seqs + config.max_waiting
-        lora = None if inner.lora is None else (lambda: (inner.lora.num_slots, *inner.lora_requests()))
-        self.metrics = ServerMetrics(inner.stats, self.name, lora)
+        model_config = self.model.config
+        if engine is None:  # a classifier: its context, no generation
+            self.limits = Limits(vocab_size=model_config.vocab_size, max_logprobs=0, embedding_dim=model_config.d_model,
+                                 defaults=config.sampling_defaults)
+            self.max_model_len, self.capacity = model_config.max_seq_len, config.max_waiting
+            self.metrics = ServerMetrics(None, self.name)
+        else:
+            inner = engine.engine
+            self.limits = Limits(vocab_size=model_config.vocab_size, max_logprobs=inner.max_logprobs,
+                                 embedding_dim=model_config.d_model, defaults=config.sampling_defaults)
+            self.max_model_len, self.block_size = inner.max_model_len, inner.block_size
+            self.num_block_slots = inner.scheduler.pool.capacity  # blocks a request may hold at most
+            self.capacity = inner.max_num_seqs + config.max_waiting
+            lora = None if inner.lora is None else (lambda: (inner.lora.num_slots, *inner.lora_requests()))
+            self.metrics = ServerMetrics(inner.stats, self.name, lora)
         self.created = int(time.time())
         self.shutting_down = False
         self._runs: dict[Run, str] = {}  # in flight → request id
@@ -96,12 +107,14 @@ class Service:
     @property
     def healthy(self) -> bool:
         """Taking requests, with the engine's loop alive."""
-        return not self.shutting_down and self.engine.is_running
+        return not self.shutting_down and (self.engine is None or self.engine.is_running)
 
     async def shutdown(self) -> None:
         """Refuse new requests, abort those still in flight (the HTTP server's grace period is over), and
         stop the engine's thread."""
         self.shutting_down = True
+        if self.engine is None:
+            return
         for run in list(self._runs):
             for choice in run.choices:
                 self.engine.abort(choice.engine_id)
@@ -134,7 +147,7 @@ class Service:
     @property
     def lora_names(self) -> tuple[str, ...]:
         """The LoRA adapters requests may name as their model."""
-        return self.engine.engine.lora_names
+        return () if self.engine is None else self.engine.engine.lora_names
 
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter ``model`` names, None for the base model (or no model given); a 404 for others."""
@@ -146,13 +159,13 @@ class Service:
                        f"{[*self.config.model_names, *self.lora_names]}", status=404, type="not_found_error",
                        param="model", code="model_not_found")
 
-    def encode(self, prompt: protocol.Prompt, param: str) -> tuple[int, ...]:
+    def encode(self, prompt: protocol.Prompt, param: str, add_special_tokens: bool = True) -> tuple[int, ...]:
         if isinstance(prompt, tuple):
             return prompt
         if self.tokenizer is None:
             raise ApiError("the model has no tokenizer: send prompts as token ids", param=param, code="invalid_type")
         try:
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_bos=None if add_special_tokens else False)
         except Exception as error:  # text the tokenizer cannot take is the request's fault
             raise ApiError(f"{param} could not be tokenized: {_first_line(error)}", param=param) from None
         if not ids:

@@ -58,7 +58,9 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
             TensorSpec(("layers", "attn", "q_norm", "scale"), attn + "q_norm.weight", (H,)),
             TensorSpec(("layers", "attn", "k_norm", "scale"), attn + "k_norm.weight", (H,)),
         ]
-    if not config.tie_embeddings:
+    if config.classifier is not None:  # a sequence classifier: ``score`` [C, D], no LM head
+        specs.append(TensorSpec(("score",), "score.weight", (config.classifier.num_labels, D), transpose))
+    elif not config.tie_embeddings:
         specs.append(TensorSpec(("lm_head",), "lm_head.weight", (V, D), transpose))
     return specs
 

@@ -12,7 +12,8 @@ import json
 import pathlib
 from typing import Any, Callable
 
-from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig
+from llm_jax.config import (Activation, Classifier, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig,
+                            Problem)
 
 
 def read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -159,18 +160,50 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
 }
 
 
+# Each family's sequence classifier (reward models, classifiers): the decoder, and ``score`` for its head.
+CLASSIFIERS = {name.replace("ForCausalLM", "ForSequenceClassification"): name for name in ARCHITECTURES}
+
+
 def config_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> ModelConfig:
     archs = hf.get("architectures") or []
-    known = [a for a in archs if a in ARCHITECTURES]
+    known = [a for a in archs if a in ARCHITECTURES or a in CLASSIFIERS]
     if not known:
-        raise ConfigError(f"{where}: unsupported architectures {archs}; supported: {sorted(ARCHITECTURES)}")
+        raise ConfigError(f"{where}: unsupported architectures {archs}; supported: "
+                          f"{sorted(ARCHITECTURES) + sorted(CLASSIFIERS)}")
     hf = {**hf, "architectures": known}
     try:
+        if known[0] in CLASSIFIERS:
+            return ARCHITECTURES[CLASSIFIERS[known[0]]](hf).replace(classifier=_classifier(hf))
         return ARCHITECTURES[known[0]](hf)
     except KeyError as e:
         raise ConfigError(f"{where}: missing field {e.args[0]!r} for {known[0]}") from None
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         raise ConfigError(f"{where}: {e}") from None
+
+
+def _classifier(hf: dict[str, Any]) -> Classifier:
+    """The head of a ``*ForSequenceClassification``: its labels by id (``id2label``; else ``num_labels``
+    named as ``transformers`` names them, LABEL_i; two by default) and its ``problem_type``."""
+    id2label = hf.get("id2label")
+    if id2label:
+        try:
+            ids = sorted((int(i), str(label)) for i, label in id2label.items())
+        except (TypeError, ValueError, AttributeError):
+            raise ConfigError(f"id2label must map label ids to names, got {id2label!r}") from None
+        if [i for i, _ in ids] != list(range(len(ids))):
+            raise ConfigError(f"id2label must name the labels 0 to {len(ids) - 1}, got ids {[i for i, _ in ids]}")
+        labels = tuple(label for _, label in ids)
+        if "num_labels" in hf and hf["num_labels"] != len(labels):
+            raise ConfigError(f"num_labels={hf['num_labels']} but id2label names {len(labels)} labels")
+    else:
+        num_labels = hf.get("num_labels", 2)
+        if not isinstance(num_labels, int) or num_labels < 1:
+            raise ConfigError(f"num_labels must be a positive integer, got {num_labels!r}")
+        labels = tuple(f"LABEL_{i}" for i in range(num_labels))
+    problem = hf.get("problem_type") or Problem.SINGLE_LABEL.value
+    if problem not in {p.value for p in Problem}:
+        raise ConfigError(f"problem_type={problem!r} is not one of {sorted(p.value for p in Problem)}")
+    return Classifier(labels=labels, problem=Problem(problem))
 
 
 def read_hf_config(folder: pathlib.Path) -> ModelConfig:

@@ -151,6 +151,8 @@ def prepare_head(params: Params, config: ModelConfig) -> Params:
     """``params`` with the LM head (an untied head, or the tied embedding table) as panels where it takes
     them (a new top-level dict)."""
     out = dict(params)
+    if config.classifier is not None:  # no LM head: the embedding table is only looked up
+        return out
     if "lm_head" in params:
         out["lm_head"] = _maybe_panels(params["lm_head"], *projection_dims("lm_head", config))
     elif takes_panels(config.vocab_size):

@@ -85,7 +85,8 @@ def test_the_kv_cache_dtype_reaches_the_engine(monkeypatch, flag, expected):
         raise Built(options)
 
     monkeypatch.setattr("llm_jax.compilation.enable_persistent_cache", lambda: None)
-    monkeypatch.setattr("llm_jax.loading.load", lambda *args, **kwargs: types.SimpleNamespace(mesh=None))
+    monkeypatch.setattr("llm_jax.loading.load", lambda *args, **kwargs: types.SimpleNamespace(
+        mesh=None, config=types.SimpleNamespace(classifier=None)))
     monkeypatch.setattr("llm_jax.serving.engine.Engine", engine)
     with pytest.raises(Built) as built:
         cli.start_engine(cli.build_parser().parse_args(["--kv-cache-dtype", flag]))

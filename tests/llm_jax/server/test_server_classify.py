@@ -1,0 +1,116 @@
+"""A served sequence classifier (``python -m llm_jax.serve --model`` a ``*ForSequenceClassification`` folder):
+vLLM's ``/classify`` against ``transformers``' logits (float32, ≤ 1e-4) for texts, token ids and a
+conversation rendered by the chat template (the reference renders it with ``transformers``' own
+``apply_chat_template``); the generating routes answer 404, and ``/classify`` on a language model too.
+"""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import transformers
+from server_process import API_KEY, CHAT_TEMPLATE, MODEL_NAME, metric, start_server
+
+from tests.llm_jax.test_classify import story_classifier
+
+ATOL = 1e-4
+LABELS = {0: "happy", 1: "sad", 2: "neutral"}
+TEXTS = ["Once upon a time, there was a little dog.", "The cat was sad.", "Tom and Lily went to the park to play."]
+
+pytestmark = pytest.mark.usefixtures("single_threaded_torch")
+
+
+@pytest.fixture(scope="module")
+def classifier(stories260k_dir, compile_cache, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("story_classifier")
+    torch_model = story_classifier(stories260k_dir, folder / "model", num_labels=3, id2label=LABELS,
+                                   label2id={v: k for k, v in LABELS.items()})
+    (folder / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    process = start_server(folder / "model", folder, compile_cache, "--chat-template",
+                           str(folder / "chat_template.jinja"), "--api-key", API_KEY)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder / "model")
+    with httpx.Client(base_url=process.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as http:
+        yield http, torch_model, tokenizer
+    assert process.terminate() == 0
+
+
+def logits(torch_model, ids) -> np.ndarray:
+    with torch.no_grad():
+        return torch_model(torch.tensor([list(ids)])).logits[0].numpy()
+
+
+def test_classify_texts_and_token_ids(classifier):
+    http, torch_model, tokenizer = classifier
+    reference = np.stack([logits(torch_model, tokenizer(t)["input_ids"]) for t in TEXTS])
+    body = http.post("/classify", json={"model": MODEL_NAME, "input": TEXTS}).json()
+    assert body["object"] == "list" and body["model"] == MODEL_NAME and body["id"].startswith("classify-")
+    probs = np.asarray([d["probs"] for d in body["data"]])
+    np.testing.assert_allclose(probs, torch.softmax(torch.tensor(reference), -1).numpy(), atol=1e-5)
+    assert [d["label"] for d in body["data"]] == [LABELS[i] for i in reference.argmax(-1)]
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and {d["num_classes"] for d in body["data"]} == {3}
+    tokens = sum(len(tokenizer(t)["input_ids"]) for t in TEXTS)
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                             "prompt_tokens_details": None}
+    # Raw logits (a reward model's scores), token ids, the last tokens only, no BOS.
+    ids = tokenizer(TEXTS[2])["input_ids"]
+    raw = http.post("/v1/classify", json={"input": [ids, ids], "use_activation": False,
+                                          "truncate_prompt_tokens": 5}).json()
+    np.testing.assert_allclose(raw["data"][0]["probs"], logits(torch_model, ids[-5:]), atol=ATOL)
+    bare = http.post("/classify", json={"input": TEXTS[1], "add_special_tokens": False, "activation": False}).json()
+    np.testing.assert_allclose(bare["data"][0]["probs"],
+                               logits(torch_model, tokenizer(TEXTS[1], add_special_tokens=False)["input_ids"]),
+                               atol=ATOL)
+    assert metric(http, "llm_jax:prompt_tokens_total", model_name=MODEL_NAME) >= tokens
+
+
+def test_classify_a_conversation(classifier):
+    """A reward model reads a whole conversation, rendered by the chat template (no generation prompt)."""
+    http, torch_model, tokenizer = classifier
+    chat = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "A cat sat."}]
+    ids = tokenizer.apply_chat_template(chat, chat_template=CHAT_TEMPLATE, tokenize=True, add_generation_prompt=False,
+                                        return_dict=False)
+    body = http.post("/classify", json={"messages": chat, "use_activation": False}).json()
+    np.testing.assert_allclose(body["data"][0]["probs"], logits(torch_model, ids), atol=ATOL)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "input"),
+    ({"input": "a", "messages": [{"role": "user", "content": "a"}]}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [[1, 10**6]]}, "input[0]"),
+    ({"input": "a", "use_activation": "yes"}, "use_activation"),
+    ({"input": "a", "use_activation": True, "activation": False}, "activation"),
+    ({"input": "a", "add_generation_prompt": True}, "messages"),
+    ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": "a", "temperature": 0.5}, "temperature"),
+    ({"input": "a", "model": "other"}, "model"),
+    ({"input": [1] * 600}, "input"),
+])
+def test_bad_requests_name_the_field(classifier, body, param):
+    http = classifier[0]
+    response = http.post("/classify", json=body)
+    assert 400 <= response.status_code < 500, response.text
+    assert response.json()["error"]["param"] == param, response.json()
+
+
+def test_a_classifier_does_not_generate(classifier):
+    http = classifier[0]
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/rerank"):
+        response = http.post(path, json={"model": MODEL_NAME, "prompt": "Once"})
+        assert response.status_code == 404, (path, response.text)
+        assert "sequence classifier" in response.json()["error"]["message"]
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [MODEL_NAME]
+    assert http.get("/health").status_code == 200
+    assert httpx.post(f"{http.base_url}/classify", json={"input": "Once"}).status_code == 401  # no key
+    assert http.post("/tokenize", json={"prompt": "Once"}).json()["count"] > 0
+    embedding = http.post("/v1/embeddings", json={"input": "Once upon a time"}).json()["data"][0]["embedding"]
+    assert abs(np.linalg.norm(embedding) - 1) < 1e-5
+
+
+def test_a_language_model_does_not_classify(http):
+    response = http.post("/classify", json={"input": "Once"})
+    assert response.status_code == 404
+    assert "not a sequence classifier" in response.json()["error"]["message"]
