@@ -20,10 +20,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from llm_jax import backends
 from llm_jax.backends import Backend, Pallas
-from llm_jax.config import ModelConfig, Quantization
+from llm_jax.config import Classifier, ModelConfig, Quantization
 from llm_jax.lora import LoraAdapter, LoraRows, LoraWeights, merge_lora
 from llm_jax.model import Params, param_shapes
-from llm_jax.quantization import parse_quantization, quantize_params
+from llm_jax.quantization import QuantizedArray, parse_quantization, quantize_params
 from llm_jax.sharding import make_mesh, param_shardings, shard_params
 from llm_jax.tokenizer import Tokenizer, load_tokenizer
 from llm_jax.weights import sources
@@ -75,6 +75,49 @@ class Model:
         """This model with a LoRA adapter merged into its weights (an adapter, or a PEFT folder)."""
         adapter = load_lora(adapter, self.config)
         return dataclasses.replace(self, params=merge_lora(self.params, self.config, adapter))
+
+    def as_classifier(self, tokens: Sequence[str | int]) -> "Model":
+        """This language model as a sequence classifier reading its next-token logits of ``tokens`` (each a
+        token id, or a text that is one token), as vLLM's ``classifier_from_token`` makes rerankers of
+        language models (Qwen3-Reranker, bge-reranker-v2-gemma, mxbai-rerank-v2). Two tokens give one logit,
+        the second's minus the first's (its sigmoid is the second token's share of the two: "no", "yes");
+        one token gives its logit; more give one logit each (their softmax is the next-token distribution
+        restricted to them). The head is the LM head's columns of those tokens."""
+        config = self.config
+        if config.classifier is not None:
+            raise ValueError("the model is a sequence classifier already")
+        if config.final_logit_softcap is not None:
+            raise ValueError("a model with final_logit_softcap (Gemma 2) squashes its logits after the head: no "
+                             "linear head reads them")
+        ids = [self._token_id(token) for token in tokens]
+        if not ids or len(set(ids)) != len(ids):
+            raise ValueError(f"as_classifier needs distinct tokens, got {list(tokens)}")
+        tied = config.tie_embeddings
+        head = self.params["embedder"]["embedding"] if tied else self.params["lm_head"]  # [V, D] or [D, V]
+        head = head.dequantize(jnp.float32) if isinstance(head, QuantizedArray) else jnp.asarray(head, jnp.float32)
+        score_DC = head[jnp.asarray(ids)].T if tied else head[:, jnp.asarray(ids)]
+        names = [self.tokenizer.decode([i]) if self.tokenizer is not None else str(i) for i in ids]
+        if len(ids) == 2:
+            score_DC, names = score_DC[:, 1:] - score_DC[:, :1], names[1:]
+        params = {k: v for k, v in self.params.items() if k != "lm_head"}
+        params["score"] = score_DC.astype(config.param_jnp_dtype)
+        if self.mesh is not None:
+            params["score"] = jax.device_put(params["score"], NamedSharding(self.mesh, PartitionSpec()))
+        classified = config.replace(classifier=Classifier(labels=tuple(names)))
+        return dataclasses.replace(self, config=classified, params=params)
+
+    def _token_id(self, token: str | int) -> int:
+        V = self.config.vocab_size
+        if isinstance(token, int):
+            if not 0 <= token < V:
+                raise ValueError(f"token id {token} is outside the vocabulary [0, {V})")
+            return token
+        if self.tokenizer is None:
+            raise ValueError(f"the model has no tokenizer to read {token!r}: give token ids")
+        ids = self.tokenizer.encode(token, add_bos=False)
+        if len(ids) != 1:
+            raise ValueError(f"{token!r} is {len(ids)} tokens {ids}, not one")
+        return ids[0]
 
 
 def lora_rows(model: Model, adapters: Sequence[LoraAdapter | str | os.PathLike | None]) -> LoraRows:

@@ -211,6 +211,32 @@ async def classify_route(service: Service, request: Request) -> Response:
                         headers={"x-request-id": rid})
 
 
+async def _pair_scores(service: Service, queries: list[tuple[int, ...]], documents: list[tuple[int, ...]],
+                       lora: str | None, param: str) -> tuple[np.ndarray, int]:
+    """Each (query, document) pair's score (one query: against every document) and the tokens read: the cosine
+    similarity of their embeddings, or a cross-encoder's (a one-logit classifier: a reranker) probability
+    for the pair's tokens, the query's then the document's, each encoded as alone (``transformers``' pair
+    encoding for these tokenizers)."""
+    classifier = service.model.config.classifier
+    if classifier is None:
+        vectors = await _embed(service, queries + documents, lora=lora)
+        return (similarity.pair_scores(vectors[:len(queries)], vectors[len(queries):]),
+                sum(map(len, queries + documents)))
+    if classifier.num_labels != 1:
+        raise ApiError(f"scores need a cross-encoder (a classifier with one logit); {service.name!r} has "
+                       f"{classifier.num_labels} labels: use /classify", param="model", code="invalid_value")
+    pairs = [q + d for q, d in zip(queries * len(documents) if len(queries) == 1 else queries, documents)]
+    for i, ids in enumerate(pairs):
+        if len(ids) > service.max_model_len:
+            raise ApiError(f"pair {i} has {len(ids)} tokens; this model's context is {service.max_model_len}",
+                           param=param, code="context_length_exceeded")
+    async with service.side_lock:
+        result = await asyncio.to_thread(classify, service.model, pairs)
+    tokens = sum(map(len, pairs))
+    service.metrics.prompt_tokens.inc(tokens)
+    return result.probs[:, 0].astype(np.float64), tokens
+
+
 async def score(service: Service, request: Request) -> Response:
     """vLLM's score: the cosine similarity of each pair of texts' embeddings (:mod:`llm_jax.server.similarity`)."""
     rid, arrival = request_id(request, "score"), time.monotonic()
@@ -222,9 +248,7 @@ async def score(service: Service, request: Request) -> Response:
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
-    vectors = await _embed(service, queries + documents, lora=lora)
-    scores = similarity.pair_scores(vectors[:len(queries)], vectors[len(queries):])
-    tokens = sum(map(len, queries + documents))
+    scores, tokens = await _pair_scores(service, queries, documents, lora, "text_2")
     log.info("%s 200 prompt_tokens=%d pairs=%d total=%.3fs", rid, tokens, len(scores), time.monotonic() - arrival)
     return JSONResponse(similarity.score_response(rid, int(time.time()), service.name, scores, tokens),
                         headers={"x-request-id": rid})
@@ -241,9 +265,7 @@ async def rerank(service: Service, request: Request) -> Response:
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
-    vectors = await _embed(service, query + documents, lora=lora)
-    scores = similarity.pair_scores(vectors[:1], vectors[1:])
-    tokens = sum(map(len, query + documents))
+    scores, tokens = await _pair_scores(service, query, documents, lora, "documents")
     log.info("%s 200 prompt_tokens=%d documents=%d total=%.3fs", rid, tokens, len(scores), time.monotonic() - arrival)
     return JSONResponse(similarity.rerank_response(rid, service.name, parsed, scores, tokens),
                         headers={"x-request-id": rid})
@@ -351,11 +373,6 @@ GENERATING = (  # a language model's routes
     ("/v1/completions", "POST", completions),
     ("/v1/chat/completions", "POST", chat_completions),
     ("/v1/responses", "POST", responses),
-    ("/v1/score", "POST", score),
-    ("/score", "POST", score),
-    ("/v1/rerank", "POST", rerank),
-    ("/rerank", "POST", rerank),
-    ("/v2/rerank", "POST", rerank),
 )
 CLASSIFYING = (  # a sequence classifier's
     ("/classify", "POST", classify_route),
@@ -363,6 +380,11 @@ CLASSIFYING = (  # a sequence classifier's
 )
 ROUTES: tuple[tuple[str, str, Handler], ...] = (  # every server's
     ("/v1/embeddings", "POST", embeddings),
+    ("/v1/score", "POST", score),
+    ("/score", "POST", score),
+    ("/v1/rerank", "POST", rerank),
+    ("/rerank", "POST", rerank),
+    ("/v2/rerank", "POST", rerank),
     ("/v1/models", "GET", models),
     ("/v1/models/{model:path}", "GET", model),
     ("/tokenize", "POST", tokenize),
@@ -420,7 +442,8 @@ def build_app(engine: AsyncEngine | None, config: ServerConfig, model: Model | N
                        allow_headers=["*"], expose_headers=["x-request-id", "retry-after"])]
     cors = cors if config.allowed_origins else []
     if engine is None:
-        absent = _not_served("a sequence classifier, which does not generate", "/classify and /v1/embeddings")
+        absent = _not_served("a sequence classifier, which does not generate", "/classify, /score, /rerank and "
+                             "/v1/embeddings")
         routes = ROUTES + CLASSIFYING + tuple((path, method, absent) for path, method, _ in GENERATING)
     else:
         absent = _not_served("a language model, not a sequence classifier", "completions, chat, responses, "

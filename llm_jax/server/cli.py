@@ -129,6 +129,10 @@ def build_parser() -> CliParser:
     engine.add_argument("--embedding-pooling", choices=["last", "mean"], default="last",
                         help="/v1/embeddings: the last token's final hidden state (decoder embedding models: "
                              "Qwen3-Embedding, e5-mistral) or the mean over the input (default: %(default)s)")
+    engine.add_argument("--classifier-from-token", nargs="+", metavar="TOKEN",
+                        help="serve the language model as a classifier of its next-token logits of these tokens "
+                             "(vLLM's classifier_from_token: rerankers such as Qwen3-Reranker with 'no yes'; two "
+                             "tokens: the second's share of the two) on /classify, /score and /rerank")
     engine.add_argument("--max-logprobs", type=non_negative_int, default=20, metavar="N",
                         help="top log-probabilities a request may ask for (default: %(default)s)")
     lora = parser.add_argument_group("LoRA adapters (a request's 'model' names one; all run in the same steps)")
@@ -322,6 +326,11 @@ def start_engine(args: argparse.Namespace):
     enable_persistent_cache()  # a restart loads its step programs instead of compiling them
     t0 = time.perf_counter()
     model = load(args.model, dtype=args.dtype, backend=args.backend, mesh=args.mesh, quantize=quantization(args))
+    if args.classifier_from_token:
+        try:
+            model = model.as_classifier(args.classifier_from_token)
+        except ValueError as error:
+            raise CliError(f"--classifier-from-token: {error}") from None
     if model.config.classifier is not None:
         _check_classifier_flags(args)
         log.info("loaded %s in %.1f s: a sequence classifier (%d labels), served on /classify", args.model,

@@ -8,7 +8,10 @@
   relevance_score, document: {text}}]``, most similar first.
 
 The embeddings are those the server's ``--embedding-pooling`` gives, normalized, so a score is a dot
-product in [-1, 1]; a decoder embedding model (Qwen3-Embedding, e5-mistral) is what makes them useful.
+product in [-1, 1]; a decoder embedding model (Qwen3-Embedding, e5-mistral) is what makes them useful. A
+served cross-encoder (a sequence classifier with one logit: a reranker, or a language model made one with
+``--classifier-from-token``) scores each pair instead: the sigmoid of its logit for the two texts' tokens
+one after the other, as vLLM scores with such models.
 """
 
 from __future__ import annotations

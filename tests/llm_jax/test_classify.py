@@ -173,7 +173,7 @@ def test_a_classifier_on_a_mesh_gives_one_devices_logits(story_reward):
         np.testing.assert_allclose(np.asarray(logits), reference, atol=ATOL, err_msg=spec)
 
 
-def test_the_server_refuses_generation_flags_for_a_classifier(story_reward, monkeypatch):
+def test_the_server_refuses_generation_flags_for_a_classifier(story_reward, stories260k_dir, monkeypatch):
     from llm_jax.cli.common import CliError
     from llm_jax.server import cli
 
@@ -183,3 +183,68 @@ def test_the_server_refuses_generation_flags_for_a_classifier(story_reward, monk
     assert engine is None and model.config.classifier.num_labels == 1
     with pytest.raises(CliError, match="--speculative, --enable-lora: the model is a sequence classifier"):
         cli.start_engine(cli.build_parser().parse_args([*args, "--speculative", "ngram", "--enable-lora"]))
+    with pytest.raises(CliError, match="--classifier-from-token: 'dog' is 2 tokens"):
+        cli.start_engine(cli.build_parser().parse_args(["--model", str(stories260k_dir / "hf"),
+                                                        "--classifier-from-token", "dog"]))
+
+
+# --- a language model as a classifier of its next-token logits (rerankers: vLLM's classifier_from_token) ---
+
+
+def restricted(logits_V: torch.Tensor, ids: list[int]) -> np.ndarray:
+    """What a classifier of the next-token logits of ``ids`` gives: two tokens, the second's share of the two;
+    one, the sigmoid of its logit; more, the softmax over them."""
+    chosen = logits_V[ids]
+    if len(ids) == 2:
+        return torch.softmax(chosen, -1)[1:].numpy()
+    return (torch.sigmoid(chosen) if len(ids) == 1 else torch.softmax(chosen, -1)).numpy()
+
+
+@pytest.mark.parametrize("tokens", [["He", "She"], [346], [261, 265, 269]])
+def test_a_language_model_as_a_classifier_of_its_next_tokens(stories260k_dir, tokens):
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(stories260k_dir / "hf", dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(stories260k_dir / "hf")
+    model = llm_jax.load(stories260k_dir / "hf").as_classifier(tokens)
+    ids = [t if isinstance(t, int) else tokenizer(t, add_special_tokens=False)["input_ids"] for t in tokens]
+    ids = [t[0] if isinstance(t, list) and len(t) == 1 else t for t in ids]  # each text one token
+    assert model.config.classifier.num_labels == (1 if len(ids) == 2 else len(ids)) and "lm_head" not in model.params
+    texts = ["Once upon a time, there was a little girl.", "The dog ran to the park and", "One day,"]
+    result = llm_jax.classify(model, texts)
+    with torch.no_grad():
+        expected = np.stack([restricted(torch_model(torch.tensor([tokenizer(t)["input_ids"]])).logits[0, -1], ids)
+                             for t in texts])
+    np.testing.assert_allclose(result.probs, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen2_bias_tied", "gemma_mqa"])
+def test_a_tied_or_quantized_head_as_a_classifier(family, tmp_path):
+    build_lm(family, tmp_path)
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ids = [7, 90]
+    with torch.no_grad():
+        expected = np.stack([restricted(torch_model(torch.tensor([t])).logits[0, -1], ids) for t in TEXTS])
+    np.testing.assert_allclose(llm_jax.classify(llm_jax.load(tmp_path).as_classifier(ids), TEXTS).probs, expected,
+                               atol=1e-5)
+    quantized = llm_jax.load(tmp_path, quantize=llm_jax.Quantization(bits=8, embedding=True)).as_classifier(ids)
+    np.testing.assert_allclose(llm_jax.classify(quantized, TEXTS).probs, expected, atol=0.02)
+
+
+def build_lm(family: str, folder) -> None:
+    """``family``'s tiny random language model, saved to ``folder``."""
+    spec = FAMILIES[family]
+    config = spec.config_class(**{**COMMON, **spec.fields})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+def test_bad_classifier_tokens_are_refused(stories, tmp_path):
+    with pytest.raises(ValueError, match="'dog' is 2 tokens"):
+        stories.as_classifier(["dog"])
+    with pytest.raises(ValueError, match="distinct tokens"):
+        stories.as_classifier([5, 5])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        stories.as_classifier([10**6])
+    gemma2 = tmp_path / "gemma2"
+    build_lm("gemma2_softcap_local_global", gemma2)
+    with pytest.raises(ValueError, match="final_logit_softcap"):
+        llm_jax.load(gemma2).as_classifier([1, 2])

@@ -98,7 +98,7 @@ def test_bad_requests_name_the_field(classifier, body, param):
 
 def test_a_classifier_does_not_generate(classifier):
     http = classifier[0]
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/rerank"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         response = http.post(path, json={"model": MODEL_NAME, "prompt": "Once"})
         assert response.status_code == 404, (path, response.text)
         assert "sequence classifier" in response.json()["error"]["message"]
@@ -114,3 +114,46 @@ def test_a_language_model_does_not_classify(http):
     response = http.post("/classify", json={"input": "Once"})
     assert response.status_code == 404
     assert "not a sequence classifier" in response.json()["error"]["message"]
+
+
+# --- a reranker: a language model read as a classifier of two next tokens (--classifier-from-token) -------------
+
+
+@pytest.fixture(scope="module")
+def reranker(stories260k_dir, compile_cache, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("reranker")
+    process = start_server(stories260k_dir / "hf", folder, compile_cache, "--classifier-from-token", "He", "She")
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(stories260k_dir / "hf", dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(stories260k_dir / "hf")
+    with httpx.Client(base_url=process.url, timeout=120) as http:
+        yield http, torch_model, tokenizer
+    assert process.terminate() == 0
+
+
+def pair_score(torch_model, tokenizer, query: str, document: str) -> float:
+    """``transformers``' pair encoding of the texts, and the second token's share of the two at its end."""
+    he, she = (tokenizer(t, add_special_tokens=False)["input_ids"][0] for t in ("He", "She"))
+    with torch.no_grad():
+        logits = torch_model(torch.tensor([tokenizer(query, document)["input_ids"]])).logits[0, -1]
+    return float(torch.softmax(logits[[he, she]], -1)[1])
+
+
+def test_score_and_rerank_with_a_cross_encoder(reranker):
+    http, torch_model, tokenizer = reranker
+    query, documents = "Lily went to the park.", ["Then", "The cat was happy. Then", "One day, Tom said hello and"]
+    expected = [pair_score(torch_model, tokenizer, query, d) for d in documents]
+    body = http.post("/v1/score", json={"text_1": query, "text_2": documents}).json()
+    np.testing.assert_allclose([d["score"] for d in body["data"]], expected, atol=1e-5)
+    pairs = http.post("/score", json={"text_1": documents[:2], "text_2": [query, query]}).json()
+    np.testing.assert_allclose([d["score"] for d in pairs["data"]],
+                               [pair_score(torch_model, tokenizer, d, query) for d in documents[:2]], atol=1e-5)
+    ranked = http.post("/v1/rerank", json={"query": query, "documents": documents, "top_n": 2}).json()["results"]
+    assert [r["index"] for r in ranked] == list(np.argsort(expected)[::-1][:2])
+    np.testing.assert_allclose([r["relevance_score"] for r in ranked], sorted(expected, reverse=True)[:2], atol=1e-5)
+    label = http.post("/classify", json={"input": query}).json()["data"][0]
+    assert label["label"] == "She" and label["num_classes"] == 1
+
+
+def test_score_needs_a_one_logit_classifier(classifier):
+    response = classifier[0].post("/score", json={"text_1": "a", "text_2": "b"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
