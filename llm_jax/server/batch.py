@@ -38,12 +38,14 @@ from llm_jax.server import cli
 
 log = logging.getLogger("llm_jax.server")
 
-URLS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+URLS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/score", "/v1/rerank",
+        "/v1/classify")
 PROGRESS_EVERY_S = 5.0
 EPILOG = """\
 input lines (OpenAI's Batch API format; one request per line):
   {"custom_id": "q1", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...]}}
-  url: /v1/completions, /v1/chat/completions, /v1/responses or /v1/embeddings
+  url: /v1/completions, /v1/chat/completions, /v1/responses, /v1/embeddings, /v1/score, /v1/rerank, or
+  /v1/classify (a sequence classifier)
 
 output lines (in the input's order):
   {"id": "batch_req_...", "custom_id": "q1", "response": {"status_code": 200, "request_id": "...",

@@ -332,7 +332,7 @@ def start_engine(args: argparse.Namespace):
         except ValueError as error:
             raise CliError(f"--classifier-from-token: {error}") from None
     if model.config.classifier is not None:
-        _check_classifier_flags(args)
+        _check_classifier_flags(args, model.config.max_seq_len)
         log.info("loaded %s in %.1f s: a sequence classifier (%d labels), served on /classify", args.model,
                  time.perf_counter() - t0, model.config.classifier.num_labels)
         return None, model
@@ -357,8 +357,11 @@ def start_engine(args: argparse.Namespace):
     return engine, model
 
 
-def _check_classifier_flags(args: argparse.Namespace) -> None:
-    """Flags about generating (speculation, LoRA adapters) have no meaning for a classifier: refused by name."""
+def _check_classifier_flags(args: argparse.Namespace, context: int) -> None:
+    """Flags about generating (speculation, LoRA adapters) have no meaning for a classifier: refused by name;
+    ``--max-model-len`` within the model's context."""
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise CliError(f"--max-model-len {args.max_model_len} exceeds the model's context ({context})")
     flags = (("--speculative", args.speculative is not None), ("--lora-modules", args.lora_modules),
              ("--enable-lora", args.enable_lora), ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating))
     given = [flag for flag, on in flags if on]
@@ -398,7 +401,8 @@ def server_config(args: argparse.Namespace, model, template, **overrides):
                   allowed_origins=tuple(args.allowed_origins), scheduling_policy=args.scheduling_policy,
                   embedding_pooling=args.embedding_pooling,
                   allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                  sampling_defaults=sampling_defaults(args, model) if model.config.classifier is None else {})
+                  sampling_defaults=sampling_defaults(args, model) if model.config.classifier is None else {},
+                  max_model_len=args.max_model_len)
     return ServerConfig(**(fields | overrides))
 
 

@@ -64,6 +64,7 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     # What requests leave out: the model's recommended sampling settings (``llm_jax.server.defaults``).
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    max_model_len: int | None = None  # a classifier's context (an engine has its own); None: the model's
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -89,7 +90,8 @@ class Service:
         if engine is None:  # a classifier: its context, no generation
             self.limits = Limits(vocab_size=model_config.vocab_size, max_logprobs=0, embedding_dim=model_config.d_model,
                                  defaults=config.sampling_defaults)
-            self.max_model_len, self.capacity = model_config.max_seq_len, config.max_waiting
+            self.max_model_len = min(config.max_model_len or model_config.max_seq_len, model_config.max_seq_len)
+            self.capacity = config.max_waiting
             self.metrics = ServerMetrics(None, self.name)
         else:
             inner = engine.engine

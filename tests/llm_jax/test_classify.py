@@ -183,6 +183,8 @@ def test_the_server_refuses_generation_flags_for_a_classifier(story_reward, stor
     assert engine is None and model.config.classifier.num_labels == 1
     with pytest.raises(CliError, match="--speculative, --enable-lora: the model is a sequence classifier"):
         cli.start_engine(cli.build_parser().parse_args([*args, "--speculative", "ngram", "--enable-lora"]))
+    with pytest.raises(CliError, match="--max-model-len 600 exceeds the model's context"):
+        cli.start_engine(cli.build_parser().parse_args([*args, "--max-model-len", "600"]))
     with pytest.raises(CliError, match="--classifier-from-token: 'dog' is 2 tokens"):
         cli.start_engine(cli.build_parser().parse_args(["--model", str(stories260k_dir / "hf"),
                                                         "--classifier-from-token", "dog"]))

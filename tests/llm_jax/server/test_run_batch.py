@@ -43,6 +43,7 @@ def results(model_path, compile_cache, tmp_path_factory):
         _line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
                                                "temperature": 0}),
         _line("embed", "/v1/embeddings", {"input": PROMPTS}),
+        _line("score", "/v1/score", {"text_1": PROMPTS[0], "text_2": PROMPTS[1:]}),
         "",  # blank lines are skipped
         _line("too-long", "/v1/completions", {"prompt": "x", "max_tokens": 10_000}),
         "{not json",
@@ -57,13 +58,13 @@ def results(model_path, compile_cache, tmp_path_factory):
     done = _run_batch(model_path, compile_cache, "-i", str(folder / "in.jsonl"), "-o", str(folder / "out.jsonl"),
                       "--chat-template", str(folder / "template.jinja"))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "batch: 12/12 done, 6 failed" in done.stderr
+    assert "batch: 13/13 done, 6 failed" in done.stderr
     return [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
 
 
 def test_results_follow_the_input_one_per_request(results):
-    assert [r["custom_id"] for r in results] == ["c0", "c1", "c2", "chat", "embed", "too-long", None, "c0", "get",
-                                                 "models", "streamed", "sampled"]
+    assert [r["custom_id"] for r in results] == ["c0", "c1", "c2", "chat", "embed", "score", "too-long", None, "c0",
+                                                 "get", "models", "streamed", "sampled"]
     assert len({r["id"] for r in results}) == len(results) and all(r["id"].startswith("batch_req_") for r in results)
 
 
@@ -79,6 +80,8 @@ def test_greedy_completions_and_embeddings_are_the_librarys(results, stories):
         assert response["body"]["object"] == "text_completion" and by_id[f"c{i}"]["error"] is None
     vectors = np.array([d["embedding"] for d in by_id["embed"]["response"]["body"]["data"]])
     np.testing.assert_allclose(vectors, llm_jax.embed_texts(stories, PROMPTS), atol=1e-5, rtol=0)
+    scores = [d["score"] for d in by_id["score"]["response"]["body"]["data"]]
+    np.testing.assert_allclose(scores, vectors[1:] @ vectors[0], atol=1e-5)
     chat = by_id["chat"]["response"]
     assert chat["status_code"] == 200 and chat["body"]["object"] == "chat.completion"
     sampled = by_id["sampled"]["response"]["body"]["choices"]
@@ -91,7 +94,7 @@ def test_refusals_keep_the_servers_body_and_bad_lines_say_why(results):
     too_long = next(r for r in results if r["custom_id"] == "too-long")
     assert too_long["response"]["status_code"] == 400 and too_long["response"]["body"]["error"]["param"]
     errors = {r["custom_id"]: r["error"]["message"] for r in results if r["error"] is not None}
-    assert errors[None].startswith("line 8 is not JSON")
+    assert errors[None].startswith("line 9 is not JSON")
     assert "custom_id 'c0' is not unique" in errors["c0"]
     assert "method must be POST, got 'GET'" in errors["get"]
     assert "url must be one of" in errors["models"]

@@ -6,12 +6,17 @@ conversation rendered by the chat template (the reference renders it with ``tran
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import httpx
 import numpy as np
 import pytest
 import torch
 import transformers
-from server_process import API_KEY, CHAT_TEMPLATE, MODEL_NAME, metric, start_server
+from server_process import API_KEY, CHAT_TEMPLATE, MODEL_NAME, REPO_ROOT, metric, start_server
 
 from tests.llm_jax.test_classify import story_classifier
 
@@ -88,6 +93,7 @@ def test_classify_a_conversation(classifier):
     ({"input": "a", "temperature": 0.5}, "temperature"),
     ({"input": "a", "model": "other"}, "model"),
     ({"input": [1] * 600}, "input"),
+    ({"input": [1] * 300}, "input"),  # beyond --max-model-len 256 (the model's context is 512)
 ])
 def test_bad_requests_name_the_field(classifier, body, param):
     http = classifier[0]
@@ -157,3 +163,24 @@ def test_score_and_rerank_with_a_cross_encoder(reranker):
 def test_score_needs_a_one_logit_classifier(classifier):
     response = classifier[0].post("/score", json={"text_1": "a", "text_2": "b"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+def test_a_batch_file_of_classifications(stories260k_dir, compile_cache, tmp_path):
+    """``run_batch`` on a classifier: ``/v1/classify`` lines equal ``transformers``, generating lines are 404s."""
+    torch_model = story_classifier(stories260k_dir, tmp_path / "model", num_labels=3, id2label=LABELS,
+                                   label2id={v: k for k, v in LABELS.items()})
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "model")
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/classify", "body": {"input": TEXTS}},
+             {"custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Once"}}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    env = {**os.environ, "LLM_JAX_COMPILATION_CACHE": str(compile_cache),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "llm_jax.run_batch", "--model", str(tmp_path / "model"), "-i",
+                           str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")], capture_output=True,
+                          text=True, timeout=900, cwd=REPO_ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = (json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines())
+    reference = np.stack([logits(torch_model, tokenizer(t)["input_ids"]) for t in TEXTS])
+    probs = [d["probs"] for d in first["response"]["body"]["data"]]
+    np.testing.assert_allclose(probs, torch.softmax(torch.tensor(reference), -1).numpy(), atol=1e-5)
+    assert second["response"]["status_code"] == 404
