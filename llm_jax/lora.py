@@ -48,11 +48,14 @@ def target_dims(config: ModelConfig, target: str) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraAdapter:
     """One adapter on the host: ``weights[target] = (a [L, I, R], b [L, R, O])`` in float32, the scale in
-    b; layers the adapter leaves alone hold zeros."""
+    b; layers the adapter leaves alone hold zeros. ``score`` [D, C]: a sequence classifier's head trained
+    whole beside the adapter (PEFT's ``modules_to_save``, as reward models are fine-tuned), which merging
+    puts in place of the model's."""
 
     name: str
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
     path: str = ""
+    score: np.ndarray | None = None
 
     @property
     def rank(self) -> int:
@@ -64,6 +67,14 @@ class LoraAdapter:
 
     def check(self, config: ModelConfig) -> None:
         """Refuses an adapter whose shapes are not ``config``'s model's."""
+        if self.score is not None:
+            head = config.classifier
+            if head is None:
+                raise ValueError(f"LoRA adapter {self.name!r} trains a classifier's head (score), and the model is a "
+                                 "language model: load the adapter on its *ForSequenceClassification model")
+            if self.score.shape != (config.d_model, head.num_labels):
+                raise ValueError(f"LoRA adapter {self.name!r}: score is {list(self.score.shape)}, expected "
+                                 f"[{config.d_model}, {head.num_labels}] for this classifier")
         for target, (a, b) in self.weights.items():
             In, Out = target_dims(config, target)
             L = config.n_layers
@@ -101,6 +112,8 @@ def merge_lora(params: dict, config: ModelConfig, adapter: LoraAdapter) -> dict:
                              "lora_adapters)")
         delta = jnp.einsum("lir,lro->lio", jnp.asarray(a), jnp.asarray(b), precision="highest")
         layers[group][name] = (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+    if adapter.score is not None:  # a classifier's head, trained whole: it replaces the model's
+        return {**params, "layers": layers, "score": jnp.asarray(adapter.score, params["score"].dtype)}
     return {**params, "layers": layers}
 
 
@@ -128,6 +141,9 @@ class LoraWeights:
         (default: the largest) fix the stack's shapes, so that later adapters can fill slots in place."""
         adapters = [None if a is None else a.for_config(config) for a in adapters]
         present = [a for a in adapters if a is not None]
+        if head := next((a for a in present if a.score is not None), None):
+            raise ValueError(f"LoRA adapter {head.name!r} replaces the classifier's head (score): merge it "
+                             "(load(..., lora=...), Model.with_lora) rather than run it unmerged")
         targets = targets or tuple(t for t in TARGETS if any(t in a.weights for a in present))
         rank = rank or max((a.rank for a in present), default=1)
         if not targets:

@@ -23,6 +23,8 @@ from llm_jax.lora import TARGETS, LoraAdapter, target_dims
 from llm_jax.weights.safetensors_file import SafetensorsFile
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_SCORE = re.compile(r"^(?:base_model\.model\.)?score(?:\.modules_to_save\.[\w-]+)?\.weight$")
+HEAD_MODULES = {"score", "classifier"}  # PEFT's modules_to_save for SEQ_CLS: the head (ours is always "score")
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.*\.layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\."
                   r"(?P<target>\w+))\.lora_(?P<kind>[AB])(?:\.[\w-]+)?\.weight$")
 
@@ -53,8 +55,9 @@ def _read_config(folder: pathlib.Path) -> dict:
                  "trains biases, which are not supported"),
         "fan_in_fan_out": (bool(config.get("fan_in_fan_out")), "is true (GPT-2's Conv1D layout), not a supported "
                            "family"),
-        "modules_to_save": (bool(config.get("modules_to_save")), f"lists {config.get('modules_to_save')}: fully "
-                            "trained modules are not supported"),
+        "modules_to_save": (bool(set(config.get("modules_to_save") or ()) - HEAD_MODULES),
+                            f"lists {config.get('modules_to_save')}: fully trained modules other than a classifier's "
+                            "head (score) are not supported"),
         "target_parameters": (bool(config.get("target_parameters")), "is not supported"),
     }
     for field, (bad, why) in refusals.items():
@@ -76,7 +79,11 @@ def load_peft_adapter(path: str | pathlib.Path, config: ModelConfig, name: str |
     reader = SafetensorsFile(weights_path)
     tensors: dict[tuple[str, int], dict[str, np.ndarray]] = {}
     modules: dict[tuple[str, int], str] = {}
+    score = None
     for key in sorted(reader.names()):
+        if _SCORE.match(key):  # a classifier's head, trained whole (modules_to_save): [C, D] as torch stores it
+            score = reader.read(key).astype(np.float32).T
+            continue
         match = _KEY.match(key)
         if match is None:
             raise ValueError(f"{weights_path}: tensor {key} is not a LoRA update of a layer's projection")
@@ -117,5 +124,5 @@ def load_peft_adapter(path: str | pathlib.Path, config: ModelConfig, name: str |
             a_LIR[layer, :, :r] = pair["A"].T
             b_LRO[layer, :r] = pair["B"].T * np.float32(scale)
         weights[target] = (a_LIR, b_LRO)
-    adapter = LoraAdapter(name=name or folder.name, weights=weights, path=str(folder))
+    adapter = LoraAdapter(name=name or folder.name, weights=weights, path=str(folder), score=score)
     return adapter.for_config(config)

@@ -250,3 +250,33 @@ def test_bad_classifier_tokens_are_refused(stories, tmp_path):
     build_lm("gemma2_softcap_local_global", gemma2)
     with pytest.raises(ValueError, match="final_logit_softcap"):
         llm_jax.load(gemma2).as_classifier([1, 2])
+
+
+# --- a reward model fine-tuned with LoRA (PEFT's SEQ_CLS task: the head trained whole, modules_to_save) ---------
+
+
+def test_a_seq_cls_lora_adapter_merges_with_its_trained_head(story_reward, stories, tmp_path):
+    import peft
+
+    folder, _ = story_reward
+    torch.manual_seed(3)
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32)
+    tuned = peft.get_peft_model(base, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
+                                                      target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, param in tuned.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                param.copy_(torch.randn_like(param) * (0.5 if "lora_B" in name else 1.0))
+    tuned.save_pretrained(tmp_path / "adapter")
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["modules_to_save"]
+    texts = ["Once upon a time, there was a cat.", "The dog ran"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    expected = reference_logits(tuned.eval(), [tokenizer(t)["input_ids"] for t in texts])
+    plain = llm_jax.classify(llm_jax.load(folder), texts).logits
+    assert np.abs(expected - plain).max() > 0.1  # the adapter and its head change the scores
+    for model in (llm_jax.load(folder, lora=tmp_path / "adapter"), llm_jax.load(folder).with_lora(tmp_path / "adapter")):
+        np.testing.assert_allclose(llm_jax.classify(model, texts).logits, expected, atol=ATOL)
+    with pytest.raises(ValueError, match="replaces the classifier's head"):
+        llm_jax.classify(llm_jax.load(folder), texts, lora=tmp_path / "adapter")
+    with pytest.raises(ValueError, match="trains a classifier's head"):
+        stories.with_lora(tmp_path / "adapter")
