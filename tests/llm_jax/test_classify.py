@@ -274,7 +274,8 @@ def test_a_seq_cls_lora_adapter_merges_with_its_trained_head(story_reward, stori
     expected = reference_logits(tuned.eval(), [tokenizer(t)["input_ids"] for t in texts])
     plain = llm_jax.classify(llm_jax.load(folder), texts).logits
     assert np.abs(expected - plain).max() > 0.1  # the adapter and its head change the scores
-    for model in (llm_jax.load(folder, lora=tmp_path / "adapter"), llm_jax.load(folder).with_lora(tmp_path / "adapter")):
+    adapter = tmp_path / "adapter"
+    for model in (llm_jax.load(folder, lora=adapter), llm_jax.load(folder).with_lora(adapter)):
         np.testing.assert_allclose(llm_jax.classify(model, texts).logits, expected, atol=ATOL)
     with pytest.raises(ValueError, match="replaces the classifier's head"):
         llm_jax.classify(llm_jax.load(folder), texts, lora=tmp_path / "adapter")
