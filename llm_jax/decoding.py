@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,9 @@ class DecodeControls:
     allowed_BW: jax.Array | None = None
     lora: LoraRows | None = None  # each row's LoRA adapter (``llm_jax.lora``)
     logprobs: Logprobs | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # The caller's logits processors (``generate(logits_processors=...)``), after the built-in ones: each
+    # ``processor(scores_BV, tokens_BS, lengths_B) -> scores_BV``, traced into the step.
+    processors: tuple[Callable, ...] = dataclasses.field(default=(), metadata=dict(static=True))
 
     @classmethod
     def create(cls, sampling: Sequence[Sampling], *, eos_ids: Sequence[Sequence[int]],
@@ -96,7 +99,7 @@ class DecodeControls:
                min_new_tokens: Sequence[int] | None = None, stop_strings: Sequence[Sequence[str]] | None = None,
                tokenizer: Tokenizer | None = None, vocab_size: int | None = None, logprobs: Logprobs | None = None,
                samples: Sequence[int] | None = None, steering_BLD: np.ndarray | None = None,
-               record_layers: Sequence[int] = ()) -> "DecodeControls":
+               record_layers: Sequence[int] = (), processors: Sequence[Callable] = ()) -> "DecodeControls":
         """Per-row settings from host values; ``stop_strings`` (per row) need the ``tokenizer``; ``samples``
         numbers the rows that are samples of one prompt (their randomness differs)."""
         budgets = np.asarray(max_new_tokens, np.int32)
@@ -119,7 +122,8 @@ class DecodeControls:
                                record_layers=tuple(int(l) for l in record_layers))
         return cls(sampling=SamplingParams.stack(sampling, vocab_size=vocab_size, samples=samples),
                    eos_ids_BE=_padded(eos_ids), stop_ids_BX=_padded(stop_ids), max_new_tokens_B=budgets,
-                   min_new_tokens_B=minimum, stop_strings_BQ=active, stop_table=table, hooks=hooks, logprobs=logprobs)
+                   min_new_tokens_B=minimum, stop_strings_BQ=active, stop_table=table, hooks=hooks, logprobs=logprobs,
+                   processors=tuple(processors))
 
     def take_rows(self, index_B: jax.Array) -> "DecodeControls":
         """The controls of rows ``index_B`` (n samples of a prompt, beams)."""
@@ -190,7 +194,7 @@ def argmax_only(controls: DecodeControls) -> bool:
     processors = (s.bias_ids_BX, s.repetition_penalty_B, s.presence_penalty_B, s.no_repeat_ngram_B, s.banned_BQJ,
                   controls.min_new_tokens_B)
     return (not s.sampled and controls.logprobs is None and controls.allowed_BW is None
-            and all(p is None for p in processors))
+            and all(p is None for p in processors) and not controls.processors)
 
 
 def choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls,
@@ -203,6 +207,8 @@ def choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls,
     minimum = controls.min_new_tokens_B
     scores_BV = process_logits(logits_BV, controls.sampling, state.history, num_generated_B=state.num_generated_B,
                                end_ids_BE=None if minimum is None else controls.end_ids_BE, min_new_tokens_B=minimum)
+    for processor in controls.processors:  # the caller's, on every token so far (prompt and output)
+        scores_BV = processor(scores_BV, state.history.tokens_BS, state.history.length_B).astype(jnp.float32)
     if controls.logprobs is None:
         token_B = sample(scores_BV, controls.sampling, state.num_generated_B, backend=backend)
         return token_B, Emitted(tokens_BS=token_B)
@@ -247,7 +253,8 @@ def start(last_logits_BV: jax.Array, prompts_BT: jax.Array, cache: KVCache, cont
     backend = resolve_backend(backend)
     B, V = last_logits_BV.shape
     zeros_B = jnp.zeros((B,), jnp.int32)
-    history = controls.sampling.new_history(prompts_BT, cache.lengths_B, V=V, capacity=cache.max_len + 1)
+    history = controls.sampling.new_history(prompts_BT, cache.lengths_B, V=V, capacity=cache.max_len + 1,
+                                            tokens=bool(controls.processors))
     window_BP = None if controls.stop_table is None else stop_matching.empty_window(B, controls.stop_table)
     state = DecodeState(tokens_B=zeros_B, num_generated_B=zeros_B, finish_reason_B=zeros_B, history=history,
                         stop_window_BP=window_BP)

@@ -13,9 +13,11 @@ A program is stored under a hash of everything it is built from: the function's 
 arguments (``repr``), the tree structure, shapes, dtypes and weak types of the array ones, the sources of
 ``llm_jax`` and ``cpu_kernels``, the jax and jaxlib versions, the devices and the CPU's instruction
 sets, and the environment variables that start with ``JAX_``, ``XLA_`` or ``LLM_JAX_`` (read once per
-process). Calls with a mesh, on more than one device, or with an unhashable static argument go through
-jit as usual. Files are written to a temporary name and renamed; one that cannot be read is compiled
-again and replaced, and storing a program deletes its builds by other sources or versions. Programs
+process). Calls with a mesh, on more than one device, with an unhashable static argument, or with one
+whose ``repr`` names a memory address (a function: a caller's logits processor), which no later process
+could recognise, go through jit as usual. Files are written to a temporary name and renamed; one that
+cannot be read is compiled again and replaced, and storing a program deletes its builds by other sources
+or versions. Programs
 are compiled for this cache with JAX's persistent cache switched off (see ``_fresh_compilation``).
 """
 
@@ -29,6 +31,7 @@ import os
 import pathlib
 import pickle
 import platform
+import re
 import tempfile
 import warnings
 from typing import Any, Callable
@@ -40,6 +43,8 @@ import numpy as np
 _FORMAT = 2  # bump when the file layout (or what goes in it) changes
 _directory: pathlib.Path | None = None
 _loaded: dict[Any, Any] = {}  # in-process: (function, signature) → compiled program
+_IN_MEMORY = object()  # in ``_loaded``: a signature only this process can name; jit's own cache serves it
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
 def enable(directory: str | os.PathLike) -> pathlib.Path:
@@ -117,7 +122,10 @@ def cached(jitted: Callable) -> Callable:
         except TypeError:  # an unhashable static argument
             return jitted(*args, **kwargs)
         if compiled is None:
-            compiled = _loaded[key] = _load_or_compile(jitted, key, arguments)
+            in_memory = _ADDRESS.search(repr(key)) is not None  # e.g. <function f at 0x7f...>: this process's
+            compiled = _loaded[key] = _IN_MEMORY if in_memory else _load_or_compile(jitted, key, arguments)
+        if compiled is _IN_MEMORY:
+            return jitted(*args, **kwargs)
         return compiled(**{k: arguments[k] for k in compiled.args_info[1]})
 
     return call

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -185,7 +185,7 @@ class GenerationStream:
                  beams: BeamSearch | None = None, mesh: Mesh | str | None = None,
                  speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
                  guided: Guided | Sequence[Guided | None] | None = None, guided_after_token: int | None = None,
-                 lora=None):
+                 lora=None, logits_processors: Sequence[Callable] = ()):
         self.kv_cache_dtype = cache_dtype(model.config, kv_cache_dtype)  # names the choices when unknown
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
@@ -235,7 +235,8 @@ class GenerationStream:
             stop_strings=self.stops, tokenizer=model.tokenizer, vocab_size=config.vocab_size,
             logprobs=None if logprobs is None else Logprobs(top_n=logprobs, raw=raw_logprobs),
             samples=np.tile(np.arange(self.n), P),
-            steering_BLD=None if steering_PLD is None else steering_PLD[self.rows], record_layers=hidden_layers)
+            steering_BLD=None if steering_PLD is None else steering_PLD[self.rows], record_layers=hidden_layers,
+            processors=self._processors(logits_processors, speculative))
         self.prompt_hooks = LayerHooks(steering_BLD=None if steering_PLD is None else jnp.asarray(steering_PLD),
                                        record_layers=tuple(hidden_layers))
         self.prompt_lora = None  # each prompt's LoRA adapter (prefill); the rows' are the controls'
@@ -264,6 +265,21 @@ class GenerationStream:
         self.metrics: GenerationMetrics | None = None
         self.kv_cache: KVCache | None = None
         self._started = False
+
+    def _processors(self, processors: Sequence[Callable], speculative: Speculative | None) -> tuple[Callable, ...]:
+        processors = tuple(processors)
+        for processor in processors:
+            if not callable(processor):
+                raise TypeError(f"logits_processors holds {processor!r}, which is not callable")
+            try:
+                hash(processor)
+            except TypeError:
+                raise TypeError(f"logits processor {processor!r} is not hashable (it is a static argument of the "
+                                "jitted steps): use a function, or give its class __hash__") from None
+        unsupported = {"beam search": self.beams is not None, "speculative decoding": speculative is not None}
+        if processors and (named := [name for name, used in unsupported.items() if used]):
+            raise ValueError(f"logits_processors do not combine with {', '.join(named)}")
+        return processors
 
     @staticmethod
     def _check_beam_options(sampling, stops, n, logprobs, hidden_layers, return_kv_cache) -> None:
@@ -580,7 +596,8 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                     chunk_steps: int = DEFAULT_CHUNK_STEPS, mesh: Mesh | str | None = None,
                     speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
                     guided: Guided | Sequence[Guided | None] | None = None,
-                    guided_after_token: int | None = None, lora=None) -> GenerationStream:
+                    guided_after_token: int | None = None, lora=None,
+                    logits_processors: Sequence[Callable] = ()) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     Per prompt (one value for all, or a list with one per prompt): ``sampling`` (a :class:`Sampling`:
@@ -623,6 +640,13 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
     before each step, so such a generation decodes one step per chunk; not with beams nor speculation.
     ``guided_after_token`` (a thinking model's ``</think>``) leaves each completion free until that token
     and constrains it after.
+
+    ``logits_processors``: the caller's own, jittable and hashable (functions, say), each
+    ``processor(scores_BV, tokens_BS, lengths_B) -> scores_BV`` applied after the built-in processors and
+    before the sampling warpers, as ``transformers`` applies a ``logits_processor`` list: ``scores_BV`` the
+    float32 scores, ``tokens_BS`` each row's prompt and output so far (``lengths_B`` of them, ``PAD_ID``
+    after). They are traced into the decoding steps (a new processor compiles them anew); not with beams
+    nor speculation.
     """
     beams = None
     if num_beams > 1 or num_return_sequences > 1:
@@ -635,7 +659,7 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                             prompt_logprobs=prompt_logprobs, hidden_layers=hidden_layers, steering=steering,
                             return_kv_cache=return_kv_cache, beams=beams, mesh=mesh, speculative=speculative,
                             kv_cache_dtype=kv_cache_dtype, guided=guided, guided_after_token=guided_after_token,
-                            lora=lora)
+                            lora=lora, logits_processors=logits_processors)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:

@@ -216,10 +216,11 @@ class SamplingParams:
         return self.no_repeat_ngram_B is not None or (self.banned_BQJ is not None and self.banned_BQJ.shape[-1] > 1)
 
     def new_history(self, prompts_BT: jax.Array, prompt_lengths_B: jax.Array, *, V: int,
-                    capacity: int) -> History:
-        """The token history these settings need, starting from the right-padded prompts."""
+                    capacity: int, tokens: bool = False) -> History:
+        """The token history these settings need (``tokens``: the tokens themselves in any case), starting
+        from the right-padded prompts."""
         return History.create(prompts_BT, prompt_lengths_B, V=V,
-                              capacity=capacity if self.needs_token_history else None,
+                              capacity=capacity if tokens or self.needs_token_history else None,
                               seen=self.repetition_penalty_B is not None,
                               counts=self.presence_penalty_B is not None)
 
