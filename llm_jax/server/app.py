@@ -140,7 +140,7 @@ async def embeddings(service: Service, request: Request) -> Response:
     try:
         parsed = protocol.parse_embeddings(await service.body(request), service.limits)
         lora = service.check_model(parsed.model)
-        ids = _embedding_inputs(service, parsed.inputs, "input", parsed.truncate_prompt_tokens)
+        ids = _pooling_ids(service, parsed.source, parsed.truncate_prompt_tokens)
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
@@ -171,6 +171,18 @@ def _embedding_inputs(service: Service, texts, param: str, truncate: int | None 
     return ids
 
 
+def _pooling_ids(service: Service, source: protocol.PoolingInput, truncate: int | None,
+                 add_special_tokens: bool = True) -> list[tuple[int, ...]]:
+    """The token ids a pooling request reads: each input's, or its conversation's as the chat template
+    renders it."""
+    if source.messages is None:
+        return _embedding_inputs(service, source.inputs, "input", truncate, add_special_tokens)
+    ids, _ = service.render_chat(source.messages, add_generation_prompt=source.add_generation_prompt,
+                                 continue_final_message=source.continue_final_message,
+                                 template_kwargs=source.template_kwargs)
+    return _embedding_inputs(service, (ids,), "messages", truncate)
+
+
 async def _embed(service: Service, ids: list[tuple[int, ...]], dimensions: int | None = None,
                  lora: str | None = None):
     """Unit embeddings [len(ids), D] (:func:`llm_jax.pooling.embed_texts`), beside the engine's steps;
@@ -190,14 +202,7 @@ async def classify_route(service: Service, request: Request) -> Response:
     try:
         parsed = classification.parse_classify(await service.body(request), service.limits)
         service.check_model(parsed.model)
-        if parsed.messages is not None:
-            rendered, _ = service.render_chat(parsed.messages, add_generation_prompt=parsed.add_generation_prompt,
-                                              continue_final_message=parsed.continue_final_message,
-                                              template_kwargs=parsed.template_kwargs)
-            inputs, param = (rendered,), "messages"
-        else:
-            inputs, param = parsed.inputs, "input"
-        ids = _embedding_inputs(service, inputs, param, parsed.truncate_prompt_tokens, parsed.add_special_tokens)
+        ids = _pooling_ids(service, parsed.source, parsed.truncate_prompt_tokens, parsed.add_special_tokens)
     except ApiError as error:
         service.log_refusal(rid, error)
         raise
@@ -337,8 +342,9 @@ async def tokenize(service: Service, request: Request) -> Response:
             ids = service.tokenizer.encode(parsed.prompt, add_bos=None if parsed.add_special_tokens else False)
         except Exception as error:
             raise ApiError(f"prompt could not be tokenized: {error}", param="prompt") from None
+    token_strs = [service.tokenizer.id_to_piece(i) for i in ids] if parsed.return_token_strs else None
     return JSONResponse({"count": len(ids), "max_model_len": service.max_model_len, "tokens": list(ids),
-                         "token_strs": None})
+                         "token_strs": token_strs})
 
 
 async def detokenize(service: Service, request: Request) -> Response:

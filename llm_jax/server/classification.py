@@ -18,18 +18,14 @@ import math
 from typing import Any
 
 from llm_jax.pooling import Classification
-from llm_jax.server.fields import ApiError, Fields, check
-from llm_jax.server.protocol import MAX_EMBEDDING_INPUTS, Limits, Prompt, messages, prompt_inputs, truncation
+from llm_jax.server.fields import ApiError, Fields
+from llm_jax.server.protocol import Limits, PoolingInput, pooling_input, truncation
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClassifyRequest:
     model: str | None
-    inputs: tuple[Prompt, ...] | None  # texts or token ids; None: a conversation
-    messages: tuple[dict[str, Any], ...] | None = None
-    add_generation_prompt: bool = False
-    continue_final_message: bool = False
-    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    source: PoolingInput  # texts or token ids, or a conversation
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
     use_activation: bool = True
@@ -38,23 +34,7 @@ class ClassifyRequest:
 def parse_classify(body: Any, limits: Limits) -> ClassifyRequest:
     fields = Fields(body)
     model = fields.take("model", "string")
-    given, chat = fields.take("input", "string", "array"), fields.take("messages", "array")
-    if (given is None) == (chat is None):
-        raise ApiError("give either input or messages", param="input", code="missing_field")
-    inputs = None
-    if given is not None:
-        inputs = prompt_inputs(given, limits.vocab_size, "input")
-        check(len(inputs) <= MAX_EMBEDDING_INPUTS, "input",
-              f"may hold at most {MAX_EMBEDDING_INPUTS} inputs, got {len(inputs)}")
-    add_generation_prompt = fields.take("add_generation_prompt", "boolean", default=False)
-    continue_final = fields.take("continue_final_message", "boolean", default=False)
-    kwargs = fields.take("chat_template_kwargs", "object", default={})
-    if chat is None and (add_generation_prompt or continue_final or kwargs):
-        raise ApiError("add_generation_prompt, continue_final_message and chat_template_kwargs go with messages",
-                       param="messages", code="invalid_value")
-    if add_generation_prompt and continue_final:
-        raise ApiError("continue_final_message needs add_generation_prompt=false", param="continue_final_message",
-                       code="invalid_value")
+    source = pooling_input(fields, limits)
     truncate = truncation(fields)
     add_special = fields.take("add_special_tokens", "boolean", default=True)
     activation = fields.take("use_activation", "boolean")
@@ -64,9 +44,7 @@ def parse_classify(body: Any, limits: Limits) -> ClassifyRequest:
     fields.take("user", "string")
     fields.take("priority", "integer")  # vLLM's; classifications run one batch at a time, in arrival order
     fields.finish()
-    return ClassifyRequest(model=model, inputs=inputs, messages=None if chat is None else messages(chat),
-                           add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
-                           template_kwargs=kwargs, truncate_prompt_tokens=truncate, add_special_tokens=add_special,
+    return ClassifyRequest(model=model, source=source, truncate_prompt_tokens=truncate, add_special_tokens=add_special,
                            use_activation=next((v for v in (activation, legacy) if v is not None), True))
 
 

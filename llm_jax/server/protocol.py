@@ -123,6 +123,7 @@ class TokenizeRequest:
     add_special_tokens: bool
     add_generation_prompt: bool
     tools: ToolCalling | None = None  # shown to the chat template with messages
+    return_token_strs: bool = False  # each token's vocabulary entry too (vLLM's ``token_strs``)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -494,28 +495,63 @@ def parse_chat(body: Any, limits: Limits) -> ChatRequest:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PoolingInput:
+    """What a pooling request (embeddings, classification) reads: ``input`` (texts or token ids), or
+    ``messages``, one conversation the chat template renders (vLLM's chat form: ``add_generation_prompt``
+    default false, ``continue_final_message``, ``chat_template_kwargs``)."""
+
+    inputs: tuple[Prompt, ...] | None  # None: the conversation
+    messages: tuple[dict[str, Any], ...] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def pooling_input(fields: Fields, limits: Limits) -> PoolingInput:
+    given, chat = fields.take("input", "string", "array"), fields.take("messages", "array")
+    if (given is None) == (chat is None):
+        raise ApiError("give either input or messages", param="input", code="missing_field")
+    inputs = None
+    if given is not None:
+        inputs = prompt_inputs(given, limits.vocab_size, "input")
+        check(len(inputs) <= MAX_EMBEDDING_INPUTS, "input",
+              f"may hold at most {MAX_EMBEDDING_INPUTS} inputs, got {len(inputs)}")
+    add_generation_prompt = fields.take("add_generation_prompt", "boolean", default=False)
+    continue_final = fields.take("continue_final_message", "boolean", default=False)
+    kwargs = fields.take("chat_template_kwargs", "object", default={})
+    if chat is None and (add_generation_prompt or continue_final or kwargs):
+        raise ApiError("add_generation_prompt, continue_final_message and chat_template_kwargs go with messages",
+                       param="messages", code="invalid_value")
+    if add_generation_prompt and continue_final:
+        raise ApiError("continue_final_message needs add_generation_prompt=false", param="continue_final_message",
+                       code="invalid_value")
+    return PoolingInput(inputs=inputs, messages=None if chat is None else messages(chat),
+                        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
+                        template_kwargs=kwargs)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EmbeddingsRequest:
     model: str | None
-    inputs: tuple[Prompt, ...]
+    source: PoolingInput
     encoding_format: str  # "float" or "base64" (little-endian float32)
     dimensions: int | None  # keep the first dimensions (normalized after)
     truncate_prompt_tokens: int | None = None  # keep each input's last k tokens (-1: the context's worth)
 
 
 def parse_embeddings(body: Any, limits: Limits) -> EmbeddingsRequest:
-    """OpenAI's embeddings request: ``input`` (as completions' ``prompt``, at most MAX_EMBEDDING_INPUTS),
-    ``encoding_format``, ``dimensions``."""
+    """OpenAI's embeddings request: ``input`` (as completions' ``prompt``, at most MAX_EMBEDDING_INPUTS) or
+    vLLM's ``messages`` (:func:`pooling_input`), ``encoding_format``, ``dimensions``."""
     fields = Fields(body)
     model = fields.take("model", "string")
-    inputs = prompt_inputs(fields.required("input", "string", "array"), limits.vocab_size, "input")
-    check(len(inputs) <= MAX_EMBEDDING_INPUTS, "input", f"may hold at most {MAX_EMBEDDING_INPUTS} inputs, got "
-                                                        f"{len(inputs)}")
+    source = pooling_input(fields, limits)
     encoding = fields.take("encoding_format", "string", default="float")
     check(encoding in ("float", "base64"), "encoding_format", f"must be 'float' or 'base64', got {show(encoding)}")
     dimensions = integer(fields, "dimensions", 1, limits.embedding_dim)
     truncate_tokens = truncation(fields)
+    fields.take("user", "string")
     fields.finish()
-    return EmbeddingsRequest(model=model, inputs=inputs, encoding_format=encoding, dimensions=dimensions,
+    return EmbeddingsRequest(model=model, source=source, encoding_format=encoding, dimensions=dimensions,
                              truncate_prompt_tokens=truncate_tokens)
 
 
@@ -532,9 +568,11 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
     if tools is not None and chat is None:
         raise ApiError("tools go with messages (for the chat template), not with prompt", param="tools",
                        code="invalid_value")
+    token_strs = fields.take("return_token_strs", "boolean", default=False)
     fields.finish()
     return TokenizeRequest(model=model, prompt=prompt, messages=None if chat is None else messages(chat),
-                           add_special_tokens=add_special, add_generation_prompt=add_generation_prompt, tools=tools)
+                           add_special_tokens=add_special, add_generation_prompt=add_generation_prompt, tools=tools,
+                           return_token_strs=token_strs)
 
 
 def parse_detokenize(body: Any, limits: Limits) -> DetokenizeRequest:

@@ -14,6 +14,7 @@ import re
 import httpx
 import pydantic
 import pytest
+import sentencepiece
 from server_process import API_KEY, MODEL_NAME, UI_ORIGIN, metric
 
 import llm_jax
@@ -227,7 +228,7 @@ def test_browsers_from_the_allowed_origin(server):
     assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == UI_ORIGIN
 
 
-def test_models_version_tokenize_detokenize(client, http, model, server):
+def test_models_version_tokenize_detokenize(client, http, model, server, stories260k_dir):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
     assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
     missing = http.get("/v1/models/gpt-4")
@@ -239,6 +240,10 @@ def test_models_version_tokenize_detokenize(client, http, model, server):
     assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPTS[0]}
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}).json()
     assert chat["tokens"][0] == model.tokenizer.bos_id  # the template writes BOS; encoding adds none
+    assert tokenized["token_strs"] is None
+    pieces = http.post("/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True}).json()["token_strs"]
+    reference = sentencepiece.SentencePieceProcessor(model_file=str(stories260k_dir / "tok512.model"))
+    assert pieces == [reference.id_to_piece(i) for i in ids]
 
 
 def test_metrics_cover_latencies_queues_cache_and_tokens(client, http):

@@ -37,8 +37,22 @@ def test_embeddings_are_embed_texts(client, http, model):
     np.testing.assert_allclose(short, expected[0, :8] / np.linalg.norm(expected[0, :8]), atol=1e-6)
 
 
+def test_a_conversation_is_embedded_as_the_chat_template_renders_it(http, model):
+    """vLLM's chat form of embeddings: ``messages`` rendered by the server's chat template (no generation
+    prompt unless asked), embedded as those tokens are."""
+    chat = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "A cat sat."}]
+    for prompt in (False, True):
+        ids = http.post("/tokenize", json={"messages": chat, "add_generation_prompt": prompt}).json()["tokens"]
+        body = http.post("/v1/embeddings", json={"messages": chat, "add_generation_prompt": prompt}).json()
+        np.testing.assert_allclose(body["data"][0]["embedding"], llm_jax.embed_texts(model, [ids])[0], atol=1e-6)
+        assert body["usage"]["prompt_tokens"] == len(ids)
+
+
 @pytest.mark.parametrize("body, param", [
     ({}, "input"),
+    ({"input": "Hi", "messages": [{"role": "user", "content": "Hi"}]}, "input"),
+    ({"messages": [{"role": "robot", "content": "Hi"}]}, "messages[0].role"),
+    ({"input": "Hi", "continue_final_message": True}, "messages"),
     ({"input": []}, "input"),
     ({"input": [1, -1]}, "input"),
     ({"input": ["a", 1]}, "input"),
