@@ -106,6 +106,9 @@ def check_llama(config: ModelConfig) -> None:
         other.append(f"rope_scaling={config.rope_scaling!r}")
     if other:
         raise ConfigError(f"only Llama-architecture models are written as GGUF; this config sets {', '.join(other)}")
+    if config.classifier is not None:
+        raise ConfigError("a sequence classifier is not written as GGUF: llama.cpp's llama architecture has an LM "
+                          "head, not a classifier's score head")
     if config.quantization is not None:
         raise ConfigError(f"GGUF files are written from float weights; these are quantized ({config.quantization}): "
                           "load them without quantize and choose the file's type instead")

@@ -19,6 +19,7 @@ import transformers
 import llm_jax
 from llm_jax.config import ConfigError, NoLanguageModelHead, Problem
 from llm_jax.weights.convert import convert
+from llm_jax.weights.to_gguf import save_gguf
 from multi_device import PYTHON, REPO, cpu_devices_env
 from tests.llm_jax.model.test_families import COMMON, FAMILIES
 
@@ -119,6 +120,8 @@ def test_a_reward_model_on_texts_and_through_a_checkpoint(story_reward, stories2
     restored = llm_jax.load(tmp_path / "ckpt")
     assert restored.config.classifier == model.config.classifier
     np.testing.assert_array_equal(llm_jax.classify(restored, texts).logits, result.logits)
+    with pytest.raises(ConfigError, match="sequence classifier is not written as GGUF"):
+        save_gguf(tmp_path / "model.gguf", model.config, model.params, "F32")
     quantized = llm_jax.load(folder, quantize="int8")
     assert quantized.params["score"].dtype == np.float32
     np.testing.assert_allclose(llm_jax.classify(quantized, texts).logits, reference, rtol=0.03)  # int8 rounding
