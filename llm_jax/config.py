@@ -303,6 +303,13 @@ class ModelConfig:
             head = D * self.classifier.num_labels
         return V * D + self.n_layers * per_layer + D + head
 
+    def check_language_model(self) -> None:
+        """Refuses (:class:`NoLanguageModelHead`) a sequence classifier where token logits are needed."""
+        if self.classifier is not None:
+            n = self.classifier.num_labels
+            raise NoLanguageModelHead(f"this model is a sequence classifier ({n} label{'s' * (n != 1)}): it has no LM "
+                                      "head to generate or score tokens with; classify with llm_jax.classify")
+
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 

@@ -198,6 +198,7 @@ class GenerationStream:
             model = model if model.mesh == mesh else model.shard(mesh)
         self.model, self.prompts, self.chunk_steps = model, list(prompts), chunk_steps
         config = model.config
+        config.check_language_model()
         self.prompt_ids = encode_prompts(model, prompts)
         P = len(prompts)
         stops = _per_prompt_lists(stop, P, "stop", str)

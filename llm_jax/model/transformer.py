@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from llm_jax import backends
 from llm_jax import kv_cache as kvc
 from llm_jax.backends import Backend
-from llm_jax.config import ModelConfig, NoLanguageModelHead
+from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache, PagedBatch, PagedKVCache
 from llm_jax.lora import LoraBatch
 from llm_jax.model.attention import Attention
@@ -138,9 +138,7 @@ def embed(params: Params, config: ModelConfig, tokens_BT: jax.Array, backend: Ba
 
 def unembed(params: Params, config: ModelConfig, x_BTD: jax.Array, backend: BackendArg = None) -> jax.Array:
     """Final norm and LM head: float32 logits [B, T, V]."""
-    if config.classifier is not None:
-        raise NoLanguageModelHead(f"this model is a sequence classifier ({config.classifier.num_labels} labels): it "
-                                  "has no LM head to generate or score tokens with; classify with llm_jax.classify")
+    config.check_language_model()
     backend = resolve_backend(backend)
     x_BTD = final_norm(params, config, x_BTD)
     if config.tie_embeddings:
