@@ -6,9 +6,11 @@ the model's vocabulary. Before each of the request's steps the host asks its :cl
 may come next, as a bitmask of the vocabulary (one bit per token, 32 to an int32); the device step sets
 the logits of every other token to -inf (:func:`apply_bitmask`) before the processors and sampling, so
 greedy, seeded sampling, penalties and log-probabilities all see the constrained distribution. After the
-step the matcher consumes the tokens chosen. Once the constraint is complete and nothing may follow,
-the request ends (finish reason "stop"); where the constraint may end or go on (``a+``), the model's
-end-of-sequence token is allowed and ends it.
+step the matcher consumes the tokens chosen. Once the constraint is complete and nothing may follow, the
+request ends (finish reason "stop"); where the constraint may end or go on (``a+``), the model's
+end-of-sequence token is allowed and ends it. With speculative decoding a step verifies several positions
+of a request, each under its own mask: what may follow the proposals before it
+(:meth:`Matcher.fill_ahead`).
 
     engine.add_request("r", prompt, guided=llm_jax.guided.Json({"type": "object", ...}))
 
@@ -232,6 +234,26 @@ class Matcher:
             raise ValueError(f"a bitmask row is int32 [{self.vocab.words}], contiguous")
         self._matcher.unsafe_compute_mask_ptr(row_W.ctypes.data, row_W.nbytes)
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, from the first, the constraint allows one after another (nothing consumed)."""
+        return self._matcher.validate_tokens([int(t) for t in tokens])
+
+    def fill_ahead(self, rows_JW: np.ndarray, tokens: Sequence[int]) -> None:
+        """Speculative decoding's masks: into row j of ``rows_JW`` (int32 [J, words]) what may follow
+        ``tokens[:j]``, for every j up to the first token the constraint forbids, or up to the token that
+        completes it (that token is rejected, or ends the request: nothing after it is read); the rows
+        after are left as they are. The matcher ends where it started."""
+        self.fill(rows_JW[0])
+        valid = self.valid_prefix(tokens[:len(rows_JW) - 1])
+        consumed = 0
+        while consumed < valid and not self.done:
+            self._matcher.consume_token(int(tokens[consumed]))
+            consumed += 1
+            if not self.done:
+                self.fill(rows_JW[consumed])
+        if consumed and not self._matcher.rollback(consumed):
+            raise RuntimeError(f"llguidance did not roll back {consumed} tokens: {self._matcher.get_error()}")
+
     def consume(self, tokens: Sequence[int]) -> bool:
         """Advance past ``tokens``; False when one of them breaks the constraint (the matcher then stays
         in error)."""
@@ -260,9 +282,11 @@ def allowed_tokens(row_W: np.ndarray, vocab_size: int) -> np.ndarray:
 
 def apply_bitmask(logits_BV: jax.Array, allowed_BW: jax.Array) -> jax.Array:
     """``logits_BV`` with every token whose bit is clear in ``allowed_BW`` (int32 [B, ⌈V / 32⌉]) at -inf;
-    rows of all ones (-1) unchanged. Leading axes beyond B (positions) broadcast."""
+    rows of all ones (-1) unchanged. Leading axes of the logits beyond the mask's (positions) broadcast: a
+    mask [B, J, W] gives each of J positions its own."""
     V = logits_BV.shape[-1]
     bits_BWK = (allowed_BW[..., None] >> jnp.arange(WORD_BITS, dtype=jnp.int32)) & 1
     allowed_BV = bits_BWK.reshape(*allowed_BW.shape[:-1], -1)[..., :V].astype(bool)
-    allowed_BV = allowed_BV.reshape(allowed_BV.shape[:1] + (1,) * (logits_BV.ndim - 2) + allowed_BV.shape[1:])
+    missing = (1,) * (logits_BV.ndim - allowed_BV.ndim)
+    allowed_BV = allowed_BV.reshape(allowed_BV.shape[:1] + missing + allowed_BV.shape[1:])
     return jnp.where(allowed_BV, logits_BV, -jnp.inf)

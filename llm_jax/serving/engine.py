@@ -18,6 +18,10 @@ step itself draws them from the draft model, which keeps its own paged cache und
 tables. The scheduler budgets the proposals with the request's latest token, and the step verifies them
 exactly (greedy output identical, sampled output with the model's own distribution). A request whose
 proposals keep failing stops proposing for 1, 2, 4, ... steps (``Speculative.max_backoff`` at most).
+Guided requests propose too: each verified position gets its own mask, what the constraint allows after
+the proposals before it (the host computes them; n-gram proposals are first cut where the constraint
+forbids one), and where such a request's proposals come from the draft, the draft runs first, as a
+program of its own, for the host to see them.
 
 With ``lora_adapters`` (PEFT folders or ``llm_jax.lora.LoraAdapter`` s) each request may name one
 (``add_request(..., lora=name)``); requests of every adapter and of the base model run in the same steps
@@ -43,7 +47,7 @@ from llm_jax.sampling import GREEDY, Sampling
 from llm_jax.serving.adapters import AdapterArg, LoraSlots
 from llm_jax.serving.blocks import NULL_BLOCK, ROOT_HASH, salted
 from llm_jax.serving.scheduler import FinishReason, Request, Scheduler, SchedulerStats, StepPlan
-from llm_jax.serving.step import Draft, Shape, StepInputs, abstract_inputs, step, step_controls
+from llm_jax.serving.step import Draft, Shape, StepInputs, abstract_inputs, draft_step, step, step_controls
 from llm_jax.sharding import paged_cache_shardings
 from llm_jax.speculative import Backoff, Method, Speculative, ngram_proposals
 from llm_jax.stop_strings import SequenceText
@@ -102,6 +106,29 @@ class _Live:
     guided_after: int | None = None  # the token the constraint starts after (a reasoning's end), until it comes
     lora: str | None = None  # its LoRA adapter's name
     lora_slot: int = -1  # and its slot (-1: the base model)
+
+    def guided_prefix(self, proposals: Sequence[int]) -> int:
+        """How many of ``proposals``, from the first, its constraint allows (all before it starts)."""
+        free = self._free(proposals)
+        if self.matcher is None or free >= len(proposals):
+            return len(proposals)
+        return free + self.matcher.valid_prefix(proposals[free:])
+
+    def fill_masks(self, rows_JW: np.ndarray, proposals: Sequence[int]) -> None:
+        """Into row j of ``rows_JW`` (all ones; one more row than ``proposals``) what may follow
+        ``proposals[:j]``: left all ones while its constraint has not started, then as
+        :meth:`Matcher.fill_ahead` fills them."""
+        free = self._free(proposals)
+        if free < len(rows_JW):
+            self.matcher.fill_ahead(rows_JW[free:], proposals[free:])
+
+    def _free(self, proposals: Sequence[int]) -> int:
+        """How many of ``proposals`` come before its constraint starts: none once started; up to its start
+        token (included), or all, while that token has not come."""
+        if self.guided_after is None:
+            return 0
+        proposals = list(proposals)
+        return proposals.index(self.guided_after) + 1 if self.guided_after in proposals else len(proposals) + 1
 
     @property
     def scores_prompt(self) -> bool:
@@ -219,7 +246,8 @@ class Engine:
         then computes its whole prompt, not starting from the prefix cache). ``sample_index`` tells apart
         the samples of one prompt drawn with one seed, as ``generate``'s ``n``. ``guided``: a constraint the
         output follows (``llm_jax.guided``: a JSON schema, a regular expression, choices, a grammar); the
-        request ends once it is complete (finish reason "stop") and never proposes speculative tokens.
+        request ends once it is complete (finish reason "stop"); with speculative decoding its proposals are
+        verified under the constraint, position by position.
         ``guided_after_token``: the constraint starts after this token (a thinking model's end of
         reasoning, ``</think>``), the output before it free.
         ``skip_special_tokens=False``: the text keeps special tokens (but the end-of-sequence or stop token
@@ -329,10 +357,13 @@ class Engine:
                   + [Shape(T=T, B=B, X=self.X, Q=Q, kind="prompt", top_n=self.max_logprobs) for T, B, Q in mixed])
         if self.speculative is None:
             return shapes
-        # And the steps that verify proposals: decode steps by sequences (k + 1 tokens each), mixed by tokens.
+        # And the steps that verify proposals: decode steps by sequences (k + 1 tokens each), mixed by tokens;
+        # with a draft, those of the kinds guided requests run in again, drafted first.
         K = self.speculative.num_tokens
-        return shapes + [dataclasses.replace(s, T=s.B * (K + 1) if s.Q == 1 else s.T, Q=K + 1 if s.Q == 1 else s.Q,
-                                             K=K) for s in shapes]
+        verifying = [dataclasses.replace(s, T=s.B * (K + 1) if s.Q == 1 else s.T, Q=K + 1 if s.Q == 1 else s.Q, K=K)
+                     for s in shapes]
+        drafted = [dataclasses.replace(s, drafted=True) for s in verifying if s.kind != "greedy"]
+        return shapes + verifying + (drafted if self.draft is not None else [])
 
     def warm_up(self) -> int:
         """Compile every step program (:meth:`shapes`) by running it on padding; returns how many."""
@@ -341,30 +372,51 @@ class Engine:
             inputs = abstract_inputs(shape, self.config, bias_width=BIAS_WIDTH, end_width=END_WIDTH,
                                      max_model_len=self.max_model_len, draft=self.draft is not None,
                                      lora=self.lora is not None)
-            self._run(inputs)
+            self._run(self._draft_first(inputs) if shape.drafted else inputs)
         jax.block_until_ready((self.cache, self.draft_cache))
         return len(shapes)
 
     def _run(self, inputs: StepInputs):
         """One step on the caches, which it replaces: what the step emitted, and the prompt scores."""
-        draft = {} if self.draft is None else dict(
+        draft = {} if inputs.draft is None else dict(
             draft_weights=self.draft.weights, draft_cache=self.draft_cache, draft_config=self.draft.config,
             draft_backend=self.draft.backend)
-        self.cache, emitted, scored, self.draft_cache = step(
+        self.cache, emitted, scored, draft_cache = step(
             self.model.weights, self.config, self.cache, inputs, backend=self.model.backend, mesh=self.model.mesh,
             lora_weights=None if self.lora is None else self.lora.weights, **draft)
+        if inputs.draft is not None:
+            self.draft_cache = draft_cache
         return emitted, scored
 
-    def _shape(self, plan: StepPlan, kind: str) -> Shape:
+    def _draft_first(self, inputs: StepInputs) -> StepInputs:
+        """The draft's part of a step run first, on its own (:func:`llm_jax.serving.step.draft_step`): the
+        step's inputs with its proposals in place of the placeholders, to verify without the draft."""
+        # Without what the draft does not read, the steps of every kind but "greedy" share its program.
+        for_draft = dataclasses.replace(inputs, controls=dataclasses.replace(inputs.controls, logprobs=None),
+                                        tokens_BS=None, prompt_lens_B=None, lengths_B=None, prompt_targets_T=None,
+                                        allowed_BJW=None, lora_slots_T=None)
+        self.draft_cache, proposals_BK, q_BKV = draft_step(self.draft.weights, self.draft.config, self.draft_cache,
+                                                           for_draft, backend=self.draft.backend)
+        proposals_BK = np.asarray(jax.device_get(proposals_BK))
+        tokens_T, batch = np.array(inputs.tokens_T), inputs.batch
+        for b in np.flatnonzero(inputs.num_proposals_B):
+            end = batch.query_start_B[b] + batch.num_tokens_B[b]
+            tokens_T[end - inputs.num_proposals_B[b]:end] = proposals_BK[b, :inputs.num_proposals_B[b]]
+        return dataclasses.replace(inputs, tokens_T=tokens_T, proposals_BK=proposals_BK, q_BKV=q_BKV, draft=None)
+
+    def _shape(self, plan: StepPlan, kind: str, lives: list[_Live]) -> Shape:
         top_n = self.max_logprobs if kind in ("logprobs", "prompt") else 0
         K = self.speculative.num_tokens if plan.num_proposals_B.any() else 0
+        # A draft's proposals that guided requests' masks follow: the host must see them first.
+        drafted = self.draft is not None and any(
+            n and live.matcher is not None for n, live in zip(plan.num_proposals_B, lives))
         T = next(t for t in self.token_buckets if t >= plan.num_tokens)
         if (plan.num_tokens_B - plan.num_proposals_B == 1).all() and kind != "prompt":
             B = next(b for b in self.seq_buckets if b >= plan.num_seqs)
             # Verifying, the mixed step of fewer tokens, where some sequences propose less than k.
             if not K or T >= B * (K + 1):
-                return Shape(T=B * (K + 1), B=B, X=self.X, Q=K + 1, kind=kind, top_n=top_n, K=K)
-        return Shape(T=T, B=self.max_num_seqs, X=self.X, Q=T, kind=kind, top_n=top_n, K=K)
+                return Shape(T=B * (K + 1), B=B, X=self.X, Q=K + 1, kind=kind, top_n=top_n, K=K, drafted=drafted)
+        return Shape(T=T, B=self.max_num_seqs, X=self.X, Q=T, kind=kind, top_n=top_n, K=K, drafted=drafted)
 
     def _inputs(self, plan: StepPlan, shape: Shape, lives: list[_Live]) -> StepInputs:
         n, T, B = plan.num_seqs, plan.num_tokens, shape.B
@@ -397,12 +449,6 @@ class Engine:
             extra = dict(tokens_BS=tokens_BS,
                          prompt_lens_B=padded(np.array([len(l.request.prompt_token_ids) for l in lives], np.int32), B),
                          lengths_B=padded(np.array([l.request.num_tokens for l in lives], np.int32), B))
-        if shape.kind != "greedy":  # what each sequence may choose: guided ones, what their constraint allows
-            allowed_BW = all_allowed(B, self.config.vocab_size)
-            for b, live in enumerate(lives):
-                if live.matcher is not None and live.guided_after is None and plan.samples_B[b]:
-                    live.matcher.fill(allowed_BW[b])
-            controls = dataclasses.replace(controls, allowed_BW=allowed_BW)
         if shape.kind == "prompt":  # the prompt token after each token, where a scored prompt has one
             targets_T = np.full((shape.T,), -1, np.int32)
             for b, live in enumerate(lives):
@@ -418,6 +464,13 @@ class Engine:
                 end = plan.query_start_B[b] + plan.num_tokens_B[b]
                 proposals_BK[b, :plan.num_proposals_B[b]] = plan.token_ids_T[end - plan.num_proposals_B[b]:end]
             extra.update(proposals_BK=proposals_BK, num_proposals_B=padded(plan.num_proposals_B, B))
+        if shape.kind != "greedy":  # what each sequence may choose (a draft's proposals' masks come after it)
+            allowed_BJW = (all_allowed(B * (shape.K + 1), self.config.vocab_size).reshape(B, shape.K + 1, -1)
+                           if shape.drafted else self._allowed(plan, shape, lives, extra.get("proposals_BK")))
+            if shape.K:
+                extra["allowed_BJW"] = allowed_BJW
+            else:
+                controls = dataclasses.replace(controls, allowed_BW=allowed_BJW[:, 0])
         if self.draft is not None:
             extra["draft"] = self._draft_inputs(plan, shape, tables)
         if self.lora is not None:  # each token's adapter slot
@@ -427,6 +480,18 @@ class Engine:
             extra["lora_slots_T"] = slots_T
         return StepInputs(tokens_T=padded(plan.token_ids_T, shape.T), positions_T=padded(plan.positions_T, shape.T),
                           batch=batch, controls=controls, num_generated_B=generated_B, **extra)
+
+    def _allowed(self, plan: StepPlan, shape: Shape, lives: list[_Live], proposals_BK: np.ndarray | None
+                 ) -> np.ndarray:
+        """What each sequence may choose at each position it verifies [B, K + 1, words] (guided ones: what
+        their constraint allows after their proposals before it), all ones for the others."""
+        J = shape.K + 1
+        allowed_BJW = all_allowed(shape.B * J, self.config.vocab_size).reshape(shape.B, J, -1)
+        for b, live in enumerate(lives):
+            if live.matcher is not None and plan.samples_B[b]:
+                n = int(plan.num_proposals_B[b])
+                live.fill_masks(allowed_BJW[b, :n + 1], [] if not n else proposals_BK[b, :n].tolist())
+        return allowed_BJW
 
     def _draft_inputs(self, plan: StepPlan, shape: Shape, tables_BX: np.ndarray) -> Draft:
         """The draft's first pass: each sequence's known tokens of the step (not its proposals), after the
@@ -494,13 +559,14 @@ class Engine:
     def _propose(self) -> None:
         """Proposals for each decoding request's next tokens (speculative decoding), as many as its length
         limit leaves room for, unless it scores its prompt or is backing off after failures, or more than
-        ``Speculative.max_batch`` requests run."""
+        ``Speculative.max_batch`` requests run. A guided request's n-gram proposals end before the first its
+        constraint forbids (verified, it would be rejected)."""
         k, speculative = self.speculative.num_tokens, self.speculative
         if speculative.max_batch is not None and self.scheduler.num_running > speculative.max_batch:
             return
         for request in self.scheduler.running:
             live = self._live[request.request_id]
-            if request.num_computed_tokens != request.num_tokens - 1 or live.scores_prompt or live.matcher:
+            if request.num_computed_tokens != request.num_tokens - 1 or live.scores_prompt:
                 continue
             if not live.backoff.speculate:
                 live.backoff = live.backoff.after_plain()
@@ -509,9 +575,36 @@ class Engine:
             if room > 0 and self.draft is not None:
                 request.spec_token_ids = [0] * min(k, room)  # placeholders: the step draws them from the draft
             elif room > 0:
-                request.spec_token_ids = ngram_proposals(
+                proposals = ngram_proposals(
                     np.asarray(request.token_ids), k=min(k, room), lookup_min=speculative.prompt_lookup_min,
                     lookup_max=speculative.prompt_lookup_max).tolist()
+                if live.matcher is not None:
+                    proposals = proposals[:live.guided_prefix(proposals)]
+                request.spec_token_ids = proposals
+
+    def _end(self, live: _Live, tokens: list[int]) -> tuple[list[int], FinishReason | None, int | None, bool]:
+        """A sequence's new tokens up to the first that ends it — an end id, the length limit, or its
+        constraint complete (its matcher consumes them one by one) — the reason, the stop id, and whether
+        it reached the length limit."""
+        request = live.request
+        for i, token in enumerate(tokens):
+            reason = stop_reason = None
+            if token in live.eos_ids:
+                reason = FinishReason.EOS
+            elif token in live.stop_ids:
+                reason, stop_reason = FinishReason.STOP, token
+            length = (request.num_output_tokens + i + 1 >= request.max_new_tokens
+                      or request.num_tokens + i + 1 >= self.max_model_len)
+            if live.matcher is not None and reason is None and not length:
+                if live.guided_after is not None:  # free until its token, constrained after it
+                    if token == live.guided_after:
+                        live.guided_after = None
+                # Its constraint complete (or, which the masks rule out, broken): nothing may follow.
+                elif not live.matcher.consume([token]) or live.matcher.done:
+                    reason = FinishReason.STOP
+            if reason is not None or length:
+                return tokens[:i + 1], reason, stop_reason, length
+        return tokens, None, None, False
 
     def step(self) -> list[RequestOutput]:
         """Run one step: each request that produced something gets a :class:`RequestOutput`."""
@@ -523,9 +616,13 @@ class Engine:
         lives = [self._live[rid] for rid in plan.request_ids]
         kinds = {live.kind for live in lives}
         kind = next(k for k in ("prompt", "logprobs", "sample", "greedy") if k in kinds or k == "greedy")
-        shape = self._shape(plan, kind)
+        shape = self._shape(plan, kind, lives)
         try:
-            emitted, scored = self._run(self._inputs(plan, shape, lives))
+            inputs = self._inputs(plan, shape, lives)
+            if shape.drafted:  # the draft's proposals, then their masks
+                inputs = self._draft_first(inputs)
+                inputs = dataclasses.replace(inputs, allowed_BJW=self._allowed(plan, shape, lives, inputs.proposals_BK))
+            emitted, scored = self._run(inputs)
             emitted, scored = jax.device_get((emitted, scored))
         except Exception as error:
             self._fail(plan)
@@ -553,26 +650,7 @@ class Engine:
             accepted_B[b] = len(tokens) - 1
             if plan.num_proposals_B[b]:
                 live.backoff = live.backoff.after_speculation(accepted_B[b], 1, self.speculative)
-            reason = stop_reason = None
-            for i, token in enumerate(tokens):  # the first that ends it: an end id, or the length limit
-                if token in live.eos_ids:
-                    reason = FinishReason.EOS
-                elif token in live.stop_ids:
-                    reason, stop_reason = FinishReason.STOP, token
-                length = (request.num_output_tokens + i + 1 >= request.max_new_tokens
-                          or request.num_tokens + i + 1 >= self.max_model_len)
-                if reason is not None or length:
-                    tokens = tokens[:i + 1]
-                    break
-            if live.matcher is not None and reason is None and not length:
-                guided = tokens
-                if live.guided_after is not None:  # free until its token, constrained after it
-                    guided = tokens[tokens.index(live.guided_after) + 1:] if live.guided_after in tokens else []
-                    if live.guided_after in tokens:
-                        live.guided_after = None
-                # Its constraint complete (or, which the mask rules out, broken): nothing may follow.
-                if guided and (not live.matcher.consume(guided) or live.matcher.done):
-                    reason = FinishReason.STOP
+            tokens, reason, stop_reason, length = self._end(live, tokens)
             kept, text, hit_stop = live.text.push(tokens, last=reason is not None or length)
             if hit_stop:
                 reason, stop_reason = FinishReason.STOP, live.text.matcher.stop

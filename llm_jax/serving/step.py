@@ -4,8 +4,10 @@ One jitted, pure function of (weights, paged cache, step inputs): the model runs
 (decode tokens and prefill chunks together, ``llm_jax.model.forward_paged``), each sequence's last token
 gives its logits, and :func:`llm_jax.decoding.choose` — the same processors and sampling as ``generate`` —
 picks its next token. With speculative decoding a sequence's last tokens may be proposals: the step then
-verifies them (:func:`verify_proposals`) and emits the accepted ones and the model's own next token. The
-cache is donated. Inputs are padded to a few shapes (:class:`Shape`), and the
+verifies them (:func:`verify_proposals`) and emits the accepted ones and the model's own next token. A
+draft model draws its proposals inside the step, or, where the host must see them before the step (to
+mask a guided request's verified positions), in a program of its own (:func:`draft_step`). The caches
+are donated. Inputs are padded to a few shapes (:class:`Shape`), and the
 settings of every request travel as arrays of fixed shape, so any mix of requests runs one of a few
 programs, compiled once (``Engine.warm_up``).
 """
@@ -41,7 +43,8 @@ class Shape:
     argmax of its logits: through the backend's fastest way), "sample" (the processors and sampling, any
     mix of settings), "logprobs" (that, and ``top_n`` log-probabilities per row) or "prompt" (that, and
     the log-probabilities of every prompt token the step computes, with their ``top_n``); ``K`` proposals
-    per sequence at most to verify (speculative decoding; 0: none)."""
+    per sequence at most to verify (speculative decoding; 0: none); ``drafted``: the draft model drew them
+    before the step (:func:`draft_step`), which then runs without it."""
 
     T: int
     B: int
@@ -50,6 +53,7 @@ class Shape:
     kind: str = "greedy"
     top_n: int = 0
     K: int = 0
+    drafted: bool = False
 
 
 # The engine's fixed tables: banned sequences (suppressed tokens and bad words) per request and tokens per
@@ -80,6 +84,13 @@ class StepInputs:
     # With a draft model they are placeholders, drawn by the draft in the step (:func:`draft_proposals`).
     proposals_BK: jax.Array | None = None  # int32
     num_proposals_B: jax.Array | None = None  # int32
+    # Steps that verify proposals, but "greedy" ones: the tokens each sequence may choose at each verified
+    # position j = 0..K (guided decoding: what may follow its first j proposals), int32 [B, K + 1, ⌈V / 32⌉],
+    # all ones for other sequences and for positions after a proposal its constraint forbids.
+    allowed_BJW: jax.Array | None = None
+    # Proposals a draft drew before the step (:func:`draft_step`): the distributions they were drawn
+    # from, [B, K, V] (None for "greedy" steps).
+    q_BKV: jax.Array | None = None
     # With a draft model: the tokens it runs first, every step (its cache follows the model's): each
     # sequence's known tokens of the step, after the token before them for a sequence with proposals.
     draft: Draft | None = None
@@ -126,7 +137,7 @@ def step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: Step
     model's own, before any processor); last, the draft model's cache (None without). ``cache`` and
     ``draft_cache`` are donated. ``lora_weights``: the adapters ``inputs.lora_slots_T`` choose from (the
     draft model proposes without them; verification is exact all the same)."""
-    batch, tokens_T, q_BKV = inputs.batch, inputs.tokens_T, None
+    batch, tokens_T, q_BKV = inputs.batch, inputs.tokens_T, inputs.q_BKV
     if inputs.draft is not None:
         proposals_BK, q_BKV, draft_cache = draft_proposals(draft_weights, draft_config, draft_cache, inputs,
                                                            draft_backend)
@@ -216,6 +227,17 @@ def draft_proposals(weights: Params, config: ModelConfig, cache: PagedKVCache, i
     return proposals_BK, q_BKV, cache
 
 
+@functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("cache",))
+def draft_step(weights: Params, config: ModelConfig, cache: PagedKVCache, inputs: StepInputs, *,
+               backend: Backend) -> tuple[PagedKVCache, jax.Array, jax.Array | None]:
+    """:func:`draft_proposals` as a program of its own, for a step whose proposals the host must see
+    before it verifies them (a guided request's masks follow its proposals): the draft's cache, the
+    proposals [B, K] and the distributions they were drawn from [B, K, V] (None for "greedy" steps).
+    ``cache`` is donated."""
+    proposals_BK, q_BKV, cache = draft_proposals(weights, config, cache, inputs, backend)
+    return cache, proposals_BK, q_BKV
+
+
 def verify_proposals(weights: Params, config: ModelConfig, x_TD: jax.Array, inputs: StepInputs,
                      backend: Backend, *, q_BKV: jax.Array | None = None) -> Emitted:
     """Each sequence's tokens from its last known token and its proposals (``inputs.num_proposals_B`` of
@@ -242,8 +264,8 @@ def verify_proposals(weights: Params, config: ModelConfig, x_TD: jax.Array, inpu
         kept_B = jnp.sum(jnp.cumprod(accepted_BJ, axis=1), axis=1)
         return Emitted(tokens_BS=jnp.where(j_J <= kept_B[:, None], tokens_BJ, PAD_ID).astype(jnp.int32))
     logits_BJV = unembed(weights, config, x_BJD, backend)
-    if controls.allowed_BW is not None:  # (a guided sequence proposes nothing: its mask is for column 0)
-        logits_BJV = apply_bitmask(logits_BJV, controls.allowed_BW)
+    if inputs.allowed_BJW is not None:  # guided sequences: each position under its own mask
+        logits_BJV = apply_bitmask(logits_BJV, inputs.allowed_BJW)
     V = logits_BJV.shape[-1]
     params = controls.sampling
     history_ = (History(length_B=jnp.zeros((B,), jnp.int32)) if inputs.tokens_BS is None else
@@ -283,7 +305,10 @@ def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_w
                        num_tokens_B=zeros_B, seq_lens_B=zeros_B, max_query_len=shape.Q)
     controls = step_controls(shape, [GREEDY] * B, np.full((B, end_width), -1, np.int32), zeros_B,
                              bias_width=bias_width)
-    if shape.kind != "greedy":
+    masks = {}
+    if shape.kind != "greedy" and shape.K:  # each verified position's mask
+        masks = dict(allowed_BJW=all_allowed(B * (shape.K + 1), config.vocab_size).reshape(B, shape.K + 1, -1))
+    elif shape.kind != "greedy":
         controls = dataclasses.replace(controls, allowed_BW=all_allowed(B, config.vocab_size))
     return StepInputs(tokens_T=zeros_T, positions_T=zeros_T, batch=batch, controls=controls,
                       num_generated_B=zeros_B,
@@ -293,7 +318,7 @@ def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_w
                       **(dict(proposals_BK=np.zeros((B, shape.K), np.int32), num_proposals_B=zeros_B)
                          if shape.K else {}),
                       draft=Draft(tokens_T=zeros_T, positions_T=zeros_T, batch=batch) if draft else None,
-                      lora_slots_T=np.full((T,), -1, np.int32) if lora else None)
+                      lora_slots_T=np.full((T,), -1, np.int32) if lora else None, **masks)
 
 
 def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens_B: np.ndarray, *,
