@@ -155,25 +155,29 @@ SHARDED = """
 import json, sys
 import numpy as np
 import llm_jax
-path, texts = sys.argv[1], json.loads(sys.argv[2])
+path, texts, lm = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 out = {}
 for spec in ("model=4", "data=2,model=2"):
     model = llm_jax.load(path, mesh=spec)
-    out[spec] = llm_jax.classify(model, texts, batch_size=2).logits.tolist()
+    reranker = llm_jax.load(lm, mesh=spec).as_classifier([400, 428])
+    out[spec] = [llm_jax.classify(m, texts, batch_size=2).logits.tolist() for m in (model, reranker)]
 print(json.dumps(out))
 """
 
 
-def test_a_classifier_on_a_mesh_gives_one_devices_logits(story_reward):
-    """The head replicated, the decoder split by the sharding table (K/V heads repeated on model=4)."""
+def test_a_classifier_on_a_mesh_gives_one_devices_logits(story_reward, stories260k_dir):
+    """The head replicated, the decoder split by the sharding table (K/V heads repeated on model=4); a
+    language model made a classifier on the mesh too."""
     folder, torch_model = story_reward
     texts = [[1, 400, 300, 200], [1, 9], [1, *range(40, 60)]]
-    done = subprocess.run([PYTHON, "-c", SHARDED, str(folder), json.dumps(texts)], env=cpu_devices_env(4),
-                          capture_output=True, text=True, timeout=900, cwd=REPO, check=False)
+    done = subprocess.run([PYTHON, "-c", SHARDED, str(folder), json.dumps(texts), str(stories260k_dir / "hf")],
+                          env=cpu_devices_env(4), capture_output=True, text=True, timeout=900, cwd=REPO, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     reference = reference_logits(torch_model, texts)
-    for spec, logits in json.loads(done.stdout.strip().splitlines()[-1]).items():
+    one_device = llm_jax.classify(llm_jax.load(stories260k_dir / "hf").as_classifier([400, 428]), texts).logits
+    for spec, (logits, reranked) in json.loads(done.stdout.strip().splitlines()[-1]).items():
         np.testing.assert_allclose(np.asarray(logits), reference, atol=ATOL, err_msg=spec)
+        np.testing.assert_allclose(np.asarray(reranked), one_device, atol=ATOL, err_msg=spec)
 
 
 def test_the_server_refuses_generation_flags_for_a_classifier(story_reward, stories260k_dir, monkeypatch):
