@@ -60,6 +60,20 @@ class Logprobs:
             raise ValueError(f"top_n must be >= 0, got {self.top_n}")
 
 
+def check_processors(processors: Sequence[Callable]) -> tuple[Callable, ...]:
+    """The caller's logits processors, each callable and hashable (a static argument of the jitted steps)."""
+    processors = tuple(processors)
+    for processor in processors:
+        if not callable(processor):
+            raise TypeError(f"logits_processors holds {processor!r}, which is not callable")
+        try:
+            hash(processor)
+        except TypeError:
+            raise TypeError(f"logits processor {processor!r} is not hashable (it is a static argument of the "
+                            "jitted steps): use a function, or give its class __hash__") from None
+    return processors
+
+
 def _padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
     out = np.full((len(rows), max(1, max((len(r) for r in rows), default=0))), PAD_ID, np.int32)
     for i, r in enumerate(rows):

@@ -21,7 +21,8 @@ from jax.sharding import Mesh
 from llm_jax import buckets, executable_cache, sharding
 from llm_jax.beams import BeamSearch, EarlyStopping, beam_search
 from llm_jax.compile_stats import measure_compilation
-from llm_jax.decoding import PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, decode, start, take_cache_rows
+from llm_jax.decoding import (PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, check_processors, decode, start,
+                              take_cache_rows)
 from llm_jax.guided import Guided, Matcher, all_allowed, vocabulary
 from llm_jax.kv_cache import KVCache, cache_dtype, init_cache
 from llm_jax.loading import Model, lora_rows
@@ -268,15 +269,7 @@ class GenerationStream:
         self._started = False
 
     def _processors(self, processors: Sequence[Callable], speculative: Speculative | None) -> tuple[Callable, ...]:
-        processors = tuple(processors)
-        for processor in processors:
-            if not callable(processor):
-                raise TypeError(f"logits_processors holds {processor!r}, which is not callable")
-            try:
-                hash(processor)
-            except TypeError:
-                raise TypeError(f"logits processor {processor!r} is not hashable (it is a static argument of the "
-                                "jitted steps): use a function, or give its class __hash__") from None
+        processors = check_processors(processors)
         unsupported = {"beam search": self.beams is not None, "speculative decoding": speculative is not None}
         if processors and (named := [name for name, used in unsupported.items() if used]):
             raise ValueError(f"logits_processors do not combine with {', '.join(named)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import logging
 import os
@@ -133,6 +134,10 @@ def build_parser() -> CliParser:
                         help="serve the language model as a classifier of its next-token logits of these tokens "
                              "(vLLM's classifier_from_token: rerankers such as Qwen3-Reranker with 'no yes'; two "
                              "tokens: the second's share of the two) on /classify, /score and /rerank")
+    engine.add_argument("--logits-processors", nargs="+", default=[], metavar="MODULE:FUNCTION",
+                        help="your own logits processors, applied to every request (as generate's "
+                             "logits_processors: jittable fn(scores_BV, tokens_BS, lengths_B) -> scores_BV), "
+                             "by import path, e.g. my_pkg.watermark:green_list")
     engine.add_argument("--max-logprobs", type=non_negative_int, default=20, metavar="N",
                         help="top log-probabilities a request may ask for (default: %(default)s)")
     lora = parser.add_argument_group("LoRA adapters (a request's 'model' names one; all run in the same steps)")
@@ -347,7 +352,7 @@ def start_engine(args: argparse.Namespace):
                     max_logprobs=args.max_logprobs, speculative=_speculative(args, model.mesh),
                     kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
                     lora_adapters=adapters, max_loras=args.max_loras if lora else 0,
-                    max_lora_rank=args.max_lora_rank)
+                    max_lora_rank=args.max_lora_rank, logits_processors=_processors(args.logits_processors))
     log.info("loaded %s in %.1f s; compiling the engine's step programs", args.model, time.perf_counter() - t0)
     t0 = time.perf_counter()
     count = engine.warm_up()
@@ -357,12 +362,28 @@ def start_engine(args: argparse.Namespace):
     return engine, model
 
 
+def _processors(names: list[str]) -> list:
+    """``--logits-processors``: each ``module:function`` (or ``module.function``) imported."""
+    found = []
+    for name in names:
+        module, sep, attribute = name.partition(":") if ":" in name else name.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), attribute) if sep and module and attribute
+                         else None)
+        except (ImportError, AttributeError) as error:
+            raise CliError(f"--logits-processors: cannot import {name!r} ({error})") from None
+        if not callable(found[-1]):
+            raise CliError(f"--logits-processors: {name!r} is not MODULE:FUNCTION naming a function")
+    return found
+
+
 def _check_classifier_flags(args: argparse.Namespace, context: int) -> None:
     """Flags about generating (speculation, LoRA adapters) have no meaning for a classifier: refused by name;
     ``--max-model-len`` within the model's context."""
     if args.max_model_len is not None and args.max_model_len > context:
         raise CliError(f"--max-model-len {args.max_model_len} exceeds the model's context ({context})")
     flags = (("--speculative", args.speculative is not None), ("--lora-modules", args.lora_modules),
+             ("--logits-processors", args.logits_processors),
              ("--enable-lora", args.enable_lora), ("--allow-runtime-lora-updating", args.allow_runtime_lora_updating))
     given = [flag for flag, on in flags if on]
     if given:

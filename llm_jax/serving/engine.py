@@ -33,12 +33,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
-from llm_jax.decoding import PAD_ID
+from llm_jax.decoding import PAD_ID, check_processors
 from llm_jax.generation import Prompt, encode_prompts
 from llm_jax.guided import Guided, Matcher, all_allowed, vocabulary
 from llm_jax.kv_cache import PagedBatch, cache_bytes_per_token, cache_dtype, init_paged_cache
@@ -165,15 +165,22 @@ class Engine:
     bfloat16 cache's bytes, so ``kv_cache_memory`` holds about twice the blocks), "bfloat16" or "float32";
     None: the model's compute dtype. ``lora_adapters``: LoRA adapters requests may name (PEFT folders or
     ``LoraAdapter`` s), in ``max_loras`` slots (room for :meth:`add_lora` later), ranks up to
-    ``max_lora_rank`` (see :class:`llm_jax.serving.adapters.LoraSlots`).
+    ``max_lora_rank`` (see :class:`llm_jax.serving.adapters.LoraSlots`). ``logits_processors``: the caller's
+    own (as ``generate``'s), applied to every request after the built-in processors; every step then runs
+    the processors and sampling (no argmax-only steps); not with speculative decoding.
     """
 
     def __init__(self, model: Model, *, max_num_seqs: int = 8, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_memory: int | None = None, max_num_batched_tokens: int = 256,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True, max_logprobs: int = 20,
                  speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
-                 lora_adapters: Sequence[AdapterArg] = (), max_loras: int = 0, max_lora_rank: int | None = None):
+                 lora_adapters: Sequence[AdapterArg] = (), max_loras: int = 0, max_lora_rank: int | None = None,
+                 logits_processors: Sequence[Callable] = ()):
         config = model.config
+        config.check_language_model()
+        self.processors = check_processors(logits_processors)
+        if self.processors and speculative is not None:
+            raise ValueError("logits_processors do not combine with speculative decoding")
         self.kv_cache_dtype = cache_dtype(config, kv_cache_dtype)
         self.model, self.config = model, config
         self.max_model_len = min(max_model_len or config.max_seq_len, config.max_seq_len)
@@ -349,7 +356,7 @@ class Engine:
     def shapes(self) -> list[Shape]:
         """Every step program this engine can run: decode-only steps by sequences, mixed steps by tokens
         (and steps scoring prompts, always mixed)."""
-        kinds = [("greedy", 0), ("sample", 0), ("logprobs", self.max_logprobs)]
+        kinds = [("greedy", 0)] * (not self.processors) + [("sample", 0), ("logprobs", self.max_logprobs)]
         decode = [(B, B, 1) for B in self.seq_buckets]
         mixed = [(T, self.max_num_seqs, T) for T in self.token_buckets]
         shapes = ([Shape(T=T, B=B, X=self.X, Q=Q, kind=kind, top_n=top_n)
@@ -371,7 +378,7 @@ class Engine:
         for shape in shapes:
             inputs = abstract_inputs(shape, self.config, bias_width=BIAS_WIDTH, end_width=END_WIDTH,
                                      max_model_len=self.max_model_len, draft=self.draft is not None,
-                                     lora=self.lora is not None)
+                                     lora=self.lora is not None, processors=self.processors)
             self._run(self._draft_first(inputs) if shape.drafted else inputs)
         jax.block_until_ready((self.cache, self.draft_cache))
         return len(shapes)
@@ -437,7 +444,8 @@ class Engine:
         for b, live in enumerate(lives):
             end_ids_BE[b, :len(live.end_ids)] = live.end_ids
         min_new_B = padded(np.array([live.min_new_tokens for live in lives], np.int32), B)
-        controls = step_controls(shape, sampling, end_ids_BE, min_new_B, bias_width=BIAS_WIDTH)
+        controls = step_controls(shape, sampling, end_ids_BE, min_new_B, bias_width=BIAS_WIDTH,
+                                 processors=self.processors)
         samples = np.array([live.sample_index for live in lives] + [0] * (B - n), np.int32)
         controls = dataclasses.replace(controls, sampling=dataclasses.replace(controls.sampling, sample_B=samples))
         generated_B = padded(np.array([live.request.num_output_tokens for live in lives], np.int32), B)
@@ -616,6 +624,7 @@ class Engine:
         lives = [self._live[rid] for rid in plan.request_ids]
         kinds = {live.kind for live in lives}
         kind = next(k for k in ("prompt", "logprobs", "sample", "greedy") if k in kinds or k == "greedy")
+        kind = "sample" if kind == "greedy" and self.processors else kind  # the processors run in every step
         shape = self._shape(plan, kind, lives)
         try:
             inputs = self._inputs(plan, shape, lives)

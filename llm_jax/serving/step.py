@@ -294,9 +294,11 @@ def verify_proposals(weights: Params, config: ModelConfig, x_TD: jax.Array, inpu
 
 
 def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_width: int,
-                    max_model_len: int, draft: bool = False, lora: bool = False) -> StepInputs:
+                    max_model_len: int, draft: bool = False, lora: bool = False,
+                    processors: tuple = ()) -> StepInputs:
     """Zero :class:`StepInputs` of ``shape`` (``draft``: with a draft model's pass; ``lora``: with LoRA
-    adapters): a step of padding only, which compiles its program."""
+    adapters; ``processors``: the engine's logits processors): a step of padding only, which compiles its
+    program."""
     from llm_jax.sampling import GREEDY
 
     T, B, X = shape.T, shape.B, shape.X
@@ -304,7 +306,7 @@ def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_w
     batch = PagedBatch(slots_T=zeros_T, block_tables_BX=np.zeros((B, X), np.int32), query_start_B=zeros_B,
                        num_tokens_B=zeros_B, seq_lens_B=zeros_B, max_query_len=shape.Q)
     controls = step_controls(shape, [GREEDY] * B, np.full((B, end_width), -1, np.int32), zeros_B,
-                             bias_width=bias_width)
+                             bias_width=bias_width, processors=processors)
     masks = {}
     if shape.kind != "greedy" and shape.K:  # each verified position's mask
         masks = dict(allowed_BJW=all_allowed(B * (shape.K + 1), config.vocab_size).reshape(B, shape.K + 1, -1))
@@ -322,9 +324,10 @@ def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_w
 
 
 def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens_B: np.ndarray, *,
-                  bias_width: int) -> DecodeControls:
+                  bias_width: int, processors: tuple = ()) -> DecodeControls:
     """The controls of a step of ``shape``'s kind for ``sampling`` (one :class:`~llm_jax.Sampling` per row):
-    a "greedy" step holds no settings at all; the others hold every setting, in fixed shapes."""
+    a "greedy" step holds no settings at all; the others hold every setting, in fixed shapes, and the
+    engine's logits ``processors``."""
     from llm_jax.sampling import SamplingParams
 
     B = len(sampling)
@@ -336,4 +339,5 @@ def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens
                                                               max_ngram_size=MAX_NGRAM),
                           eos_ids_BE=end_ids_BE, stop_ids_BX=none_BE, max_new_tokens_B=np.zeros((B,), np.int32),
                           min_new_tokens_B=min_new_tokens_B,
-                          logprobs=Logprobs(top_n=shape.top_n) if shape.kind in ("logprobs", "prompt") else None)
+                          logprobs=Logprobs(top_n=shape.top_n) if shape.kind in ("logprobs", "prompt") else None,
+                          processors=processors)

@@ -72,10 +72,8 @@ def test_byte_sizes(text, expected):
     assert byte_size(text) == expected
 
 
-@pytest.mark.parametrize("flag, expected", [("int8", "int8"), ("bfloat16", "bfloat16"), ("auto", None)])
-def test_the_kv_cache_dtype_reaches_the_engine(monkeypatch, flag, expected):
-    """``--kv-cache-dtype`` is the engine's ``kv_cache_dtype`` (auto: None, the compute dtype); the model
-    and the engine are stand-ins here (the engine's own tests run int8 caches)."""
+def engine_options(monkeypatch, argv: list[str]) -> dict:
+    """The options the server's command line gives the engine (the model and the engine are stand-ins)."""
     from llm_jax.server import cli
 
     class Built(Exception):
@@ -89,8 +87,30 @@ def test_the_kv_cache_dtype_reaches_the_engine(monkeypatch, flag, expected):
         mesh=None, config=types.SimpleNamespace(classifier=None)))
     monkeypatch.setattr("llm_jax.serving.engine.Engine", engine)
     with pytest.raises(Built) as built:
-        cli.start_engine(cli.build_parser().parse_args(["--kv-cache-dtype", flag]))
-    assert built.value.args[0]["kv_cache_dtype"] == expected
+        cli.start_engine(cli.build_parser().parse_args(argv))
+    return built.value.args[0]
+
+
+@pytest.mark.parametrize("flag, expected", [("int8", "int8"), ("bfloat16", "bfloat16"), ("auto", None)])
+def test_the_kv_cache_dtype_reaches_the_engine(monkeypatch, flag, expected):
+    """``--kv-cache-dtype`` is the engine's ``kv_cache_dtype`` (auto: None, the compute dtype; the engine's
+    own tests run int8 caches)."""
+    assert engine_options(monkeypatch, ["--kv-cache-dtype", flag])["kv_cache_dtype"] == expected
+
+
+def test_logits_processors_reach_the_engine(monkeypatch):
+    """``--logits-processors MODULE:FUNCTION`` imports each function for the engine
+    (``tests/llm_jax/serving/test_engine_processors.py`` runs them); bad names fail the start."""
+    from llm_jax.cli.common import CliError
+    from tests.llm_jax.test_custom_logits_processors import green_list, no_token_twice
+
+    module = "tests.llm_jax.test_custom_logits_processors"
+    options = engine_options(monkeypatch, ["--logits-processors", f"{module}:green_list", f"{module}.no_token_twice"])
+    assert options["logits_processors"] == [green_list, no_token_twice]
+    for name, message in ((f"{module}:blue_list", "cannot import"), ("no_such_module:f", "cannot import"),
+                          (f"{module}:PROMPTS", "naming a function")):
+        with pytest.raises(CliError, match=message):
+            engine_options(monkeypatch, ["--logits-processors", name])
 
 
 def test_quantize_reaches_the_loader(monkeypatch):
