@@ -94,8 +94,10 @@ class Model:
             raise ValueError(f"as_classifier needs distinct tokens, got {list(tokens)}")
         tied = config.tie_embeddings
         head = self.params["embedder"]["embedding"] if tied else self.params["lm_head"]  # [V, D] or [D, V]
-        head = head.dequantize(jnp.float32) if isinstance(head, QuantizedArray) else jnp.asarray(head, jnp.float32)
-        score_DC = head[jnp.asarray(ids)].T if tied else head[:, jnp.asarray(ids)]
+        if isinstance(head, QuantizedArray):  # (integers: the whole head dequantized, once)
+            head = head.dequantize(jnp.float32)
+        index = jnp.asarray(ids)  # the tokens' columns first, then float32: never a float32 copy of the head
+        score_DC = (head[index].T if tied else head[:, index]).astype(jnp.float32)
         names = [self.tokenizer.decode([i]) if self.tokenizer is not None else str(i) for i in ids]
         if len(ids) == 2:
             score_DC, names = score_DC[:, 1:] - score_DC[:, :1], names[1:]

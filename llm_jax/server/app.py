@@ -3,6 +3,7 @@
     POST /v1/completions        POST /v1/chat/completions     POST /v1/responses
     POST /v1/embeddings         GET  /v1/models               GET  /v1/models/{model}
     POST /v1/score (/score)     POST /v1/rerank (/rerank, /v2/rerank)
+    POST /classify (/v1/classify: a sequence classifier's server)
     POST /tokenize              POST /detokenize
     GET  /health                GET  /version                 GET /metrics
     POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter  (with --allow-runtime-lora-updating)
@@ -10,10 +11,12 @@
 A request's "model" names the served model or one of its LoRA adapters (``Engine``'s ``lora_adapters``),
 which run side by side in the engine's steps.
 
-A sequence classifier (``*ForSequenceClassification``: reward models, classifiers) does not generate: its
-server answers ``POST /classify`` (``/v1/classify``; :mod:`llm_jax.server.classification`) and
-``/v1/embeddings`` beside the routes that do not generate (models, tokenize, detokenize, health, version,
-metrics); the generating routes answer 404 naming what it serves, as ``/classify`` does on a language model.
+A sequence classifier (``*ForSequenceClassification``: reward models, classifiers, or a language model
+made one by ``Model.as_classifier``) does not generate: its server answers ``POST /classify``
+(``/v1/classify``; :mod:`llm_jax.server.classification`), ``/v1/embeddings``, and, with one logit (a
+cross-encoder), ``/score`` and ``/rerank``, beside the routes that do not generate (models, tokenize,
+detokenize, health, version, metrics); the generating routes answer 404 naming what it serves, as
+``/classify`` does on a language model.
 
 ``build_app(engine, config)`` takes an :class:`~llm_jax.serving.async_engine.AsyncEngine` whose engine
 is already compiled (``Engine.warm_up``): the server is ready the moment it listens; a classifier's
