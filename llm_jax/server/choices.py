@@ -22,7 +22,7 @@ from llm_jax.server.fields import ApiError
 from llm_jax.server.metrics import ServerMetrics
 from llm_jax.server.protocol import Generation
 from llm_jax.serving.async_engine import AsyncEngine
-from llm_jax.serving.engine import RequestOutput
+from llm_jax.serving.live import RequestOutput
 from llm_jax.tokenizer import Tokenizer
 
 # The engine's finish reasons as OpenAI's API names them.

@@ -25,7 +25,7 @@ from llm_jax.guided import Choice, Grammar, Guided, Json, Regex
 from llm_jax.sampling import Sampling
 from llm_jax.server.fields import ApiError, Fields, check, check_kind, integer, kind_of, number, show, token_ids
 from llm_jax.server.tools import ToolCalling, parse_tool_calling, template_message
-from llm_jax.serving.engine import BIAS_WIDTH as MAX_LOGIT_BIAS  # logit_bias entries (OpenAI's limit too)
+from llm_jax.serving.batching import BIAS_WIDTH as MAX_LOGIT_BIAS  # logit_bias entries (OpenAI's limit too)
 
 MAX_N = 128  # choices per prompt (OpenAI's limit)
 MAX_STOP = 32  # stop strings per request

@@ -38,7 +38,7 @@ from llm_jax.server.protocol import Generation, Limits, check_context
 from llm_jax.server.responses import DONE, Shape, error_event
 from llm_jax.server.sse import CLIENT_CLOSED, Disconnected, EventStream, unless_disconnected
 from llm_jax.serving.async_engine import AsyncEngine
-from llm_jax.serving.engine import END_WIDTH
+from llm_jax.serving.batching import END_WIDTH
 from llm_jax.serving.step import BANNED
 
 log = logging.getLogger("llm_jax.server")

@@ -1,8 +1,9 @@
 """Serving many requests at once: continuous batching over a paged KV cache.
 
-``blocks`` (a paged cache's blocks and prefix cache) and ``scheduler`` (which tokens of which requests the
-next step computes) are the host side, plain Python and numpy; ``step`` is the device step over a flat,
-ragged batch; ``engine`` ties them to a model (:class:`Engine`).
+``blocks`` (a paged cache's blocks and prefix cache), ``scheduler`` (which tokens of which requests the
+next step computes), ``batching`` (a plan padded to a compiled shape, as the step's inputs) and ``live``
+(each running request's sampling, end conditions and text) are the host side, plain Python and numpy;
+``step`` is the device step over a flat, ragged batch; ``engine`` ties them to a model (:class:`Engine`).
 
 Array names follow the dimension key of ``llm_jax``, read over a step's flat ragged batch: B the step's
 sequences (its batch), T its tokens, flat over all sequences, X a block table's width (blocks per

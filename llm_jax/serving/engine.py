@@ -7,10 +7,12 @@
             ...
 
 Each step the scheduler (host, :mod:`llm_jax.serving.scheduler`) plans which tokens run — one for every
-decoding sequence, chunks of prompts while the token budget lasts — and the device step
-(:mod:`llm_jax.serving.step`) runs them and picks each sequence's next token with the same processors and
-sampling as ``generate``. End-of-sequence ids, stop ids and stop strings are checked here, on the host, as
-``generate`` checks its text. Steps are padded to a few shapes, compiled once by :meth:`Engine.warm_up`.
+decoding sequence, chunks of prompts while the token budget lasts —, the builder
+(:mod:`llm_jax.serving.batching`) pads the plan to one of a few shapes, compiled once by
+:meth:`Engine.warm_up`, and the device step (:mod:`llm_jax.serving.step`) runs them and picks each
+sequence's next token with the same processors and sampling as ``generate``. Each request's end-of-sequence
+ids, stop ids and stop strings are checked on the host (:mod:`llm_jax.serving.live`), as ``generate``
+checks its text.
 
 With ``speculative=llm_jax.Speculative(method="ngram", num_tokens=k)`` each decoding request gets up to k
 proposals before the step (prompt lookup in its tokens, here on the host); with ``method="draft"`` the
@@ -31,7 +33,6 @@ With ``lora_adapters`` (PEFT folders or ``llm_jax.lora.LoraAdapter`` s) each req
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Sequence
 
@@ -40,41 +41,21 @@ import numpy as np
 
 from llm_jax.decoding import PAD_ID, check_processors
 from llm_jax.generation import Prompt, encode_prompts
-from llm_jax.guided import Guided, Matcher, all_allowed, vocabulary
-from llm_jax.kv_cache import PagedBatch, cache_bytes_per_token, cache_dtype, init_paged_cache
+from llm_jax.guided import Guided, Matcher, vocabulary
+from llm_jax.kv_cache import cache_bytes_per_token, cache_dtype, init_paged_cache
 from llm_jax.loading import Model
 from llm_jax.sampling import GREEDY, Sampling
 from llm_jax.serving.adapters import AdapterArg, LoraSlots
-from llm_jax.serving.blocks import NULL_BLOCK, ROOT_HASH, salted
-from llm_jax.serving.scheduler import FinishReason, Request, Scheduler, SchedulerStats, StepPlan
-from llm_jax.serving.step import Draft, Shape, StepInputs, abstract_inputs, draft_step, step, step_controls
+from llm_jax.serving.batching import BIAS_WIDTH, END_WIDTH, StepBuilder
+from llm_jax.serving.blocks import ROOT_HASH, salted
+from llm_jax.serving.live import LiveRequest, RequestOutput
+from llm_jax.serving.scheduler import Request, Scheduler, SchedulerStats, StepPlan
+from llm_jax.serving.step import Shape, StepInputs, draft_step, step, step_controls
 from llm_jax.sharding import paged_cache_shardings
-from llm_jax.speculative import Backoff, Method, Speculative, ngram_proposals
+from llm_jax.speculative import Method, Speculative, ngram_proposals
 from llm_jax.stop_strings import SequenceText
 
-BIAS_WIDTH = 300  # logit_bias entries per request at most (the OpenAI API's limit)
-END_WIDTH = 32  # end-of-sequence and stop ids per request at most
-MIN_TOKEN_BUCKET = 16  # the smallest token count a step with prefill chunks is padded to
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RequestOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    token_ids: tuple[int, ...]  # new tokens (none for a prompt chunk that does not end the prompt)
-    text: str  # new text, safe to show (held back where it could be the start of a stop string)
-    finish_reason: str | None = None  # "eos", "stop", "length" when the request ended with this step
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: tuple[float, ...] | None = None  # the new tokens' log-probabilities, when asked for
-    top_logprobs: tuple[dict[int, float], ...] | None = None
-    # With the first token, when asked for: each prompt token's log-probability under the model (None for
-    # the first, which nothing predicts) and the most likely tokens at its position.
-    prompt_logprobs: tuple[float | None, ...] | None = None
-    prompt_top_logprobs: tuple[dict[int, float] | None, ...] | None = None
-    prompt_ranks: tuple[int | None, ...] | None = None  # each prompt token's rank (1: the most likely)
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # after this step
+__all__ = ["BIAS_WIDTH", "END_WIDTH", "Engine", "RequestOutput", "StepError"]
 
 
 class StepError(RuntimeError):
@@ -83,72 +64,6 @@ class StepError(RuntimeError):
     def __init__(self, request_ids: Sequence[str], error: BaseException):
         super().__init__(f"a step of requests {list(request_ids)} failed: {error}")
         self.request_ids = tuple(request_ids)
-
-
-@dataclasses.dataclass(eq=False)
-class _Live:
-    """Host state of one request beside the scheduler's."""
-
-    request: Request
-    sampling: Sampling
-    end_ids: tuple[int, ...]  # EOS then stop ids, banned before min_new_tokens
-    eos_ids: frozenset[int]
-    stop_ids: frozenset[int]
-    min_new_tokens: int
-    logprobs: int | None
-    sample_index: int
-    text: SequenceText
-    prompt_logprobs: int | None = None
-    # By position: each prompt token's log-probability, rank and top tokens.
-    prompt_scores: dict[int, tuple[float, int, dict[int, float]]] = dataclasses.field(default_factory=dict)
-    backoff: Backoff = Backoff()  # speculative decoding: steps it proposes nothing after failures
-    matcher: Matcher | None = None  # guided decoding: where the request stands in its constraint
-    guided_after: int | None = None  # the token the constraint starts after (a reasoning's end), until it comes
-    lora: str | None = None  # its LoRA adapter's name
-    lora_slot: int = -1  # and its slot (-1: the base model)
-
-    def guided_prefix(self, proposals: Sequence[int]) -> int:
-        """How many of ``proposals``, from the first, its constraint allows (all before it starts)."""
-        free = self._free(proposals)
-        if self.matcher is None or free >= len(proposals):
-            return len(proposals)
-        return free + self.matcher.valid_prefix(proposals[free:])
-
-    def fill_masks(self, rows_JW: np.ndarray, proposals: Sequence[int]) -> None:
-        """Into row j of ``rows_JW`` (all ones; one more row than ``proposals``) what may follow
-        ``proposals[:j]``: left all ones while its constraint has not started, then as
-        :meth:`Matcher.fill_ahead` fills them."""
-        free = self._free(proposals)
-        if free < len(rows_JW):
-            self.matcher.fill_ahead(rows_JW[free:], proposals[free:])
-
-    def _free(self, proposals: Sequence[int]) -> int:
-        """How many of ``proposals`` come before its constraint starts: none once started; up to its start
-        token (included), or all, while that token has not come."""
-        if self.guided_after is None:
-            return 0
-        proposals = list(proposals)
-        return proposals.index(self.guided_after) + 1 if self.guided_after in proposals else len(proposals) + 1
-
-    @property
-    def scores_prompt(self) -> bool:
-        """Whether its steps compute prompt log-probabilities: asked for, and its prompt not yet done."""
-        return self.prompt_logprobs is not None and self.request.num_output_tokens == 0
-
-    @property
-    def kind(self) -> str:
-        if self.scores_prompt:
-            return "prompt"
-        if self.logprobs is not None:
-            return "logprobs"
-        greedy = dataclasses.replace(self.sampling, seed=0) == GREEDY
-        return "greedy" if greedy and self.min_new_tokens == 0 and self.matcher is None else "sample"
-
-
-def _buckets(limit: int, smallest: int = 1) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` below ``limit``, then ``limit``."""
-    sizes = [s for s in (2 ** i for i in range(32)) if smallest <= s < limit]
-    return (*sizes, limit)
 
 
 class Engine:
@@ -212,10 +127,13 @@ class Engine:
         self.scheduler = Scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
                                    enable_prefix_caching=enable_prefix_caching)
-        self.X = math.ceil(self.max_model_len / block_size)
-        self.seq_buckets = _buckets(max_num_seqs)
-        self.token_buckets = _buckets(max_num_batched_tokens, min(MIN_TOKEN_BUCKET, max_num_batched_tokens))
-        self._live: dict[str, _Live] = {}
+        self.builder = StepBuilder(
+            config=config, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len, block_size=block_size, max_logprobs=max_logprobs,
+            num_speculative=0 if speculative is None else speculative.num_tokens, draft=self.draft is not None,
+            lora=self.lora is not None, processors=self.processors)
+        self.X = self.builder.X
+        self._live: dict[str, LiveRequest] = {}
 
     def _new_cache(self, num_blocks: int, *, draft: bool = False):
         """The model's pages (``kv_cache_dtype``), or the draft model's (its compute dtype)."""
@@ -295,7 +213,7 @@ class Engine:
                           use_prefix_cache=prompt_logprobs is None, priority=int(priority),
                           hash_root=self._hash_root(lora, cache_salt))
         self.scheduler.add(request)  # refuses requests that can never fit
-        self._live[request_id] = _Live(
+        self._live[request_id] = LiveRequest(
             request=request, sampling=sampling, end_ids=end_ids, eos_ids=frozenset(eos_ids),
             stop_ids=frozenset(stop_ids), min_new_tokens=min_new_tokens, logprobs=logprobs, sample_index=sample_index,
             text=SequenceText(self.model.tokenizer, list(ids), tuple(stop), min_new_tokens,
@@ -354,31 +272,14 @@ class Engine:
 
     # Steps.
     def shapes(self) -> list[Shape]:
-        """Every step program this engine can run: decode-only steps by sequences, mixed steps by tokens
-        (and steps scoring prompts, always mixed)."""
-        kinds = [("greedy", 0)] * (not self.processors) + [("sample", 0), ("logprobs", self.max_logprobs)]
-        decode = [(B, B, 1) for B in self.seq_buckets]
-        mixed = [(T, self.max_num_seqs, T) for T in self.token_buckets]
-        shapes = ([Shape(T=T, B=B, X=self.X, Q=Q, kind=kind, top_n=top_n)
-                   for (kind, top_n), (T, B, Q) in itertools.product(kinds, decode + mixed)]
-                  + [Shape(T=T, B=B, X=self.X, Q=Q, kind="prompt", top_n=self.max_logprobs) for T, B, Q in mixed])
-        if self.speculative is None:
-            return shapes
-        # And the steps that verify proposals: decode steps by sequences (k + 1 tokens each), mixed by tokens;
-        # with a draft, those of the kinds guided requests run in again, drafted first.
-        K = self.speculative.num_tokens
-        verifying = [dataclasses.replace(s, T=s.B * (K + 1) if s.Q == 1 else s.T, Q=K + 1 if s.Q == 1 else s.Q, K=K)
-                     for s in shapes]
-        drafted = [dataclasses.replace(s, drafted=True) for s in verifying if s.kind != "greedy"]
-        return shapes + verifying + (drafted if self.draft is not None else [])
+        """Every step program this engine can run (:meth:`StepBuilder.shapes`)."""
+        return self.builder.shapes()
 
     def warm_up(self) -> int:
         """Compile every step program (:meth:`shapes`) by running it on padding; returns how many."""
         shapes = self.shapes()
         for shape in shapes:
-            inputs = abstract_inputs(shape, self.config, bias_width=BIAS_WIDTH, end_width=END_WIDTH,
-                                     max_model_len=self.max_model_len, draft=self.draft is not None,
-                                     lora=self.lora is not None, processors=self.processors)
+            inputs = self.builder.abstract(shape)
             self._run(self._draft_first(inputs) if shape.drafted else inputs)
         jax.block_until_ready((self.cache, self.draft_cache))
         return len(shapes)
@@ -411,123 +312,6 @@ class Engine:
             tokens_T[end - inputs.num_proposals_B[b]:end] = proposals_BK[b, :inputs.num_proposals_B[b]]
         return dataclasses.replace(inputs, tokens_T=tokens_T, proposals_BK=proposals_BK, q_BKV=q_BKV, draft=None)
 
-    def _shape(self, plan: StepPlan, kind: str, lives: list[_Live]) -> Shape:
-        top_n = self.max_logprobs if kind in ("logprobs", "prompt") else 0
-        K = self.speculative.num_tokens if plan.num_proposals_B.any() else 0
-        # A draft's proposals that guided requests' masks follow: the host must see them first.
-        drafted = self.draft is not None and any(
-            n and live.matcher is not None for n, live in zip(plan.num_proposals_B, lives))
-        T = next(t for t in self.token_buckets if t >= plan.num_tokens)
-        if (plan.num_tokens_B - plan.num_proposals_B == 1).all() and kind != "prompt":
-            B = next(b for b in self.seq_buckets if b >= plan.num_seqs)
-            # Verifying, the mixed step of fewer tokens, where some sequences propose less than k.
-            if not K or T >= B * (K + 1):
-                return Shape(T=B * (K + 1), B=B, X=self.X, Q=K + 1, kind=kind, top_n=top_n, K=K, drafted=drafted)
-        return Shape(T=T, B=self.max_num_seqs, X=self.X, Q=T, kind=kind, top_n=top_n, K=K, drafted=drafted)
-
-    def _inputs(self, plan: StepPlan, shape: Shape, lives: list[_Live]) -> StepInputs:
-        n, T, B = plan.num_seqs, plan.num_tokens, shape.B
-
-        def padded(a: np.ndarray, size: int, fill=0) -> np.ndarray:
-            out = np.full((size, *a.shape[1:]), fill, a.dtype)
-            out[:len(a)] = a
-            return out
-
-        tables = np.full((B, self.X), NULL_BLOCK, np.int32)
-        tables[:n, :plan.block_tables_BX.shape[1]] = plan.block_tables_BX
-        query_start_B = padded(plan.query_start_B, B, T)  # padding sequences: no tokens, after the real ones
-        batch = PagedBatch(slots_T=padded(plan.slots_T, shape.T, NULL_BLOCK), block_tables_BX=tables,
-                           query_start_B=query_start_B, num_tokens_B=padded(plan.num_tokens_B, B),
-                           seq_lens_B=padded(plan.seq_lens_B, B), max_query_len=shape.Q)
-        sampling = [live.sampling for live in lives] + [GREEDY] * (B - n)
-        end_ids_BE = np.full((B, END_WIDTH), PAD_ID, np.int32)
-        for b, live in enumerate(lives):
-            end_ids_BE[b, :len(live.end_ids)] = live.end_ids
-        min_new_B = padded(np.array([live.min_new_tokens for live in lives], np.int32), B)
-        controls = step_controls(shape, sampling, end_ids_BE, min_new_B, bias_width=BIAS_WIDTH,
-                                 processors=self.processors)
-        samples = np.array([live.sample_index for live in lives] + [0] * (B - n), np.int32)
-        controls = dataclasses.replace(controls, sampling=dataclasses.replace(controls.sampling, sample_B=samples))
-        generated_B = padded(np.array([live.request.num_output_tokens for live in lives], np.int32), B)
-        extra = {}
-        if shape.kind != "greedy":
-            tokens_BS = np.zeros((B, self.max_model_len), np.int32)
-            for b, live in enumerate(lives):
-                tokens_BS[b, :live.request.num_tokens] = live.request.token_ids
-            extra = dict(tokens_BS=tokens_BS,
-                         prompt_lens_B=padded(np.array([len(l.request.prompt_token_ids) for l in lives], np.int32), B),
-                         lengths_B=padded(np.array([l.request.num_tokens for l in lives], np.int32), B))
-        if shape.kind == "prompt":  # the prompt token after each token, where a scored prompt has one
-            targets_T = np.full((shape.T,), -1, np.int32)
-            for b, live in enumerate(lives):
-                if live.scores_prompt:
-                    prompt = np.asarray(live.request.prompt_token_ids, np.int32)
-                    span = slice(plan.query_start_B[b], plan.query_start_B[b] + plan.num_tokens_B[b])
-                    next_S = plan.positions_T[span] + 1
-                    targets_T[span] = np.where(next_S < len(prompt), prompt[np.minimum(next_S, len(prompt) - 1)], -1)
-            extra["prompt_targets_T"] = targets_T
-        if shape.K:  # each sequence's proposals: its last tokens
-            proposals_BK = np.zeros((B, shape.K), np.int32)
-            for b in np.flatnonzero(plan.num_proposals_B):
-                end = plan.query_start_B[b] + plan.num_tokens_B[b]
-                proposals_BK[b, :plan.num_proposals_B[b]] = plan.token_ids_T[end - plan.num_proposals_B[b]:end]
-            extra.update(proposals_BK=proposals_BK, num_proposals_B=padded(plan.num_proposals_B, B))
-        if shape.kind != "greedy":  # what each sequence may choose (a draft's proposals' masks come after it)
-            allowed_BJW = (all_allowed(B * (shape.K + 1), self.config.vocab_size).reshape(B, shape.K + 1, -1)
-                           if shape.drafted else self._allowed(plan, shape, lives, extra.get("proposals_BK")))
-            if shape.K:
-                extra["allowed_BJW"] = allowed_BJW
-            else:
-                controls = dataclasses.replace(controls, allowed_BW=allowed_BJW[:, 0])
-        if self.draft is not None:
-            extra["draft"] = self._draft_inputs(plan, shape, tables)
-        if self.lora is not None:  # each token's adapter slot
-            slots_T = np.full((shape.T,), -1, np.int32)
-            for b, live in enumerate(lives):
-                slots_T[plan.query_start_B[b]:plan.query_start_B[b] + plan.num_tokens_B[b]] = live.lora_slot
-            extra["lora_slots_T"] = slots_T
-        return StepInputs(tokens_T=padded(plan.token_ids_T, shape.T), positions_T=padded(plan.positions_T, shape.T),
-                          batch=batch, controls=controls, num_generated_B=generated_B, **extra)
-
-    def _allowed(self, plan: StepPlan, shape: Shape, lives: list[_Live], proposals_BK: np.ndarray | None
-                 ) -> np.ndarray:
-        """What each sequence may choose at each position it verifies [B, K + 1, words] (guided ones: what
-        their constraint allows after their proposals before it), all ones for the others."""
-        J = shape.K + 1
-        allowed_BJW = all_allowed(shape.B * J, self.config.vocab_size).reshape(shape.B, J, -1)
-        for b, live in enumerate(lives):
-            if live.matcher is not None and plan.samples_B[b]:
-                n = int(plan.num_proposals_B[b])
-                live.fill_masks(allowed_BJW[b, :n + 1], [] if not n else proposals_BK[b, :n].tolist())
-        return allowed_BJW
-
-    def _draft_inputs(self, plan: StepPlan, shape: Shape, tables_BX: np.ndarray) -> Draft:
-        """The draft's first pass: each sequence's known tokens of the step (not its proposals), after the
-        token before them where it has proposals; padded as the step."""
-        n, B, Z = plan.num_seqs, shape.B, self.block_size
-        again_B = (plan.num_proposals_B > 0).astype(np.int32)  # the token before the latest, fed again
-        known_B = plan.num_tokens_B - plan.num_proposals_B
-        num_B = known_B + again_B
-        start_B = (np.cumsum(num_B) - num_B).astype(np.int32)
-        first_B = plan.seq_lens_B - plan.num_tokens_B - again_B  # the position each one's tokens start at
-        seq_B = np.repeat(np.arange(n), num_B)
-        positions_T = (np.arange(len(seq_B)) - start_B[seq_B] + first_B[seq_B]).astype(np.int32)
-        tokens_T = np.empty_like(positions_T)
-        for b, request_id in enumerate(plan.request_ids):
-            tokens = self.scheduler.get(request_id).token_ids
-            tokens_T[start_B[b]:start_B[b] + num_B[b]] = tokens[first_B[b]:first_B[b] + num_B[b]]
-        slots_T = tables_BX[seq_B, positions_T // Z] * Z + positions_T % Z
-
-        def padded(a, size, fill=0):
-            out = np.full((size,), fill, np.int32)
-            out[:len(a)] = a
-            return out
-
-        batch = PagedBatch(slots_T=padded(slots_T, shape.T, NULL_BLOCK), block_tables_BX=tables_BX,
-                           query_start_B=padded(start_B, B, len(seq_B)), num_tokens_B=padded(num_B, B),
-                           seq_lens_B=padded(first_B + num_B, B), max_query_len=shape.Q)
-        return Draft(tokens_T=padded(tokens_T, shape.T), positions_T=padded(positions_T, shape.T), batch=batch)
-
     def _fail(self, plan: StepPlan) -> None:
         """After a step failed: its requests end; if the cache went with it (donated to the failed
         program), every running request ends too and the prefix cache is emptied."""
@@ -541,28 +325,6 @@ class Engine:
             if self.draft_cache is not None:
                 self.draft_cache = self._new_cache(self.cache.num_pages, draft=True)
             self.cache = self._new_cache(self.cache.num_pages)
-
-    @staticmethod
-    def _keep_prompt_scores(plan: StepPlan, lives: list[_Live], scored) -> None:
-        """Each scored prompt's log-probabilities from this step, by the position of the token they score."""
-        for b, live in enumerate(lives):
-            if not live.scores_prompt:
-                continue
-            n = live.prompt_logprobs
-            for t in range(plan.query_start_B[b], plan.query_start_B[b] + plan.num_tokens_B[b]):
-                position = int(plan.positions_T[t]) + 1
-                if position < len(live.request.prompt_token_ids):
-                    top = ({} if not n else {int(i): float(p) for i, p in
-                                             zip(scored.top_ids_BTN[0, t, :n], scored.top_logprobs_BTN[0, t, :n])})
-                    live.prompt_scores[position] = (float(scored.logprobs_BT[0, t]), int(scored.ranks_BT[0, t]), top)
-
-    @staticmethod
-    def _prompt_scores(live: _Live) -> dict:
-        """A prompt's log-probabilities, as :class:`RequestOutput` gives them."""
-        scores = [live.prompt_scores[p] for p in range(1, len(live.request.prompt_token_ids))]
-        return dict(prompt_logprobs=(None, *(lp for lp, _, _ in scores)),
-                    prompt_ranks=(None, *(rank for _, rank, _ in scores)),
-                    prompt_top_logprobs=(None, *(top for _, _, top in scores)))
 
     def _propose(self) -> None:
         """Proposals for each decoding request's next tokens (speculative decoding), as many as its length
@@ -590,30 +352,6 @@ class Engine:
                     proposals = proposals[:live.guided_prefix(proposals)]
                 request.spec_token_ids = proposals
 
-    def _end(self, live: _Live, tokens: list[int]) -> tuple[list[int], FinishReason | None, int | None, bool]:
-        """A sequence's new tokens up to the first that ends it — an end id, the length limit, or its
-        constraint complete (its matcher consumes them one by one) — the reason, the stop id, and whether
-        it reached the length limit."""
-        request = live.request
-        for i, token in enumerate(tokens):
-            reason = stop_reason = None
-            if token in live.eos_ids:
-                reason = FinishReason.EOS
-            elif token in live.stop_ids:
-                reason, stop_reason = FinishReason.STOP, token
-            length = (request.num_output_tokens + i + 1 >= request.max_new_tokens
-                      or request.num_tokens + i + 1 >= self.max_model_len)
-            if live.matcher is not None and reason is None and not length:
-                if live.guided_after is not None:  # free until its token, constrained after it
-                    if token == live.guided_after:
-                        live.guided_after = None
-                # Its constraint complete (or, which the masks rule out, broken): nothing may follow.
-                elif not live.matcher.consume([token]) or live.matcher.done:
-                    reason = FinishReason.STOP
-            if reason is not None or length:
-                return tokens[:i + 1], reason, stop_reason, length
-        return tokens, None, None, False
-
     def step(self) -> list[RequestOutput]:
         """Run one step: each request that produced something gets a :class:`RequestOutput`."""
         if self.speculative is not None:
@@ -622,15 +360,13 @@ class Engine:
         if plan.num_seqs == 0:
             return []
         lives = [self._live[rid] for rid in plan.request_ids]
-        kinds = {live.kind for live in lives}
-        kind = next(k for k in ("prompt", "logprobs", "sample", "greedy") if k in kinds or k == "greedy")
-        kind = "sample" if kind == "greedy" and self.processors else kind  # the processors run in every step
-        shape = self._shape(plan, kind, lives)
+        shape = self.builder.shape(plan, lives)
         try:
-            inputs = self._inputs(plan, shape, lives)
+            inputs = self.builder.inputs(plan, shape, lives)
             if shape.drafted:  # the draft's proposals, then their masks
                 inputs = self._draft_first(inputs)
-                inputs = dataclasses.replace(inputs, allowed_BJW=self._allowed(plan, shape, lives, inputs.proposals_BK))
+                inputs = dataclasses.replace(inputs, allowed_BJW=self.builder.allowed(plan, shape, lives,
+                                                                                      inputs.proposals_BK))
             emitted, scored = self._run(inputs)
             emitted, scored = jax.device_get((emitted, scored))
         except Exception as error:
@@ -644,39 +380,27 @@ class Engine:
         logprobs_BJ = by_sequence(emitted.logprobs_BS)
         top_ids_BJN = by_sequence(emitted.top_ids_BSN, self.max_logprobs)
         top_logprobs_BJN = by_sequence(emitted.top_logprobs_BSN, self.max_logprobs)
-        if scored is not None:
-            self._keep_prompt_scores(plan, lives, scored)
+        if scored is not None:  # each scored prompt's log-probabilities of the step
+            for b, live in enumerate(lives):
+                if live.scores_prompt:
+                    span = slice(plan.query_start_B[b], plan.query_start_B[b] + plan.num_tokens_B[b])
+                    live.keep_prompt_scores(plan.positions_T[span], scored.logprobs_BT[0, span],
+                                            scored.ranks_BT[0, span], scored.top_ids_BTN[0, span],
+                                            scored.top_logprobs_BTN[0, span])
         outputs, stopped, new_tokens, accepted_B = [], {}, [[] for _ in lives], np.zeros((len(lives),), np.int32)
         for b, live in enumerate(lives):
             if not plan.samples_B[b]:
                 continue
-            prompt_scores = {}
-            if live.scores_prompt:  # its prompt is done: its scores go out with its first token
-                prompt_scores = self._prompt_scores(live)
-                live.request.use_prefix_cache = True  # recomputed after a preemption, it may start from the cache
-            request = live.request
             tokens = [int(t) for t in tokens_BJ[b] if t != PAD_ID]
             accepted_B[b] = len(tokens) - 1
             if plan.num_proposals_B[b]:
                 live.backoff = live.backoff.after_speculation(accepted_B[b], 1, self.speculative)
-            tokens, reason, stop_reason, length = self._end(live, tokens)
-            kept, text, hit_stop = live.text.push(tokens, last=reason is not None or length)
-            if hit_stop:
-                reason, stop_reason = FinishReason.STOP, live.text.matcher.stop
+            rows = [None if a is None else a[b] for a in (logprobs_BJ, top_ids_BJN, top_logprobs_BJN)]
+            out, reason = live.output(tokens, *rows, max_model_len=self.max_model_len)
             if reason is not None:
-                stopped[request.request_id] = reason
-            new_tokens[b] = kept
-            logprobs = top = None
-            if live.logprobs is not None:
-                n, j = live.logprobs, range(len(kept))
-                logprobs = tuple(float(logprobs_BJ[b, i]) for i in j)
-                top = tuple({} if not n else {int(t): float(p) for t, p in zip(top_ids_BJN[b, i, :n],
-                                                                                top_logprobs_BJN[b, i, :n])}
-                            for i in j)
-            outputs.append(RequestOutput(
-                request_id=request.request_id, token_ids=tuple(kept), text=text, stop_reason=stop_reason,
-                logprobs=logprobs, top_logprobs=top, num_prompt_tokens=len(request.prompt_token_ids),
-                num_output_tokens=request.num_output_tokens + len(kept), **prompt_scores))
+                stopped[out.request_id] = reason
+            new_tokens[b] = list(out.token_ids)
+            outputs.append(out)
         finished = {r.request_id: r for r in self.scheduler.update(plan, new_tokens, stopped, accepted_B=accepted_B)}
         result = []
         for out in outputs:

@@ -2,7 +2,7 @@
 whatever else runs beside it (arrivals at random steps, chunked prompts, shared prefixes, preemptions,
 aborts), with greedy and seeded sampling, on stories260K and on random models of the families whose
 attention differs (sliding windows across block boundaries, soft-capping); and no step compiles after
-warm-up."""
+warm-up, whatever the requests ask for (guided ones included)."""
 
 import random
 
@@ -183,6 +183,11 @@ def test_every_processor_gives_generates_tokens(stories, banning, speculative):
 
 
 def test_no_step_compiles_after_warm_up(stories):
+    """Requests arriving at random steps with every kind of setting — samplings, processors, top and
+    prompt log-probabilities, and constraints (guided, one with log-probabilities) — run only the programs
+    warm_up compiled."""
+    from test_guided import CONSTRAINTS, follows
+
     engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128)
     compiled = engine.warm_up()
     assert compiled == len(engine.shapes())
@@ -195,8 +200,13 @@ def test_no_step_compiles_after_warm_up(stories):
                       max_new_tokens=rng.randrange(1, 30), ignore_eos=True,
                       logprobs=2 if i % 4 == 3 else None, prompt_logprobs=1 if i % 5 == 2 else None)
         arrivals.setdefault(rng.randrange(0, 20), []).append((f"r{i}", prompt, kwargs))
-    run_all(engine, arrivals)
+    for i, (kind, guided) in enumerate(CONSTRAINTS.items()):
+        kwargs = dict(guided=guided, max_new_tokens=60, logprobs=2 if i == 1 else None)
+        arrivals.setdefault(rng.randrange(0, 20), []).append((kind, "Once upon a time", kwargs))
+    outputs = run_all(engine, arrivals)
     assert step._cache_size() == programs
+    for kind in CONSTRAINTS:
+        assert follows(kind, "".join(o.text for o in outputs[kind])), kind
 
 
 def test_requests_that_cannot_run_are_refused_with_the_reason(stories):

@@ -61,7 +61,7 @@ def test_the_prefix_cache_keeps_each_adapters_blocks_apart(stories, adapters, me
 
 
 def test_adapters_load_and_unload_while_serving_without_compiling(stories, adapters, merged, tmp_path):
-    engine = Engine(stories, max_num_seqs=4, max_num_batched_tokens=32, block_size=8, max_model_len=128,
+    engine = Engine(stories, max_num_seqs=2, max_num_batched_tokens=16, block_size=8, max_model_len=128,
                     max_loras=2, max_lora_rank=8)
     engine.warm_up()
     programs = step._cache_size()

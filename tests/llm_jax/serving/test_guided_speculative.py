@@ -4,9 +4,11 @@ choices and a grammar give the tokens of plain guided decoding (which ``test_gui
 ``transformers`` under llguidance's masks), with proposals accepted; so does a constraint that starts
 after a token. Sampled: outputs follow their constraints, and a constrained continuation's distribution
 is the model's under the masks exactly (chi-square against probabilities from full forward passes). The
-masks' layout; no step compiles after warm-up with guided and unguided requests together."""
+masks' layout; no step compiles after warm-up with guided and unguided requests arriving over time
+(greedy and sampled, top and prompt log-probabilities, chunked prompts)."""
 
 import collections
+import random
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,9 @@ from llm_jax.serving.engine import Engine
 from llm_jax.serving.step import draft_step, step
 
 from distribution import FALSE_FAILURE_RATE, chi_square_p_value
+from test_engine import run_all
 from test_guided import CHOICES, CONSTRAINTS, follows, run
+from test_speculative_engine import REPEATING
 
 # Prompts whose n-grams the constrained output repeats: n-gram proposals the constraint allows.
 PROMPTS = {"json": 'Tom is 3 and happy. {"name": "Tom", "age": 3, "happy": true}. Sue is 5 and sad.',
@@ -235,12 +239,19 @@ def test_no_step_compiles_with_guided_and_unguided_requests(stories, near_draft,
     if method == "draft":  # count the steps whose draft runs first
         draft_first = engine._draft_first
         engine._draft_first = lambda inputs: drafted.append(1) or draft_first(inputs)
-    requests = guided_requests(stories)
-    requests["json"][1]["logprobs"] = 2
-    requests["plain"] = (PROMPTS["regex"], dict(max_new_tokens=30, ignore_eos=True))
-    requests["sampled"] = (PROMPTS["grammar"], dict(max_new_tokens=30, sampling=llm_jax.Sampling(temperature=0.8,
-                                                                                                 seed=1)))
-    for rid, (ids, text, reason) in run(engine, requests).items():
-        assert rid in ("plain", "sampled") or (reason == "stop" and follows(rid, text)), (rid, text)
+    rng = random.Random(2)
+    arrivals = {}
+    for i, (kind, (prompt, kwargs)) in enumerate(guided_requests(stories).items()):
+        kwargs = kwargs | dict(logprobs=2 if i == 0 else None)
+        arrivals.setdefault(rng.randrange(0, 20), []).append((kind, prompt, kwargs))
+    for i in range(8):  # unguided: prompts that repeat themselves (n-gram proposals) and random ones
+        prompt = REPEATING[:rng.randrange(30, 120)] if i % 2 else [1] + [rng.randrange(3, 512) for _ in range(40)]
+        kwargs = dict(sampling=[llm_jax.GREEDY, llm_jax.Sampling(temperature=0.7, seed=i)][i % 3 == 0],
+                      max_new_tokens=rng.randrange(1, 40), ignore_eos=True, logprobs=2 if i % 4 == 1 else None,
+                      prompt_logprobs=1 if i % 5 == 3 else None)
+        arrivals.setdefault(rng.randrange(0, 20), []).append((f"r{i}", prompt, kwargs))
+    outputs = run_all(engine, arrivals)
+    for kind in PROMPTS:
+        assert outputs[kind][-1].finish_reason == "stop" and follows(kind, "".join(o.text for o in outputs[kind]))
     assert (step._cache_size(), draft_step._cache_size()) == programs
     assert engine.stats().spec_accepted_tokens > 0 and (method == "ngram" or drafted)

@@ -3,7 +3,8 @@ drawn inside the step; verified inside the step): greedy requests — processors
 — get exactly ``generate``'s tokens whatever runs beside them, with preemptions, chunked prompts and the
 prefix cache, k = 1..8, on stories260K and a random model of every family; sampled requests keep the
 model's distribution exactly (chi-square against its own probabilities, and against the engine's plain
-sampling when penalties read the history); the counters; backing off; no compilation after warm-up."""
+sampling when penalties read the history); the counters; backing off. (No compilation after warm-up:
+``test_guided_speculative``, with guided and unguided requests together.)"""
 
 import dataclasses
 import random
@@ -14,7 +15,6 @@ import scipy.stats
 
 import llm_jax
 from llm_jax.serving.engine import Engine
-from llm_jax.serving.step import step
 
 from distribution import FALSE_FAILURE_RATE, chi_square_p_value, exact_distribution, tiny_model
 from family_switches import FAMILIES, random_model
@@ -214,26 +214,6 @@ def homogeneity_p_value(a: np.ndarray, b: np.ndarray) -> float:
     table = np.array([np.append(a[~small], a[small].sum()), np.append(b[~small], b[small].sum())])
     table = table[:, table.sum(axis=0) > 0]
     return float(scipy.stats.chi2_contingency(table).pvalue)
-
-
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_no_step_compiles_after_warm_up(stories, near_draft, method):
-    speculative = ngram(3) if method == "ngram" else llm_jax.Speculative(method="draft", draft_model=near_draft,
-                                                                          num_tokens=3)
-    engine = Engine(stories, max_num_seqs=2, max_num_batched_tokens=16, block_size=8, max_model_len=128,
-                    speculative=speculative)
-    assert engine.warm_up() == len(engine.shapes())
-    programs = step._cache_size()
-    rng = random.Random(2)
-    arrivals = {}
-    for i in range(10):
-        prompt = REPEATING[:rng.randrange(30, 120)] if i % 2 else [1] + [rng.randrange(3, 512) for _ in range(40)]
-        kwargs = dict(sampling=[llm_jax.GREEDY, llm_jax.Sampling(temperature=0.7, seed=i)][i % 3 == 0],
-                      max_new_tokens=rng.randrange(1, 40), ignore_eos=True, logprobs=2 if i % 4 == 1 else None,
-                      prompt_logprobs=1 if i % 5 == 3 else None)
-        arrivals.setdefault(rng.randrange(0, 20), []).append((f"r{i}", prompt, kwargs))
-    run_all(engine, arrivals)
-    assert step._cache_size() == programs and engine.stats().spec_accepted_tokens > 0
 
 
 # A draft model.
