@@ -49,7 +49,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kv_cache": ("KVCache", "init_cache"),
     # Jitted stages for research code.
     "prefilling": ("prefill", "prefill_with_extras"),
-    "decoding": ("PAD_ID", "DecodeControls", "DecodeState", "Emitted", "FinishReason", "Logprobs", "decode", "start"),
+    "decoding": ("PAD_ID", "DecodeControls", "DecodeState", "Emitted", "FinishReason", "Logprobs", "LogitsProcessor",
+                 "decode", "start"),
     "sampling": ("GREEDY", "Sampling", "SamplingParams"),
     "beams": ("BeamSearch", "EarlyStopping", "beam_search"),
     "speculative": ("Speculative",),

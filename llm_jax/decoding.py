@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-from typing import Callable, Sequence
+import math
+from typing import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +61,38 @@ class Logprobs:
             raise ValueError(f"top_n must be >= 0, got {self.top_n}")
 
 
+@dataclasses.dataclass(frozen=True)
+class LogitsProcessor:
+    """A logits processor that reads arguments each request sets (vLLM's per-request ``extra_args``):
+    ``fn(scores_BV, tokens_BS, lengths_B, args) -> scores_BV``, where ``args[name]`` is a float32 [B] array of
+    each row's value of argument ``name`` — its request's, or ``arguments[name]``, the default.
+
+        watermark = LogitsProcessor(green_list, arguments={"delta": 0.0})   # delta 0: off
+        llm_jax.generate(model, prompts, logits_processors=[watermark], processor_args=[{"delta": 4.0}, None])
+    """
+
+    fn: Callable
+    arguments: dict[str, float] | tuple[tuple[str, float], ...]  # name → default; kept as sorted pairs
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"LogitsProcessor.fn must be callable, got {self.fn!r}")
+        pairs = tuple(sorted(dict(self.arguments).items()))
+        for name, default in pairs:
+            if not isinstance(name, str) or not name.isidentifier():
+                raise ValueError(f"logits processor argument names must be identifiers, got {name!r}")
+            if isinstance(default, bool) or not isinstance(default, (int, float)) or not math.isfinite(default):
+                raise ValueError(f"the default of logits processor argument {name!r} must be a finite number, "
+                                 f"got {default!r}")
+        object.__setattr__(self, "arguments", tuple((name, float(default)) for name, default in pairs))
+
+    def __call__(self, scores_BV, tokens_BS, lengths_B, args: dict[str, jax.Array]):
+        return self.fn(scores_BV, tokens_BS, lengths_B, {name: args[name] for name, _ in self.arguments})
+
+
 def check_processors(processors: Sequence[Callable]) -> tuple[Callable, ...]:
-    """The caller's logits processors, each callable and hashable (a static argument of the jitted steps)."""
+    """The caller's logits processors, each callable and hashable (a static argument of the jitted steps);
+    the arguments of :class:`LogitsProcessor` s, named alike, must share their defaults."""
     processors = tuple(processors)
     for processor in processors:
         if not callable(processor):
@@ -71,7 +102,38 @@ def check_processors(processors: Sequence[Callable]) -> tuple[Callable, ...]:
         except TypeError:
             raise TypeError(f"logits processor {processor!r} is not hashable (it is a static argument of the "
                             "jitted steps): use a function, or give its class __hash__") from None
+    defaults: dict[str, float] = {}
+    for processor in processors:
+        for name, default in getattr(processor, "arguments", ()) if isinstance(processor, LogitsProcessor) else ():
+            if defaults.setdefault(name, default) != default:
+                raise ValueError(f"logits processors give argument {name!r} two defaults: {defaults[name]} and "
+                                 f"{default}")
     return processors
+
+
+def processor_defaults(processors: Sequence[Callable]) -> dict[str, float]:
+    """The arguments ``processors`` read (:class:`LogitsProcessor`), with their defaults."""
+    return {name: default for p in processors if isinstance(p, LogitsProcessor) for name, default in p.arguments}
+
+
+def processor_arg_rows(processors: Sequence[Callable], rows: Sequence[Mapping[str, float] | None]
+                   ) -> dict[str, np.ndarray] | None:
+    """Each argument ``processors`` read, as a float32 [B] array of the ``rows``' values (a row's own, or the
+    default); None when they read none. Refuses names they do not read and values that are not finite
+    numbers, naming them."""
+    defaults = processor_defaults(processors)
+    for row in rows:
+        for name, value in (row or {}).items():
+            if name not in defaults:
+                raise ValueError(f"processor_args names {name!r}, which no logits processor reads"
+                                 + (f" (they read {sorted(defaults)})" if defaults else ""))
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"processor_args[{name!r}] must be a finite number, got {value!r}")
+    if not defaults:
+        return None
+    return {name: np.array([(row or {}).get(name, default) for row in rows], np.float32)
+            for name, default in defaults.items()}
 
 
 def _padded(rows: Sequence[Sequence[int]]) -> np.ndarray:
@@ -104,8 +166,10 @@ class DecodeControls:
     lora: LoraRows | None = None  # each row's LoRA adapter (``llm_jax.lora``)
     logprobs: Logprobs | None = dataclasses.field(default=None, metadata=dict(static=True))
     # The caller's logits processors (``generate(logits_processors=...)``), after the built-in ones: each
-    # ``processor(scores_BV, tokens_BS, lengths_B) -> scores_BV``, traced into the step.
+    # ``processor(scores_BV, tokens_BS, lengths_B) -> scores_BV``, traced into the step; a
+    # :class:`LogitsProcessor` also reads ``processor_args`` (each argument's value per row, float32 [B]).
     processors: tuple[Callable, ...] = dataclasses.field(default=(), metadata=dict(static=True))
+    processor_args: dict[str, jax.Array] | None = None
 
     @classmethod
     def create(cls, sampling: Sequence[Sampling], *, eos_ids: Sequence[Sequence[int]],
@@ -222,7 +286,8 @@ def choose(logits_BV: jax.Array, state: DecodeState, controls: DecodeControls,
     scores_BV = process_logits(logits_BV, controls.sampling, state.history, num_generated_B=state.num_generated_B,
                                end_ids_BE=None if minimum is None else controls.end_ids_BE, min_new_tokens_B=minimum)
     for processor in controls.processors:  # the caller's, on every token so far (prompt and output)
-        scores_BV = processor(scores_BV, state.history.tokens_BS, state.history.length_B).astype(jnp.float32)
+        args = (controls.processor_args,) if isinstance(processor, LogitsProcessor) else ()
+        scores_BV = processor(scores_BV, state.history.tokens_BS, state.history.length_B, *args).astype(jnp.float32)
     if controls.logprobs is None:
         token_B = sample(scores_BV, controls.sampling, state.num_generated_B, backend=backend)
         return token_B, Emitted(tokens_BS=token_B)

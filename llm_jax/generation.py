@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,8 +21,8 @@ from jax.sharding import Mesh
 from llm_jax import buckets, executable_cache, sharding
 from llm_jax.beams import BeamSearch, EarlyStopping, beam_search
 from llm_jax.compile_stats import measure_compilation
-from llm_jax.decoding import (PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, check_processors, decode, start,
-                              take_cache_rows)
+from llm_jax.decoding import (PAD_ID, DecodeControls, Emitted, FinishReason, Logprobs, check_processors, decode,
+                              processor_arg_rows, start, take_cache_rows)
 from llm_jax.guided import Guided, Matcher, all_allowed, vocabulary
 from llm_jax.kv_cache import KVCache, cache_dtype, init_cache
 from llm_jax.loading import Model, lora_rows
@@ -186,7 +186,8 @@ class GenerationStream:
                  beams: BeamSearch | None = None, mesh: Mesh | str | None = None,
                  speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
                  guided: Guided | Sequence[Guided | None] | None = None, guided_after_token: int | None = None,
-                 lora=None, logits_processors: Sequence[Callable] = ()):
+                 lora=None, logits_processors: Sequence[Callable] = (),
+                 processor_args: Mapping[str, float] | Sequence[Mapping[str, float] | None] | None = None):
         self.kv_cache_dtype = cache_dtype(model.config, kv_cache_dtype)  # names the choices when unknown
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
             raise TypeError("prompts must be a non-empty list of strings or of token-id lists")
@@ -239,6 +240,10 @@ class GenerationStream:
             samples=np.tile(np.arange(self.n), P),
             steering_BLD=None if steering_PLD is None else steering_PLD[self.rows], record_layers=hidden_layers,
             processors=self._processors(logits_processors, speculative))
+        if processor_args is not None or self.controls.processors:  # each row's arguments of the processors
+            per_prompt = _per_prompt(processor_args, P, "processor_args")
+            self.controls = dataclasses.replace(
+                self.controls, processor_args=processor_arg_rows(self.controls.processors, rows(per_prompt)))
         self.prompt_hooks = LayerHooks(steering_BLD=None if steering_PLD is None else jnp.asarray(steering_PLD),
                                        record_layers=tuple(hidden_layers))
         self.prompt_lora = None  # each prompt's LoRA adapter (prefill); the rows' are the controls'
@@ -591,7 +596,9 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                     speculative: Speculative | None = None, kv_cache_dtype: str | None = None,
                     guided: Guided | Sequence[Guided | None] | None = None,
                     guided_after_token: int | None = None, lora=None,
-                    logits_processors: Sequence[Callable] = ()) -> GenerationStream:
+                    logits_processors: Sequence[Callable] = (),
+                    processor_args: Mapping[str, float] | Sequence[Mapping[str, float] | None] | None = None
+                    ) -> GenerationStream:
     """Start generating for a batch of prompts; iterate the returned stream for tokens as they come.
 
     Per prompt (one value for all, or a list with one per prompt): ``sampling`` (a :class:`Sampling`:
@@ -640,7 +647,9 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
     before the sampling warpers, as ``transformers`` applies a ``logits_processor`` list: ``scores_BV`` the
     float32 scores, ``tokens_BS`` each row's prompt and output so far (``lengths_B`` of them, ``PAD_ID``
     after). They are traced into the decoding steps (a new processor compiles them anew); not with beams
-    nor speculation.
+    nor speculation. A :class:`~llm_jax.decoding.LogitsProcessor` also reads arguments:
+    ``processor_args`` (a dict of them for every prompt, or one dict or None per prompt) sets them, the
+    others keep their defaults.
     """
     beams = None
     if num_beams > 1 or num_return_sequences > 1:
@@ -653,7 +662,7 @@ def generate_stream(model: Model, prompts: Sequence[Prompt], *, max_new_tokens: 
                             prompt_logprobs=prompt_logprobs, hidden_layers=hidden_layers, steering=steering,
                             return_kv_cache=return_kv_cache, beams=beams, mesh=mesh, speculative=speculative,
                             kv_cache_dtype=kv_cache_dtype, guided=guided, guided_after_token=guided_after_token,
-                            lora=lora, logits_processors=logits_processors)
+                            lora=lora, logits_processors=logits_processors, processor_args=processor_args)
 
 
 def generate(model: Model, prompts: Sequence[Prompt], **kwargs) -> list[GenerationResult]:

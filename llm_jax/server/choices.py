@@ -146,7 +146,7 @@ class Run:
                     ignore_eos=g.ignore_eos, logprobs=g.logprobs, prompt_logprobs=g.scored_prompt,
                     sample_index=choice.sample, guided=g.guided, guided_after_token=g.guided_after_token,
                     skip_special_tokens=g.skip_special_tokens, include_stop_str_in_output=g.include_stop_str_in_output,
-                    priority=g.priority, lora=g.lora, cache_salt=g.cache_salt):
+                    priority=g.priority, lora=g.lora, cache_salt=g.cache_salt, processor_args=g.processor_args):
                 queue.put_nowait((choice, out))
         except asyncio.CancelledError:
             # Cancelled before ``generate`` was past adding the request, its stream cannot abort it: do it here.

@@ -49,6 +49,8 @@ class Limits:
     # What requests that leave them out get: the model's recommended sampling settings and max_tokens
     # (``llm_jax.server.defaults``); the API's own defaults otherwise.
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The arguments the server's logits processors read (``--logits-processors``), with their defaults.
+    processor_arguments: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,6 +85,7 @@ class Generation:
     priority: int = 0  # lower runs first (vLLM's field; needs --scheduling-policy priority)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context's worth)
     cache_salt: str | None = None  # share cached prefixes only with requests of the same salt (vLLM's)
+    processor_args: dict[str, float] | None = None  # vLLM's vllm_xargs: arguments of the logits processors
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -222,6 +225,7 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
     truncate = truncation(fields)
     cache_salt = fields.take("cache_salt", "string")
     check(cache_salt is None or cache_salt != "", "cache_salt", "must not be empty")
+    processor_args = _processor_args(fields, limits)
     return Generation(max_tokens=max_tokens, min_tokens=min_tokens, n=n, sampling=read_sampling(fields, limits),
                       seed=seed, stop=stop, stop_token_ids=stop_ids,
                       ignore_eos=fields.take("ignore_eos", "boolean", default=False), logprobs=logprobs,
@@ -229,7 +233,22 @@ def _generation(fields: Fields, limits: Limits, *, max_tokens: int | None, logpr
                       guided_param=guided_param, bad_words=tuple(bad_words), skip_special_tokens=skip_special,
                       include_stop_str_in_output=include_stop, priority=priority,
                       prompt_logprobs=None if stream else prompt_logprobs, beam_search=beam_search,
-                      truncate_prompt_tokens=truncate, cache_salt=cache_salt)
+                      truncate_prompt_tokens=truncate, cache_salt=cache_salt, processor_args=processor_args)
+
+
+def _processor_args(fields: Fields, limits: Limits) -> dict[str, float] | None:
+    """vLLM's ``vllm_xargs``: numbers for the arguments the server's logits processors read."""
+    value = fields.take("vllm_xargs", "object")
+    if value is None:
+        return None
+    known = limits.processor_arguments
+    for name, given in value.items():
+        check(name in known, f"vllm_xargs.{name}",
+              "is not an argument of this server's logits processors ("
+              + (f"they read {sorted(known)})" if known else "it has none that read arguments)"))
+        check(isinstance(given, (int, float)) and not isinstance(given, bool) and math.isfinite(given),
+              f"vllm_xargs.{name}", f"must be a finite number, got {show(given)}")
+    return {name: float(given) for name, given in value.items()}
 
 
 def truncation(fields: Fields) -> int | None:

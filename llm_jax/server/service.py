@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 
 from llm_jax import guided
 from llm_jax.chat_template import ChatTemplate, encode_chat
+from llm_jax.decoding import processor_defaults
 from llm_jax.loading import Model
 from llm_jax.server import protocol
 from llm_jax.server.choices import BeamRun, Run
@@ -96,7 +97,8 @@ class Service:
         else:
             inner = engine.engine
             self.limits = Limits(vocab_size=model_config.vocab_size, max_logprobs=inner.max_logprobs,
-                                 embedding_dim=model_config.d_model, defaults=config.sampling_defaults)
+                                 embedding_dim=model_config.d_model, defaults=config.sampling_defaults,
+                                 processor_arguments=processor_defaults(inner.processors))
             self.max_model_len, self.block_size = inner.max_model_len, inner.block_size
             self.num_block_slots = inner.scheduler.pool.capacity  # blocks a request may hold at most
             self.capacity = inner.max_num_seqs + config.max_waiting

@@ -133,7 +133,8 @@ class StepBuilder:
             end_ids_BE[b, :len(live.end_ids)] = live.end_ids
         min_new_B = padded(np.array([live.min_new_tokens for live in lives], np.int32), B)
         controls = step_controls(shape, sampling, end_ids_BE, min_new_B, bias_width=BIAS_WIDTH,
-                                 processors=self.processors)
+                                 processors=self.processors,
+                                 processor_args=[live.processor_args for live in lives] + [None] * (B - n))
         samples = padded(np.array([live.sample_index for live in lives], np.int32), B)
         controls = dataclasses.replace(controls, sampling=dataclasses.replace(controls.sampling, sample_B=samples))
         generated_B = padded(np.array([live.request.num_output_tokens for live in lives], np.int32), B)

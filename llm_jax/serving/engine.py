@@ -164,7 +164,7 @@ class Engine:
                     prompt_logprobs: int | None = None, sample_index: int = 0, guided: Guided | None = None,
                     guided_after_token: int | None = None, skip_special_tokens: bool = True,
                     include_stop_str_in_output: bool = False, priority: int = 0, lora: str | None = None,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, processor_args: dict[str, float] | None = None) -> None:
         """Queue a request (a string, or token ids used as given). ``max_new_tokens`` None: until the
         context is full. ``logprobs``: how many top alternatives to report per token (0: the token's own);
         ``prompt_logprobs``: the same for the prompt's tokens, reported with the first token (the request
@@ -179,7 +179,9 @@ class Engine:
         that ends it). ``include_stop_str_in_output``: the text ends with the stop string that ended it.
         ``priority``: lower is admitted and given the step's budget first, and preempted last (ties: first
         come, first served). ``lora``: the name of the LoRA adapter the request runs with (None: the base
-        model). ``cache_salt``: the request shares cached prefix blocks only with requests of the same salt."""
+        model). ``cache_salt``: the request shares cached prefix blocks only with requests of the same salt.
+        ``processor_args``: values of the arguments the engine's logits processors read
+        (:class:`llm_jax.decoding.LogitsProcessor`; the others keep their defaults)."""
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already running")
         if lora is not None and self.lora is None:
@@ -200,7 +202,8 @@ class Engine:
         if bad := [t for t in (*end_ids, *sampling.token_ids()) if not 0 <= t < V]:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {V})")
         step_controls(Shape(T=1, B=1, X=1, Q=1, kind="sample"), [sampling], np.zeros((1, 0), np.int32),
-                      np.zeros((1,), np.int32), bias_width=BIAS_WIDTH)  # refuses what the step cannot run
+                      np.zeros((1,), np.int32), bias_width=BIAS_WIDTH, processors=self.processors,
+                      processor_args=[processor_args])  # refuses what the step cannot run
         matcher = None
         if guided_after_token is not None and (guided is None or not 0 <= guided_after_token < V):
             raise ValueError(f"guided_after_token must be a token id in [0, {V}) and go with guided, got "
@@ -220,7 +223,7 @@ class Engine:
                               skip_special=skip_special_tokens, end_ids=frozenset(end_ids),
                               include_stop=include_stop_str_in_output),
             prompt_logprobs=prompt_logprobs, matcher=matcher, guided_after=guided_after_token, lora=lora,
-            lora_slot=lora_slot)
+            lora_slot=lora_slot, processor_args=processor_args)
 
     def _hash_root(self, lora: str | None, cache_salt: str | None) -> bytes:
         """The prefix-cache namespace of a request: its adapter's (as loaded now), salted."""

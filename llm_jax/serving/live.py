@@ -57,6 +57,7 @@ class LiveRequest:
     guided_after: int | None = None  # the token the constraint starts after (a reasoning's end), until it comes
     lora: str | None = None  # its LoRA adapter's name
     lora_slot: int = -1  # and its slot (-1: the base model)
+    processor_args: dict[str, float] | None = None  # the arguments it gives the engine's logits processors
 
     @property
     def scores_prompt(self) -> bool:

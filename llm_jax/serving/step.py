@@ -24,7 +24,8 @@ from jax.sharding import Mesh
 
 from llm_jax.backends import Backend
 from llm_jax.config import ModelConfig
-from llm_jax.decoding import PAD_ID, DecodeControls, DecodeState, Emitted, Logprobs, argmax_only, choose
+from llm_jax.decoding import (PAD_ID, DecodeControls, DecodeState, Emitted, Logprobs, argmax_only, choose,
+                              processor_arg_rows)
 from llm_jax.guided import all_allowed, apply_bitmask
 from llm_jax.kv_cache import PagedBatch, PagedKVCache
 from llm_jax.logits_processors import History
@@ -324,10 +325,10 @@ def abstract_inputs(shape: Shape, config: ModelConfig, *, bias_width: int, end_w
 
 
 def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens_B: np.ndarray, *,
-                  bias_width: int, processors: tuple = ()) -> DecodeControls:
+                  bias_width: int, processors: tuple = (), processor_args: list[dict] | None = None) -> DecodeControls:
     """The controls of a step of ``shape``'s kind for ``sampling`` (one :class:`~llm_jax.Sampling` per row):
     a "greedy" step holds no settings at all; the others hold every setting, in fixed shapes, and the
-    engine's logits ``processors``."""
+    engine's logits ``processors`` with each row's ``processor_args`` (None: the defaults)."""
     from llm_jax.sampling import SamplingParams
 
     B = len(sampling)
@@ -340,4 +341,5 @@ def step_controls(shape: Shape, sampling, end_ids_BE: np.ndarray, min_new_tokens
                           eos_ids_BE=end_ids_BE, stop_ids_BX=none_BE, max_new_tokens_B=np.zeros((B,), np.int32),
                           min_new_tokens_B=min_new_tokens_B,
                           logprobs=Logprobs(top_n=shape.top_n) if shape.kind in ("logprobs", "prompt") else None,
-                          processors=processors)
+                          processors=processors,
+                          processor_args=processor_arg_rows(processors, processor_args or [None] * B))

@@ -1,6 +1,8 @@
 """The caller's logits processors (``generate(logits_processors=[...])``) against ``transformers``' generate
 with the same rule written as a torch ``LogitsProcessor``: greedy tokens identical, over prompts of
-different lengths in one batch; sampled tokens obey a processor that allows only some tokens."""
+different lengths in one batch, also when each prompt sets the processor's argument
+(``llm_jax.LogitsProcessor``, ``processor_args``); sampled tokens obey a processor that allows only some
+tokens."""
 
 from __future__ import annotations
 
@@ -26,9 +28,22 @@ def green_list(scores_BV, tokens_BS, lengths_B):
 
 
 class TorchGreenList(transformers.LogitsProcessor):
+    def __init__(self, delta: float = 4.0):
+        self.delta = delta
+
     def __call__(self, input_ids, scores):
         green = (input_ids[:, -1:] * 31 + torch.arange(scores.shape[1])[None, :]) % 4 == 0
-        return scores + 4.0 * green
+        return scores + self.delta * green
+
+
+def green_delta(scores_BV, tokens_BS, lengths_B, args):
+    """``green_list``'s rule with each row's own strength, ``args["delta"]`` [B] (0: the rule off)."""
+    last_B = jnp.take_along_axis(tokens_BS, (lengths_B - 1)[:, None], axis=1)
+    green_BV = (last_B * 31 + jnp.arange(scores_BV.shape[1])[None, :]) % 4 == 0
+    return scores_BV + args["delta"][:, None] * green_BV
+
+
+WATERMARK = llm_jax.LogitsProcessor(green_delta, arguments={"delta": 0.0})
 
 
 def no_token_twice(scores_BV, tokens_BS, lengths_B):
@@ -69,6 +84,45 @@ def test_greedy_tokens_equal_transformers_with_the_same_processors(stories260k_d
         for prompt, result in zip(PROMPTS, results):
             out = result.output_ids
             assert len(out) == len(set(out)) and not set(out) & set(tokenizer(prompt)["input_ids"])
+
+
+def test_each_prompt_sets_the_processors_arguments(stories260k_dir, reference):
+    torch_model, tokenizer = reference
+    model = llm_jax.load(stories260k_dir / "hf")
+    results = llm_jax.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                               logits_processors=[WATERMARK], processor_args=[{"delta": 4.0}, None])
+    for prompt, result, delta in zip(PROMPTS, results, (4.0, 0.0)):  # None: the default, 0
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        with torch.no_grad():
+            out = torch_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                       max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                       logits_processor=transformers.LogitsProcessorList([TorchGreenList(delta)]))
+        assert result.output_ids == out[0, ids.shape[1]:].tolist(), delta
+    every = llm_jax.generate(model, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                             logits_processors=[WATERMARK], processor_args={"delta": 4.0})
+    assert every[0].output_ids == results[0].output_ids and every[1].output_ids != results[1].output_ids
+
+
+def test_processor_arguments_are_checked(stories):
+    def run(**kwargs):
+        return llm_jax.generate(stories, PROMPTS, max_new_tokens=2, **kwargs)
+
+    with pytest.raises(ValueError, match=r"names 'strength', which no logits processor reads \(they read \['delta'"):
+        run(logits_processors=[WATERMARK], processor_args={"strength": 1.0})
+    with pytest.raises(ValueError, match=r"names 'delta', which no logits processor reads$"):
+        run(logits_processors=[green_list], processor_args={"delta": 1.0})
+    with pytest.raises(ValueError, match=r"processor_args\['delta'\] must be a finite number, got nan"):
+        run(logits_processors=[WATERMARK], processor_args={"delta": float("nan")})
+    with pytest.raises(ValueError, match="processor_args has 3 entries for 2 prompts"):
+        run(logits_processors=[WATERMARK], processor_args=[None, None, None])
+    with pytest.raises(ValueError, match="give argument 'delta' two defaults: 0.0 and 1.0"):
+        run(logits_processors=[WATERMARK, llm_jax.LogitsProcessor(green_delta, arguments={"delta": 1.0})])
+    with pytest.raises(ValueError, match="argument names must be identifiers, got 'a b'"):
+        llm_jax.LogitsProcessor(green_delta, arguments={"a b": 1.0})
+    with pytest.raises(ValueError, match="default of logits processor argument 'delta' must be a finite number"):
+        llm_jax.LogitsProcessor(green_delta, arguments={"delta": "4"})
+    with pytest.raises(TypeError, match="must be callable"):
+        llm_jax.LogitsProcessor(4, arguments={})
 
 
 def even_only(scores_BV, tokens_BS, lengths_B):
