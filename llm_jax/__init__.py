@@ -9,7 +9,8 @@ Dimension key, used in array names (``x_BTD``, ``k_cache_LBSKH``) and einsums th
     G  query heads per kv head (N/K) H  head dim
     L  layers                        P  pages of the paged KV cache
     Z  tokens per page               X  a padded table's width (stop ids, logit bias, a block table)
-    C  a classifier's classes
+    C  a classifier's classes        E  experts of a mixture-of-experts MLP
+    U  experts each token uses (top-k)
 
 The run path, in pipeline order: ``tokenizer`` → ``prefilling`` → ``decoding`` (``sampling`` and stop
 conditions inside) → ``detokenize``, orchestrated by ``generation``; the model is in ``model/``, its cache
@@ -26,8 +27,8 @@ import importlib
 # The public surface, grouped: submodule → the names it contributes.
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # Configuration.
-    "config": ("Activation", "Classifier", "ConfigError", "DefaultRope", "LinearRope", "Llama3Rope", "ModelConfig",
-               "NoLanguageModelHead", "Problem", "Quantization", "QuantScheme"),
+    "config": ("Activation", "Classifier", "ConfigError", "DefaultRope", "Experts", "LinearRope", "Llama3Rope",
+               "ModelConfig", "NoLanguageModelHead", "Problem", "Quantization", "QuantScheme"),
     # Integer weights.
     "quantization": ("QuantizedArray", "quantize", "quantize_params"),
     # How the model runs: the backend seam.

@@ -78,6 +78,27 @@ class Classifier:
         return len(self.labels)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Experts:
+    """A sparse mixture-of-experts MLP in place of the dense one (Mixtral, Qwen3-MoE): E gated MLPs of width
+    ``d_ff`` and a router [D, E]. Each token's router logits go through a softmax over all E experts (float32);
+    its ``top_k`` most probable experts run, and their outputs are summed weighted by those probabilities,
+    renormalised to sum to 1 over the k when ``normalize_top_k`` (Mixtral; Qwen3-MoE's ``norm_topk_prob``)."""
+
+    num_experts: int  # E
+    top_k: int  # U: experts each token uses
+    normalize_top_k: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_experts, int) or self.num_experts < 1:
+            raise ConfigError(f"experts num_experts must be a positive integer, got {self.num_experts!r}")
+        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"experts top_k must be an integer from 1 to num_experts={self.num_experts}, got "
+                              f"{self.top_k!r}")
+        if not isinstance(self.normalize_top_k, bool):
+            raise ConfigError(f"experts normalize_top_k must be true or false, got {self.normalize_top_k!r}")
+
+
 class NoLanguageModelHead(ConfigError):
     """Asked for token logits (generation, scoring) of a model whose head is a classifier's."""
 
@@ -208,6 +229,11 @@ class ModelConfig:
     # Per layer: True where the layer uses ``sliding_window``. None means every layer does (when a
     # window is set). Gemma 2 alternates local and global layers.
     sliding_layers: tuple[bool, ...] | None = None
+    # Gemma 3: the RoPE base of the sliding-window layers, which rotate by plain RoPE (no ``rope_scaling``);
+    # None: they rotate as the global layers do (``rope_theta``, ``rope_scaling``).
+    sliding_rope_theta: float | None = None
+    # Mixtral / Qwen3-MoE: every layer's MLP is a sparse mixture of ``d_ff``-wide experts; None: dense MLPs.
+    experts: Experts | None = None
     # Integer weights (``llm_jax.quantization``): how the stored projections are quantized; None: floats.
     quantization: Quantization | None = None
     # A sequence classifier's head (``score``) instead of the LM head; None: a language model.
@@ -249,10 +275,17 @@ class ModelConfig:
                     f"sliding_layers has {len(self.sliding_layers)} entries but n_layers={self.n_layers}")
             if any(self.sliding_layers) and self.sliding_window is None:
                 raise ConfigError("sliding_layers marks sliding layers but sliding_window is None")
-        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar"):
+        for name in ("attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "sliding_rope_theta"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be positive or None, got {value}")
+        if self.sliding_rope_theta is not None and not any(w is not None for w in self.layer_windows()):
+            raise ConfigError(f"sliding_rope_theta={self.sliding_rope_theta} is set but no layer has a sliding window")
+        if self.experts is not None and not isinstance(self.experts, Experts):
+            raise ConfigError(f"experts must be an Experts or None, got {self.experts!r}")
+        if self.experts is not None and self.quantization is not None:
+            raise ConfigError("quantization of mixture-of-experts weights is not supported (int8 and int4 cover "
+                              "dense models only)")
         match self.rope_scaling:
             case DefaultRope():
                 pass
@@ -290,6 +323,12 @@ class ModelConfig:
         flags = self.sliding_layers if self.sliding_layers is not None else (True,) * self.n_layers
         return tuple(self.sliding_window if f else None for f in flags)
 
+    def layer_rope(self, sliding: bool) -> tuple[float, RopeScaling]:
+        """(theta, scaling) of the RoPE of a layer with a sliding window (``sliding``) or of a global one."""
+        if sliding and self.sliding_rope_theta is not None:
+            return self.sliding_rope_theta, DefaultRope()
+        return self.rope_theta, self.rope_scaling
+
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied)."""
         D, F, V, H = self.d_model, self.d_ff, self.vocab_size, self.head_dim
@@ -297,7 +336,8 @@ class ModelConfig:
         if self.qkv_bias:
             attn += H * (self.n_heads + 2 * self.n_kv_heads)
         norms = D * (4 if self.sandwich_norm else 2) + (2 * H if self.qk_norm else 0)
-        per_layer = attn + 3 * D * F + norms
+        mlp = 3 * D * F if self.experts is None else self.experts.num_experts * (3 * D * F + D)  # experts, router
+        per_layer = attn + mlp + norms
         head = 0 if self.tie_embeddings else V * D
         if self.classifier is not None:
             head = D * self.classifier.num_labels
@@ -324,9 +364,9 @@ class ModelConfig:
                 value = {"type": type(value).__name__, **dataclasses.asdict(value)}
             elif isinstance(value, tuple):
                 value = list(value)
-            elif field.name in ("quantization", "classifier"):
+            elif field.name in ("quantization", "classifier", "experts"):
                 if value is None:
-                    continue  # float weights, an LM head: configs read the same as before these existed
+                    continue  # float weights, an LM head, dense MLPs: configs read the same as before these existed
                 value = dataclasses.asdict(value)
                 if field.name == "classifier":
                     value = {"labels": list(value["labels"]), "problem": value["problem"].value}
@@ -354,4 +394,9 @@ class ModelConfig:
             data["quantization"] = Quantization.from_dict(data["quantization"])
         if data.get("classifier") is not None:
             data["classifier"] = Classifier(**data["classifier"])
+        if data.get("experts") is not None:
+            try:
+                data["experts"] = Experts(**data["experts"])
+            except TypeError as e:
+                raise ConfigError(f"invalid experts {data['experts']!r}: {e}") from None
         return cls(**data)

@@ -67,6 +67,9 @@ class LoraAdapter:
 
     def check(self, config: ModelConfig) -> None:
         """Refuses an adapter whose shapes are not ``config``'s model's."""
+        if config.experts is not None:  # PEFT names each expert's projections apart; TARGETS are the dense MLP's
+            raise ValueError(f"LoRA adapter {self.name!r}: LoRA adapters on mixture-of-experts models are not "
+                             "supported")
         if self.score is not None:
             head = config.classifier
             if head is None:
@@ -139,6 +142,8 @@ class LoraWeights:
               rank: int | None = None) -> "LoraWeights":
         """Slot s holds ``adapters[s]`` (None: empty). ``targets`` (default: every adapter's) and ``rank``
         (default: the largest) fix the stack's shapes, so that later adapters can fill slots in place."""
+        if config.experts is not None:
+            raise ValueError("LoRA adapters on mixture-of-experts models are not supported")
         adapters = [None if a is None else a.for_config(config) for a in adapters]
         present = [a for a in adapters if a is not None]
         if head := next((a for a in present if a.score is not None), None):

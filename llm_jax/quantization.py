@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llm_jax.config import ModelConfig, Quantization, QuantScheme
+from llm_jax.config import ConfigError, ModelConfig, Quantization, QuantScheme
 
 Params = dict[str, Any]
 
@@ -273,6 +273,8 @@ def quantize_params(params: Params, config: ModelConfig, quantization: Quantizat
     a scheme: ``(config recording it, params)``. Other leaves (norms, biases) are kept as they are."""
     if config.quantization is not None:
         raise ValueError(f"the params are already quantized ({config.quantization})")
+    if config.experts is not None:
+        raise ConfigError(f"int{quantization.bits} quantization of mixture-of-experts weights is not supported")
     layers = dict(params["layers"])
     for module, names in PROJECTIONS.items():
         group = dict(layers[module])

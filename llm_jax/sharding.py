@@ -80,6 +80,11 @@ PARAM_DIMS: Mapping[str, str] = {
     "layers/mlp/gate_proj": "LDF",
     "layers/mlp/up_proj": "LDF",
     "layers/mlp/down_proj": "LFD",
+    # A mixture of experts: every expert split as the dense MLP is (by F), the small router replicated.
+    "layers/moe/router": "LDE",
+    "layers/moe/gate_proj": "LEDF",
+    "layers/moe/up_proj": "LEDF",
+    "layers/moe/down_proj": "LEFD",
 }
 # The KV cache, by field.
 CACHE_DIMS: Mapping[str, str] = {"k_LBSKH": "LBSKH", "v_LBSKH": "LBSKH", "lengths_B": "B",

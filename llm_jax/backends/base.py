@@ -1,10 +1,10 @@
 """The backend seam and its reference implementation, XLA's own operations.
 
 A :class:`Backend` answers every "which kernel?" question of the model: matrix products, the gated
-MLP's activation, embedding lookups, attention over fresh keys and over the KV cache, the argmax of
-greedy steps, and the form of the weights its kernels read (:meth:`Backend.prepare`). The model calls
-it and never asks what device it runs on. :class:`Xla` is the reference every other backend is tested
-against; the others override what their kernels do better.
+MLP's activation, a mixture of experts' MLP, embedding lookups, attention over fresh keys and over the
+KV cache, the argmax of greedy steps, and the form of the weights its kernels read
+(:meth:`Backend.prepare`). The model calls it and never asks what device it runs on. :class:`Xla` is
+the reference every other backend is tested against; the others override what their kernels do better.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from llm_jax import kv_cache as kvc
 from llm_jax.bits import as_bits, from_bits
-from llm_jax.config import Activation, ModelConfig
+from llm_jax.config import Activation, Experts, ModelConfig
 from llm_jax.quantization import QuantizedArray
 
 Params = dict[str, Any]
@@ -58,6 +58,15 @@ class Backend:
         """``act(x · gate) · (x · up)`` in float32 [B, T, F]: the gated MLP's hidden activations."""
         gate_BTF, up_BTF = self.dense_many(["BTD,DF->BTF"] * 2, x_BTD, [gate_DF, up_DF], jnp.float32, layer)
         return gated(gate_BTF, up_BTF, activation)
+
+    def moe_mlp(self, x_BTD: jax.Array, router_DE: Any, gate_EDF: Any, up_EDF: Any, down_EFD: Any, *,
+                experts: Experts, activation: Activation, layer: jax.Array | None = None) -> jax.Array:
+        """A sparse mixture-of-experts MLP [B, T, D] in ``x_BTD``'s dtype: each token routed (:func:`route`) to
+        its top-k experts, each a gated MLP, their outputs summed by routing weight (:func:`sparse_experts`)."""
+        router_DE, gate_EDF, up_EDF, down_EFD = (_plain(w, self, layer) for w in (router_DE, gate_EDF, up_EDF,
+                                                                                   down_EFD))
+        weights_BTU, chosen_BTU = route(_einsum("BTD,DE->BTE", x_BTD, router_DE, jnp.float32), experts)
+        return sparse_experts(x_BTD, weights_BTU, chosen_BTU, gate_EDF, up_EDF, down_EFD, activation)
 
     def embed(self, table_VD: Any, tokens_BT: jax.Array, out_dtype) -> jax.Array:
         """Rows ``tokens_BT`` of the embedding table [V, D] (bfloat16 gathered as its bits; a quantized
@@ -214,6 +223,40 @@ def gated(gate: jax.Array, up: jax.Array, activation: Activation) -> jax.Array:
             return jax.nn.silu(gate) * up
         case Activation.GELU_TANH:
             return jax.nn.gelu(gate, approximate=True) * up
+
+
+def route(logits_BTE: jax.Array, experts: Experts) -> tuple[jax.Array, jax.Array]:
+    """(weights [B, T, U] float32, experts [B, T, U] int32) of each token's top-k experts: the softmax over all
+    E router logits in float32, its k largest (ties to the lower index, as ``torch.topk``), renormalised to sum
+    to 1 where ``experts.normalize_top_k``."""
+    probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
+    weights_BTU, chosen_BTU = jax.lax.top_k(probs_BTE, experts.top_k)
+    if experts.normalize_top_k:
+        weights_BTU = weights_BTU / jnp.sum(weights_BTU, axis=-1, keepdims=True)
+    return weights_BTU, chosen_BTU.astype(jnp.int32)
+
+
+def sparse_experts(x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.Array, gate_EDF: jax.Array,
+                   up_EDF: jax.Array, down_EFD: jax.Array, activation: Activation) -> jax.Array:
+    """Σ_u weights_BTU · expert_{chosen_BTU}(x) [B, T, D], in ``x_BTD``'s dtype, each expert the gated MLP
+    ``down(act(x · gate) · (x · up))``. The B·T·U rows (a token for each of its experts) are sorted by expert
+    and multiplied group by group (``lax.ragged_dot``), so each expert reads only its own tokens; R below is
+    those rows, in that order."""
+    B, T, D = x_BTD.shape
+    E, U = gate_EDF.shape[0], chosen_BTU.shape[-1]
+    expert_R = chosen_BTU.reshape(-1)
+    order_R = jnp.argsort(expert_R, stable=True)  # row r is token order_R[r] // U's expert expert_R[order_R[r]]
+    sizes_E = jnp.bincount(expert_R, length=E).astype(jnp.int32)
+    x_RD = x_BTD.reshape(B * T, D)[order_R // U]
+
+    def product(x_R, w_E):
+        return jax.lax.ragged_dot(x_R.astype(w_E.dtype), w_E, sizes_E, preferred_element_type=jnp.float32)
+
+    h_RF = gated(product(x_RD, gate_EDF), product(x_RD, up_EDF), activation).astype(x_BTD.dtype)
+    y_RD = product(h_RF, down_EFD) * weights_BTU.reshape(-1)[order_R][:, None]
+    # Back to token order (the inverse permutation), then each token's U rows summed.
+    y_BTUD = jnp.zeros_like(y_RD).at[order_R].set(y_RD, unique_indices=True).reshape(B, T, U, D)
+    return jnp.sum(y_BTUD, axis=2).astype(x_BTD.dtype)
 
 
 def xla_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, *, scale: float,

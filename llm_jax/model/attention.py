@@ -42,9 +42,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L)
 
     def project(self, x_BTD: jax.Array, positions_BT: jax.Array, layer: jax.Array | None = None,
-                lora: LoraBatch | None = None):
-        """Queries [B, T, N, H] and keys/values [B, T, K, H] at ``positions_BT``, RoPE applied (``lora``:
-        each token's adapter updates the projections)."""
+                lora: LoraBatch | None = None, sliding: bool = False):
+        """Queries [B, T, N, H] and keys/values [B, T, K, H] at ``positions_BT``, RoPE applied: a sliding-window
+        layer's (``sliding``, static) or a global one's (:meth:`ModelConfig.layer_rope`). ``lora``: each
+        token's adapter updates the projections."""
         c, dtype = self.config, x_BTD.dtype
         q_BTNH, k_BTKH, v_BTKH = self.backend.dense_many(
             ["BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTD,DKH->BTKH"], x_BTD, [self.q_proj, self.k_proj, self.v_proj],
@@ -59,7 +60,7 @@ class Attention(nn.Module):
         q_BTNH, k_BTKH, v_BTKH = q_BTNH.astype(dtype), k_BTKH.astype(dtype), v_BTKH.astype(dtype)
         if c.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH, layer), self.k_norm(k_BTKH, layer)
-        cos, sin = rope_angles(positions_BT, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling))
+        cos, sin = rope_angles(positions_BT, inverse_frequencies(c.head_dim, *c.layer_rope(sliding)))
         return apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin), v_BTKH
 
     def output(self, o_BTNH: jax.Array, layer: jax.Array | None = None, lora: LoraBatch | None = None) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Building blocks of the decoder: RMSNorm, token embedding and the gated MLP.
+"""Building blocks of the decoder: RMSNorm, token embedding, the gated MLP and its sparse mixture of experts.
 
 Flax linen modules used as pure functions: parameters live in an explicit pytree passed to ``apply``.
 Every matrix product, embedding lookup and activation goes through the module's ``backend``
@@ -19,7 +19,7 @@ import numpy as np
 from flax import linen as nn
 
 from llm_jax.backends.base import Backend, Xla, gated, layer_of
-from llm_jax.config import Activation, ModelConfig
+from llm_jax.config import Activation, Experts, ModelConfig
 from llm_jax.lora import LoraBatch
 
 _init = nn.initializers.normal(stddev=0.02)
@@ -108,3 +108,26 @@ class GatedMLP(nn.Module):
                           self.activation).astype(x_BTD.dtype)
         y_BTD = self.backend.dense("BTF,FD->BTD", gated_BTF, down_FD, jnp.float32, layer)
         return lora.apply("down_proj", gated_BTF, y_BTD, layer).astype(x_BTD.dtype)
+
+
+class MoeMLP(nn.Module):
+    """A sparse mixture of gated MLPs (Mixtral, Qwen3-MoE; :class:`llm_jax.config.Experts`): router [D, E],
+    each expert's gate_proj and up_proj [E, D, F], down_proj [E, F, D]. Runs as the backend's ``moe_mlp``."""
+
+    d_ff: int
+    experts: Experts
+    activation: Activation
+    backend: Backend = Xla()
+    stack: int | None = None
+
+    @nn.compact
+    def __call__(self, x_BTD: jax.Array, layer: jax.Array | None = None, lora: LoraBatch | None = None) -> jax.Array:
+        if lora is not None:
+            raise NotImplementedError("LoRA adapters on mixture-of-experts models are not supported")
+        D, E, F = x_BTD.shape[-1], self.experts.num_experts, self.d_ff
+        router_DE = weight(self, "router", (D, E), self.stack)
+        gate_EDF = weight(self, "gate_proj", (E, D, F), self.stack)
+        up_EDF = weight(self, "up_proj", (E, D, F), self.stack)
+        down_EFD = weight(self, "down_proj", (E, F, D), self.stack)
+        return self.backend.moe_mlp(x_BTD, router_DE, gate_EDF, up_EDF, down_EFD, experts=self.experts,
+                                    activation=self.activation, layer=layer)

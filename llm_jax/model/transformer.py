@@ -4,7 +4,8 @@ Layers are stacked (every layer parameter has a leading L axis) and run by ``lax
 index, so compile time does not grow with depth. The scan does not slice the params: each layer hands
 the whole stacks and its index to the backend (see :mod:`llm_jax.model.layers`), whose kernels may read
 the layer's weights in place. Layers whose attention differs (Gemma 2 alternates sliding-window and
-global layers) are scanned in groups of one period, keeping each layer's window a static value.
+global layers; Gemma 3 has five local layers, with their own RoPE, to one global) are scanned in groups of
+one period (a last, partial period runs after the scan), keeping each layer's window and RoPE static values.
 
 Every function takes the params (canonical, or a backend's prepared weights) and a ``backend``: a
 :class:`llm_jax.backends.Backend`, a name (``"auto"``, ``"xla"``, ``"cpu"``, ``"pallas"``) or None for
@@ -30,7 +31,7 @@ from llm_jax.config import ModelConfig
 from llm_jax.kv_cache import KVCache, PagedBatch, PagedKVCache
 from llm_jax.lora import LoraBatch
 from llm_jax.model.attention import Attention
-from llm_jax.model.layers import Embedder, GatedMLP, RMSNorm, final_norm
+from llm_jax.model.layers import Embedder, GatedMLP, MoeMLP, RMSNorm, final_norm
 from llm_jax.quantization import quantize_params, quantized_shapes
 
 Params = dict[str, Any]
@@ -48,29 +49,36 @@ def resolve_backend(backend: BackendArg) -> Backend:
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block; with ``sandwich_norm`` (Gemma 2) each sub-block output is normed too.
+    """Pre-norm residual block, its MLP dense or a mixture of experts (``config.experts``); with
+    ``sandwich_norm`` (Gemma 2) each sub-block output is normed too.
 
-    Its params are every layer's, stacked [L, ...]; a call runs layer ``layer`` (an int32 scalar).
+    Its params are every layer's, stacked [L, ...]; a call runs layer ``layer`` (an int32 scalar), a
+    sliding-window layer where ``sliding`` (static: it chooses the layer's RoPE, Gemma 3's local base).
     """
 
     config: ModelConfig
     backend: Backend = backends.Xla()
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, attend: Callable, layer: jax.Array, lora: LoraBatch | None = None):
+    def __call__(self, x_BTD, positions_BT, attend: Callable, layer: jax.Array, lora: LoraBatch | None = None,
+                 sliding: bool = False):
         c, L = self.config, self.config.n_layers
 
         def norm(name: str, x_BTD: jax.Array) -> jax.Array:
             return RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L, name=name)(x_BTD, layer)
 
         attn = Attention(c, self.backend, stack=L, name="attn")
-        q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm", x_BTD), positions_BT, layer, lora)
+        q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm", x_BTD), positions_BT, layer, lora, sliding)
         o_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)
         y_BTD = attn.output(o_BTNH, layer, lora)
         if c.sandwich_norm:
             y_BTD = norm("post_attn_norm", y_BTD)
         x_BTD = x_BTD + y_BTD
-        mlp = GatedMLP(d_ff=c.d_ff, activation=c.activation, backend=self.backend, stack=L, name="mlp")
+        if c.experts is None:
+            mlp = GatedMLP(d_ff=c.d_ff, activation=c.activation, backend=self.backend, stack=L, name="mlp")
+        else:
+            mlp = MoeMLP(d_ff=c.d_ff, experts=c.experts, activation=c.activation, backend=self.backend, stack=L,
+                         name="moe")
         y_BTD = mlp(norm("mlp_norm", x_BTD), layer, lora)
         if c.sandwich_norm:
             y_BTD = norm("post_mlp_norm", y_BTD)
@@ -160,10 +168,10 @@ def greedy_tokens(params: Params, config: ModelConfig, x_BD: jax.Array, backend:
 
 
 def _layer_period(windows: tuple[int | None, ...]) -> int:
-    """Smallest p dividing L such that layer l's window equals layer (l mod p)'s."""
+    """Smallest p such that layer l's window equals layer (l mod p)'s; the last period may be cut short
+    (Gemma 3's 26 layers repeat a period of 6)."""
     L = len(windows)
-    return next(p for p in range(1, L + 1)
-                if L % p == 0 and all(windows[i] == windows[i % p] for i in range(L)))
+    return next(p for p in range(1, L + 1) if all(windows[i] == windows[i % p] for i in range(L)))
 
 
 @jax.tree_util.register_dataclass
@@ -204,13 +212,15 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     windows = config.layer_windows()
     layer = DecoderLayer(config, backend)
     period = _layer_period(windows)
-    groups = config.n_layers // period
-    steering = recorded = slot_L = None
+    groups, tail = divmod(config.n_layers, period)  # tail: the layers of a last, partial period
+    steering_GPBD = steering_tail = recorded = slot_L = None
     if hooks is not None:
         hooks.check(config, x_BTD.shape[0])
         if hooks.steering_BLD is not None:
             B, L, D = hooks.steering_BLD.shape
-            steering = hooks.steering_BLD.transpose(1, 0, 2).reshape(groups, period, B, D)
+            steering_LBD = hooks.steering_BLD.transpose(1, 0, 2)
+            steering_GPBD = steering_LBD[:groups * period].reshape(groups, period, B, D)
+            steering_tail = steering_LBD[groups * period:]
         if hooks.record_layers:
             R = len(hooks.record_layers)
             recorded = jnp.zeros((R, *x_BTD.shape), x_BTD.dtype)
@@ -218,21 +228,25 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
             slot_L = jnp.asarray([hooks.record_layers.index(l) if l in hooks.record_layers else R
                                   for l in range(config.n_layers)], jnp.int32)
 
-    def group_step(carry, steering_PBD):
+    def run_group(carry, steering_PBD, count: int):
         x_BTD, cache, group, recorded = carry
-        for j in range(period):
+        for j in range(count):
             index = group * period + j
             x_BTD, cache = layer.apply(
                 {"params": params["layers"]}, x_BTD, positions_BT,
-                functools.partial(attend, index, window=windows[j], cache=cache), index, lora)
+                functools.partial(attend, index, window=windows[j], cache=cache), index, lora,
+                sliding=windows[j] is not None)
             if steering_PBD is not None:
                 x_BTD = x_BTD + steering_PBD[j][:, None, :].astype(x_BTD.dtype)
             if recorded is not None:
                 recorded = recorded.at[slot_L[index]].set(x_BTD, mode="drop")
-        return (x_BTD, cache, group + 1, recorded), None
+        return x_BTD, cache, group + 1, recorded
 
     carry = (x_BTD, cache, jnp.zeros((), jnp.int32), recorded)
-    (x_BTD, cache, _, recorded), _ = jax.lax.scan(group_step, carry, steering, length=groups)
+    carry, _ = jax.lax.scan(lambda c, s: (run_group(c, s, period), None), carry, steering_GPBD, length=groups)
+    if tail:
+        carry = run_group(carry, steering_tail, tail)
+    x_BTD, cache, _, recorded = carry
     if hooks is None:
         return x_BTD, cache
     return x_BTD, cache, None if recorded is None else recorded.transpose(1, 2, 0, 3)

@@ -2,7 +2,7 @@
 
 The file is read through the ``gguf`` package's reader (a memory map). Its metadata (``{arch}.block_count``,
 ``{arch}.attention.head_count``, ...) becomes a :class:`ModelConfig` for the architectures our decoder
-runs: ``llama`` (Llama 1-3, Mistral), ``qwen2``, ``qwen3``, ``gemma`` and ``gemma2``. Tensors become our
+runs: ``llama`` (Llama 1-3, Mistral), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2`` and ``gemma3``. Tensors become our
 leaves one at a time (``layout.assemble``): F32, F16 and BF16 as they are; projections in the integer
 block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K ... Q6_K, the i-quants IQ1_S ... IQ4_XS)
 as quantized leaves holding the file's integers, scales and offsets value for value
@@ -19,8 +19,11 @@ The quirks of llama.cpp's converter (``convert_hf_to_gguf.py``) undone here:
   the config keeps them as they are: ``norm_weight_offset=0``.
 - Llama 3.1's RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency factors, not as metadata:
   the :class:`Llama3Rope` parameters are recovered and checked against it.
-- Gemma 2's attention scale is not stored; llama.cpp uses ``head_dim`` except for the 27B (46 layers),
-  which uses ``d_model / n_heads``, and so do we.
+- Gemma 2's and Gemma 3's attention scale is not stored; llama.cpp uses ``head_dim`` except for the 27B
+  (46 and 62 layers), which use ``d_model / n_heads``, and so do we.
+- Gemma 3's layer pattern and local RoPE are not read from the file: llama.cpp makes every 6th layer
+  global and the others slide (when the file has a window), rotating them by plain RoPE of base 10000;
+  ``rope.freq_base`` and the scaling are the global layers'.
 """
 
 from __future__ import annotations
@@ -146,6 +149,9 @@ def _decoder(f: GGUFFile, **switches: Any) -> ModelConfig:
     if rope_dims != head_dim:
         raise ConfigError(f"{f.path}: rope.dimension_count={rope_dims} rotates part of each head of {head_dim}; "
                           "partial rotary embeddings are not supported")
+    if int(f.get(key("expert_count"), 0) or 0) > 0:
+        raise ConfigError(f"{f.path}: {arch}.expert_count={f.get(key('expert_count'))}: reading a mixture-of-experts "
+                          "model (Mixtral, Qwen3-MoE) from GGUF is not supported")
     embedding = f.tensors.get("token_embd.weight")
     if embedding is None:
         raise WeightsError(f"{f.path}: missing tensor 'token_embd.weight'")
@@ -254,7 +260,7 @@ def _gemma2(f: GGUFFile) -> ModelConfig:
     if scale is not None:
         scalar = _real(scale) ** -2
     else:  # llama.cpp's rule: the 27B model (46 layers) scales by d_model / n_heads
-        scalar = config.d_model / config.n_heads if config.n_layers == 46 else config.head_dim
+        scalar = gemma_attention_scalar(config, 46)
     window = f.get("gemma2.attention.sliding_window")
     windows = {}
     if window:  # llama.cpp's Gemma 2 pattern: even layers slide, odd ones attend globally
@@ -264,6 +270,34 @@ def _gemma2(f: GGUFFile) -> ModelConfig:
     return config.replace(query_pre_attn_scalar=float(scalar), **caps, **windows)
 
 
+# llama.cpp's Gemma 3 (``gemma3``): what it fixes rather than reads from the file.
+GEMMA3_PERIOD = 6  # every 6th layer attends globally (layers 5, 11, ...), the others within the window
+GEMMA3_LOCAL_THETA = 10_000.0  # the local layers' RoPE base, their RoPE unscaled
+
+
+def gemma3_sliding_layers(n_layers: int) -> tuple[bool, ...]:
+    """Which layers llama.cpp's ``gemma3`` runs with the sliding window."""
+    return tuple((i + 1) % GEMMA3_PERIOD != 0 for i in range(n_layers))
+
+
+def gemma_attention_scalar(config: ModelConfig, n_layers_27b: int) -> float:
+    """The ``query_pre_attn_scalar`` llama.cpp gives Gemma 2 / 3 (it stores none): ``d_model / n_heads`` for the
+    27B models (``n_layers_27b`` layers), else ``head_dim``."""
+    return float(config.d_model / config.n_heads if config.n_layers == n_layers_27b else config.head_dim)
+
+
+def _gemma3(f: GGUFFile) -> ModelConfig:
+    config = _decoder(f, activation=Activation.GELU_TANH, embed_scale=True, sandwich_norm=True, qk_norm=True)
+    window = f.get("gemma3.attention.sliding_window")
+    windows = {}
+    if window:  # llama.cpp's pattern and local RoPE, whatever else the file says
+        windows = {"sliding_window": int(window), "sliding_layers": gemma3_sliding_layers(config.n_layers),
+                   "sliding_rope_theta": GEMMA3_LOCAL_THETA}
+    cap = f.get("gemma3.final_logit_softcapping")
+    return config.replace(query_pre_attn_scalar=gemma_attention_scalar(config, 62),
+                          final_logit_softcap=_real(cap) if cap else None, **windows)
+
+
 # ``general.architecture`` → builder of our config from the metadata
 ARCHITECTURES: dict[str, Callable[[GGUFFile], ModelConfig]] = {
     "llama": _llama,
@@ -271,6 +305,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], ModelConfig]] = {
     "qwen3": _qwen3,
     "gemma": _gemma,
     "gemma2": _gemma2,
+    "gemma3": _gemma3,
 }
 
 

@@ -1,9 +1,12 @@
 """Hugging Face model folders (``config.json`` + ``*.safetensors``) → llm_jax config and params.
 
 One tensor map serves every supported family, switched by the config (q/k/v biases, q/k norms, Gemma 2's
-extra norms, tied embeddings). torch ``Linear`` weights are stored [out, in] and transposed here;
-Hugging Face already rotates RoPE halves, as our model does, so q/k need no permutation. The config
-side (architectures, field names, family defaults) is ``hf_config.py``.
+extra norms, tied embeddings, a mixture of experts: each expert's tensors apart, as the released checkpoints
+and transformers 5's ``save_pretrained`` store them, stacked [L, E, ...]); of a multimodal checkpoint (Gemma
+3's 4B, 12B, 27B) only the language model is read, its vision tower ignored (:class:`TextTensors`). torch
+``Linear`` weights are stored [out, in] and transposed here; Hugging Face already rotates RoPE halves, as our
+model does, so q/k need no permutation.
+The config side (architectures, field names, family defaults) is ``hf_config.py``.
 """
 
 from __future__ import annotations
@@ -17,8 +20,59 @@ import numpy as np
 from llm_jax.config import PROJECTION_NAMES, ModelConfig
 from llm_jax.weights import from_compressed
 from llm_jax.weights.hf_config import read_hf_config, read_json
-from llm_jax.weights.layout import TensorSpec, assemble, heads_bias, heads_in, heads_out, transpose
+from llm_jax.weights.layout import TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out, transpose
 from llm_jax.weights.safetensors_file import SafetensorsFolder
+
+# A multimodal checkpoint's language model (Gemma3ForConditionalGeneration): transformers writes it under
+# "language_model.model." (as the released checkpoints are), its modules name it "model.language_model.".
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+# The other towers of such a checkpoint, which llm_jax does not run.
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# Mixtral's names for its mixture of experts (``block_sparse_moe``, the experts' w1 / w3 / w2), as the released
+# checkpoints and transformers' save_pretrained write them → Qwen3-MoE's (``mlp``, gate / up / down_proj).
+_MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                  (".w2.", ".down_proj."))
+
+
+class TextTensors:
+    """The tensors of a Hugging Face folder under a text-only checkpoint's names: a multimodal checkpoint's
+    language model renamed ("model.*", "lm_head.weight"), its vision tower and projector left out; a Mixtral
+    checkpoint's experts under Qwen3-MoE's names ("mlp.gate", "mlp.experts.{i}.gate_proj", ...); any other
+    folder's as they are."""
+
+    def __init__(self, folder: pathlib.Path):
+        self.folder = SafetensorsFolder(folder)
+        stored = self.folder.names()
+        self.stored_name = {name: name for name in stored}
+        if any(name.startswith(tuple(_TEXT_PREFIXES)) for name in stored):
+            self.stored_name = {}
+            for name in stored:
+                prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+                if prefix is not None:
+                    self.stored_name[_TEXT_PREFIXES[prefix] + name[len(prefix):]] = name
+                elif not name.startswith(_OTHER_TOWERS):
+                    self.stored_name[name] = name
+        self.stored_name = {_mixtral_renamed(ours): name for ours, name in self.stored_name.items()}
+
+    def names(self) -> set[str]:
+        return set(self.stored_name)
+
+    def where(self, name: str) -> str:
+        return self.folder.where(self.stored_name[name])
+
+    def read(self, name: str) -> np.ndarray:
+        return self.folder.read(self.stored_name[name])
+
+
+def _mixtral_renamed(name: str) -> str:
+    """Mixtral's name of a mixture-of-experts tensor under Qwen3-MoE's; any other name as it is."""
+    if ".block_sparse_moe." not in name:
+        return name
+    for theirs, ours in _MIXTRAL_NAMES:
+        name = name.replace(theirs, ours)
+    return name
+
 
 def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
     """Where each of our params comes from in a Hugging Face state dict of a family with ``config``."""
@@ -33,11 +87,22 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
         TensorSpec(("layers", "attn", "k_proj"), attn + "k_proj.weight", (K * H, D), heads_in(K, H)),
         TensorSpec(("layers", "attn", "v_proj"), attn + "v_proj.weight", (K * H, D), heads_in(K, H)),
         TensorSpec(("layers", "attn", "o_proj"), attn + "o_proj.weight", (D, N * H), heads_out(N, H)),
-        TensorSpec(("layers", "mlp", "gate_proj"), p + "mlp.gate_proj.weight", (F, D), transpose),
-        TensorSpec(("layers", "mlp", "up_proj"), p + "mlp.up_proj.weight", (F, D), transpose),
-        TensorSpec(("layers", "mlp", "down_proj"), p + "mlp.down_proj.weight", (D, F), transpose),
         TensorSpec(("final_norm", "scale"), "model.norm.weight", (D,)),
     ]
+    if config.experts is None:
+        specs += [
+            TensorSpec(("layers", "mlp", "gate_proj"), p + "mlp.gate_proj.weight", (F, D), transpose),
+            TensorSpec(("layers", "mlp", "up_proj"), p + "mlp.up_proj.weight", (F, D), transpose),
+            TensorSpec(("layers", "mlp", "down_proj"), p + "mlp.down_proj.weight", (D, F), transpose),
+        ]
+    else:  # each expert's projections apart, stacked [L, E, ...]; the router ("gate") [E, D]
+        E, expert = config.experts.num_experts, p + "mlp.experts.{expert}."
+        specs += [
+            TensorSpec(("layers", "moe", "router"), p + "mlp.gate.weight", (E, D), transpose),
+            TensorSpec(("layers", "moe", "gate_proj"), expert + "gate_proj.weight", (F, D), transpose),
+            TensorSpec(("layers", "moe", "up_proj"), expert + "up_proj.weight", (F, D), transpose),
+            TensorSpec(("layers", "moe", "down_proj"), expert + "down_proj.weight", (D, F), transpose),
+        ]
     if config.sandwich_norm:
         # Gemma 2 reuses the name post_attention_layernorm for the norm of the attention *output*.
         specs += [
@@ -70,13 +135,16 @@ def load_hf_params(folder: str | pathlib.Path, config: ModelConfig, *, dtype=np.
                    place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None) -> dict:
     """The params of the Hugging Face folder, tensor by tensor, cast to ``dtype`` (see ``layout.assemble``)."""
     folder = pathlib.Path(folder)
-    reader = SafetensorsFolder(folder)
+    reader = TextTensors(folder)
     names = reader.names()
     if config.tie_embeddings:
         # Some tied checkpoints still store the (identical) head; it carries no information.
         names.discard("lm_head.weight")
     specs, packed, read = tensor_specs(config), {}, reader.read
     scheme = from_compressed.read_scheme(read_json(folder / "config.json"), str(folder))
+    if scheme is not None and config.experts is not None:
+        raise WeightsError(f"{folder}: {type(scheme).__name__} weights of a mixture-of-experts model are not "
+                           "supported (compressed-tensors and FP8 loading cover dense models only)")
     if isinstance(scheme, from_compressed.Float8Weights):  # FP8 weights: read as floats, scales applied
         read, names = from_compressed.float8_reader(reader.read, names, scheme, str(folder))
     elif scheme is not None:  # compressed-tensors: the packed projections are read apart
@@ -103,7 +171,7 @@ def load_hf_params(folder: str | pathlib.Path, config: ModelConfig, *, dtype=np.
     return params
 
 
-def _packed_leaf(reader: SafetensorsFolder, config: ModelConfig, name: str, scheme, where: str, progress):
+def _packed_leaf(reader: TextTensors, config: ModelConfig, name: str, scheme, where: str, progress):
     """Projection ``name``'s layers from their compressed-tensors packing, as one quantized leaf."""
     from llm_jax.quantization import QuantizedArray, projection_dims
 

@@ -3,7 +3,9 @@
 Every family is the same decoder with different switches; a builder only reads the family's field
 names and defaults. It owns the config quirks: the spellings of transformers 4 and 5 (``rope_theta`` /
 ``rope_scaling`` vs ``rope_parameters``), fields that transformers fills in when a config omits them
-(the family defaults below), and Gemma's legacy ``hidden_act: gelu``.
+(the family defaults below), Gemma's legacy ``hidden_act: gelu``, Gemma 3's two RoPEs and the
+``text_config`` of its multimodal checkpoints, and the mixture-of-experts fields of Mixtral and Qwen3-MoE
+(their training-only router jitter and auxiliary loss are not read: they do not change inference).
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import json
 import pathlib
 from typing import Any, Callable
 
-from llm_jax.config import (Activation, Classifier, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig,
-                            Problem)
+from llm_jax.config import (Activation, Classifier, ConfigError, DefaultRope, Experts, LinearRope, Llama3Rope,
+                            ModelConfig, Problem)
 
 
 def read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -119,6 +121,38 @@ def _qwen3(hf: dict[str, Any]) -> ModelConfig:
                     **_windows(hf))
 
 
+def _mixtral(hf: dict[str, Any]) -> ModelConfig:
+    """Every layer's MLP a mixture of ``num_local_experts`` experts of width ``intermediate_size``, the top-k
+    weights always renormalised."""
+    hf = {"num_local_experts": 8, "num_experts_per_tok": 2, **hf}
+    experts = Experts(num_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"], normalize_top_k=True)
+    return _decoder(hf, activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"), experts=experts,
+                    **_windows(hf))
+
+
+def _qwen3_moe(hf: dict[str, Any]) -> ModelConfig:
+    """Qwen3 with every layer's MLP a mixture of experts of width ``moe_intermediate_size`` (``num_experts``;
+    transformers 5 writes ``num_local_experts``). Dense layers among them (``mlp_only_layers``,
+    ``decoder_sparse_step`` above 1) are refused: the layer stack has one kind of MLP."""
+    _refuse(hf, "attention_bias")
+    name = hf["architectures"][0]
+    if hf.get("mlp_only_layers"):
+        raise ConfigError(f"{name} with dense layers (mlp_only_layers={hf['mlp_only_layers']}) is not supported; "
+                          "every layer's MLP must be a mixture of experts")
+    if hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"{name} with decoder_sparse_step={hf['decoder_sparse_step']} (dense layers between the "
+                          "sparse ones) is not supported; only 1, every layer a mixture of experts")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ConfigError(f"{name} with a shared expert (shared_expert_intermediate_size="
+                          f"{hf['shared_expert_intermediate_size']}) is not supported")
+    num_experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    experts = Experts(num_experts=num_experts, top_k=hf.get("num_experts_per_tok", 8),
+                      normalize_top_k=bool(hf.get("norm_topk_prob", False)))
+    return _decoder({**hf, "intermediate_size": hf.get("moe_intermediate_size", 768)},
+                    activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"), qk_norm=True,
+                    experts=experts, **_windows(hf))
+
+
 _GEMMA_DEFAULTS = dict(head_dim=256, tie_word_embeddings=True)
 
 
@@ -149,19 +183,71 @@ def _gemma2(hf: dict[str, Any]) -> ModelConfig:
                     **_windows(hf))
 
 
+# Gemma3TextConfig's defaults: the multimodal checkpoints' ``text_config`` spells out only what differs.
+_GEMMA3_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, sliding_window_pattern=6)
+
+
+def _gemma3_rope(hf: dict[str, Any]) -> dict[str, Any]:
+    """The global layers' RoPE (``rope_parameters["full_attention"]``, or transformers 4's ``rope_theta`` and
+    ``rope_scaling``) and the local layers' base (``rope_parameters["sliding_attention"]`` or
+    ``rope_local_base_freq``), which must be plain RoPE: the fields that say so to :func:`_decoder`, and the base."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = {"rope_theta": hf["rope_theta"], **(params.get("full_attention") or {})}
+        local = {"rope_theta": hf["rope_local_base_freq"], **(params.get("sliding_attention") or {})}
+    else:  # transformers 4, or a flat rope_parameters: the global layers'
+        full = {"rope_theta": hf["rope_theta"], **(hf.get("rope_scaling") or {}), **params}
+        local = {"rope_theta": hf["rope_local_base_freq"]}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ConfigError(f"sliding_attention RoPE {local} is not supported; Gemma 3's local layers use plain RoPE")
+    return {"rope_parameters": full, "rope_scaling": None, "sliding_rope_theta": float(local["rope_theta"])}
+
+
+def _gemma3(hf: dict[str, Any]) -> ModelConfig:
+    """Gemma 3's text model; a multimodal folder's (``Gemma3ForConditionalGeneration``) is its ``text_config``."""
+    text = hf.get("text_config") or hf
+    text = {**_GEMMA3_DEFAULTS, **text, "architectures": hf["architectures"]}
+    _refuse(text, "attention_bias", "use_bidirectional_attention")
+    if text.get("layer_types") is None:  # every sliding_window_pattern-th layer is global
+        pattern = text["sliding_window_pattern"]
+        text["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                               for i in range(text["num_hidden_layers"])]
+    rope = _gemma3_rope(text)
+    windows = _windows(text)
+    return _decoder({**text, **rope}, activation=_activation(text.get("hidden_activation", "gelu_pytorch_tanh"),
+                                                             "hidden_activation"),
+                    norm_weight_offset=1.0, embed_scale=True, sandwich_norm=True, qk_norm=True,
+                    query_pre_attn_scalar=float(text["query_pre_attn_scalar"]),
+                    attn_logit_softcap=text.get("attn_logit_softcapping"),
+                    final_logit_softcap=text.get("final_logit_softcapping"),
+                    sliding_rope_theta=rope["sliding_rope_theta"] if windows.get("sliding_layers") else None,
+                    **windows)
+
+
 # ``architectures`` entry → builder of our config from config.json
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "LlamaForCausalLM": _llama,
     "MistralForCausalLM": _mistral,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    "MixtralForCausalLM": _mixtral,
+    "Qwen3MoeForCausalLM": _qwen3_moe,
     "GemmaForCausalLM": _gemma,
     "Gemma2ForCausalLM": _gemma2,
+    "Gemma3ForCausalLM": _gemma3,
+    # The text model of Gemma 3's multimodal checkpoints (4B, 12B, 27B); the vision tower is not read.
+    "Gemma3ForConditionalGeneration": _gemma3,
 }
 
 
 # Each family's sequence classifier (reward models, classifiers): the decoder, and ``score`` for its head.
-CLASSIFIERS = {name.replace("ForCausalLM", "ForSequenceClassification"): name for name in ARCHITECTURES}
+CLASSIFIERS = {name.replace("ForCausalLM", "ForSequenceClassification"): name for name in ARCHITECTURES
+               if name.endswith("ForCausalLM")}
+# Gemma 3's text-only classifier has a name of its own (Gemma3ForSequenceClassification is the multimodal one).
+CLASSIFIERS["Gemma3TextForSequenceClassification"] = "Gemma3ForCausalLM"
 
 
 def config_from_hf(hf: dict[str, Any], *, where: str = "config.json") -> ModelConfig:

@@ -22,7 +22,8 @@ class WeightsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One leaf of our params. ``source`` may contain ``{layer}``; then the leaf is stacked over L."""
+    """One leaf of our params. ``source`` may contain ``{layer}``; then the leaf is stacked over L; and
+    ``{expert}`` (a mixture of experts' per-expert tensors), then stacked over E after L."""
 
     path: tuple[str, ...]
     source: str
@@ -32,6 +33,19 @@ class TensorSpec:
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.source
+
+    @property
+    def per_expert(self) -> bool:
+        return "{expert}" in self.source
+
+    def stack(self, config: ModelConfig) -> tuple[int, ...]:
+        """The leading axes the leaf is stacked over: none, [L], or [L, E]."""
+        return (config.n_layers,) * self.per_layer + ((config.experts.num_experts,) if self.per_expert else ())
+
+    def sources(self, config: ModelConfig) -> list[tuple[tuple[int, ...], str]]:
+        """(index into the leaf's stacked axes, source name) of every tensor the leaf is read from, in order."""
+        names = ("layer",) * self.per_layer + ("expert",) * self.per_expert
+        return [(index, self.source.format(**dict(zip(names, index)))) for index in np.ndindex(*self.stack(config))]
 
 
 def transpose(w: np.ndarray) -> np.ndarray:
@@ -89,8 +103,7 @@ def assemble(specs: Iterable[TensorSpec], config: ModelConfig, read: Callable[[s
     a missing, extra, misshapen or non-float tensor.
     """
     specs = list(specs)
-    expected = {s.source.format(layer=l) for s in specs
-                for l in (range(config.n_layers) if s.per_layer else [0])}
+    expected = {name for s in specs for _, name in s.sources(config)}
     missing = sorted(expected - available)
     if missing:
         raise WeightsError(f"{where}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''} "
@@ -102,15 +115,11 @@ def assemble(specs: Iterable[TensorSpec], config: ModelConfig, read: Callable[[s
     params: dict = {}
     for spec in specs:
         stacked = None
-        for layer in range(config.n_layers) if spec.per_layer else [None]:
-            name = spec.source.format(layer=layer)
+        for index, name in spec.sources(config):
             ours = _convert(spec, name, read(name), locate(name) if locate else where)
-            if layer is None:
-                stacked = np.array(ours, dtype=dtype)
-            else:
-                if stacked is None:
-                    stacked = np.empty((config.n_layers, *ours.shape), dtype)
-                stacked[layer] = ours
+            if stacked is None:
+                stacked = np.empty((*spec.stack(config), *ours.shape), dtype)
+            stacked[index] = ours
             del ours  # a memory map of the source: released before the next tensor is read
             if progress is not None:
                 progress(name)

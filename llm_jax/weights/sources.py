@@ -23,7 +23,6 @@ from llm_jax.config import ModelConfig
 from llm_jax.tokenizer import Tokenizer
 from llm_jax.weights import checkpoint, from_compressed, from_gguf, from_hf, from_llama2c
 from llm_jax.weights.hf_config import read_hf_config, read_json
-from llm_jax.weights.safetensors_file import SafetensorsFolder
 
 # Tokenizer files of a Hugging Face folder worth keeping with converted weights.
 HF_TOKENIZER_FILES = checkpoint.TOKENIZER_FILES
@@ -67,7 +66,7 @@ def source_config(path: pathlib.Path, fmt: WeightFormat, *, dequantize: bool = F
             scheme = from_compressed.read_scheme(hf, str(path))  # packed projections stay quantized; FP8: floats
             if scheme is None or dequantize or isinstance(scheme, from_compressed.Float8Weights):
                 return config
-            names = SafetensorsFolder(path).names()
+            names = from_hf.TextTensors(path).names()
             return config.replace(quantization=from_compressed.quantization(scheme, names, config, str(path)))
         case WeightFormat.LLAMA2C:
             return from_llama2c.read_llama2c_config(path)
@@ -101,7 +100,7 @@ def source_tensor_count(fmt: WeightFormat, config: ModelConfig) -> int:
             specs = from_gguf.tensor_specs(config, interleaved=False)
         case _:
             raise ValueError(f"a {fmt.value} is not a conversion source")
-    return sum(config.n_layers if spec.per_layer else 1 for spec in specs)
+    return sum(len(spec.sources(config)) for spec in specs)
 
 
 def find_llama2c_tokenizer(bin_path: pathlib.Path, vocab_size: int) -> pathlib.Path | None:

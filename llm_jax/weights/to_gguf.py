@@ -1,14 +1,17 @@
 """llm_jax config and float params → a GGUF file (llama.cpp's format), the reverse of ``from_gguf``.
 
-:func:`save_gguf` writes a Llama-architecture model as ``convert_hf_to_gguf.py`` would: the ``llama.*``
-metadata of the config, the tokenizer of a folder (:func:`add_tokenizer`), and every tensor under
+:func:`save_gguf` writes a model of llama.cpp's ``llama`` architecture (Llama, and Mistral without its
+window) or ``gemma3`` (Gemma 3's text model) as ``convert_hf_to_gguf.py`` would: the architecture's
+metadata from the config, the tokenizer of a folder (:func:`add_tokenizer`), and every tensor under
 llama.cpp's name, its matrices stored as F32, F16, BF16, Q8_0 or Q4_0 (:func:`encode`) and its norms
 as F32. What llama.cpp then runs is the same model: ``llm_jax.load`` of the file gives back the params
-(exactly for F32; for the other types, their rounding of them).
+(exactly for F32; for the other types, their rounding of them). A config llama.cpp would run otherwise
+is refused by name (:func:`gguf_architecture`).
 
-The one quirk of the ``llama`` architecture, done here and undone by ``from_gguf``: llama.cpp rotates
-adjacent pairs of a head (Meta's interleaved RoPE layout), we rotate halves, so the q and k rows of each
-head are permuted into Meta's order.
+The quirks, done here and undone by ``from_gguf``: llama.cpp rotates adjacent pairs of a ``llama`` head
+(Meta's interleaved RoPE layout), we rotate halves, so the q and k rows of each head are permuted into
+Meta's order; ``gemma3`` norms are stored as ``offset + w`` (llama.cpp's RMSNorm multiplies by the weight
+alone).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from llm_jax.config import ConfigError, DefaultRope, LinearRope, ModelConfig
-from llm_jax.weights.from_gguf import tensor_specs
+from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, ModelConfig
+from llm_jax.weights.from_gguf import (GEMMA3_LOCAL_THETA, GEMMA3_PERIOD, gemma3_sliding_layers, gemma_attention_scalar,
+                                       rope_is_interleaved, tensor_specs)
 from llm_jax.weights.layout import WeightsError
 
 # The ggml types a file's matrices may be written in, with llama.cpp's name of such a file
@@ -98,20 +102,57 @@ def add_tokenizer(writer, folder: pathlib.Path, pre: str = "gpt-2") -> None:
     gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(names)).add_to_gguf(writer, quiet=True)
 
 
-def check_llama(config: ModelConfig) -> None:
-    """Refuse, naming the fields, a config that llama.cpp's ``llama`` architecture does not run as we do."""
+def _llama_differences(config: ModelConfig) -> list[str]:
+    """The fields by which ``config`` is not a model llama.cpp's ``llama`` architecture runs as we do."""
     other = [f"{name}={getattr(config, name)!r}" for name in _NOT_LLAMA
              if getattr(config, name) != getattr(_LLAMA, name)]
     if not isinstance(config.rope_scaling, DefaultRope | LinearRope):
         other.append(f"rope_scaling={config.rope_scaling!r}")
-    if other:
-        raise ConfigError(f"only Llama-architecture models are written as GGUF; this config sets {', '.join(other)}")
+    return other
+
+
+def _gemma3_differences(config: ModelConfig) -> list[str]:
+    """The fields by which ``config`` is not a model llama.cpp's ``gemma3`` architecture runs as we do: its
+    switches, the attention scale it derives, and its fixed layer pattern and local RoPE (``from_gguf``)."""
+    wanted = dict(activation=Activation.GELU_TANH, qkv_bias=False, qk_norm=True, embed_scale=True, sandwich_norm=True,
+                  attn_logit_softcap=None, query_pre_attn_scalar=gemma_attention_scalar(config, 62))
+    other = [f"{name}={getattr(config, name)!r} (gemma3: {value!r})" for name, value in wanted.items()
+             if getattr(config, name) != value]
+    if not isinstance(config.rope_scaling, DefaultRope | LinearRope):
+        other.append(f"rope_scaling={config.rope_scaling!r} (gemma3: none or linear)")
+    windows = config.layer_windows()
+    if any(w is not None for w in windows):
+        pattern = gemma3_sliding_layers(config.n_layers)
+        if windows != tuple(config.sliding_window if s else None for s in pattern):
+            other.append(f"sliding layers {[w is not None for w in windows]} (gemma3: {list(pattern)}, every "
+                         f"{GEMMA3_PERIOD}th layer global)")
+        if config.sliding_rope_theta != GEMMA3_LOCAL_THETA:
+            other.append(f"sliding_rope_theta={config.sliding_rope_theta!r} (gemma3: {GEMMA3_LOCAL_THETA})")
+    return other
+
+
+def gguf_architecture(config: ModelConfig) -> str:
+    """The llama.cpp architecture ``config`` is written as: ``gemma3`` for a Gemma-style model (sandwich
+    norms), else ``llama``. Refuses, naming the fields, a config that architecture does not run as we do."""
     if config.classifier is not None:
-        raise ConfigError("a sequence classifier is not written as GGUF: llama.cpp's llama architecture has an LM "
+        raise ConfigError("a sequence classifier is not written as GGUF: llama.cpp's architectures have an LM "
                           "head, not a classifier's score head")
+    if config.experts is not None:
+        raise ConfigError("writing a mixture-of-experts model (Mixtral, Qwen3-MoE) as GGUF is not supported")
     if config.quantization is not None:
         raise ConfigError(f"GGUF files are written from float weights; these are quantized ({config.quantization}): "
                           "load them without quantize and choose the file's type instead")
+    if config.sandwich_norm or config.sliding_rope_theta is not None:
+        other = _gemma3_differences(config)
+        if other:
+            raise ConfigError(f"llama.cpp's gemma3 architecture would not run this model as llm_jax does: it has "
+                              f"{', '.join(other)}")
+        return "gemma3"
+    other = _llama_differences(config)
+    if other:
+        raise ConfigError(f"only models of llama.cpp's llama and gemma3 architectures are written as GGUF; as llama "
+                          f"this config sets {', '.join(other)}")
+    return "llama"
 
 
 def _halves_to_interleaved(n_heads: int, head_dim: int):
@@ -125,13 +166,17 @@ def _halves_to_interleaved(n_heads: int, head_dim: int):
     return permute
 
 
-def _to_source(config: ModelConfig) -> dict[tuple[str, ...], Any]:
+def _to_source(config: ModelConfig, architecture: str) -> dict[tuple[str, ...], Any]:
     """Leaf path → the function from our layout to llama.cpp's tensor (the inverse of ``tensor_specs``' own)."""
     D, N, K, H = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
     transpose = np.transpose
+    if rope_is_interleaved(architecture):
+        q_rows, k_rows = _halves_to_interleaved(N, H), _halves_to_interleaved(K, H)
+    else:
+        q_rows, k_rows = (lambda w: w.reshape(D, N * H).T), (lambda w: w.reshape(D, K * H).T)
     return {
-        ("layers", "attn", "q_proj"): _halves_to_interleaved(N, H),
-        ("layers", "attn", "k_proj"): _halves_to_interleaved(K, H),
+        ("layers", "attn", "q_proj"): q_rows,
+        ("layers", "attn", "k_proj"): k_rows,
         ("layers", "attn", "v_proj"): lambda w: w.reshape(D, K * H).T,
         ("layers", "attn", "o_proj"): lambda w: w.reshape(N * H, D).T,
         ("layers", "mlp", "gate_proj"): transpose,
@@ -149,7 +194,8 @@ def _leaf(params: dict, path: tuple[str, ...]):
 
 def save_gguf(path: str | os.PathLike, config: ModelConfig, params: dict, type_name: str, *,
               tokenizer: str | os.PathLike | None = None, name: str | None = None) -> pathlib.Path:
-    """Write a Llama-architecture model (its float params, in any float dtype) as a GGUF file whose matrices
+    """Write a model of llama.cpp's ``llama`` or ``gemma3`` architecture (:func:`gguf_architecture`; its float
+    params, in any float dtype) as a GGUF file whose matrices
     are of ggml type ``type_name`` (``FILE_TYPES``; Q8_0 / Q4_0 rounded as llama.cpp's converter does), with
     the tokenizer of the folder ``tokenizer`` (see :func:`add_tokenizer`; llama.cpp needs one to load the
     file). The file appears whole or not at all (written beside, then renamed). Returns ``path``."""
@@ -157,18 +203,20 @@ def save_gguf(path: str | os.PathLike, config: ModelConfig, params: dict, type_n
 
     if type_name not in FILE_TYPES:
         raise ValueError(f"unsupported GGUF file type {type_name!r}; choose one of {', '.join(FILE_TYPES)}")
-    check_llama(config)
+    architecture = gguf_architecture(config)
     path = pathlib.Path(path)
     partial = path.with_name(f".{path.name}.partial")
     try:
-        _write(gguf.GGUFWriter(partial, "llama"), config, params, type_name, tokenizer, name or path.stem)
+        _write(gguf.GGUFWriter(partial, architecture), architecture, config, params, type_name, tokenizer,
+               name or path.stem)
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
     return path
 
 
-def _write(writer, config: ModelConfig, params: dict, type_name: str, tokenizer, name: str) -> None:
+def _write(writer, architecture: str, config: ModelConfig, params: dict, type_name: str, tokenizer,
+           name: str) -> None:
     """Metadata, tokenizer and tensors of :func:`save_gguf` 's file, through ``writer``, which it closes."""
     import gguf
 
@@ -188,13 +236,20 @@ def _write(writer, config: ModelConfig, params: dict, type_name: str, tokenizer,
     if isinstance(config.rope_scaling, LinearRope):
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(config.rope_scaling.factor)
+    if architecture == "gemma3":
+        if config.sliding_window is not None:  # llama.cpp fixes the pattern and the local RoPE
+            writer.add_sliding_window(config.sliding_window)
+        if config.final_logit_softcap is not None:
+            writer.add_final_logit_softcapping(config.final_logit_softcap)
     if tokenizer is not None:
         add_tokenizer(writer, pathlib.Path(tokenizer))
-    to_source = _to_source(config)
-    for spec in tensor_specs(config, interleaved=True):
+    to_source = _to_source(config, architecture)
+    for spec in tensor_specs(config, interleaved=rope_is_interleaved(architecture)):
         leaf = _leaf(params, spec.path)
         for layer in range(config.n_layers) if spec.per_layer else [None]:
             ours = np.asarray(leaf if layer is None else leaf[layer]).astype(np.float32)
+            if spec.path[-1] == "scale":  # llama.cpp's RMSNorm multiplies by the stored weight alone
+                ours = ours + np.float32(config.norm_weight_offset)
             x = to_source.get(spec.path, lambda w: w)(ours)
             if x.shape != spec.source_shape:
                 raise WeightsError(f"params/{'/'.join(spec.path)} gives {spec.source} of shape {x.shape}, "

@@ -1,12 +1,13 @@
 """Each family's config switches, for random models that exercise what differs between families: sliding
 windows that cross blocks of 4, q/k/v bias and tied embeddings, q/k norm, Gemma's scaled embedding, (1+w)
-norms and GeGLU, Gemma 2's soft-capping, sandwich norms and local/global layers."""
+norms and GeGLU, Gemma 2's soft-capping, sandwich norms and local/global layers, Gemma 3's local layers
+rotating by their own RoPE base beside a scaled global one."""
 
 import jax
 import numpy as np
 
 import llm_jax
-from llm_jax.config import ModelConfig
+from llm_jax.config import LinearRope, ModelConfig
 from llm_jax.model import init_params
 
 FAMILIES = {
@@ -18,6 +19,9 @@ FAMILIES = {
     "gemma2": dict(sliding_window=5, sliding_layers=(True, False), attn_logit_softcap=20.0, final_logit_softcap=15.0,
                    sandwich_norm=True, norm_weight_offset=1.0, embed_scale=True, query_pre_attn_scalar=8.0,
                    activation="gelu_tanh"),
+    "gemma3": dict(sliding_window=5, sliding_layers=(True, False), sliding_rope_theta=100.0, rope_theta=50_000.0,
+                   rope_scaling=LinearRope(factor=8.0), qk_norm=True, sandwich_norm=True, norm_weight_offset=1.0,
+                   embed_scale=True, query_pre_attn_scalar=8.0, activation="gelu_tanh", tie_embeddings=True),
 }
 
 

@@ -7,8 +7,10 @@ needs a new process.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pathlib
+import subprocess
 import sys
 from typing import Callable
 
@@ -37,3 +39,26 @@ def computed_once(name: str, compute: Callable[[], str], tmp_path_factory, worke
         if not result.exists():
             result.write_text(compute())
     return result.read_text()
+
+
+_SHARDED_GREEDY = """
+import json, sys
+import llm_jax
+folder, prompts, steps, meshes = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+out = {}
+for spec in meshes:
+    model = llm_jax.load(folder, dtype="float32", mesh=spec)
+    out[spec] = [r.output_ids for r in llm_jax.generate(model, prompts, max_new_tokens=steps, ignore_eos=True)]
+print(json.dumps(out))
+"""
+
+
+def sharded_greedy(folder, prompts: list[list[int]], steps: int, meshes: list[str], devices: int = 4
+                   ) -> dict[str, list[list[int]]]:
+    """Greedy tokens of the model in ``folder`` (float32) on each mesh of ``meshes`` (``"data=2,model=2"``),
+    in a process with ``devices`` CPU devices."""
+    done = subprocess.run([PYTHON, "-c", _SHARDED_GREEDY, str(folder), json.dumps(prompts), str(steps),
+                           json.dumps(meshes)], env=cpu_devices_env(devices), capture_output=True, text=True,
+                          timeout=600, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

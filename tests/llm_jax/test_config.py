@@ -25,6 +25,8 @@ def test_valid_config_derives_values():
     (dict(rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=4.0, high_freq_factor=1.0,
                                   original_max_position_embeddings=8192)), "invalid rope_scaling"),
     (dict(attn_logit_softcap=0.0), "attn_logit_softcap must be positive"),
+    (dict(sliding_window=8, sliding_rope_theta=0.0), "sliding_rope_theta must be positive"),
+    (dict(sliding_rope_theta=100.0), "sliding_rope_theta=100.0 is set but no layer has a sliding window"),
 ])
 def test_invalid_config_is_rejected(changes, message):
     with pytest.raises(ConfigError, match=message):
@@ -34,9 +36,12 @@ def test_invalid_config_is_rejected(changes, message):
 def test_round_trip_through_dict():
     c = ModelConfig(**BASE, rope_scaling=Llama3Rope(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                                     original_max_position_embeddings=32),
-                    sliding_window=8, sliding_layers=(True, False), param_dtype="bfloat16")
+                    sliding_window=8, sliding_layers=(True, False), sliding_rope_theta=100.0, param_dtype="bfloat16")
     assert ModelConfig.from_dict(c.to_dict()) == c
     assert c.layer_windows() == (8, None)
+    assert (c.layer_rope(True), c.layer_rope(False)) == ((100.0, DefaultRope()), (c.rope_theta, c.rope_scaling))
+    assert ModelConfig.from_dict({k: v for k, v in c.to_dict().items() if k != "sliding_rope_theta"}) == c.replace(
+        sliding_rope_theta=None)  # a config saved before the field existed
     assert ModelConfig.from_dict(ModelConfig(**BASE, rope_scaling=LinearRope(factor=2.0)).to_dict()).rope_scaling \
         == LinearRope(factor=2.0)
     assert ModelConfig(**BASE).rope_scaling == DefaultRope()

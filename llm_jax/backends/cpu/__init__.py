@@ -5,7 +5,7 @@ and in the execution form of :mod:`llm_jax.backends.cpu.forms` (panels, fused q/
 canonical layout; attention reads the cache in place and scores only the keys each query sees; a decode
 step's key and value are written by the attention kernel itself; greedy steps read the LM head through
 its screen (:mod:`llm_jax.backends.cpu.greedy_head`). What the kernels do not cover (other dtypes,
-gradients) is XLA's, as in :class:`llm_jax.backends.Xla`.
+gradients, a mixture of experts' MLP) is XLA's, as in :class:`llm_jax.backends.Xla`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Decode on CPU reads every weight once per step. The kernels read two forms faste
 layout), keeping every path: ``layers/attn/q_proj`` becomes a :class:`Fused` group holding q, k and v,
 ``k_proj`` and ``v_proj`` :class:`FusedPart` markers pointing into it; ``o_proj``, ``down_proj`` and an
 untied ``lm_head`` become :class:`Panels`; a tied ``embedder/embedding`` becomes :class:`Panels` of the
-head it also is (``transposed``). The model hands these leaves to the backend untouched; only
+head it also is (``transposed``); a mixture of experts (``layers/moe``) stays as it is, for XLA. The model hands these leaves to the backend untouched; only
 :class:`llm_jax.backends.CpuKernels` reads them.
 """
 
@@ -123,7 +123,11 @@ def prepare(params: Params, config: ModelConfig) -> Params:
     """The execution form of canonical ``params`` (a new pytree; norms, biases and other leaves shared).
     Built one leaf at a time, so preparing needs memory for the new form and one leaf in flight."""
     layers = {name: dict(module) if isinstance(module, dict) else module for name, module in params["layers"].items()}
-    for module, names in (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+    # A mixture of experts (``layers/moe``) runs as XLA's (``Backend.moe_mlp``): no dense MLP to prepare.
+    dense_mlp = config.experts is None
+    checked = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")),)
+    checked += dense_mlp * (("mlp", ("gate_proj", "up_proj", "down_proj")),)
+    for module, names in checked:
         for name in names:
             w = layers.get(module, {}).get(name)
             ins, outs = projection_dims(name, config)
@@ -132,6 +136,8 @@ def prepare(params: Params, config: ModelConfig) -> Params:
                 raise ValueError(f"params/layers/{module}/{name} is {found}; the config says "
                                  f"{[config.n_layers, *ins, *outs]} (prepare takes the canonical params)")
     for (_, module), names in GROUPS.items():
+        if module == "mlp" and not dense_mlp:
+            continue
         group = layers[module]
         parts = [group[n] for n in names]
         outs = tuple(projection_dims(n, config)[1] for n in names)
@@ -141,7 +147,7 @@ def prepare(params: Params, config: ModelConfig) -> Params:
         group[names[0]] = Fused(fused, outs)
         for i, n in enumerate(names[1:], start=1):
             group[n] = FusedPart(i)
-    for module, name in (("attn", "o_proj"), ("mlp", "down_proj")):
+    for module, name in (("attn", "o_proj"),) + dense_mlp * (("mlp", "down_proj"),):
         ins, outs = projection_dims(name, config)
         layers[module][name] = _maybe_panels(layers[module][name], ins, outs)
     return prepare_head({**params, "layers": layers}, config)

@@ -36,6 +36,9 @@ SEQ_LEN = PROMPT_LEN + NEW_TOKENS  # the full-forward length; every window below
 
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                    high_freq_factor=4.0, original_max_position_embeddings=16)
+# Gemma 3's two RoPEs, bases far apart (transformers 5's spelling; the local one plain, as Gemma 3's always is).
+GEMMA3_ROPE = dict(full_attention=dict(rope_type="linear", rope_theta=50000.0, factor=8.0),
+                   sliding_attention=dict(rope_type="default", rope_theta=100.0))
 # No special tokens: greedy continuations must run the full 32 tokens on both sides.
 COMMON = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=128,
               rms_norm_eps=1e-6, initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -78,6 +81,14 @@ FAMILIES = {
              attn_logit_softcapping=1.5, final_logit_softcapping=4.0, sliding_window=6),
         dict(sandwich_norm=True, sliding_window=6, sliding_layers=(True, False), query_pre_attn_scalar=24.0,
              attn_logit_softcap=1.5, final_logit_softcap=4.0)),
+    # As the 4B-27B models: the global layer's RoPE linearly scaled, the local layer's plain with its own base.
+    "gemma3_qk_norm_local_global": Family(
+        transformers.Gemma3TextConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=6,
+             layer_types=["sliding_attention", "full_attention"], rope_parameters=GEMMA3_ROPE),
+        dict(qk_norm=True, sandwich_norm=True, sliding_window=6, sliding_layers=(True, False),
+             query_pre_attn_scalar=24.0, rope_theta=50000.0, rope_scaling=llm_jax.LinearRope(factor=8.0),
+             sliding_rope_theta=100.0, attn_logit_softcap=None, final_logit_softcap=None)),
 }
 
 
@@ -213,9 +224,9 @@ def test_bfloat16_logits_are_as_accurate_as_transformers(case):
         assert err_ours.max() <= BF16_MAX_RATIO * err_theirs.max(), (case.name, what, err_ours.max(), err_theirs.max())
 
 
-@pytest.mark.parametrize("name", ["gemma2_softcap_local_global"])
+@pytest.mark.parametrize("name", ["gemma2_softcap_local_global", "gemma3_qk_norm_local_global"])
 def test_generate_matches_transformers(name, tmp_path):
-    """The whole pipeline (buckets, prefill, start, chunked decode) on the family with the most switches."""
+    """The whole pipeline (buckets, prefill, start, chunked decode) on the families with the most switches."""
     torch_model = build(FAMILIES[name], tmp_path)
     model = llm_jax.load(tmp_path, dtype="float32")
     prompts = tokens(model.config.vocab_size, 1, PROMPT_LEN)
@@ -241,6 +252,10 @@ SWITCHES_OFF = {
                                     dict(sliding_layers=None),  # every layer local
                                     dict(attn_logit_softcap=None), dict(final_logit_softcap=None),
                                     dict(query_pre_attn_scalar=None)],
+    "gemma3_qk_norm_local_global": [dict(sliding_window=None, sliding_layers=None, sliding_rope_theta=None),
+                                    dict(sliding_rope_theta=None),  # the local layer rotating as the global one
+                                    dict(rope_scaling=llm_jax.DefaultRope()),
+                                    dict(qk_norm=False), dict(query_pre_attn_scalar=None)],
 }
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llm_jax.config import Activation, ConfigError
+from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope
 from llm_jax.weights.from_hf import load_hf
 from llm_jax.weights.hf_config import ARCHITECTURES, config_from_hf
 from llm_jax.weights.layout import WeightsError
@@ -57,7 +57,7 @@ def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(ConfigError, match=r"unsupported architectures \['FalconForCausalLM'\]; supported: .*"
                                           r"'Gemma2ForCausalLM'.*'LlamaForCausalLM'.*'Qwen3ForCausalLM'"):
         config_from_hf(hf_config("FalconForCausalLM"))
-    assert len(ARCHITECTURES) == 6
+    assert len(ARCHITECTURES) == 10
 
 
 def test_qwen_sliding_window_fields():
@@ -79,6 +79,54 @@ def test_gemma_defaults_and_legacy_activation():
     gemma2 = config_from_hf(hf_config("Gemma2ForCausalLM"))
     assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.attn_scale) == (50.0, 30.0, 256 ** -0.5)
     assert gemma2.layer_windows() == (4096, None)
+
+
+def test_gemma3_transformers_4_config():
+    """As the released 1B's config.json spells it: the layer pattern as a period, the two RoPE bases apart,
+    the global layers' scaling in rope_scaling (the 4B+ models')."""
+    config = config_from_hf(hf_config("Gemma3ForCausalLM", num_hidden_layers=8, head_dim=16, sliding_window=512,
+                                      sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                                      rope_scaling={"factor": 8.0, "rope_type": "linear"}, query_pre_attn_scalar=16))
+    assert config.layer_windows() == (512,) * 5 + (None,) + (512,) * 2
+    assert (config.rope_theta, config.rope_scaling, config.sliding_rope_theta) == (1e6, LinearRope(factor=8.0), 1e4)
+    assert config.layer_rope(True) == (1e4, DefaultRope()) and config.layer_rope(False) == (1e6, LinearRope(factor=8.0))
+    switches = (config.qk_norm, config.sandwich_norm, config.embed_scale, config.norm_weight_offset)
+    assert switches == (True, True, True, 1.0)
+    assert (config.attn_logit_softcap, config.final_logit_softcap, config.attn_scale) == (None, None, 0.25)
+    assert config.activation is Activation.GELU_TANH and config.tie_embeddings
+
+
+def test_gemma3_multimodal_config_reads_its_text_config():
+    """google/gemma-3-4b-it's config.json: a text_config that spells out only what differs from Gemma3TextConfig."""
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_attention_heads": 8,
+            "num_hidden_layers": 34, "num_key_value_heads": 4, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+            "sliding_window": 1024}
+    config = config_from_hf({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                             "text_config": text, "vision_config": {"model_type": "siglip_vision_model"}})
+    assert (config.vocab_size, config.d_model, config.n_layers, config.head_dim, config.max_seq_len) == (
+        262_208, 2560, 34, 256, 131_072)
+    assert (config.rope_theta, config.rope_scaling, config.sliding_rope_theta) == (1e6, LinearRope(factor=8.0), 1e4)
+    assert config.layer_windows() == tuple(None if i % 6 == 5 else 1024 for i in range(34))
+    assert config.attn_scale == 256 ** -0.5 and config.tie_embeddings
+
+
+def test_gemma3_without_local_layers_has_no_local_rope():
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    config = config_from_hf(hf_config("Gemma3ForCausalLM", rope_parameters=rope,
+                                      layer_types=["full_attention"] * 2))
+    assert (config.layer_windows(), config.sliding_rope_theta, config.rope_theta) == ((None, None), None, 1e6)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
+     "sliding_attention RoPE .* is not supported; Gemma 3's local layers use plain RoPE"),
+    (dict(use_bidirectional_attention=True), "use_bidirectional_attention=true is not supported"),
+])
+def test_gemma3_refusals(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_hf(hf_config("Gemma3ForCausalLM", **fields))
 
 
 @pytest.mark.parametrize("architecture, fields, message", [

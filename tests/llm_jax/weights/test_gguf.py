@@ -38,7 +38,8 @@ from llm_jax.weights.from_gguf import dequantize_rows, load_gguf, open_gguf
 from llm_jax.weights.layout import WeightsError
 from llm_jax.weights.placement import leaves_by_path
 from llm_jax.weights.to_gguf import add_tokenizer, encode
-from tests.llm_jax.model.test_families import FAMILIES, Family, build, greedy_decode, tokens, torch_greedy
+from tests.llm_jax.model.test_families import (FAMILIES, GEMMA3_ROPE, Family, build, greedy_decode, tokens,
+                                               torch_greedy)
 
 ATOL = 1e-4  # float32 max |Δlogit| against transformers
 Q = gguf.GGMLQuantizationType
@@ -56,7 +57,7 @@ LAYER_NAMES = {
 GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
-        "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2"}
+        "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 
 
 def meta_interleave(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -69,7 +70,7 @@ def gguf_name(hf_name: str, arch: str) -> str:
     if hf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
-    if arch == "gemma2":  # Gemma 2's sandwich norms
+    if arch in ("gemma2", "gemma3"):  # Gemma 2's and 3's sandwich norms
         rest = {"post_attention_layernorm.weight": "post_attention_norm.weight",
                 "pre_feedforward_layernorm.weight": "ffn_norm.weight",
                 "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}.get(rest, rest)
@@ -118,6 +119,7 @@ def write_gguf(path: pathlib.Path, hf_folder: pathlib.Path, qtype=Q.F32, *, voca
     w.add_rope_dimension_count(rope_dims or head_dim)
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     rope = hf.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's global layers' (llama.cpp fixes the local ones')
     w.add_rope_freq_base(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
     if rope.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -126,6 +128,11 @@ def write_gguf(path: pathlib.Path, hf_folder: pathlib.Path, qtype=Q.F32, *, voca
         w.add_attn_logit_softcapping(hf["attn_logit_softcapping"])
         w.add_final_logit_softcapping(hf["final_logit_softcapping"])
         w.add_sliding_window(hf["sliding_window"])
+    if arch == "gemma3":  # no attention soft-cap; the window unless every layer is global
+        if any(t == "sliding_attention" for t in hf["layer_types"]):
+            w.add_sliding_window(hf["sliding_window"])
+        if hf.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(hf["final_logit_softcapping"])
     if extra is not None:
         extra(w)
     if vocab is not None:
@@ -175,6 +182,15 @@ GGUF_FAMILIES = {
     "gemma2_softcap_local_global": Family(
         transformers.Gemma2Config,
         dict(FAMILIES["gemma2_softcap_local_global"].fields, query_pre_attn_scalar=16), {}),
+    # Gemma 3 as llama.cpp runs it: every 6th layer global, the local layers' RoPE plain of base 10000, the
+    # attention scaled by head_dim; the global layers' RoPE linearly scaled, as in the 4B-27B models.
+    "gemma3_six_layers": Family(
+        transformers.Gemma3TextConfig,
+        dict(num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+             sliding_window=6, rope_parameters=dict(GEMMA3_ROPE, sliding_attention=dict(rope_type="default",
+                                                                                          rope_theta=10000.0))),
+        dict(sliding_window=6, sliding_layers=(True,) * 5 + (False,), sliding_rope_theta=10000.0, qk_norm=True,
+             rope_theta=50000.0, rope_scaling=llm_jax.LinearRope(factor=8.0), query_pre_attn_scalar=16.0)),
 }
 
 
@@ -553,7 +569,7 @@ def tiny_hf(tmp_path_factory):
 def test_unsupported_architecture_is_named(tiny_hf, tmp_path):
     path = write_gguf(tmp_path / "falcon.gguf", tiny_hf, arch="falcon")
     with pytest.raises(ConfigError, match=r"unsupported GGUF architecture 'falcon'; supported: \['gemma', 'gemma2', "
-                                          r"'llama', 'qwen2', 'qwen3'\]"):
+                                          r"'gemma3', 'llama', 'qwen2', 'qwen3'\]"):
         llm_jax.load(path)
 
 

@@ -1,6 +1,7 @@
 """llm_jax → GGUF (``weights/to_gguf.py``): the file reads back as the model it was written from.
 
-Float files give back the params exactly; Q8_0 / Q4_0 files hold the blocks ``gguf.quants`` rounds (the
+Llama and Gemma 3 (llama.cpp's ``gemma3``, its fixed layer pattern and local RoPE) are written. Float files
+give back the params exactly; Q8_0 / Q4_0 files hold the blocks ``gguf.quants`` rounds (the
 rounding of llama.cpp's converter), which our reader and ``gguf.quants.dequantize`` decode bit for bit;
 and every tensor equals the one of ``test_gguf.py``'s independent writer (the rules of
 ``convert_hf_to_gguf.py`` applied to the Hugging Face files), so llama.cpp reads the same model.
@@ -12,6 +13,7 @@ import gguf
 import jax
 import numpy as np
 import pytest
+import torch
 
 import llm_jax
 from llm_jax.config import ConfigError, ModelConfig
@@ -21,7 +23,7 @@ from llm_jax.weights.from_gguf import dequantize_rows, load_gguf, open_gguf
 from llm_jax.weights.placement import leaves_by_path
 from llm_jax.weights.to_gguf import save_gguf
 from tests.llm_jax.model.test_families import FAMILIES, build
-from tests.llm_jax.weights.test_gguf import write_gguf
+from tests.llm_jax.weights.test_gguf import GGUF_FAMILIES, write_gguf
 
 # Grouped-query attention and an untied head: every tensor llama.cpp's llama architecture has.
 CONFIG = ModelConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96,
@@ -114,3 +116,69 @@ def test_what_llama_cpp_would_not_run_as_we_do_is_refused(tmp_path):
     with pytest.raises(ValueError, match="Q4_K"):
         save_gguf(tmp_path / "m.gguf", CONFIG, random_model(), "Q4_K")
     assert not list(tmp_path.iterdir())
+
+
+# --- Gemma 3 (llama.cpp's gemma3 architecture) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3_hf(tmp_path_factory):
+    """A tiny Gemma 3 as llama.cpp runs it (test_gguf's GGUF family): (folder, torch model)."""
+    folder = tmp_path_factory.mktemp("gemma3") / "hf"
+    return folder, build(GGUF_FAMILIES["gemma3_six_layers"], folder)
+
+
+def test_gemma3_tensors_and_metadata_are_the_converters(gemma3_hf, tmp_path):
+    """Norms stored as 1 + w, q/k rows as they are, the global layers' RoPE and the window: every tensor and
+    ``gemma3.*`` key as the converter's rules write them; the file runs as transformers does."""
+    hf, torch_model = gemma3_hf
+    reference = gguf.GGUFReader(write_gguf(tmp_path / "reference.gguf", hf, Q.Q8_0))
+    model = llm_jax.load(hf, dtype="float32", backend="xla")
+    ours = gguf.GGUFReader(save_gguf(tmp_path / "ours.gguf", model.config, model.params, "Q8_0"))
+    assert ours.get_field("general.architecture").contents() == "gemma3"
+    theirs = {t.name: t for t in reference.tensors}
+    assert sorted(t.name for t in ours.tensors) == sorted(theirs)
+    for t in ours.tensors:
+        assert t.tensor_type == theirs[t.name].tensor_type, t.name
+        np.testing.assert_array_equal(t.data, theirs[t.name].data, err_msg=t.name)
+    keys = [k for k in reference.fields if k.startswith("gemma3.")]
+    assert {"gemma3.rope.freq_base", "gemma3.rope.scaling.factor", "gemma3.attention.sliding_window"} <= set(keys)
+    for key in keys:
+        assert ours.get_field(key) is not None, key
+        assert ours.get_field(key).contents() == reference.get_field(key).contents(), key
+
+
+def test_gemma3_f32_round_trip_gives_transformers_logits(gemma3_hf, tmp_path):
+    """HF → GGUF → llm_jax → GGUF again: the params come back (norms as 1 + w), the logits are transformers'."""
+    hf, torch_model = gemma3_hf
+    model = llm_jax.load(hf, dtype="float32", backend="xla")
+    first = save_gguf(tmp_path / "first.gguf", model.config, model.params, "F32")
+    config, params = load_gguf(first)
+    assert (config.sliding_rope_theta, config.layer_windows()) == (10000.0, (6,) * 5 + (None,))
+    second = save_gguf(tmp_path / "second.gguf", config, params, "F32")  # norms already 1 + w: offset 0
+    _, again = load_gguf(second)
+    for path, leaf in leaves_by_path(params).items():
+        np.testing.assert_array_equal(leaves_by_path(again)[path], leaf, err_msg=str(path))
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 20))
+    with torch.no_grad():
+        theirs = torch_model(torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(forward(params, config, ids, backend="xla"))
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_what_llama_cpp_gemma3_would_not_run_as_we_do_is_refused(tmp_path):
+    """A Gemma 3 whose layer pattern, local RoPE or attention scale llama.cpp would not reproduce."""
+    config = ModelConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=96,
+                         max_seq_len=64, activation="gelu_tanh", norm_weight_offset=1.0, embed_scale=True,
+                         sandwich_norm=True, qk_norm=True, tie_embeddings=True, query_pre_attn_scalar=16.0,
+                         sliding_window=8, sliding_layers=(True, True), sliding_rope_theta=10000.0)
+    save_gguf(tmp_path / "fine.gguf", config, init_params(config), "F32")
+    refusals = {"sliding layers": dict(sliding_layers=(True, False)),
+                "sliding_rope_theta=100.0": dict(sliding_rope_theta=100.0),
+                "query_pre_attn_scalar=24.0": dict(query_pre_attn_scalar=24.0),
+                "attn_logit_softcap=50.0": dict(attn_logit_softcap=50.0),
+                "qk_norm=False": dict(qk_norm=False)}
+    for message, changes in refusals.items():
+        with pytest.raises(ConfigError, match=rf"gemma3 architecture would not run this model.*{message}"):
+            save_gguf(tmp_path / "m.gguf", config.replace(**changes), {}, "F32")
+    assert [p.name for p in tmp_path.iterdir()] == ["fine.gguf"]
