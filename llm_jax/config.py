@@ -186,6 +186,9 @@ class Quantization(QuantScheme):
 # Runtime choices that configs saved by earlier versions hold; how a model runs is its backend's
 # (``llm_jax.backends``), not the model's, and reading such a config ignores them.
 _RUNTIME_FIELDS = ("attention_impl", "matmul_impl")
+# Fields added after the first checkpoints were written: left out of a config's JSON while None, so that
+# configs without them read (and hash, in the training logs) as before.
+_LATER_FIELDS = ("sliding_rope_theta", "experts", "quantization", "classifier")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -355,6 +358,7 @@ class ModelConfig:
 
     # Serialisation (checkpoints store the config as versioned JSON).
     def to_dict(self) -> dict[str, Any]:
+        """The config as JSON values; fields added after the first checkpoints are left out while None."""
         out: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -364,9 +368,9 @@ class ModelConfig:
                 value = {"type": type(value).__name__, **dataclasses.asdict(value)}
             elif isinstance(value, tuple):
                 value = list(value)
+            elif field.name in _LATER_FIELDS and value is None:
+                continue  # float weights, an LM head, dense MLPs, ...: configs read the same as before these existed
             elif field.name in ("quantization", "classifier", "experts"):
-                if value is None:
-                    continue  # float weights, an LM head, dense MLPs: configs read the same as before these existed
                 value = dataclasses.asdict(value)
                 if field.name == "classifier":
                     value = {"labels": list(value["labels"]), "problem": value["problem"].value}
