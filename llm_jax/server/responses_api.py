@@ -119,6 +119,9 @@ def _tools(fields: Fields) -> tools.ToolCalling | None:
         found.append(tools.function_tool({k: v for k, v in tool.items() if k != "type"}, f"tools[{i}]"))
     found = tools.unique(tuple(found))
     choice = fields.take("tool_choice", "string", "object", default="auto" if found else "none")
+    allowed = None
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        choice, allowed = tools.allowed_tools(choice, found, flat=True)
     if isinstance(choice, dict):
         check(choice.get("type") == "function" and set(choice) == {"type", "name"}, "tool_choice",
               f"must be {{\"type\": \"function\", \"name\": ...}}, got {show(choice)}")
@@ -131,7 +134,7 @@ def _tools(fields: Fields) -> tools.ToolCalling | None:
               f"must be 'none', 'auto', 'required' or a named function, got {show(choice)}")
         check(choice == "none" or bool(found), "tool_choice", f"{show(choice)} needs tools")
     parallel = fields.take("parallel_tool_calls", "boolean", default=True)
-    return tools.ToolCalling(tools=found, choice=choice, parallel=parallel) if found else None
+    return tools.ToolCalling(tools=found, choice=choice, parallel=parallel, allowed=allowed) if found else None
 
 
 def _text_format(fields: Fields) -> tuple[dict[str, Any], Json | None]:
@@ -237,6 +240,9 @@ def _choice_echo(calling: tools.ToolCalling | None) -> Any:
         return "none"
     if isinstance(calling.choice, tools.Named):
         return {"type": "function", "name": calling.choice.name}
+    if calling.allowed is not None:
+        return {"type": "allowed_tools", "mode": calling.choice,
+                "tools": [{"type": "function", "name": name} for name in calling.allowed]}
     return calling.choice
 
 

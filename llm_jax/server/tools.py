@@ -17,6 +17,10 @@ the model makes. How the calls are found depends on ``tool_choice``:
   ``name[ARGS]{…}`` after each marker: Mistral Small 3.2, Magistral, Devstral; the marker is a special
   token, so these requests keep special tokens' text). Without a parser, "auto" is refused, as vLLM does.
 - ``"none"``: the model sees the tools and answers in text.
+- ``{"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools": [...]}}``: "auto" or
+  "required" among a subset of the tools, named as ``{"type": "function", "function": {"name": …}}``. The
+  chat template shows the model only the allowed tools, so it neither sees nor calls the others, and a
+  "required" output is constrained to calls of allowed tools.
 
 Each choice's output goes through a :class:`Reader`, fed the text as it streams and finished with the
 choice, so a streamed answer's content and calls are the whole answer's, piece by piece. Assistant
@@ -79,12 +83,18 @@ ToolChoice = str | Named  # "none", "auto", "required", or a Named function
 class ToolCalling:
     """What a chat request asks about tools."""
 
-    tools: tuple[Tool, ...]
+    tools: tuple[Tool, ...]  # as the request lists them
     choice: ToolChoice
     parallel: bool = True
+    allowed: tuple[str, ...] | None = None  # ``allowed_tools``: the names the model may call; None: all
+
+    @property
+    def callable(self) -> tuple[Tool, ...]:
+        """The tools the model sees and may call."""
+        return self.tools if self.allowed is None else tuple(t for t in self.tools if t.name in self.allowed)
 
     def specs(self) -> list[dict[str, Any]]:
-        return [tool.spec() for tool in self.tools]
+        return [tool.spec() for tool in self.callable]
 
     @property
     def forced(self) -> bool:
@@ -101,7 +111,7 @@ class ToolCalling:
             return None
         calls = [{"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
                   "properties": {"name": {"type": "string", "enum": [t.name]}, "parameters": t.schema}}
-                 for t in self.tools]
+                 for t in self.callable]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         if not self.parallel:
             schema["maxItems"] = 1
@@ -156,6 +166,48 @@ def _tool_choice(value: Any, tools: tuple[Tool, ...]) -> ToolChoice:
     return Named(name)
 
 
+def allowed_tools(value: dict[str, Any], tools: tuple[Tool, ...], *, flat: bool) -> tuple[str, tuple[str, ...]]:
+    """``tool_choice`` of type ``allowed_tools``: its mode and the names of the allowed tools. Chat's form
+    nests them (``{"allowed_tools": {"mode", "tools": [{"type": "function", "function": {"name"}}]}}``); the
+    Responses API's is ``flat`` (``{"mode", "tools": [{"type": "function", "name"}]}``)."""
+    if flat:
+        check(set(value) == {"type", "mode", "tools"}, "tool_choice",
+              f"of type allowed_tools must have the fields mode and tools, got {sorted(value)}")
+        where, body = "tool_choice", value
+    else:
+        check(set(value) == {"type", "allowed_tools"}, "tool_choice",
+              f"of type allowed_tools must have the field allowed_tools, got {sorted(value)}")
+        where = "tool_choice.allowed_tools"
+        body = check_kind(value["allowed_tools"], where, "object")
+        check(set(body) == {"mode", "tools"}, where, f"must have the fields mode and tools, got {sorted(body)}")
+    mode = body["mode"]
+    check(mode in ("auto", "required"), f"{where}.mode", f"must be 'auto' or 'required', got {show(mode)}")
+    listed = check_kind(body["tools"], f"{where}.tools", "array")
+    check(bool(listed), f"{where}.tools", "must name at least one tool")
+    names = []
+    for i, entry in enumerate(listed):
+        param = f"{where}.tools[{i}]"
+        check_kind(entry, param, "object")
+        check(entry.get("type") == "function", f"{param}.type",
+              f"must be 'function' (the only kind of tool), got {show(entry.get('type'))}")
+        if flat:
+            check(set(entry) == {"type", "name"}, param, f"must be {{\"type\": \"function\", \"name\": ...}}, "
+                                                          f"got {show(entry)}")
+            name, name_param = entry["name"], f"{param}.name"
+        else:
+            check(set(entry) == {"type", "function"}, param,
+                  f"must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, got {show(entry)}")
+            function = check_kind(entry["function"], f"{param}.function", "object")
+            check(set(function) == {"name"}, f"{param}.function", f"must hold only the name, got {sorted(function)}")
+            name, name_param = function["name"], f"{param}.function.name"
+        check_kind(name, name_param, "string")
+        check(any(t.name == name for t in tools), name_param,
+              f"names {show(name)}, which is not among the tools ({[t.name for t in tools]})")
+        check(name not in names, name_param, f"names {show(name)} twice")
+        names.append(name)
+    return mode, tuple(names)
+
+
 def unique(tools: tuple[Tool, ...]) -> tuple[Tool, ...]:
     names = [t.name for t in tools]
     duplicate = next((name for name in names if names.count(name) > 1), None)
@@ -168,11 +220,15 @@ def parse_tool_calling(fields: Fields) -> ToolCalling | None:
     value = fields.take("tools", "array", default=[])
     check(len(value) <= MAX_TOOLS, "tools", f"may hold at most {MAX_TOOLS} tools, got {len(value)}")
     tools = unique(tuple(_tool(tool, f"tools[{i}]") for i, tool in enumerate(value)))
-    choice = _tool_choice(fields.take("tool_choice", "string", "object", default="auto" if tools else "none"), tools)
+    value = fields.take("tool_choice", "string", "object", default="auto" if tools else "none")
+    allowed = None
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        value, allowed = allowed_tools(value, tools, flat=False)
+    choice = _tool_choice(value, tools)
     parallel = fields.take("parallel_tool_calls", "boolean", default=True)
     fields.unsupported("functions", accepted=[], why="is deprecated: give tools instead")
     fields.unsupported("function_call", accepted="none", why="is deprecated: give tool_choice instead")
-    return ToolCalling(tools=tools, choice=choice, parallel=parallel) if tools else None
+    return ToolCalling(tools=tools, choice=choice, parallel=parallel, allowed=allowed) if tools else None
 
 
 def check_parser(calling: ToolCalling | None, parser: str | None) -> None:

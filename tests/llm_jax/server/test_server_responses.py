@@ -99,6 +99,24 @@ def test_function_calls_in_and_out(client, http):
     assert answer.output_text == chat["choices"][0]["message"]["content"]
 
 
+def test_allowed_tools_are_the_only_calls(client):
+    """tool_choice of type allowed_tools (the flat form), "required": the call is of the allowed tool, and
+    the response echoes the choice as given."""
+    clock = {"type": "function", "name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]}
+    response = client.responses.create(model=MODEL_NAME, input="Weather in Paris?", tools=[WEATHER, clock],
+                                       tool_choice=choice, parallel_tool_calls=False, max_output_tokens=60,
+                                       extra_body={"seed": 3})
+    (call,) = response.output
+    assert call.type == "function_call" and call.name == "get_time"
+    assert json.loads(call.arguments)["zone"] in ("UTC", "CET")
+    assert response.tool_choice.type == "allowed_tools" and response.tool_choice.mode == "required"
+    assert response.tool_choice.tools == choice["tools"] and [t.name for t in response.tools] == [
+        "get_weather", "get_time"]
+
+
 def test_reasoning_item_then_the_answer(client):
     """With the reasoning parser: a reasoning item (its text streamed as reasoning_text deltas), then the
     message (the output steered by vLLM's structured_outputs)."""
@@ -125,6 +143,10 @@ def test_reasoning_item_then_the_answer(client):
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [
+        {"type": "function", "name": "nope"}]}}, "tool_choice.tools[0].name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "never", "tools": [
+        {"type": "function", "name": "get_weather"}]}}, "tool_choice.mode"),
     ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
     ({"max_output_tokens": 0}, "max_output_tokens"),

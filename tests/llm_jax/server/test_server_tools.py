@@ -116,6 +116,25 @@ def test_required_calls_one_of_the_tools(client):
         c.index: [(t.function.name, t.function.arguments) for t in c.message.tool_calls] for c in whole.choices}
 
 
+def test_allowed_tools_required_calls_only_those(client, hf_tokenizer):
+    """tool_choice of type allowed_tools: the template shows only the allowed tool (the prompt is
+    transformers' with that tool alone), and every sampled call, whole or streamed, is one of it."""
+    choice = {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "GetTime"}}]}}
+    kwargs = dict(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, TIME], tool_choice=choice, n=3, seed=11,
+                  parallel_tool_calls=False, max_completion_tokens=80)
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.usage.prompt_tokens == len(prompt_ids(hf_tokenizer, MESSAGES, [TIME]))
+    for c in whole.choices:
+        assert c.finish_reason == "tool_calls"
+        (call,) = c.message.tool_calls
+        assert call.function.name == "GetTime"
+        GetTime.model_validate_json(call.function.arguments)
+    content, calls, finish = stream_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert {i: [(c["name"], c["arguments"]) for c in calls[i]] for i in range(3)} == {
+        c.index: [(t.function.name, t.function.arguments) for t in c.message.tool_calls] for c in whole.choices}
+
+
 def test_auto_reads_the_calls_the_model_writes(client, model, hf_tokenizer):
     """tool_choice "auto" with the Hermes parser: a <tool_call> block in the output is a call and the text
     before it the content (the output is steered into that format by a regular expression); an output

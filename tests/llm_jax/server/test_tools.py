@@ -254,8 +254,36 @@ def test_tool_choice_sets_the_constraint(stories260k_dir):
     assert history[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
 
 
+def allowed(mode, *names):
+    return {"type": "allowed_tools", "allowed_tools": {
+        "mode": mode, "tools": [{"type": "function", "function": {"name": name}} for name in names]}}
+
+
+def test_allowed_tools_narrow_what_the_model_sees_and_calls():
+    required = chat(tools=[WEATHER, CLOCK], tool_choice=allowed("required", "get_time"))
+    assert required.tools.choice == "required" and required.tools.allowed == ("get_time",)
+    assert required.tools.specs() == [CLOCK]
+    items = required.generation.guided.schema["items"]
+    assert items["properties"]["name"]["enum"] == ["get_time"] and required.generation.guided_param == "tools"
+    auto = chat(tools=[WEATHER, CLOCK], tool_choice=allowed("auto", "get_weather", "get_time"))
+    assert auto.tools.choice == "auto" and auto.tools.specs() == [WEATHER, CLOCK] and auto.generation.guided is None
+    with pytest.raises(ApiError) as refused:
+        tools.check_parser(auto.tools, None)
+    assert refused.value.param == "tool_choice"
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"tools": {"a": 1}}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": allowed("sometimes", "get_weather")}, "tool_choice.allowed_tools.mode"),
+    ({"tools": [WEATHER], "tool_choice": allowed("auto")}, "tool_choice.allowed_tools.tools"),
+    ({"tools": [WEATHER], "tool_choice": allowed("auto", "nope")},
+     "tool_choice.allowed_tools.tools[0].function.name"),
+    ({"tools": [WEATHER], "tool_choice": allowed("auto", "get_weather", "get_weather")},
+     "tool_choice.allowed_tools.tools[1].function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "name": "get_weather"}]}}},
+     "tool_choice.allowed_tools.tools[0]"),
     ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
     ({"tools": [{"type": "function"}]}, "tools[0].function"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
