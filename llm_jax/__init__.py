@@ -28,7 +28,7 @@ import importlib
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # Configuration.
     "config": ("Activation", "Classifier", "ConfigError", "DefaultRope", "Experts", "LinearRope", "Llama3Rope",
-               "ModelConfig", "NoLanguageModelHead", "Problem", "Quantization", "QuantScheme"),
+               "LongRope", "ModelConfig", "NoLanguageModelHead", "Problem", "Quantization", "QuantScheme"),
     # Integer weights.
     "quantization": ("QuantizedArray", "quantize", "quantize_params"),
     # How the model runs: the backend seam.

@@ -46,7 +46,42 @@ class Llama3Rope:
     original_max_position_embeddings: int
 
 
-RopeScaling = DefaultRope | LinearRope | Llama3Rope
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LongRope:
+    """Phi-3's LongRoPE (Ding et al. 2024; ``rope_type: longrope``, once ``su``): each rotary frequency divided
+    by its own factor, ``short_factor`` [R/2] while a sequence is at most ``original_max_position_embeddings``
+    tokens long, ``long_factor`` [R/2] beyond; cos and sin multiplied by ``attention_factor`` (sqrt(1 + log(s) /
+    log(orig)) for an extension s = max / orig, as the converter resolves it).
+
+    Which set a token uses follows ``transformers``' forward: the long set where its sequence is longer than
+    ``original_max_position_embeddings`` — a prompt's length for the prompt's tokens, a decoded token's own
+    position + 1. Keys already in a KV cache keep the rotation they were written with, never re-encoded (the
+    README's "Models and checkpoints")."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    attention_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("short_factor", "long_factor"):
+            try:
+                object.__setattr__(self, name, tuple(float(x) for x in getattr(self, name)))
+            except (TypeError, ValueError):
+                raise ConfigError(f"longrope {name} must be a list of numbers, got {getattr(self, name)!r}") from None
+            if not all(x > 0 for x in getattr(self, name)):
+                raise ConfigError(f"longrope {name} must hold positive numbers, got {list(getattr(self, name))}")
+        if len(self.short_factor) != len(self.long_factor):
+            raise ConfigError(f"longrope short_factor has {len(self.short_factor)} entries but long_factor has "
+                              f"{len(self.long_factor)}; each has one per rotary frequency")
+        orig = self.original_max_position_embeddings
+        if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
+            raise ConfigError(f"longrope original_max_position_embeddings must be a positive integer, got {orig!r}")
+        if not self.attention_factor > 0:
+            raise ConfigError(f"longrope attention_factor must be positive, got {self.attention_factor!r}")
+
+
+RopeScaling = DefaultRope | LinearRope | Llama3Rope | LongRope
 
 
 class Problem(enum.Enum):
@@ -80,14 +115,18 @@ class Classifier:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Experts:
-    """A sparse mixture-of-experts MLP in place of the dense one (Mixtral, Qwen3-MoE): E gated MLPs of width
-    ``d_ff`` and a router [D, E]. Each token's router logits go through a softmax over all E experts (float32);
-    its ``top_k`` most probable experts run, and their outputs are summed weighted by those probabilities,
-    renormalised to sum to 1 over the k when ``normalize_top_k`` (Mixtral; Qwen3-MoE's ``norm_topk_prob``)."""
+    """A sparse mixture-of-experts MLP in place of the dense one (Mixtral, Qwen2-MoE, Qwen3-MoE): E gated MLPs of
+    width ``d_ff`` and a router [D, E]. Each token's router logits go through a softmax over all E experts
+    (float32); its ``top_k`` most probable experts run, and their outputs are summed weighted by those
+    probabilities, renormalised to sum to 1 over the k when ``normalize_top_k`` (Mixtral; Qwen's
+    ``norm_topk_prob``). ``shared_d_ff``: a shared expert besides them (Qwen2-MoE), a gated MLP of that width
+    that every token runs, its output scaled by ``sigmoid(x · shared_expert_gate)`` (a [D] vector) and added;
+    None: none."""
 
     num_experts: int  # E
     top_k: int  # U: experts each token uses
     normalize_top_k: bool = True
+    shared_d_ff: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_experts, int) or self.num_experts < 1:
@@ -97,6 +136,17 @@ class Experts:
                               f"{self.top_k!r}")
         if not isinstance(self.normalize_top_k, bool):
             raise ConfigError(f"experts normalize_top_k must be true or false, got {self.normalize_top_k!r}")
+        if self.shared_d_ff is not None and (not isinstance(self.shared_d_ff, int) or isinstance(self.shared_d_ff, bool)
+                                             or self.shared_d_ff < 1):
+            raise ConfigError(f"experts shared_d_ff must be a positive integer or None, got {self.shared_d_ff!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON values; ``shared_d_ff`` left out while None, so that configs without a shared
+        expert read (and hash) as before it existed."""
+        out = dataclasses.asdict(self)
+        if self.shared_d_ff is None:
+            del out["shared_d_ff"]
+        return out
 
 
 class NoLanguageModelHead(ConfigError):
@@ -188,7 +238,7 @@ class Quantization(QuantScheme):
 _RUNTIME_FIELDS = ("attention_impl", "matmul_impl")
 # Fields added after the first checkpoints were written: left out of a config's JSON while None, so that
 # configs without them read (and hash, in the training logs) as before.
-_LATER_FIELDS = ("sliding_rope_theta", "experts", "quantization", "classifier")
+_LATER_FIELDS = ("rotary_dim", "sliding_rope_theta", "experts", "quantization", "classifier")
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -214,6 +264,9 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10_000.0
     rope_scaling: RopeScaling = DefaultRope()
+    # R: the leading dimensions of each head that RoPE rotates (Phi-4-mini: 3/4 of H), the rest passing through
+    # unrotated; None: all H.
+    rotary_dim: int | None = None
     tie_embeddings: bool = False
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
@@ -235,7 +288,7 @@ class ModelConfig:
     # Gemma 3: the RoPE base of the sliding-window layers, which rotate by plain RoPE (no ``rope_scaling``);
     # None: they rotate as the global layers do (``rope_theta``, ``rope_scaling``).
     sliding_rope_theta: float | None = None
-    # Mixtral / Qwen3-MoE: every layer's MLP is a sparse mixture of ``d_ff``-wide experts; None: dense MLPs.
+    # Mixtral / Qwen2-MoE / Qwen3-MoE: every layer's MLP is a sparse mixture of ``d_ff``-wide experts; None: dense.
     experts: Experts | None = None
     # Integer weights (``llm_jax.quantization``): how the stored projections are quantized; None: floats.
     quantization: Quantization | None = None
@@ -248,6 +301,8 @@ class ModelConfig:
         object.__setattr__(self, "activation", Activation(self.activation))
         if self.sliding_layers is not None:
             object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))
+        if self.rotary_dim is not None and self.rotary_dim == self.head_dim:
+            object.__setattr__(self, "rotary_dim", None)  # every dimension rotates: the plain config
         self._validate()
 
     def _validate(self) -> None:
@@ -261,7 +316,11 @@ class ModelConfig:
             raise ConfigError(
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads} "
                 "(grouped-query attention shares each kv head among n_heads // n_kv_heads query heads)")
-        if self.head_dim % 2:
+        if self.rotary_dim is not None and (not isinstance(self.rotary_dim, int) or isinstance(self.rotary_dim, bool)
+                                            or not 0 < self.rotary_dim < self.head_dim or self.rotary_dim % 2):
+            raise ConfigError(f"rotary_dim must be an even integer from 2 to head_dim={self.head_dim}, or None, got "
+                              f"{self.rotary_dim!r}")
+        if self.rope_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if not self.norm_eps > 0:
             raise ConfigError(f"norm_eps must be positive, got {self.norm_eps}")
@@ -297,6 +356,11 @@ class ModelConfig:
             case Llama3Rope(factor=f, low_freq_factor=lo, high_freq_factor=hi,
                             original_max_position_embeddings=orig) if f > 0 and 0 < lo < hi and orig > 0:
                 pass
+            case LongRope(short_factor=short) if len(short) != self.rope_dim // 2:
+                raise ConfigError(f"longrope short_factor and long_factor have {len(short)} entries, expected one per "
+                                  f"rotary frequency: rotary dimensions {self.rope_dim} / 2 = {self.rope_dim // 2}")
+            case LongRope():
+                pass
             case other:
                 raise ConfigError(f"invalid rope_scaling {other!r}")
 
@@ -305,6 +369,11 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         """G: query heads sharing one kv head."""
         return self.n_heads // self.n_kv_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """R: the dimensions of each head that RoPE rotates (``rotary_dim``, or all ``head_dim``)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def attn_scale(self) -> float:
@@ -339,7 +408,10 @@ class ModelConfig:
         if self.qkv_bias:
             attn += H * (self.n_heads + 2 * self.n_kv_heads)
         norms = D * (4 if self.sandwich_norm else 2) + (2 * H if self.qk_norm else 0)
-        mlp = 3 * D * F if self.experts is None else self.experts.num_experts * (3 * D * F + D)  # experts, router
+        mlp = 3 * D * F
+        if self.experts is not None:  # the experts and the router; a shared expert and its gate
+            shared = self.experts.shared_d_ff
+            mlp = self.experts.num_experts * (3 * D * F + D) + (0 if shared is None else 3 * D * shared + D)
         per_layer = attn + mlp + norms
         head = 0 if self.tie_embeddings else V * D
         if self.classifier is not None:
@@ -365,12 +437,15 @@ class ModelConfig:
             if isinstance(value, enum.Enum):
                 value = value.value
             elif field.name == "rope_scaling":
-                value = {"type": type(value).__name__, **dataclasses.asdict(value)}
+                value = {"type": type(value).__name__, **{k: list(v) if isinstance(v, tuple) else v
+                                                          for k, v in dataclasses.asdict(value).items()}}
             elif isinstance(value, tuple):
                 value = list(value)
             elif field.name in _LATER_FIELDS and value is None:
                 continue  # float weights, an LM head, dense MLPs, ...: configs read the same as before these existed
-            elif field.name in ("quantization", "classifier", "experts"):
+            elif field.name == "experts":
+                value = value.to_dict()
+            elif field.name in ("quantization", "classifier"):
                 value = dataclasses.asdict(value)
                 if field.name == "classifier":
                     value = {"labels": list(value["labels"]), "problem": value["problem"].value}
@@ -387,11 +462,14 @@ class ModelConfig:
         rope = data.pop("rope_scaling", None)
         if rope is not None:
             rope = dict(rope)
-            kinds = {c.__name__: c for c in (DefaultRope, LinearRope, Llama3Rope)}
+            kinds = {c.__name__: c for c in (DefaultRope, LinearRope, Llama3Rope, LongRope)}
             kind = rope.pop("type", "DefaultRope")
             if kind not in kinds:
                 raise ConfigError(f"unknown rope_scaling type {kind!r}; choose one of {sorted(kinds)}")
-            data["rope_scaling"] = kinds[kind](**rope)
+            try:
+                data["rope_scaling"] = kinds[kind](**rope)
+            except TypeError as e:
+                raise ConfigError(f"invalid rope_scaling {kind} {rope!r}: {e}") from None
         if data.get("sliding_layers") is not None:
             data["sliding_layers"] = tuple(data["sliding_layers"])
         if data.get("quantization") is not None:

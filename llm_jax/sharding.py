@@ -85,6 +85,11 @@ PARAM_DIMS: Mapping[str, str] = {
     "layers/moe/gate_proj": "LEDF",
     "layers/moe/up_proj": "LEDF",
     "layers/moe/down_proj": "LEFD",
+    # Its shared expert (Qwen2-MoE) as a dense MLP, the gate of its output (a [D] vector) replicated.
+    "layers/moe/shared_gate_proj": "LDF",
+    "layers/moe/shared_up_proj": "LDF",
+    "layers/moe/shared_down_proj": "LFD",
+    "layers/moe/shared_expert_gate": "LD",
 }
 # The KV cache, by field.
 CACHE_DIMS: Mapping[str, str] = {"k_LBSKH": "LBSKH", "v_LBSKH": "LBSKH", "lengths_B": "B",
@@ -339,7 +344,7 @@ def stacked_attention_on_shards(kernel: Callable, mesh: Mesh | None, q_BNH: jax.
     (rows,) = spec("B", lengths_B.shape, mesh)
     q_spec = PartitionSpec(rows, heads, None)
     kv_spec = PartitionSpec(None, rows, None, heads, None)
-    on_shards = jax.shard_map(lambda q, k, v, n, l: kernel(q, k, v, n, layer=l), mesh=mesh,
+    on_shards = jax.shard_map(lambda q, k, v, n, at: kernel(q, k, v, n, layer=at), mesh=mesh,
                               in_specs=(q_spec, kv_spec, kv_spec, PartitionSpec(rows), PartitionSpec()),
                               out_specs=q_spec, check_vma=False)
     return on_shards(q_BNH, k_LBSKH, v_LBSKH, lengths_B, layer)

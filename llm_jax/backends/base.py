@@ -62,11 +62,33 @@ class Backend:
     def moe_mlp(self, x_BTD: jax.Array, router_DE: Any, gate_EDF: Any, up_EDF: Any, down_EFD: Any, *,
                 experts: Experts, activation: Activation, layer: jax.Array | None = None) -> jax.Array:
         """A sparse mixture-of-experts MLP [B, T, D] in ``x_BTD``'s dtype: each token routed (:func:`route`) to
-        its top-k experts, each a gated MLP, their outputs summed by routing weight (:func:`sparse_experts`)."""
-        router_DE, gate_EDF, up_EDF, down_EFD = (_plain(w, self, layer) for w in (router_DE, gate_EDF, up_EDF,
-                                                                                   down_EFD))
-        weights_BTU, chosen_BTU = route(_einsum("BTD,DE->BTE", x_BTD, router_DE, jnp.float32), experts)
+        its top-k experts, each a gated MLP, their outputs summed by routing weight. Few (token, expert) pairs
+        (:func:`gathers_experts`: decode, small batches) run as :meth:`chosen_experts`, which reads only the
+        chosen experts' weights; more run sorted by expert through ``ragged_dot`` (:meth:`sorted_experts`)."""
+        B, T, _ = x_BTD.shape
+        weights_BTU, chosen_BTU = route(_einsum("BTD,DE->BTE", x_BTD, _plain(router_DE, self, layer), jnp.float32),
+                                        experts)
+        few = gathers_experts(B * T * experts.top_k, experts.num_experts)
+        run = self.chosen_experts if few else self.sorted_experts
+        return run(x_BTD, weights_BTU, chosen_BTU, gate_EDF, up_EDF, down_EFD, activation, layer)
+
+    def sorted_experts(self, x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.Array, gate_EDF: Any,
+                       up_EDF: Any, down_EFD: Any, activation: Activation,
+                       layer: jax.Array | None = None) -> jax.Array:
+        """The experts' outputs summed by routing weight [B, T, D], the (token, expert) pairs sorted by expert
+        and multiplied group by group (:func:`sparse_experts`), of layer ``layer`` of the stacks [L, E, ...]
+        where given."""
+        gate_EDF, up_EDF, down_EFD = (_plain(w, self, layer) for w in (gate_EDF, up_EDF, down_EFD))
         return sparse_experts(x_BTD, weights_BTU, chosen_BTU, gate_EDF, up_EDF, down_EFD, activation)
+
+    def chosen_experts(self, x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.Array, gate_EDF: Any,
+                       up_EDF: Any, down_EFD: Any, activation: Activation,
+                       layer: jax.Array | None = None) -> jax.Array:
+        """:meth:`sorted_experts`' function, each (token, expert) pair's product on its own: the chosen
+        experts' matrices gathered from the weights (from the stack [L, E, ...] with ``layer``) without the
+        others. Here XLA's gather and batched products (:func:`gathered_experts`)."""
+        gate_EDF, up_EDF, down_EFD = (_plain(w, self) for w in (gate_EDF, up_EDF, down_EFD))
+        return gathered_experts(x_BTD, weights_BTU, chosen_BTU, gate_EDF, up_EDF, down_EFD, activation, layer)
 
     def embed(self, table_VD: Any, tokens_BT: jax.Array, out_dtype) -> jax.Array:
         """Rows ``tokens_BT`` of the embedding table [V, D] (bfloat16 gathered as its bits; a quantized
@@ -257,6 +279,39 @@ def sparse_experts(x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.Arr
     # Back to token order (the inverse permutation), then each token's U rows summed.
     y_BTUD = jnp.zeros_like(y_RD).at[order_R].set(y_RD, unique_indices=True).reshape(B, T, U, D)
     return jnp.sum(y_BTUD, axis=2).astype(x_BTD.dtype)
+
+
+def gathers_experts(pairs: int, num_experts: int) -> bool:
+    """Whether a mixture's ``pairs`` (token, chosen expert) pairs, known when tracing, run each on its own
+    (:meth:`Backend.chosen_experts`) rather than sorted by expert through ``ragged_dot``: while they are no more
+    than the experts. Gathered, each pair reads its expert's matrices, so up to E pairs read at most what all
+    E experts hold (decode reads k of E); and XLA:CPU's ``ragged_dot`` multiplies every row with every expert
+    (docs/benchmarks.md, ``scripts/benchmarking/bench_moe.py``)."""
+    return pairs <= num_experts
+
+
+def gathered_experts(x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.Array, gate_EDF: jax.Array,
+                     up_EDF: jax.Array, down_EFD: jax.Array, activation: Activation,
+                     layer: jax.Array | None = None) -> jax.Array:
+    """:func:`sparse_experts` as R = B·T·U products of one row each: row r (token r // U and its (r % U)-th
+    expert) multiplied with that expert's matrices, gathered [R, ...] (from the stack [L, E, ...] at ``layer``
+    where given: only those matrices are read; bfloat16 gathered as its bits). The same roundings: float32
+    products, the hidden activations in ``x_BTD``'s dtype, a token's U outputs weighted and summed in float32."""
+    B, T, D = x_BTD.shape
+    U = chosen_BTU.shape[-1]
+    expert_R = chosen_BTU.reshape(-1)
+
+    def chosen(w):  # [R, in, out]
+        bits = as_bits(w)
+        return from_bits(bits[expert_R] if layer is None else bits[layer, expert_R], w.dtype)
+
+    x_RD = jnp.repeat(x_BTD.reshape(B * T, D), U, axis=0).astype(gate_EDF.dtype)
+    gate_RF, up_RF = (jnp.einsum("RD,RDF->RF", x_RD, chosen(w), preferred_element_type=jnp.float32)
+                      for w in (gate_EDF, up_EDF))
+    h_RF = gated(gate_RF, up_RF, activation).astype(x_BTD.dtype)
+    y_RD = jnp.einsum("RF,RFD->RD", h_RF.astype(down_EFD.dtype), chosen(down_EFD), preferred_element_type=jnp.float32)
+    y_RD = y_RD * weights_BTU.reshape(-1)[:, None]
+    return jnp.sum(y_RD.reshape(B, T, U, D), axis=2).astype(x_BTD.dtype)
 
 
 def xla_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT, kv_lengths_B, *, scale: float,

@@ -15,7 +15,7 @@ from llm_jax.backends.base import Backend, Xla, layer_of
 from llm_jax.config import ModelConfig
 from llm_jax.lora import LoraBatch
 from llm_jax.model.layers import RMSNorm, stacked_param, weight
-from llm_jax.model.rope import apply_rope, inverse_frequencies, rope_angles
+from llm_jax.model.rope import apply_rope, rotary_cos_sin
 
 
 class Attention(nn.Module):
@@ -42,10 +42,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L)
 
     def project(self, x_BTD: jax.Array, positions_BT: jax.Array, layer: jax.Array | None = None,
-                lora: LoraBatch | None = None, sliding: bool = False):
+                lora: LoraBatch | None = None, sliding: bool = False, seq_lens_BT: jax.Array | None = None):
         """Queries [B, T, N, H] and keys/values [B, T, K, H] at ``positions_BT``, RoPE applied: a sliding-window
-        layer's (``sliding``, static) or a global one's (:meth:`ModelConfig.layer_rope`). ``lora``: each
-        token's adapter updates the projections."""
+        layer's (``sliding``, static) or a global one's (:meth:`ModelConfig.layer_rope`), to the first
+        ``config.rope_dim`` dimensions of each head. ``seq_lens_BT``: the sequence length that picks each token's
+        LongRoPE factors (``transformer._rope_seq_lens``). ``lora``: each token's adapter updates the
+        projections."""
         c, dtype = self.config, x_BTD.dtype
         q_BTNH, k_BTKH, v_BTKH = self.backend.dense_many(
             ["BTD,DNH->BTNH", "BTD,DKH->BTKH", "BTD,DKH->BTKH"], x_BTD, [self.q_proj, self.k_proj, self.v_proj],
@@ -60,7 +62,7 @@ class Attention(nn.Module):
         q_BTNH, k_BTKH, v_BTKH = q_BTNH.astype(dtype), k_BTKH.astype(dtype), v_BTKH.astype(dtype)
         if c.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH, layer), self.k_norm(k_BTKH, layer)
-        cos, sin = rope_angles(positions_BT, inverse_frequencies(c.head_dim, *c.layer_rope(sliding)))
+        cos, sin = rotary_cos_sin(positions_BT, seq_lens_BT, c.rope_dim, *c.layer_rope(sliding))
         return apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin), v_BTKH
 
     def output(self, o_BTNH: jax.Array, layer: jax.Array | None = None, lora: LoraBatch | None = None) -> jax.Array:

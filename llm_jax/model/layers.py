@@ -111,8 +111,11 @@ class GatedMLP(nn.Module):
 
 
 class MoeMLP(nn.Module):
-    """A sparse mixture of gated MLPs (Mixtral, Qwen3-MoE; :class:`llm_jax.config.Experts`): router [D, E],
-    each expert's gate_proj and up_proj [E, D, F], down_proj [E, F, D]. Runs as the backend's ``moe_mlp``."""
+    """A sparse mixture of gated MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE; :class:`llm_jax.config.Experts`): router
+    [D, E], each expert's gate_proj and up_proj [E, D, F], down_proj [E, F, D], run as the backend's ``moe_mlp``.
+    With a shared expert (Qwen2-MoE), shared_gate_proj and shared_up_proj [D, F'], shared_down_proj [F', D]
+    (F' = ``experts.shared_d_ff``), a gated MLP every token runs, its output scaled by ``sigmoid(x ·
+    shared_expert_gate)`` ([D]) and added to the experts' sum in float32."""
 
     d_ff: int
     experts: Experts
@@ -129,5 +132,16 @@ class MoeMLP(nn.Module):
         gate_EDF = weight(self, "gate_proj", (E, D, F), self.stack)
         up_EDF = weight(self, "up_proj", (E, D, F), self.stack)
         down_EFD = weight(self, "down_proj", (E, F, D), self.stack)
-        return self.backend.moe_mlp(x_BTD, router_DE, gate_EDF, up_EDF, down_EFD, experts=self.experts,
-                                    activation=self.activation, layer=layer)
+        y_BTD = self.backend.moe_mlp(x_BTD, router_DE, gate_EDF, up_EDF, down_EFD, experts=self.experts,
+                                     activation=self.activation, layer=layer)
+        if self.experts.shared_d_ff is None:
+            return y_BTD
+        F_shared = self.experts.shared_d_ff
+        gate_DF = weight(self, "shared_gate_proj", (D, F_shared), self.stack)
+        up_DF = weight(self, "shared_up_proj", (D, F_shared), self.stack)
+        down_FD = weight(self, "shared_down_proj", (F_shared, D), self.stack)
+        scale_D = weight(self, "shared_expert_gate", (D,), self.stack)
+        gated_BTF = self.backend.gate_up(x_BTD, gate_DF, up_DF, self.activation, layer).astype(x_BTD.dtype)
+        shared_BTD = self.backend.dense("BTF,FD->BTD", gated_BTF, down_FD, jnp.float32, layer)
+        scale_BT = jax.nn.sigmoid(self.backend.dense("BTD,D->BT", x_BTD, scale_D, jnp.float32, layer))
+        return (y_BTD.astype(jnp.float32) + scale_BT[..., None] * shared_BTD).astype(x_BTD.dtype)

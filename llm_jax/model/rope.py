@@ -1,7 +1,9 @@
 """Rotary position embeddings (RoFormer, Su et al. 2021), in the rotate-halves layout of Hugging Face.
 
-The model knows exactly one RoPE layout: dimension i of a head pairs with dimension i + H/2. Checkpoints
-that pair adjacent dimensions (Meta's original Llama, llama2.c) are permuted by their converter.
+The model knows exactly one RoPE layout: dimension i of a head pairs with dimension i + R/2, where R is the
+rotary dimension count (``ModelConfig.rope_dim``: the head dim H, or its leading part for partial rotary
+embeddings, whose other H - R dimensions pass through). Checkpoints that pair adjacent dimensions (Meta's
+original Llama, llama2.c) are permuted by their converter.
 """
 
 from __future__ import annotations
@@ -11,16 +13,21 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from llm_jax.config import DefaultRope, LinearRope, Llama3Rope, RopeScaling
+from llm_jax.config import DefaultRope, LinearRope, Llama3Rope, LongRope, RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
-    """The H/2 inverse frequencies, float32, scaled as the config asks (host-side constant)."""
-    exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
+def inverse_frequencies(rope_dim: int, theta: float, scaling: RopeScaling, *, long: bool = False) -> np.ndarray:
+    """The R/2 inverse frequencies of ``rope_dim`` (R) rotating dimensions, float32, scaled as the config asks
+    (host-side constant); of LongRoPE, its long set when ``long``, else its short one."""
+    exponents = np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)
     inv_freq = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
     match scaling:
         case DefaultRope():
             return inv_freq
+        case LongRope(short_factor=short, long_factor=long_factor):
+            # transformers: 1 / (factor * theta ** exponent), the product and the quotient in float32
+            factors = np.asarray(long_factor if long else short, np.float32)
+            return (np.float32(1.0) / (factors * (np.float32(theta) ** exponents))).astype(np.float32)
         case LinearRope(factor=factor):
             return (inv_freq / np.float32(factor)).astype(np.float32)
         case Llama3Rope(factor=factor, low_freq_factor=lo, high_freq_factor=hi,
@@ -38,16 +45,42 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np
     raise TypeError(f"unsupported rope scaling {scaling!r}")
 
 
-def rope_angles(positions_BT: jnp.ndarray, inv_freq: np.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos and sin of ``position * inv_freq``, each [B, T, H/2], float32."""
+def rope_angles(positions_BT: jnp.ndarray, inv_freq: np.ndarray | jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos and sin of ``position * inv_freq``, each [B, T, R/2], float32 (``inv_freq`` [R/2], or each
+    token's [B, T, R/2])."""
     angles_BTh = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
     return jnp.cos(angles_BTh), jnp.sin(angles_BTh)
 
 
+def rotary_cos_sin(positions_BT: jnp.ndarray, seq_lens_BT: jnp.ndarray | None, rope_dim: int, theta: float,
+                   scaling: RopeScaling) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos and sin [B, T, R/2] (float32) that rotate each token at ``positions_BT``.
+
+    LongRoPE picks each token's factor set by ``seq_lens_BT``, the length of its sequence (as the forward
+    function counts it: a whole prompt's, or a decoded token's position + 1): the long set where that exceeds
+    ``original_max_position_embeddings`` (transformers' rule, ``max(position_ids) + 1`` against it; None: each
+    row's last position + 1, which is that where no padding follows); both are scaled by its attention factor.
+    Other scalings do not read ``seq_lens_BT``.
+    """
+    if not isinstance(scaling, LongRope):
+        return rope_angles(positions_BT, inverse_frequencies(rope_dim, theta, scaling))
+    if seq_lens_BT is None:
+        seq_lens_BT = jnp.broadcast_to(jnp.max(positions_BT, axis=-1, keepdims=True) + 1, positions_BT.shape)
+    short_h = inverse_frequencies(rope_dim, theta, scaling)
+    long_h = inverse_frequencies(rope_dim, theta, scaling, long=True)
+    is_long_BT1 = (seq_lens_BT > scaling.original_max_position_embeddings)[..., None]
+    cos_BTh, sin_BTh = rope_angles(positions_BT, jnp.where(is_long_BT1, long_h, short_h))
+    factor = jnp.float32(scaling.attention_factor)
+    return cos_BTh * factor, sin_BTh * factor
+
+
 def apply_rope(x_BTnH: jnp.ndarray, cos_BTh: jnp.ndarray, sin_BTh: jnp.ndarray) -> jnp.ndarray:
-    """Rotate each head of ``x`` ([B, T, heads, H]) by its position's angles (halves layout)."""
-    half = x_BTnH.shape[-1] // 2
-    x1, x2 = x_BTnH[..., :half].astype(jnp.float32), x_BTnH[..., half:].astype(jnp.float32)
+    """Rotate each head of ``x`` ([B, T, heads, H]) by its position's angles (halves layout): its first
+    R = 2 · ``cos_BTh.shape[-1]`` dimensions, the others passing through (partial rotary embeddings)."""
+    half = cos_BTh.shape[-1]
+    x1, x2 = x_BTnH[..., :half].astype(jnp.float32), x_BTnH[..., half:2 * half].astype(jnp.float32)
     cos, sin = cos_BTh[:, :, None, :], sin_BTh[:, :, None, :]
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return rotated.astype(x_BTnH.dtype)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTnH.dtype)
+    if 2 * half == x_BTnH.shape[-1]:
+        return rotated
+    return jnp.concatenate([rotated, x_BTnH[..., 2 * half:]], axis=-1)

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from llm_jax import backends
 from llm_jax import kv_cache as kvc
 from llm_jax.backends import Backend
-from llm_jax.config import ModelConfig
+from llm_jax.config import LongRope, ModelConfig
 from llm_jax.kv_cache import KVCache, PagedBatch, PagedKVCache
 from llm_jax.lora import LoraBatch
 from llm_jax.model.attention import Attention
@@ -54,6 +54,7 @@ class DecoderLayer(nn.Module):
 
     Its params are every layer's, stacked [L, ...]; a call runs layer ``layer`` (an int32 scalar), a
     sliding-window layer where ``sliding`` (static: it chooses the layer's RoPE, Gemma 3's local base).
+    ``seq_lens_BT``: the sequence length that picks each token's LongRoPE factors (:func:`_rope_seq_lens`).
     """
 
     config: ModelConfig
@@ -61,14 +62,15 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x_BTD, positions_BT, attend: Callable, layer: jax.Array, lora: LoraBatch | None = None,
-                 sliding: bool = False):
+                 sliding: bool = False, seq_lens_BT: jax.Array | None = None):
         c, L = self.config, self.config.n_layers
 
         def norm(name: str, x_BTD: jax.Array) -> jax.Array:
             return RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L, name=name)(x_BTD, layer)
 
         attn = Attention(c, self.backend, stack=L, name="attn")
-        q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm", x_BTD), positions_BT, layer, lora, sliding)
+        q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm", x_BTD), positions_BT, layer, lora, sliding,
+                                                seq_lens_BT)
         o_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)
         y_BTD = attn.output(o_BTNH, layer, lora)
         if c.sandwich_norm:
@@ -202,9 +204,10 @@ class LayerHooks:
 
 def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positions_BT: jax.Array,
                   attend: AttendFn, cache: KVCache | None, hooks: LayerHooks | None, backend: Backend,
-                  lora: LoraBatch | None = None):
+                  lora: LoraBatch | None = None, seq_lens_BT: jax.Array | None = None):
     """Run every layer over ``x_BTD``; ``attend`` decides what attention sees and how the cache changes;
-    ``lora``: each token's LoRA adapter (:mod:`llm_jax.lora`) updates the projections.
+    ``lora``: each token's LoRA adapter (:mod:`llm_jax.lora`) updates the projections; ``seq_lens_BT``
+    (:func:`_rope_seq_lens`): the sequence length that picks each token's LongRoPE factors.
 
     Returns the final residual stream and the cache, plus the recorded layers [B, T, R, D] (or None)
     when ``hooks`` is given.
@@ -235,7 +238,7 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
             x_BTD, cache = layer.apply(
                 {"params": params["layers"]}, x_BTD, positions_BT,
                 functools.partial(attend, index, window=windows[j], cache=cache), index, lora,
-                sliding=windows[j] is not None)
+                sliding=windows[j] is not None, seq_lens_BT=seq_lens_BT)
             if steering_PBD is not None:
                 x_BTD = x_BTD + steering_PBD[j][:, None, :].astype(x_BTD.dtype)
             if recorded is not None:
@@ -250,6 +253,18 @@ def decoder_stack(params: Params, config: ModelConfig, x_BTD: jax.Array, positio
     if hooks is None:
         return x_BTD, cache
     return x_BTD, cache, None if recorded is None else recorded.transpose(1, 2, 0, 3)
+
+
+def _rope_seq_lens(config: ModelConfig, seq_lens_BT: jax.Array) -> jax.Array | None:
+    """``seq_lens_BT`` where the RoPE reads it (LongRoPE chooses each token's factors by the length of its
+    sequence: ``rope.rotary_cos_sin``); None for every other RoPE.
+
+    Each forward function says what that length is. A prompt, run whole (``forward``, ``forward_prefill``),
+    counts its row's length, as transformers' forward does; a token appended to a cache (``forward_extend``:
+    decoding, speculative verification) its own position + 1, as transformers' one-token decode step does,
+    so that verifying k proposals in one call rotates each as plain decoding would; a serving step
+    (``forward_paged``) its sequence's length after the step."""
+    return seq_lens_BT.astype(jnp.int32) if isinstance(config.rope_scaling, LongRope) else None
 
 
 def _attend_fresh(config: ModelConfig, lengths_B: jax.Array, write_cache: bool, backend: Backend,
@@ -276,7 +291,8 @@ def forward_hidden(params: Params, config: ModelConfig, tokens_BT: jax.Array, le
     lengths_B = jnp.full((B,), T, jnp.int32) if lengths_B is None else lengths_B
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     out = decoder_stack(params, config, embed(params, config, tokens_BT, backend), positions_BT,
-                        _attend_fresh(config, lengths_B, False, backend), None, hooks, backend, lora)
+                        _attend_fresh(config, lengths_B, False, backend), None, hooks, backend, lora,
+                        _rope_seq_lens(config, jnp.broadcast_to(lengths_B[:, None], (B, T))))
     return out[0] if hooks is None else (out[0], out[2])
 
 
@@ -312,7 +328,8 @@ def forward_prefill(params: Params, config: ModelConfig, tokens_BT: jax.Array, l
     dtype = cache.k_LBSKH.dtype
     x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT, backend), positions_BT,
                                             _attend_fresh(config, lengths_B, True, backend, mesh),
-                                            kvc.as_bits(cache), hooks, backend, lora)
+                                            kvc.as_bits(cache), hooks, backend, lora,
+                                            _rope_seq_lens(config, jnp.broadcast_to(lengths_B[:, None], (B, T))))
     return (x_BTD, dataclasses.replace(kvc.from_bits(cache, dtype), lengths_B=lengths_B.astype(jnp.int32)), *recorded)
 
 
@@ -339,7 +356,8 @@ def forward_extend(params: Params, config: ModelConfig, tokens_BT: jax.Array, ca
         return o_BTNH, KVCache(k_LBSKH=k_LBSKH, v_LBSKH=v_LBSKH, lengths_B=cache.lengths_B)
 
     x_BTD, cache, *recorded = decoder_stack(params, config, embed(params, config, tokens_BT, backend), positions_BT,
-                                            attend, cache, hooks, backend, lora)
+                                            attend, cache, hooks, backend, lora,
+                                            _rope_seq_lens(config, positions_BT + 1))
     return (x_BTD, dataclasses.replace(cache, lengths_B=new_lengths_B), *recorded)
 
 
@@ -357,6 +375,9 @@ def forward_paged(params: Params, config: ModelConfig, tokens_T: jax.Array, posi
                                                           mesh=mesh)
         return o_TNH[None], PagedKVCache(k_LPZKH=k_LPZKH, v_LPZKH=v_LPZKH)
 
+    t_T1 = jnp.arange(tokens_T.shape[0], dtype=jnp.int32)[:, None]  # token t's sequence: whose query range holds t
+    owns_TB = (t_T1 >= batch.query_start_B) & (t_T1 < batch.query_start_B + batch.num_tokens_B)
+    seq_lens_T = jnp.sum(jnp.where(owns_TB, batch.seq_lens_B, 0), axis=1, dtype=jnp.int32)
     x_1TD, cache = decoder_stack(params, config, embed(params, config, tokens_T[None], backend), positions_T[None],
-                                 attend, cache, None, backend, lora)
+                                 attend, cache, None, backend, lora, _rope_seq_lens(config, seq_lens_T[None]))
     return x_1TD[0], cache

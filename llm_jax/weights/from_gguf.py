@@ -2,14 +2,16 @@
 
 The file is read through the ``gguf`` package's reader (a memory map). Its metadata (``{arch}.block_count``,
 ``{arch}.attention.head_count``, ...) becomes a :class:`ModelConfig` for the architectures our decoder
-runs: ``llama`` (Llama 1-3, Mistral), ``qwen2``, ``qwen3``, ``gemma``, ``gemma2`` and ``gemma3``. Tensors become our
-leaves one at a time (``layout.assemble``): F32, F16 and BF16 as they are; projections in the integer
-block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the K-quants Q2_K ... Q6_K, the i-quants IQ1_S ... IQ4_XS)
-as quantized leaves holding the file's integers, scales and offsets value for value
-(``llm_jax.weights.gguf_blocks``; a projection whose layers mix types in the narrowest scheme that holds
-them all), and so the embedding table and an untied LM head; with ``dequantize`` (or where no projection
-is of those types) every tensor as float32, through the ``gguf`` package's own dequantization
-(:func:`dequantize_rows`).
+runs: ``llama`` (Llama 1-3, Mistral; Mixtral, its ``expert_count`` set), ``qwen2``, ``qwen3``, ``qwen3moe``,
+``gemma``, ``gemma2`` and ``gemma3``. Tensors become our leaves one at a time (``layout.assemble``): F32,
+F16 and BF16 as they are; projections in the integer block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, the
+K-quants Q2_K ... Q6_K, the i-quants IQ1_S ... IQ4_XS) as quantized leaves holding the file's integers,
+scales and offsets value for value (``llm_jax.weights.gguf_blocks``; a projection whose layers mix types
+in the narrowest scheme that holds them all), and so the embedding table and an untied LM head; with
+``dequantize`` (or where no projection is of those types) every tensor as float32, through the ``gguf``
+package's own dequantization (:func:`dequantize_rows`). A mixture of experts (``ffn_gate_inp`` the router,
+``ffn_{gate,up,down}_exps`` the experts stacked in one tensor per layer) has no quantized leaves: its
+block types load with ``dequantize`` only (:func:`check_experts_are_floats`).
 
 The quirks of llama.cpp's converter (``convert_hf_to_gguf.py``) undone here:
 
@@ -24,6 +26,8 @@ The quirks of llama.cpp's converter (``convert_hf_to_gguf.py``) undone here:
 - Gemma 3's layer pattern and local RoPE are not read from the file: llama.cpp makes every 6th layer
   global and the others slide (when the file has a window), rotating them by plain RoPE of base 10000;
   ``rope.freq_base`` and the scaling are the global layers'.
+- A mixture's routing is not stored either: llama.cpp renormalises the top-k weights of ``llama`` (Mixtral)
+  and ``qwen3moe`` experts always (:func:`_experts`).
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from llm_jax.config import (PROJECTION_NAMES, Activation, ConfigError, DefaultRope, LinearRope, Llama3Rope, ModelConfig,
-                            Quantization)
+from llm_jax.config import (PROJECTION_NAMES, Activation, ConfigError, DefaultRope, Experts, LinearRope, Llama3Rope,
+                            ModelConfig, Quantization)
 from llm_jax.weights import gguf_blocks
 from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out,
                                     interleaved_to_halves, transpose)
@@ -131,7 +135,9 @@ def _real(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def _decoder(f: GGUFFile, **switches: Any) -> ModelConfig:
+def _decoder(f: GGUFFile, d_ff: int | None = None, **switches: Any) -> ModelConfig:
+    """The config of the file's metadata, with the family's ``switches``; ``d_ff`` where it is not
+    ``feed_forward_length`` (a mixture's experts)."""
     arch = f.architecture
 
     def key(name: str) -> str:
@@ -146,12 +152,13 @@ def _decoder(f: GGUFFile, **switches: Any) -> ModelConfig:
     if value_dim != head_dim:
         raise ConfigError(f"{f.path}: attention.key_length={head_dim} != value_length={value_dim} (not supported)")
     rope_dims = int(f.get(key("rope.dimension_count"), head_dim))
-    if rope_dims != head_dim:
-        raise ConfigError(f"{f.path}: rope.dimension_count={rope_dims} rotates part of each head of {head_dim}; "
-                          "partial rotary embeddings are not supported")
-    if int(f.get(key("expert_count"), 0) or 0) > 0:
-        raise ConfigError(f"{f.path}: {arch}.expert_count={f.get(key('expert_count'))}: reading a mixture-of-experts "
-                          "model (Mixtral, Qwen3-MoE) from GGUF is not supported")
+    if rope_dims != head_dim and rope_is_interleaved(arch):  # the permutation to halves spans the whole head
+        raise ConfigError(f"{f.path}: rope.dimension_count={rope_dims} rotates part of each head of {head_dim} in "
+                          f"{arch}'s interleaved layout; partial rotary embeddings are read for halves-layout "
+                          "architectures only")
+    if int(f.get(key("expert_count"), 0) or 0) > 0 and "experts" not in switches:
+        raise ConfigError(f"{f.path}: {arch}.expert_count={f.get(key('expert_count'))}: a mixture of experts is read "
+                          f"for llama.cpp's {' and '.join(MOE_ARCHITECTURES)} architectures, not {arch!r}")
     embedding = f.tensors.get("token_embd.weight")
     if embedding is None:
         raise WeightsError(f"{f.path}: missing tensor 'token_embd.weight'")
@@ -159,21 +166,22 @@ def _decoder(f: GGUFFile, **switches: Any) -> ModelConfig:
     return ModelConfig(
         vocab_size=embedding.shape[0], d_model=d_model, n_layers=int(f.require(key("block_count"))),
         n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim,
-        d_ff=_uniform(f, key("feed_forward_length"), f.require(key("feed_forward_length"))),
+        d_ff=d_ff if d_ff is not None else _uniform(f, key("feed_forward_length"),
+                                                    f.require(key("feed_forward_length"))),
         max_seq_len=int(f.get(key("context_length"), 2048)),
         norm_eps=_real(f.get(key("attention.layer_norm_rms_epsilon"), 1e-5)), rope_theta=theta,
-        rope_scaling=_rope_scaling(f, head_dim, theta),
+        rope_scaling=_rope_scaling(f, rope_dims, theta), rotary_dim=rope_dims,
         tie_embeddings="output.weight" not in f.tensors, **switches)
 
 
-def _rope_scaling(f: GGUFFile, head_dim: int, theta: float):
+def _rope_scaling(f: GGUFFile, rope_dim: int, theta: float):
     arch = f.architecture
     kind = f.get(f"{arch}.rope.scaling.type", "none")
     factor = f.get(f"{arch}.rope.scaling.factor", f.get(f"{arch}.rope.scale_linear"))
     if "rope_freqs.weight" in f.tensors:
         if kind not in ("none", "linear") or (factor not in (None, 1.0)):
             raise ConfigError(f"{f.path}: rope_freqs with rope.scaling.type={kind!r} is not supported")
-        return _llama3_rope(f, head_dim, theta)
+        return _llama3_rope(f, rope_dim, theta)
     if kind == "linear" or (kind == "none" and factor not in (None, 1.0)):
         return LinearRope(factor=_real(factor))
     if kind == "none":
@@ -182,16 +190,16 @@ def _rope_scaling(f: GGUFFile, head_dim: int, theta: float):
                       "Llama 3's rope_freqs")
 
 
-def _llama3_rope(f: GGUFFile, head_dim: int, theta: float):
+def _llama3_rope(f: GGUFFile, rope_dim: int, theta: float):
     """The Llama3Rope whose frequencies divide ours by ``rope_freqs`` (what llama.cpp multiplies wavelengths by)."""
     from llm_jax.model.rope import inverse_frequencies
 
     tensor = f.tensors["rope_freqs.weight"]
-    if tensor.type_name != "F32" or tensor.shape != (head_dim // 2,):
+    if tensor.type_name != "F32" or tensor.shape != (rope_dim // 2,):
         raise WeightsError(f"{f.path}: tensor 'rope_freqs.weight' is {tensor.type_name} {tensor.shape}, "
-                           f"expected F32 ({head_dim // 2},)")
+                           f"expected F32 ({rope_dim // 2},)")
     factors = np.asarray(tensor.data, dtype=np.float64)
-    base = inverse_frequencies(head_dim, theta, DefaultRope()).astype(np.float64)
+    base = inverse_frequencies(rope_dim, theta, DefaultRope()).astype(np.float64)
     wanted = base / factors
     factor = float(factors.max())
     if factor == 1.0:
@@ -206,7 +214,7 @@ def _llama3_rope(f: GGUFFile, head_dim: int, theta: float):
             candidates.append(Llama3Rope(factor=factor, low_freq_factor=low * orig, high_freq_factor=high * orig,
                                          original_max_position_embeddings=orig))
     for rope in candidates:
-        if np.allclose(inverse_frequencies(head_dim, theta, rope), wanted, rtol=1e-5, atol=0):
+        if np.allclose(inverse_frequencies(rope_dim, theta, rope), wanted, rtol=1e-5, atol=0):
             return rope
     raise ConfigError(f"{f.path}: tensor 'rope_freqs.weight' {factors.tolist()} matches no Llama 3 RoPE scaling")
 
@@ -233,12 +241,54 @@ def _band_edges(u: np.ndarray, factors: np.ndarray, factor: float):
         yield below + (above - below) / 3, below + 2 * (above - below) / 3
 
 
+# The architectures whose mixtures of experts we read: llama.cpp's ``llama`` (Mixtral) and ``qwen3moe``.
+MOE_ARCHITECTURES = ("llama", "qwen3moe")
+ROUTER = "ffn_gate_inp.weight"  # a layer's router [E, D]; llama.cpp keeps it F32 whatever the file's type
+
+
+def _experts(f: GGUFFile) -> Experts | None:
+    """The mixture of a file with ``{arch}.expert_count`` (None without one).
+
+    llama.cpp runs ``llama`` 's and ``qwen3moe`` 's experts one way (``build_moe_ffn``): a softmax over all the
+    router's logits, the ``expert_used_count`` most probable experts, their weights renormalised to sum to 1
+    (Mixtral's rule; Qwen3-MoE's ``norm_topk_prob=True``, which llama.cpp applies whatever the model was
+    trained with), then scaled by ``expert_weights_scale`` where one is set. What it would run otherwise, or
+    we cannot, is refused by key: shared experts, a scale, ``expert_weights_norm`` false; and gate and up
+    fused in one tensor."""
+    arch = f.architecture
+    count = int(f.get(f"{arch}.expert_count", 0) or 0)
+    if count == 0:
+        return None
+    used = int(f.require(f"{arch}.expert_used_count"))
+    refused = {
+        "expert_shared_count": lambda v: int(v) > 0,
+        "expert_shared_feed_forward_length": lambda v: int(v) > 0,
+        "expert_weights_scale": lambda v: float(v) not in (0.0, 1.0),
+        "expert_weights_norm": lambda v: not bool(v),
+    }
+    for name, unsupported in refused.items():
+        value = f.get(f"{arch}.{name}")
+        if value is not None and unsupported(value):
+            raise ConfigError(f"{f.path}: {arch}.{name}={value!r}: llm_jax runs mixtures of experts without shared "
+                              "experts, their top-k weights renormalised and unscaled (Mixtral, Qwen3-MoE)")
+    fused = sorted(n for n in f.tensors if n.endswith("ffn_gate_up_exps.weight"))
+    if fused:
+        raise ConfigError(f"{f.path}: experts' gate and up projections fused in one tensor ({fused[0]} ...: "
+                          "convert_hf_to_gguf's fuse_gate_up_exps) are not read; convert without fusing them")
+    try:
+        return Experts(num_experts=count, top_k=used, normalize_top_k=True)
+    except ConfigError as e:
+        raise ConfigError(f"{f.path}: {arch}.expert_count={count}, expert_used_count={used}: {e}") from None
+
+
 def _llama(f: GGUFFile) -> ModelConfig:
     biased = sorted(n for n in f.tensors if n.startswith("blk.0.attn_") and n.endswith(".bias"))
     if biased:
         raise ConfigError(f"{f.path}: llama with attention biases ({', '.join(biased)}) is not supported")
     window = f.get("llama.attention.sliding_window")
-    return _decoder(f, activation=Activation.SILU, **({"sliding_window": int(window)} if window else {}))
+    experts = _experts(f)  # Mixtral: its experts feed_forward_length wide
+    return _decoder(f, activation=Activation.SILU, **({"sliding_window": int(window)} if window else {}),
+                    **({"experts": experts} if experts else {}))
 
 
 def _qwen2(f: GGUFFile) -> ModelConfig:
@@ -247,6 +297,18 @@ def _qwen2(f: GGUFFile) -> ModelConfig:
 
 def _qwen3(f: GGUFFile) -> ModelConfig:
     return _decoder(f, activation=Activation.SILU, qk_norm=True)
+
+
+def _qwen3moe(f: GGUFFile) -> ModelConfig:
+    """Qwen3 whose every MLP is a mixture of experts ``expert_feed_forward_length`` wide (else, as llama.cpp,
+    ``feed_forward_length / expert_used_count``)."""
+    experts = _experts(f)
+    if experts is None:
+        raise ConfigError(f"{f.path}: qwen3moe without qwen3moe.expert_count (llama.cpp requires it)")
+    width = f.get("qwen3moe.expert_feed_forward_length")
+    if width is None:
+        width = _uniform(f, "qwen3moe.feed_forward_length", f.require("qwen3moe.feed_forward_length")) // experts.top_k
+    return _decoder(f, int(width), activation=Activation.SILU, qk_norm=True, experts=experts)
 
 
 def _gemma(f: GGUFFile) -> ModelConfig:
@@ -303,6 +365,7 @@ ARCHITECTURES: dict[str, Callable[[GGUFFile], ModelConfig]] = {
     "llama": _llama,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
+    "qwen3moe": _qwen3moe,
     "gemma": _gemma,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
@@ -325,14 +388,42 @@ def read_gguf_config(path: str | os.PathLike, *, dequantize: bool = False) -> Mo
 
     A file whose projections are all of integer block types gets the ``quantization`` that holds them
     (:func:`block_quantization`), its blocks becoming QuantizedArray leaves; ``dequantize`` reads it as
-    floats instead.
+    floats instead. A mixture of experts has no quantized leaves: its file loads as floats, with
+    ``dequantize`` where it holds tensors of integer block types (:func:`check_experts_are_floats`). The
+    routers (F32 in llama.cpp's files of every type) do not count towards the dtype.
     """
     f = open_gguf(path)
     config = config_from_gguf(f)
-    matrices = {t.type_name for t in f.tensors.values() if len(t.shape) == 2}
+    matrices = {t.type_name for name, t in f.tensors.items() if len(t.shape) >= 2 and not name.endswith(ROUTER)}
     dtype = "bfloat16" if matrices == {"BF16"} else "float32"
-    quantization = None if dequantize else block_quantization(f, config)
+    if config.experts is not None:
+        if not dequantize:
+            check_experts_are_floats(f)
+        quantization = None
+    else:
+        quantization = None if dequantize else block_quantization(f, config)
     return config.replace(param_dtype=dtype, compute_dtype=dtype, quantization=quantization)
+
+
+def check_experts_are_floats(f: GGUFFile) -> None:
+    """Refuse a mixture-of-experts file with tensors of integer block types (Mixtral's and Qwen3-MoE's
+    ``Q4_K_M``, ``Q8_0`` ... files) unless the caller asks for floats: llm_jax holds no quantized leaves for
+    a mixture of experts, and in bfloat16 its floats take 1.9 (Q8_0) to 3.6 (Q4_K) times the file's bytes."""
+    blocks = sorted((name, t.type_name) for name, t in f.tensors.items() if t.type_name in BLOCK_TYPES)
+    if not blocks:
+        return
+    experts = [(n, t) for n, t in blocks if "_exps." in n] or blocks
+    shown = ", ".join(f"{n} ({t})" for n, t in experts[:3]) + (" ..." if len(experts) > 3 else "")
+    size = 2 * sum(math.prod(t.shape) for t in f.tensors.values())
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            break
+        size /= 1000
+    raise ConfigError(f"{f.path}: a mixture of experts stored in ggml block types {sorted({t for _, t in blocks})} "
+                      f"({shown}): llm_jax has no quantized leaves for mixture-of-experts weights, so this file "
+                      f"loads only as floats, {size:.3g} {unit} in bfloat16 (twice that in float32): pass "
+                      "dequantize=True (llm_jax.load(path, dequantize=True, dtype='bfloat16'); the convert "
+                      "CLI's --dequantize)")
 
 
 def rope_is_interleaved(architecture: str) -> bool:
@@ -346,6 +437,11 @@ def rope_is_interleaved(architecture: str) -> bool:
 def _interleaved_bias(n_heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
     """[n*H] in Meta's interleaved layout → [n, H] rotating halves (the bias twin of interleaved_to_halves)."""
     return lambda b: b.reshape(n_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(n_heads, head_dim)
+
+
+def _experts_in(w: np.ndarray) -> np.ndarray:
+    """Stacked experts [E, out, in] → ours [E, in, out]."""
+    return w.swapaxes(1, 2)
 
 
 def tensor_specs(config: ModelConfig, *, interleaved: bool) -> list[TensorSpec]:
@@ -363,11 +459,22 @@ def tensor_specs(config: ModelConfig, *, interleaved: bool) -> list[TensorSpec]:
         TensorSpec(("layers", "attn", "v_proj"), p + "attn_v.weight", (K * H, D), heads_in(K, H)),
         TensorSpec(("layers", "attn", "o_proj"), p + "attn_output.weight", (D, N * H), heads_out(N, H)),
         TensorSpec(("layers", "mlp_norm", "scale"), p + "ffn_norm.weight", (D,)),
-        TensorSpec(("layers", "mlp", "gate_proj"), p + "ffn_gate.weight", (F, D), transpose),
-        TensorSpec(("layers", "mlp", "up_proj"), p + "ffn_up.weight", (F, D), transpose),
-        TensorSpec(("layers", "mlp", "down_proj"), p + "ffn_down.weight", (D, F), transpose),
-        TensorSpec(("final_norm", "scale"), "output_norm.weight", (D,)),
     ]
+    if config.experts is None:
+        specs += [
+            TensorSpec(("layers", "mlp", "gate_proj"), p + "ffn_gate.weight", (F, D), transpose),
+            TensorSpec(("layers", "mlp", "up_proj"), p + "ffn_up.weight", (F, D), transpose),
+            TensorSpec(("layers", "mlp", "down_proj"), p + "ffn_down.weight", (D, F), transpose),
+        ]
+    else:  # the experts stacked, each one's matrix [out, in] as a dense one's ([E, F, D]: ggml's {D, F, E})
+        E = config.experts.num_experts
+        specs += [
+            TensorSpec(("layers", "moe", "router"), p + ROUTER, (E, D), transpose),
+            TensorSpec(("layers", "moe", "gate_proj"), p + "ffn_gate_exps.weight", (E, F, D), _experts_in),
+            TensorSpec(("layers", "moe", "up_proj"), p + "ffn_up_exps.weight", (E, F, D), _experts_in),
+            TensorSpec(("layers", "moe", "down_proj"), p + "ffn_down_exps.weight", (E, D, F), _experts_in),
+        ]
+    specs.append(TensorSpec(("final_norm", "scale"), "output_norm.weight", (D,)))
     if config.sandwich_norm:
         specs += [
             TensorSpec(("layers", "post_attn_norm", "scale"), p + "post_attention_norm.weight", (D,)),

@@ -2,10 +2,11 @@
 
 One tensor map serves every supported family, switched by the config (q/k/v biases, q/k norms, Gemma 2's
 extra norms, tied embeddings, a mixture of experts: each expert's tensors apart, as the released checkpoints
-and transformers 5's ``save_pretrained`` store them, stacked [L, E, ...]); of a multimodal checkpoint (Gemma
-3's 4B, 12B, 27B) only the language model is read, its vision tower ignored (:class:`TextTensors`). torch
-``Linear`` weights are stored [out, in] and transposed here; Hugging Face already rotates RoPE halves, as our
-model does, so q/k need no permutation.
+and transformers 5's ``save_pretrained`` store them, stacked [L, E, ...], and Qwen2-MoE's shared expert); of a
+multimodal checkpoint (Gemma 3's 4B, 12B, 27B) only the language model is read, its vision tower ignored
+(:class:`TextTensors`); Phi-3's fused qkv_proj and gate_up_proj are split into our q/k/v and gate/up params.
+torch ``Linear`` weights are stored [out, in] and transposed here; Hugging Face already rotates RoPE halves, as
+our model does, so q/k need no permutation.
 The config side (architectures, field names, family defaults) is ``hf_config.py``.
 """
 
@@ -20,7 +21,8 @@ import numpy as np
 from llm_jax.config import PROJECTION_NAMES, ModelConfig
 from llm_jax.weights import from_compressed
 from llm_jax.weights.hf_config import read_hf_config, read_json
-from llm_jax.weights.layout import TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out, transpose
+from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out, rows,
+                                    transpose)
 from llm_jax.weights.safetensors_file import SafetensorsFolder
 
 # A multimodal checkpoint's language model (Gemma3ForConditionalGeneration): transformers writes it under
@@ -74,22 +76,41 @@ def _mixtral_renamed(name: str) -> str:
     return name
 
 
-def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
-    """Where each of our params comes from in a Hugging Face state dict of a family with ``config``."""
+# The tensor that tells a checkpoint with Phi-3's fused projections (qkv_proj, gate_up_proj) from the others.
+FUSED_MARKER = "model.layers.0.self_attn.qkv_proj.weight"
+
+
+def tensor_specs(config: ModelConfig, *, fused: bool = False) -> list[TensorSpec]:
+    """Where each of our params comes from in a Hugging Face state dict of a family with ``config``; ``fused``:
+    Phi-3's, whose q/k/v rows are one qkv_proj [(N + 2K)·H, D] and gate/up rows one gate_up_proj [2F, D]."""
     D, N, K, H, F, V = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff,
                         config.vocab_size)
     p = "model.layers.{layer}."
     attn = p + "self_attn."
+    if fused:
+        qkv = (attn + "qkv_proj.weight", ((N + 2 * K) * H, D))
+        q_k_v = [TensorSpec(("layers", "attn", "q_proj"), *qkv, rows(0, N * H, heads_in(N, H))),
+                 TensorSpec(("layers", "attn", "k_proj"), *qkv, rows(N * H, (N + K) * H, heads_in(K, H))),
+                 TensorSpec(("layers", "attn", "v_proj"), *qkv, rows((N + K) * H, (N + 2 * K) * H, heads_in(K, H)))]
+    else:
+        q_k_v = [TensorSpec(("layers", "attn", "q_proj"), attn + "q_proj.weight", (N * H, D), heads_in(N, H)),
+                 TensorSpec(("layers", "attn", "k_proj"), attn + "k_proj.weight", (K * H, D), heads_in(K, H)),
+                 TensorSpec(("layers", "attn", "v_proj"), attn + "v_proj.weight", (K * H, D), heads_in(K, H))]
     specs = [
         TensorSpec(("embedder", "embedding"), "model.embed_tokens.weight", (V, D)),
         TensorSpec(("layers", "attn_norm", "scale"), p + "input_layernorm.weight", (D,)),
-        TensorSpec(("layers", "attn", "q_proj"), attn + "q_proj.weight", (N * H, D), heads_in(N, H)),
-        TensorSpec(("layers", "attn", "k_proj"), attn + "k_proj.weight", (K * H, D), heads_in(K, H)),
-        TensorSpec(("layers", "attn", "v_proj"), attn + "v_proj.weight", (K * H, D), heads_in(K, H)),
+        *q_k_v,
         TensorSpec(("layers", "attn", "o_proj"), attn + "o_proj.weight", (D, N * H), heads_out(N, H)),
         TensorSpec(("final_norm", "scale"), "model.norm.weight", (D,)),
     ]
-    if config.experts is None:
+    if fused and config.experts is None:  # gate_up_proj: the gate's F rows, then the up projection's
+        gate_up = (p + "mlp.gate_up_proj.weight", (2 * F, D))
+        specs += [
+            TensorSpec(("layers", "mlp", "gate_proj"), *gate_up, rows(0, F, transpose)),
+            TensorSpec(("layers", "mlp", "up_proj"), *gate_up, rows(F, 2 * F, transpose)),
+            TensorSpec(("layers", "mlp", "down_proj"), p + "mlp.down_proj.weight", (D, F), transpose),
+        ]
+    elif config.experts is None:
         specs += [
             TensorSpec(("layers", "mlp", "gate_proj"), p + "mlp.gate_proj.weight", (F, D), transpose),
             TensorSpec(("layers", "mlp", "up_proj"), p + "mlp.up_proj.weight", (F, D), transpose),
@@ -103,6 +124,17 @@ def tensor_specs(config: ModelConfig) -> list[TensorSpec]:
             TensorSpec(("layers", "moe", "up_proj"), expert + "up_proj.weight", (F, D), transpose),
             TensorSpec(("layers", "moe", "down_proj"), expert + "down_proj.weight", (D, F), transpose),
         ]
+        if config.experts.shared_d_ff is not None:  # Qwen2-MoE's shared expert, and its gate [1, D] as a vector
+            F_shared, shared = config.experts.shared_d_ff, p + "mlp.shared_expert."
+            specs += [
+                TensorSpec(("layers", "moe", "shared_gate_proj"), shared + "gate_proj.weight", (F_shared, D),
+                           transpose),
+                TensorSpec(("layers", "moe", "shared_up_proj"), shared + "up_proj.weight", (F_shared, D), transpose),
+                TensorSpec(("layers", "moe", "shared_down_proj"), shared + "down_proj.weight", (D, F_shared),
+                           transpose),
+                TensorSpec(("layers", "moe", "shared_expert_gate"), p + "mlp.shared_expert_gate.weight", (1, D),
+                           lambda w: w[0]),
+            ]
     if config.sandwich_norm:
         # Gemma 2 reuses the name post_attention_layernorm for the norm of the attention *output*.
         specs += [
@@ -140,8 +172,13 @@ def load_hf_params(folder: str | pathlib.Path, config: ModelConfig, *, dtype=np.
     if config.tie_embeddings:
         # Some tied checkpoints still store the (identical) head; it carries no information.
         names.discard("lm_head.weight")
-    specs, packed, read = tensor_specs(config), {}, reader.read
+    fused = FUSED_MARKER in names
+    specs, packed, read = tensor_specs(config, fused=fused), {}, reader.read
     scheme = from_compressed.read_scheme(read_json(folder / "config.json"), str(folder))
+    if scheme is not None and fused:
+        raise WeightsError(f"{folder}: {type(scheme).__name__} weights with fused projections (qkv_proj, "
+                           "gate_up_proj: Phi-3) are not supported; compressed-tensors and FP8 loading read them "
+                           "apart")
     if scheme is not None and config.experts is not None:
         raise WeightsError(f"{folder}: {type(scheme).__name__} weights of a mixture-of-experts model are not "
                            "supported (compressed-tensors and FP8 loading cover dense models only)")

@@ -3,19 +3,21 @@
 Every family is the same decoder with different switches; a builder only reads the family's field
 names and defaults. It owns the config quirks: the spellings of transformers 4 and 5 (``rope_theta`` /
 ``rope_scaling`` vs ``rope_parameters``), fields that transformers fills in when a config omits them
-(the family defaults below), Gemma's legacy ``hidden_act: gelu``, Gemma 3's two RoPEs and the
-``text_config`` of its multimodal checkpoints, and the mixture-of-experts fields of Mixtral and Qwen3-MoE
-(their training-only router jitter and auxiliary loss are not read: they do not change inference).
+(the family defaults below), Gemma's legacy ``hidden_act: gelu``, Phi-3's older LongRoPE names and partial
+rotary factor, Gemma 3's two RoPEs and the ``text_config`` of its multimodal checkpoints, and the
+mixture-of-experts fields of Mixtral, Qwen2-MoE and Qwen3-MoE (their training-only router jitter and auxiliary
+loss are not read: they do not change inference).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import Any, Callable
 
 from llm_jax.config import (Activation, Classifier, ConfigError, DefaultRope, Experts, LinearRope, Llama3Rope,
-                            ModelConfig, Problem)
+                            LongRope, ModelConfig, Problem)
 
 
 def read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -47,7 +49,23 @@ def _rope(hf: dict[str, Any]) -> tuple[float, Any]:
                 factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
                 high_freq_factor=float(scaling["high_freq_factor"]),
                 original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
-    raise ConfigError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+        case "longrope":
+            return theta, _longrope(hf, scaling)
+    raise ConfigError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3, longrope")
+
+
+def _longrope(hf: dict[str, Any], scaling: dict[str, Any]) -> LongRope:
+    """LongRoPE's factors, and its attention factor as transformers resolves it: ``attention_factor`` if given,
+    else sqrt(1 + log(s) / log(orig)) for the extension s (``factor``, else ``max_position_embeddings`` /
+    ``original_max_position_embeddings``; 1 when s <= 1). ``original_max_position_embeddings`` is read from
+    the scaling or, as transformers 4 wrote it, beside it."""
+    orig = int(scaling.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
+    factor = scaling.get("factor") or hf.get("max_position_embeddings", orig) / orig
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return LongRope(short_factor=scaling["short_factor"], long_factor=scaling["long_factor"],
+                    original_max_position_embeddings=orig, attention_factor=float(attention_factor))
 
 
 _ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU,
@@ -130,11 +148,9 @@ def _mixtral(hf: dict[str, Any]) -> ModelConfig:
                     **_windows(hf))
 
 
-def _qwen3_moe(hf: dict[str, Any]) -> ModelConfig:
-    """Qwen3 with every layer's MLP a mixture of experts of width ``moe_intermediate_size`` (``num_experts``;
-    transformers 5 writes ``num_local_experts``). Dense layers among them (``mlp_only_layers``,
-    ``decoder_sparse_step`` above 1) are refused: the layer stack has one kind of MLP."""
-    _refuse(hf, "attention_bias")
+def _every_layer_sparse(hf: dict[str, Any]) -> None:
+    """Refuses Qwen's dense layers among the sparse ones (``mlp_only_layers``, ``decoder_sparse_step`` above 1):
+    the layer stack has one kind of MLP."""
     name = hf["architectures"][0]
     if hf.get("mlp_only_layers"):
         raise ConfigError(f"{name} with dense layers (mlp_only_layers={hf['mlp_only_layers']}) is not supported; "
@@ -142,6 +158,28 @@ def _qwen3_moe(hf: dict[str, Any]) -> ModelConfig:
     if hf.get("decoder_sparse_step", 1) != 1:
         raise ConfigError(f"{name} with decoder_sparse_step={hf['decoder_sparse_step']} (dense layers between the "
                           "sparse ones) is not supported; only 1, every layer a mixture of experts")
+
+
+def _qwen2_moe(hf: dict[str, Any]) -> ModelConfig:
+    """Qwen2 (q/k/v biases, ``qkv_bias``) with every layer's MLP a mixture of ``num_experts`` experts of width
+    ``moe_intermediate_size`` and a shared expert of width ``shared_expert_intermediate_size`` (Qwen1.5-MoE,
+    Qwen2-57B-A14B). Dense layers among them are refused (:func:`_every_layer_sparse`)."""
+    hf = {"num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632, **hf}
+    _every_layer_sparse(hf)
+    experts = Experts(num_experts=hf.get("num_experts", hf.get("num_local_experts", 60)),
+                      top_k=hf["num_experts_per_tok"], normalize_top_k=bool(hf.get("norm_topk_prob", False)),
+                      shared_d_ff=hf["shared_expert_intermediate_size"])
+    return _decoder({**hf, "intermediate_size": hf["moe_intermediate_size"]},
+                    activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"),
+                    qkv_bias=bool(hf.get("qkv_bias", True)), experts=experts, **_windows(hf))
+
+
+def _qwen3_moe(hf: dict[str, Any]) -> ModelConfig:
+    """Qwen3 with every layer's MLP a mixture of experts of width ``moe_intermediate_size`` (``num_experts``;
+    transformers 5 writes ``num_local_experts``). Dense layers among them are refused (:func:`_every_layer_sparse`)."""
+    _refuse(hf, "attention_bias")
+    _every_layer_sparse(hf)
+    name = hf["architectures"][0]
     if hf.get("shared_expert_intermediate_size"):
         raise ConfigError(f"{name} with a shared expert (shared_expert_intermediate_size="
                           f"{hf['shared_expert_intermediate_size']}) is not supported")
@@ -151,6 +189,29 @@ def _qwen3_moe(hf: dict[str, Any]) -> ModelConfig:
     return _decoder({**hf, "intermediate_size": hf.get("moe_intermediate_size", 768)},
                     activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"), qk_norm=True,
                     experts=experts, **_windows(hf))
+
+
+# Phi3Config's defaults where they differ from _decoder's.
+_PHI3_DEFAULTS = dict(max_position_embeddings=4096, original_max_position_embeddings=4096, rms_norm_eps=1e-5)
+
+
+def _phi3(hf: dict[str, Any]) -> ModelConfig:
+    """Phi-3, Phi-3.5 and Phi-4 (mini): Llama's decoder with fused qkv_proj and gate_up_proj (split by the
+    weight converter), a sliding window (Phi-3-mini-4k), LongRoPE (``longrope``, which transformers also
+    reads from the older ``su`` and ``yarn``) and partial rotary embeddings (``partial_rotary_factor``:
+    Phi-4-mini rotates 3/4 of each head)."""
+    hf = {**_PHI3_DEFAULTS, **hf}
+    rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    if rope.get("rope_type", rope.get("type")) in ("su", "yarn"):  # transformers' Phi3Config renames them
+        rope["rope_type"] = "longrope"
+    hf = {**hf, "rope_parameters": rope, "rope_scaling": None}
+    n_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if not 0.0 < partial <= 1.0:
+        raise ConfigError(f"partial_rotary_factor={partial} must be in (0, 1]")
+    return _decoder(hf, activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"),
+                    rotary_dim=int(head_dim * partial), **_windows(hf))
 
 
 _GEMMA_DEFAULTS = dict(head_dim=256, tie_word_embeddings=True)
@@ -234,7 +295,9 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
     "MixtralForCausalLM": _mixtral,
+    "Qwen2MoeForCausalLM": _qwen2_moe,
     "Qwen3MoeForCausalLM": _qwen3_moe,
+    "Phi3ForCausalLM": _phi3,
     "GemmaForCausalLM": _gemma,
     "Gemma2ForCausalLM": _gemma2,
     "Gemma3ForCausalLM": _gemma3,

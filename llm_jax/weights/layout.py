@@ -67,6 +67,12 @@ def heads_bias(n_heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray
     return lambda b: b.reshape(n_heads, head_dim)
 
 
+def rows(start: int, stop: int, then: Callable[[np.ndarray], np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:
+    """Rows ``start:stop`` of a fused source tensor (Phi-3's qkv_proj [(N + 2K)·H, D], gate_up_proj [2F, D]),
+    then ``then``: each of our leaves reads its own block of the one source."""
+    return lambda w: then(w[start:stop])
+
+
 def interleaved_to_halves(n_heads: int, head_dim: int) -> Callable[[np.ndarray], np.ndarray]:
     """Undo Meta's RoPE layout on a q/k projection [n*H, D] → ours [D, n, H].
 

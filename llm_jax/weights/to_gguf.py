@@ -1,12 +1,13 @@
 """llm_jax config and float params → a GGUF file (llama.cpp's format), the reverse of ``from_gguf``.
 
-:func:`save_gguf` writes a model of llama.cpp's ``llama`` architecture (Llama, and Mistral without its
-window) or ``gemma3`` (Gemma 3's text model) as ``convert_hf_to_gguf.py`` would: the architecture's
-metadata from the config, the tokenizer of a folder (:func:`add_tokenizer`), and every tensor under
-llama.cpp's name, its matrices stored as F32, F16, BF16, Q8_0 or Q4_0 (:func:`encode`) and its norms
-as F32. What llama.cpp then runs is the same model: ``llm_jax.load`` of the file gives back the params
-(exactly for F32; for the other types, their rounding of them). A config llama.cpp would run otherwise
-is refused by name (:func:`gguf_architecture`).
+:func:`save_gguf` writes a model of llama.cpp's ``llama`` architecture (Llama, Mistral without its window,
+Mixtral), ``qwen3moe`` (Qwen3-MoE) or ``gemma3`` (Gemma 3's text model) as ``convert_hf_to_gguf.py`` would:
+the architecture's metadata from the config, the tokenizer of a folder (:func:`add_tokenizer`), and every
+tensor under llama.cpp's name, its matrices (a mixture's experts stacked, one tensor per layer and
+projection) stored as F32, F16, BF16, Q8_0 or Q4_0 (:func:`encode`) and its norms and routers as F32.
+What llama.cpp then runs is the same model: ``llm_jax.load`` of the file gives back the params (exactly
+for F32; for the other types, their rounding of them; a mixture's block types with ``dequantize``). A
+config llama.cpp would run otherwise is refused by name (:func:`gguf_architecture`).
 
 The quirks, done here and undone by ``from_gguf``: llama.cpp rotates adjacent pairs of a ``llama`` head
 (Meta's interleaved RoPE layout), we rotate halves, so the q and k rows of each head are permuted into
@@ -23,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, ModelConfig
-from llm_jax.weights.from_gguf import (GEMMA3_LOCAL_THETA, GEMMA3_PERIOD, gemma3_sliding_layers, gemma_attention_scalar,
-                                       rope_is_interleaved, tensor_specs)
+from llm_jax.weights.from_gguf import (GEMMA3_LOCAL_THETA, GEMMA3_PERIOD, ROUTER, gemma3_sliding_layers,
+                                       gemma_attention_scalar, rope_is_interleaved, tensor_specs)
 from llm_jax.weights.layout import WeightsError
 
 # The ggml types a file's matrices may be written in, with llama.cpp's name of such a file
@@ -37,7 +38,7 @@ FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_
 _LLAMA = ModelConfig(vocab_size=1, d_model=2, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2, d_ff=1,
                      max_seq_len=1)
 _NOT_LLAMA = ("activation", "qkv_bias", "qk_norm", "norm_weight_offset", "embed_scale", "sandwich_norm",
-              "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "sliding_window")
+              "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "sliding_window", "rotary_dim")
 
 
 def encode(x: np.ndarray, type_name: str) -> tuple[np.ndarray, Any]:
@@ -102,20 +103,39 @@ def add_tokenizer(writer, folder: pathlib.Path, pre: str = "gpt-2") -> None:
     gguf.SpecialVocab(folder, load_merges=True, n_vocab=len(names)).add_to_gguf(writer, quiet=True)
 
 
-def _llama_differences(config: ModelConfig) -> list[str]:
-    """The fields by which ``config`` is not a model llama.cpp's ``llama`` architecture runs as we do."""
+def _llama_differences(config: ModelConfig, allowed: tuple[str, ...] = ()) -> list[str]:
+    """The fields by which ``config`` is not a model llama.cpp's ``llama`` architecture runs as we do (but for
+    the ``allowed`` ones)."""
     other = [f"{name}={getattr(config, name)!r}" for name in _NOT_LLAMA
-             if getattr(config, name) != getattr(_LLAMA, name)]
+             if name not in allowed and getattr(config, name) != getattr(_LLAMA, name)]
     if not isinstance(config.rope_scaling, DefaultRope | LinearRope):
         other.append(f"rope_scaling={config.rope_scaling!r}")
     return other
+
+
+def _moe_architecture(config: ModelConfig) -> str:
+    """``qwen3moe`` for a mixture of experts with q/k norms (Qwen3-MoE), else ``llama`` (Mixtral), each run by
+    llama.cpp as Llama but for Qwen3's q/k norms, its top-k expert weights always renormalised. Refuses,
+    naming the fields, what they would run otherwise."""
+    architecture = "qwen3moe" if config.qk_norm else "llama"
+    other = _llama_differences(config, allowed=("qk_norm",))
+    if config.experts.shared_d_ff is not None:
+        other.insert(0, f"experts.shared_d_ff={config.experts.shared_d_ff} (a shared expert: Qwen2-MoE's, which "
+                        "llama.cpp runs as qwen2moe, not written here)")
+    if not config.experts.normalize_top_k:
+        other.insert(0, "experts.normalize_top_k=False (Qwen3-MoE's norm_topk_prob=False; llama.cpp renormalises "
+                        "the top-k weights)")
+    if other:
+        raise ConfigError(f"llama.cpp's {architecture} architecture would not run this mixture of experts as llm_jax "
+                          f"does: it has {', '.join(other)}")
+    return architecture
 
 
 def _gemma3_differences(config: ModelConfig) -> list[str]:
     """The fields by which ``config`` is not a model llama.cpp's ``gemma3`` architecture runs as we do: its
     switches, the attention scale it derives, and its fixed layer pattern and local RoPE (``from_gguf``)."""
     wanted = dict(activation=Activation.GELU_TANH, qkv_bias=False, qk_norm=True, embed_scale=True, sandwich_norm=True,
-                  attn_logit_softcap=None, query_pre_attn_scalar=gemma_attention_scalar(config, 62))
+                  attn_logit_softcap=None, query_pre_attn_scalar=gemma_attention_scalar(config, 62), rotary_dim=None)
     other = [f"{name}={getattr(config, name)!r} (gemma3: {value!r})" for name, value in wanted.items()
              if getattr(config, name) != value]
     if not isinstance(config.rope_scaling, DefaultRope | LinearRope):
@@ -133,15 +153,16 @@ def _gemma3_differences(config: ModelConfig) -> list[str]:
 
 def gguf_architecture(config: ModelConfig) -> str:
     """The llama.cpp architecture ``config`` is written as: ``gemma3`` for a Gemma-style model (sandwich
-    norms), else ``llama``. Refuses, naming the fields, a config that architecture does not run as we do."""
+    norms), ``llama`` or ``qwen3moe`` for a mixture of experts (Mixtral, Qwen3-MoE), else ``llama``. Refuses,
+    naming the fields, a config that architecture does not run as we do."""
     if config.classifier is not None:
         raise ConfigError("a sequence classifier is not written as GGUF: llama.cpp's architectures have an LM "
                           "head, not a classifier's score head")
-    if config.experts is not None:
-        raise ConfigError("writing a mixture-of-experts model (Mixtral, Qwen3-MoE) as GGUF is not supported")
     if config.quantization is not None:
         raise ConfigError(f"GGUF files are written from float weights; these are quantized ({config.quantization}): "
                           "load them without quantize and choose the file's type instead")
+    if config.experts is not None:
+        return _moe_architecture(config)
     if config.sandwich_norm or config.sliding_rope_theta is not None:
         other = _gemma3_differences(config)
         if other:
@@ -182,8 +203,17 @@ def _to_source(config: ModelConfig, architecture: str) -> dict[tuple[str, ...], 
         ("layers", "mlp", "gate_proj"): transpose,
         ("layers", "mlp", "up_proj"): transpose,
         ("layers", "mlp", "down_proj"): transpose,
+        ("layers", "moe", "router"): transpose,
+        ("layers", "moe", "gate_proj"): _experts_out,
+        ("layers", "moe", "up_proj"): _experts_out,
+        ("layers", "moe", "down_proj"): _experts_out,
         ("lm_head",): transpose,
     }
+
+
+def _experts_out(w: np.ndarray) -> np.ndarray:
+    """Our stacked experts [E, in, out] → llama.cpp's [E, out, in] (ggml's {in, out, E})."""
+    return w.swapaxes(1, 2)
 
 
 def _leaf(params: dict, path: tuple[str, ...]):
@@ -230,9 +260,14 @@ def _write(writer, architecture: str, config: ModelConfig, params: dict, type_na
     writer.add_head_count_kv(config.n_kv_heads)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_rope_dimension_count(config.head_dim)
+    writer.add_rope_dimension_count(config.rope_dim)
     writer.add_layer_norm_rms_eps(config.norm_eps)
     writer.add_rope_freq_base(config.rope_theta)
+    if config.experts is not None:  # llama.cpp's llama: experts feed_forward_length wide; qwen3moe: its own key
+        writer.add_expert_count(config.experts.num_experts)
+        writer.add_expert_used_count(config.experts.top_k)
+        if architecture == "qwen3moe":
+            writer.add_expert_feed_forward_length(config.d_ff)
     if isinstance(config.rope_scaling, LinearRope):
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(config.rope_scaling.factor)
@@ -242,7 +277,7 @@ def _write(writer, architecture: str, config: ModelConfig, params: dict, type_na
         if config.final_logit_softcap is not None:
             writer.add_final_logit_softcapping(config.final_logit_softcap)
     if tokenizer is not None:
-        add_tokenizer(writer, pathlib.Path(tokenizer))
+        add_tokenizer(writer, pathlib.Path(tokenizer), pre="qwen2" if architecture == "qwen3moe" else "gpt-2")
     to_source = _to_source(config, architecture)
     for spec in tensor_specs(config, interleaved=rope_is_interleaved(architecture)):
         leaf = _leaf(params, spec.path)
@@ -254,7 +289,8 @@ def _write(writer, architecture: str, config: ModelConfig, params: dict, type_na
             if x.shape != spec.source_shape:
                 raise WeightsError(f"params/{'/'.join(spec.path)} gives {spec.source} of shape {x.shape}, "
                                    f"expected {spec.source_shape} from the config")
-            data, raw = encode(x, type_name if x.ndim == 2 else "F32")
+            matrix = x.ndim >= 2 and not spec.source.endswith(ROUTER)  # norms and routers F32, as llama.cpp's
+            data, raw = encode(x, type_name if matrix else "F32")
             writer.add_tensor(spec.source.format(layer=layer), data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

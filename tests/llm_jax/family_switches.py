@@ -1,13 +1,15 @@
 """Each family's config switches, for random models that exercise what differs between families: sliding
 windows that cross blocks of 4, q/k/v bias and tied embeddings, q/k norm, Gemma's scaled embedding, (1+w)
 norms and GeGLU, Gemma 2's soft-capping, sandwich norms and local/global layers, Gemma 3's local layers
-rotating by their own RoPE base beside a scaled global one."""
+rotating by their own RoPE base beside a scaled global one, Phi-3's LongRoPE on 6 of each head's 8 dimensions
+(its original context of 128 tokens crossed by the speculative tests' 128-token generations, not by the
+engine's: a prompt prefilled in chunks of 8 would rotate them by other factors than ``generate``'s whole one)."""
 
 import jax
 import numpy as np
 
 import llm_jax
-from llm_jax.config import LinearRope, ModelConfig
+from llm_jax.config import LinearRope, LongRope, ModelConfig
 from llm_jax.model import init_params
 
 FAMILIES = {
@@ -22,6 +24,9 @@ FAMILIES = {
     "gemma3": dict(sliding_window=5, sliding_layers=(True, False), sliding_rope_theta=100.0, rope_theta=50_000.0,
                    rope_scaling=LinearRope(factor=8.0), qk_norm=True, sandwich_norm=True, norm_weight_offset=1.0,
                    embed_scale=True, query_pre_attn_scalar=8.0, activation="gelu_tanh", tie_embeddings=True),
+    "phi3": dict(sliding_window=7, rotary_dim=6,
+                 rope_scaling=LongRope(short_factor=(1.3, 0.7, 2.5), long_factor=(4.0, 9.0, 30.0),
+                                       original_max_position_embeddings=128, attention_factor=1.25)),
 }
 
 

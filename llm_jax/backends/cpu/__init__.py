@@ -4,8 +4,9 @@ Products read float32 or bfloat16 weights where they lie in the stacked layers (
 and in the execution form of :mod:`llm_jax.backends.cpu.forms` (panels, fused q/k/v and gate/up) or the
 canonical layout; attention reads the cache in place and scores only the keys each query sees; a decode
 step's key and value are written by the attention kernel itself; greedy steps read the LM head through
-its screen (:mod:`llm_jax.backends.cpu.greedy_head`). What the kernels do not cover (other dtypes,
-gradients, a mixture of experts' MLP) is XLA's, as in :class:`llm_jax.backends.Xla`.
+its screen (:mod:`llm_jax.backends.cpu.greedy_head`); a mixture of experts' few (token, expert) pairs of a
+decode step read their experts where they lie in the stack. What the kernels do not cover (other dtypes,
+gradients, a mixture of experts' many pairs) is XLA's, as in :class:`llm_jax.backends.Xla`.
 """
 
 from __future__ import annotations
@@ -102,6 +103,22 @@ class CpuKernels(Backend):
         (y_RE,) = _run(x_BTD, products, layer, self.instructions)  # [gate | up]: one fused product
         F = y_RE.shape[1] // 2
         return cpu_kernels.glu(y_RE, activation.value).reshape(*x_BTD.shape[:-1], F)
+
+    def sorted_experts(self, x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.Array, gate_EDF: Any,
+                       up_EDF: Any, down_EFD: Any, activation: Activation,
+                       layer: jax.Array | None = None) -> jax.Array:
+        gate_EDF, up_EDF, down_EFD = (_canonical(w, layer) for w in (gate_EDF, up_EDF, down_EFD))
+        return super().sorted_experts(x_BTD, weights_BTU, chosen_BTU, gate_EDF, up_EDF, down_EFD, activation)
+
+    def chosen_experts(self, x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.Array, gate_EDF: Any,
+                       up_EDF: Any, down_EFD: Any, activation: Activation,
+                       layer: jax.Array | None = None) -> jax.Array:
+        ws = (gate_EDF, up_EDF, down_EFD)
+        if not all(isinstance(w, (jax.Array, Panels)) and jnp.dtype(w.dtype) == jnp.dtype(gate_EDF.dtype) for w in ws) \
+                or jnp.dtype(gate_EDF.dtype) not in _KERNEL_DTYPES:
+            return super().chosen_experts(x_BTD, weights_BTU, chosen_BTU, gate_EDF, up_EDF, down_EFD, activation,
+                                          layer)
+        return _chosen_experts(x_BTD, weights_BTU, chosen_BTU, ws, activation, layer, self.instructions)
 
     def embed(self, table_VD: Any, tokens_BT: jax.Array, out_dtype) -> jax.Array:
         if isinstance(table_VD, quantized.QuantizedPanels):
@@ -293,6 +310,49 @@ def _xla_many(equations, x, ws, out_dtype, layer) -> list[jax.Array]:
             out[i + j] = y[..., start:start + width].reshape(*x.shape[:-1], *shape).astype(out_dtype)
             start += width
     return out
+
+
+def _canonical(w: Any, layer) -> jax.Array:
+    """A mixture's stack of experts [L, E, ...] (panels or the canonical layout) as layer ``layer``'s experts
+    [E, ...] in the canonical layout (panels unpacked: a copy); [E, ...] itself without a layer."""
+    if isinstance(w, Panels):
+        data = w.data if layer is None else base.layer_of(w.data, layer)
+        return Panels(data, w.in_shape, w.out_shape).unpacked()
+    return w if layer is None else base.layer_of(w, layer)
+
+
+def _expert_matrices(w: Any) -> tuple[jax.Array, bool]:
+    """(every layer's experts as one stack of matrices [L·E, ...], whether they are panels): expert e of layer
+    l is matrix l·E + e, read in place by ``cpu_kernels.matmuls``' ``layer`` (a reshape, no copy)."""
+    if isinstance(w, Panels):
+        return w.data.reshape(-1, *w.data.shape[-3:]), True
+    return w.reshape(-1, *w.shape[-2:]), False
+
+
+def _chosen_experts(x_BTD, weights_BTU, chosen_BTU, ws, activation: Activation, layer,
+                    instructions: dict[str, bool]) -> jax.Array:
+    """:func:`base.gathered_experts` by the kernels, each row's expert read where it lies in the stack
+    (:func:`_expert_matrices`): per row, one call for its gate and up products and one for its down product,
+    in a loop over the rows."""
+    B, T, D = x_BTD.shape
+    E, U = ws[0].shape[-3], chosen_BTU.shape[-1]
+    (gates, gate_panels), (ups, _), (downs, down_panels) = (_expert_matrices(w) for w in ws)
+    expert_R = chosen_BTU.reshape(-1)
+    matrix_R = expert_R if layer is None else layer * E + expert_R
+    x_RD = jnp.repeat(x_BTD.reshape(B * T, D), U, axis=0).astype(gates.dtype)
+
+    def row(_, x_matrix):
+        x_D, matrix = x_matrix
+        gate_1F, up_1F = cpu_kernels.matmuls(x_D[None], [gates, ups], panels=gate_panels, layer=matrix,
+                                             **instructions)
+        h_1F = base.gated(gate_1F, up_1F, activation).astype(x_BTD.dtype)
+        (y_1D,) = cpu_kernels.matmuls(h_1F.astype(downs.dtype), [downs], panels=down_panels, layer=matrix,
+                                      **instructions)
+        return None, y_1D[0]
+
+    _, y_RD = jax.lax.scan(row, None, (x_RD, matrix_R))
+    y_RD = y_RD * weights_BTU.reshape(-1)[:, None]
+    return jnp.sum(y_RD.reshape(B, T, U, D), axis=2).astype(x_BTD.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

@@ -12,8 +12,10 @@ Decode on CPU reads every weight once per step. The kernels read two forms faste
 layout), keeping every path: ``layers/attn/q_proj`` becomes a :class:`Fused` group holding q, k and v,
 ``k_proj`` and ``v_proj`` :class:`FusedPart` markers pointing into it; ``o_proj``, ``down_proj`` and an
 untied ``lm_head`` become :class:`Panels`; a tied ``embedder/embedding`` becomes :class:`Panels` of the
-head it also is (``transposed``); a mixture of experts (``layers/moe``) stays as it is, for XLA. The model hands these leaves to the backend untouched; only
-:class:`llm_jax.backends.CpuKernels` reads them.
+head it also is (``transposed``); a mixture's experts (``layers/moe``) become :class:`Panels` [L, E, N / 16,
+K, 16], whose chosen experts decode's kernels read in the stack (a prefill unpacks a layer's for XLA's
+``ragged_dot``), and a shared expert's gate and up a :class:`Fused` group. The model hands these leaves to the
+backend untouched; only :class:`llm_jax.backends.CpuKernels` reads them.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ def prepare(params: Params, config: ModelConfig) -> Params:
     """The execution form of canonical ``params`` (a new pytree; norms, biases and other leaves shared).
     Built one leaf at a time, so preparing needs memory for the new form and one leaf in flight."""
     layers = {name: dict(module) if isinstance(module, dict) else module for name, module in params["layers"].items()}
-    # A mixture of experts (``layers/moe``) runs as XLA's (``Backend.moe_mlp``): no dense MLP to prepare.
+    # A mixture of experts (``layers/moe``) has no dense MLP: its experts are prepared apart (_prepared_experts).
     dense_mlp = config.experts is None
     checked = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")),)
     checked += dense_mlp * (("mlp", ("gate_proj", "up_proj", "down_proj")),)
@@ -143,14 +145,33 @@ def prepare(params: Params, config: ModelConfig) -> Params:
         outs = tuple(projection_dims(n, config)[1] for n in names)
         width = sum(math.prod(o) for o in outs)
         # One program from the parts to the fused panels: no fused copy in between.
-        fused = Panels(_fused_panels(parts), (config.d_model,), (width,)) if takes_panels(width) else _side_by_side(parts)
+        fused = (Panels(_fused_panels(parts), (config.d_model,), (width,)) if takes_panels(width)
+                 else _side_by_side(parts))
         group[names[0]] = Fused(fused, outs)
         for i, n in enumerate(names[1:], start=1):
             group[n] = FusedPart(i)
     for module, name in (("attn", "o_proj"),) + dense_mlp * (("mlp", "down_proj"),):
         ins, outs = projection_dims(name, config)
         layers[module][name] = _maybe_panels(layers[module][name], ins, outs)
+    if not dense_mlp:
+        layers["moe"] = _prepared_experts(layers["moe"], config)
     return prepare_head({**params, "layers": layers}, config)
+
+
+def _prepared_experts(moe: Params, config: ModelConfig) -> Params:
+    """A mixture's experts as panels [L, E, N / 16, K, 16] where they take them (decode's kernels read the
+    chosen ones in the stack); a shared expert (Qwen2-MoE) as the dense MLP is: gate and up fused, down panels."""
+    D, F, F_shared = config.d_model, config.d_ff, config.experts.shared_d_ff
+    out = {**moe, "gate_proj": _maybe_panels(moe["gate_proj"], (D,), (F,)),
+           "up_proj": _maybe_panels(moe["up_proj"], (D,), (F,)),
+           "down_proj": _maybe_panels(moe["down_proj"], (F,), (D,))}
+    if F_shared is None:
+        return out
+    parts = [moe["shared_gate_proj"], moe["shared_up_proj"]]
+    fused = (Panels(_fused_panels(parts), (D,), (2 * F_shared,)) if takes_panels(2 * F_shared)
+             else _side_by_side(parts))
+    return {**out, "shared_gate_proj": Fused(fused, ((F_shared,), (F_shared,))), "shared_up_proj": FusedPart(1),
+            "shared_down_proj": _maybe_panels(moe["shared_down_proj"], (F_shared,), (D,))}
 
 
 def prepare_head(params: Params, config: ModelConfig) -> Params:
@@ -173,7 +194,8 @@ def _maybe_panels(w: jax.Array, ins: tuple[int, ...], outs: tuple[int, ...]) -> 
     K, N = math.prod(ins), math.prod(outs)
     lead = w.ndim - len(ins) - len(outs)
     if lead < 0 or tuple(w.shape[lead:]) != (*ins, *outs):
-        raise ValueError(f"a weight of shape {tuple(w.shape)} where the config says [..., {', '.join(map(str, ins + outs))}]")
+        raise ValueError(f"a weight of shape {tuple(w.shape)} where the config says "
+                         f"[..., {', '.join(map(str, ins + outs))}]")
     if not takes_panels(N):
         return w
     return Panels(_panels(w, lead, K, N), ins, outs)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,13 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq
 # Gemma 3's two RoPEs, bases far apart (transformers 5's spelling; the local one plain, as Gemma 3's always is).
 GEMMA3_ROPE = dict(full_attention=dict(rope_type="linear", rope_theta=50000.0, factor=8.0),
                    sliding_attention=dict(rope_type="default", rope_theta=100.0))
+# Phi-4-mini's LongRoPE on 3/4 of each head (3 frequencies of 6 rotating dimensions), its original context short
+# of every prompt: the long factors throughout, and the attention factor sqrt(1 + log(128 / 8) / log(8)).
+PHI3_ROPE = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                 short_factor=[1.1, 0.8, 1.7], long_factor=[2.5, 7.0, 19.0])
+PHI3_LONGROPE = llm_jax.LongRope(short_factor=(1.1, 0.8, 1.7), long_factor=(2.5, 7.0, 19.0),
+                                 original_max_position_embeddings=8,
+                                 attention_factor=math.sqrt(1 + math.log(128 / 8) / math.log(8)))
 # No special tokens: greedy continuations must run the full 32 tokens on both sides.
 COMMON = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=128,
               rms_norm_eps=1e-6, initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -89,6 +97,12 @@ FAMILIES = {
         dict(qk_norm=True, sandwich_norm=True, sliding_window=6, sliding_layers=(True, False),
              query_pre_attn_scalar=24.0, rope_theta=50000.0, rope_scaling=llm_jax.LinearRope(factor=8.0),
              sliding_rope_theta=100.0, attn_logit_softcap=None, final_logit_softcap=None)),
+    # Fused qkv_proj and gate_up_proj, split at load; a sliding window (Phi-3-mini-4k); LongRoPE and partial rotary.
+    "phi3_longrope_partial_window": Family(
+        transformers.Phi3Config,
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=9, partial_rotary_factor=0.75,
+             original_max_position_embeddings=8, rope_parameters=PHI3_ROPE),
+        dict(rotary_dim=6, sliding_window=9, sliding_layers=None, rope_scaling=PHI3_LONGROPE)),
 }
 
 
@@ -252,6 +266,11 @@ SWITCHES_OFF = {
                                     dict(sliding_layers=None),  # every layer local
                                     dict(attn_logit_softcap=None), dict(final_logit_softcap=None),
                                     dict(query_pre_attn_scalar=None)],
+    "phi3_longrope_partial_window": [dict(rope_scaling=dataclasses.replace(PHI3_LONGROPE, attention_factor=1.0)),
+                                     dict(rope_scaling=dataclasses.replace(PHI3_LONGROPE,
+                                                                           long_factor=PHI3_LONGROPE.short_factor)),
+                                     dict(rotary_dim=None, rope_scaling=llm_jax.DefaultRope()),  # every dimension
+                                     dict(sliding_window=None)],
     "gemma3_qk_norm_local_global": [dict(sliding_window=None, sliding_layers=None, sliding_rope_theta=None),
                                     dict(sliding_rope_theta=None),  # the local layer rotating as the global one
                                     dict(rope_scaling=llm_jax.DefaultRope()),

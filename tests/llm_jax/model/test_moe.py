@@ -1,10 +1,12 @@
 """Mixture-of-experts decoders against ``transformers`` (float32, eager attention): Mixtral (top-2 of 8
-experts renormalised, a sliding window across the engine's blocks) and Qwen3-MoE (q/k norm, top-2 of 8 not
-renormalised, ``norm_topk_prob=False``). Tiny random models with their routers scaled up, so that each token
-prefers a few experts and a routing bug moves the logits: logits of the full forward, greedy tokens of
-batched prompts of different lengths (default backend and XLA), the logprobs of sampled tokens, the serving
-engine, speculative decoding, a mesh of 4 CPU devices, the checkpoint round trip; and what is refused.
-Expected values come from ``transformers`` only."""
+experts renormalised, a sliding window across the engine's blocks), Qwen3-MoE (q/k norm, top-2 of 8 not
+renormalised, ``norm_topk_prob=False``) and Qwen2-MoE (q/k/v biases, and a shared expert whose output a sigmoid
+gate scales). Tiny random models with their routers scaled up, so that each token prefers a few experts and a
+routing bug moves the logits: logits of the full forward, greedy tokens of batched prompts of different lengths
+(default backend and XLA), the logprobs of sampled tokens, the serving engine, speculative decoding, a mesh of 4
+CPU devices, the checkpoint round trip; decode's path (each (token, expert) pair's expert read alone) against
+the ragged_dot path, and that decode takes it; and what is refused. Expected values come from ``transformers``
+only."""
 
 from __future__ import annotations
 
@@ -12,21 +14,28 @@ import copy
 import dataclasses
 import json
 
-import gguf
+import cpu_kernels
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
 import llm_jax
-from llm_jax.config import ConfigError, Experts
+from llm_jax.backends import CpuKernels, Xla
+from llm_jax.backends.base import route, sparse_experts
+from llm_jax.backends.cpu.forms import Panels
+from llm_jax.config import Activation, ConfigError, Experts
+from llm_jax.decoding import DecodeControls, decode, start
+from llm_jax.kv_cache import init_cache
 from llm_jax.lora import LoraAdapter, merge_lora
 from llm_jax.model import forward
+from llm_jax.prefilling import pad_prompts, prefill
+from llm_jax.sampling import GREEDY
 from llm_jax.serving.engine import Engine
 from llm_jax.weights.checkpoint import load_checkpoint
 from llm_jax.weights.convert import convert
-from llm_jax.weights.from_gguf import read_gguf_config
 from llm_jax.weights.hf_config import config_from_hf
 from llm_jax.weights.placement import leaves_by_path
 from llm_jax.weights.to_gguf import save_gguf
@@ -45,6 +54,11 @@ FAMILIES = {
                   dict(COMMON, num_experts=8, moe_intermediate_size=24, intermediate_size=64, head_dim=16,
                        norm_topk_prob=False),
                   dict(experts=Experts(num_experts=8, top_k=2, normalize_top_k=False), d_ff=24, qk_norm=True)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig,
+                  dict(COMMON, num_experts=8, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                       intermediate_size=64, norm_topk_prob=False),
+                  dict(experts=Experts(num_experts=8, top_k=2, normalize_top_k=False, shared_d_ff=40), d_ff=24,
+                       qkv_bias=True)),
 }
 ROUTER_SCALE = 4.0
 
@@ -72,6 +86,8 @@ def case(request, tmp_path_factory) -> Case:
                 param.add_(0.4 * torch.randn_like(param))
             elif name.endswith("mlp.gate.weight"):  # the router: peaked choices, far from uniform
                 param.mul_(ROUTER_SCALE)
+            elif name.endswith("bias"):  # Qwen2-MoE's q/k/v biases, zeros as initialised
+                param.normal_(0.0, 0.3)
     folder = tmp_path_factory.mktemp(request.param)
     torch_model.save_pretrained(folder)
     return Case(request.param, folder, torch_model, llm_jax.load(folder, dtype="float32"))
@@ -106,10 +122,16 @@ def test_config_and_params_are_read(case):
         assert getattr(case.model.config, field) == value, field
     E, D, F, L = 8, COMMON["hidden_size"], case.model.config.d_ff, COMMON["num_hidden_layers"]
     moe = case.model.params["layers"]["moe"]
-    assert {k: tuple(v.shape) for k, v in moe.items()} == {
-        "router": (L, D, E), "gate_proj": (L, E, D, F), "up_proj": (L, E, D, F), "down_proj": (L, E, F, D)}
+    shapes = {"router": (L, D, E), "gate_proj": (L, E, D, F), "up_proj": (L, E, D, F), "down_proj": (L, E, F, D)}
+    F_shared = case.model.config.experts.shared_d_ff
+    if F_shared is not None:
+        shapes |= {"shared_gate_proj": (L, D, F_shared), "shared_up_proj": (L, D, F_shared),
+                   "shared_down_proj": (L, F_shared, D), "shared_expert_gate": (L, D)}
+    assert {k: tuple(v.shape) for k, v in moe.items()} == shapes
     assert case.model.config.num_params() == sum(x.size for x in jax.tree.leaves(case.model.params))
-    assert llm_jax.ModelConfig.from_dict(json.loads(json.dumps(case.model.config.to_dict()))) == case.model.config
+    written = case.model.config.to_dict()
+    assert llm_jax.ModelConfig.from_dict(json.loads(json.dumps(written))) == case.model.config
+    assert ("shared_d_ff" in written["experts"]) == (F_shared is not None)  # configs without one read as before
 
 
 @pytest.mark.parametrize("backend", ["default", "xla", "pallas"])
@@ -130,6 +152,11 @@ def test_logits_match_transformers(case, backend):
         if c.sliding_window is not None:  # and the window bites within the sequence
             unwindowed = c.replace(sliding_window=None)
             assert max_delta(run(model.weights, unwindowed, ids, backend=model.backend), theirs) > 100 * ATOL
+        if c.experts.shared_d_ff is not None:  # and so do the shared expert, its gate, and the q/k/v biases
+            for path in (("moe", "shared_down_proj"), ("moe", "shared_expert_gate"), ("attn", "q_bias")):
+                changed = jax.tree.map(lambda a: a, model.weights)
+                changed["layers"][path[0]][path[1]] = 0 * changed["layers"][path[0]][path[1]]
+                assert max_delta(run(changed, c, ids, backend=model.backend), theirs) > 100 * ATOL, path
 
 
 def test_bfloat16_logits_are_about_as_accurate_as_transformers(case):
@@ -190,6 +217,63 @@ def test_engine_and_speculative_give_generate_tokens(case):
         assert [r.output_ids for r in results] == expected, speculative.method
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", [Xla(), CpuKernels()], ids=lambda b: b.name)
+def test_chosen_experts_equal_the_ragged_dot_path(backend, dtype):
+    """Decode's path, each (token, expert) pair's product on its own with only the chosen experts read (XLA's
+    gather; the CPU kernels read them in the stack, canonical or as prepared panels), is the ragged_dot path's
+    function: for the same routing, equal to float32 rounding (bfloat16: to an ulp of the output)."""
+    L, E, U, D, F = 3, 8, 2, 64, 96
+    rng = np.random.default_rng(0)
+
+    def draw(*shape, scale=0.1):
+        return jnp.asarray(rng.normal(0.0, scale, shape), dtype)
+
+    canonical = draw(L, E, D, F), draw(L, E, D, F), draw(L, E, F, D)
+    forms = {"canonical": canonical}
+    if backend.name == "cpu":
+        forms["panels"] = tuple(Panels(cpu_kernels.to_panels(w), w.shape[-2:-1], w.shape[-1:]) for w in canonical)
+    experts = Experts(num_experts=E, top_k=U)
+    chosen = jax.jit(backend.chosen_experts, static_argnums=6)
+    for B, T in ((1, 1), (4, 1), (2, 2), (1, 3)):  # 2 to 8 (token, expert) pairs of 8 experts
+        x_BTD = draw(B, T, D, scale=1.0)
+        weights_BTU, chosen_BTU = route(jnp.asarray(rng.normal(0.0, 2.0, (B, T, E)), jnp.float32), experts)
+        theirs = np.asarray(sparse_experts(x_BTD, weights_BTU, chosen_BTU, *(w[1] for w in canonical),
+                                           Activation.SILU), np.float32)
+        scale = float(np.abs(theirs).max())
+        for form, ws in forms.items():
+            stacked = chosen(x_BTD, weights_BTU, chosen_BTU, *ws, Activation.SILU, jnp.int32(1))
+            alone = chosen(x_BTD, weights_BTU, chosen_BTU, *jax.tree.map(lambda a: a[1], ws), Activation.SILU)
+            for ours in (stacked, alone):
+                delta = max_delta(np.asarray(ours, np.float32), theirs)
+                print(f"{backend.name} {form} {dtype} B={B} T={T}: max |Δ| {delta:.2e} of outputs up to {scale:.2f}")
+                assert delta <= (1e-6 if dtype == "float32" else 2.0 ** -7) * scale  # bfloat16: an ulp at the largest
+                assert ours.shape == x_BTD.shape and ours.dtype == x_BTD.dtype
+
+
+def _decode_and_prefill_programs(model, backend):
+    """The jaxprs of decoding ``PROMPTS`` (2 rows, 4 (token, expert) pairs per step) and of prefilling them
+    (16 positions each)."""
+    tokens, lengths = pad_prompts(PROMPTS, 16)
+    cache = init_cache(model.config, len(PROMPTS), 32)
+    controls = DecodeControls.create([GREEDY] * 2, eos_ids=[()] * 2, stop_ids=[()] * 2, max_new_tokens=[8] * 2)
+    logits, cache = prefill(model.weights, model.config, tokens, lengths, cache, backend=backend)
+    state, _ = start(logits, tokens, cache, controls, backend=backend)
+    decoding = decode.trace(model.weights, model.config, cache, state, controls, num_steps=2, backend=backend)
+    prefilling = prefill.trace(model.weights, model.config, tokens, lengths, cache, backend=backend)
+    return str(decoding.jaxpr), str(prefilling.jaxpr)
+
+
+@pytest.mark.parametrize("backend", ["default", "xla"])
+def test_decode_reads_only_the_chosen_experts(case, backend):
+    """A decode step's few (token, expert) pairs run on their own (no ragged_dot; on the CPU kernels, their
+    matrix products), a prefill's many sorted by expert through ragged_dot."""
+    model = case.model if backend == "default" else llm_jax.load(case.folder, dtype="float32", backend="xla")
+    decoding, prefilling = _decode_and_prefill_programs(model, model.backend)
+    assert "ragged_dot" not in decoding and "ragged_dot" in prefilling
+    assert ("llm_jax_matmul" in decoding) == (model.backend.name == "cpu" and cpu_kernels.available())
+
+
 def test_convert_round_trip_is_exact(case, tmp_path):
     convert(case.folder, tmp_path / "llm_jax", dtype="float32")
     config, params, _ = load_checkpoint(tmp_path / "llm_jax")
@@ -233,35 +317,38 @@ def test_unsupported_uses_are_refused(case, tmp_path):
                                                         np.zeros((2, 4, 32), np.float32))})
     with pytest.raises(ValueError, match="LoRA adapters on mixture-of-experts models are not supported"):
         merge_lora(model.params, model.config, adapter)
-    with pytest.raises(ConfigError, match="mixture-of-experts model .* as GGUF is not supported"):
-        save_gguf(tmp_path / "m.gguf", model.config, model.params, "F32")
+    if model.config.experts.shared_d_ff is not None:  # llama.cpp's llama and qwen3moe have no shared expert
+        with pytest.raises(ConfigError, match="would not run this mixture of experts as llm_jax does: it has .*"
+                                               "experts.shared_d_ff=40 \\(a shared expert"):
+            save_gguf(tmp_path / "m.gguf", model.config, model.params, "F32")
 
 
-def test_gguf_mixture_of_experts_is_refused(tmp_path):
-    """llama.cpp's Mixtral files: ``llama`` with ``expert_count``."""
-    path = tmp_path / "moe.gguf"
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(1)
-    writer.add_embedding_length(8)
-    writer.add_head_count(2)
-    writer.add_feed_forward_length(16)
-    writer.add_expert_count(4)
-    writer.add_expert_used_count(2)
-    writer.add_tensor("token_embd.weight", np.zeros((10, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ConfigError, match="expert_count=4: reading a mixture-of-experts model .* not supported"):
-        read_gguf_config(path)
-
-
-def test_qwen3_moe_dense_layers_are_refused():
-    hf = {**FAMILIES["qwen3_moe"][1], "architectures": ["Qwen3MoeForCausalLM"]}
-    assert config_from_hf(hf).experts == Experts(num_experts=8, top_k=2, normalize_top_k=False)
+@pytest.mark.parametrize("family, architecture", [("qwen3_moe", "Qwen3MoeForCausalLM"),
+                                                  ("qwen2_moe", "Qwen2MoeForCausalLM")])
+def test_qwen_moe_dense_layers_are_refused(family, architecture):
+    hf = {**FAMILIES[family][1], "architectures": [architecture]}
+    assert config_from_hf(hf).experts == FAMILIES[family][2]["experts"]
     with pytest.raises(ConfigError, match=r"mlp_only_layers=\[1\]"):
         config_from_hf({**hf, "mlp_only_layers": [1]})
     with pytest.raises(ConfigError, match="decoder_sparse_step=2"):
         config_from_hf({**hf, "decoder_sparse_step": 2})
     with pytest.raises(ConfigError, match="top_k must be an integer from 1 to num_experts=8"):
         config_from_hf({**hf, "num_experts_per_tok": 9})
+
+
+def test_qwen2_moe_config_fields():
+    """Qwen2-MoE's shared expert width, ``norm_topk_prob`` and ``qkv_bias`` are read, transformers' defaults
+    filled in; a shared expert's width must be positive, and Qwen3-MoE has none."""
+    hf = {**FAMILIES["qwen2_moe"][1], "architectures": ["Qwen2MoeForCausalLM"]}
+    assert config_from_hf({**hf, "norm_topk_prob": True}).experts.normalize_top_k
+    assert not config_from_hf({**hf, "qkv_bias": False}).qkv_bias
+    defaults = {k: v for k, v in hf.items() if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                         "shared_expert_intermediate_size")}
+    config = config_from_hf(defaults)
+    assert (config.experts, config.d_ff) == (Experts(num_experts=60, top_k=4, normalize_top_k=False,
+                                                     shared_d_ff=5632), 1408)
+    with pytest.raises(ConfigError, match="experts shared_d_ff must be a positive integer or None, got 0"):
+        config_from_hf({**hf, "shared_expert_intermediate_size": 0})
+    qwen3 = {**FAMILIES["qwen3_moe"][1], "architectures": ["Qwen3MoeForCausalLM"]}
+    with pytest.raises(ConfigError, match="with a shared expert"):
+        config_from_hf({**qwen3, "shared_expert_intermediate_size": 40})

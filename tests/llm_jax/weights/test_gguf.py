@@ -569,7 +569,7 @@ def tiny_hf(tmp_path_factory):
 def test_unsupported_architecture_is_named(tiny_hf, tmp_path):
     path = write_gguf(tmp_path / "falcon.gguf", tiny_hf, arch="falcon")
     with pytest.raises(ConfigError, match=r"unsupported GGUF architecture 'falcon'; supported: \['gemma', 'gemma2', "
-                                          r"'gemma3', 'llama', 'qwen2', 'qwen3'\]"):
+                                          r"'gemma3', 'llama', 'qwen2', 'qwen3', 'qwen3moe'\]"):
         llm_jax.load(path)
 
 
