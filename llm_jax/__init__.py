@@ -28,7 +28,8 @@ import importlib
 _EXPORTS: dict[str, tuple[str, ...]] = {
     # Configuration.
     "config": ("Activation", "Classifier", "ConfigError", "DefaultRope", "Experts", "LinearRope", "Llama3Rope",
-               "LongRope", "ModelConfig", "NoLanguageModelHead", "Problem", "Quantization", "QuantScheme"),
+               "LongRope", "ModelConfig", "NoLanguageModelHead", "Problem", "QKNormScope", "Quantization",
+               "QuantScheme", "YarnRope"),
     # Integer weights.
     "quantization": ("QuantizedArray", "quantize", "quantize_params"),
     # How the model runs: the backend seam.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -22,6 +23,15 @@ class Activation(enum.Enum):
 
     SILU = "silu"
     GELU_TANH = "gelu_tanh"
+
+
+class QKNormScope(enum.Enum):
+    """What the q/k RMSNorm (``qk_norm``) normalises: each head's H values on their own, one [H] scale shared by
+    the heads (Qwen3, Gemma 3), or each token's whole projection at once, N·H query and K·H key values with a
+    scale per head and dimension, [N, H] and [K, H] (OLMo 2, OLMo 3)."""
+
+    HEAD = "head"
+    ALL_HEADS = "all_heads"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,7 +91,61 @@ class LongRope:
             raise ConfigError(f"longrope attention_factor must be positive, got {self.attention_factor!r}")
 
 
-RopeScaling = DefaultRope | LinearRope | Llama3Rope | LongRope
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class YarnRope:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models"; ``rope_type:
+    yarn``): each rotary frequency interpolated (divided by ``factor``), extrapolated (kept) or blended, by how many
+    turns it makes over ``original_max_position_embeddings`` tokens (§3.2, "NTK-by-parts": kept above
+    ``beta_fast`` turns, divided below ``beta_slow``, a linear ramp over the rotary dimensions between), and cos
+    and sin multiplied by an attention factor (§3.4): ``attention_factor``, or None for the paper's
+    0.1·ln(factor) + 1 (1 where factor <= 1). ``truncate`` rounds the ramp's ends to whole dimensions (floor,
+    ceil), as the paper's code and llama.cpp do; gpt-oss turns it off. Frequencies are those of the R rotary
+    dimensions (``ModelConfig.rope_dim``). DeepSeek's ``mscale`` / ``mscale_all_dim`` ratio, and a missing
+    ``factor``, are resolved by the converter (``weights.hf_config``), as transformers resolves them."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("factor", "beta_fast", "beta_slow"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"yarn {name} must be a positive number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.beta_fast < self.beta_slow:
+            raise ConfigError(f"yarn beta_fast={self.beta_fast} must be at least beta_slow={self.beta_slow} (the "
+                              "ramp runs from the fast, extrapolated frequencies to the slow, interpolated ones)")
+        orig = self.original_max_position_embeddings
+        if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
+            raise ConfigError(f"yarn original_max_position_embeddings must be a positive integer, got {orig!r}")
+        if self.attention_factor is not None:
+            if isinstance(self.attention_factor, bool) or not isinstance(self.attention_factor, int | float) \
+                    or not self.attention_factor > 0:
+                raise ConfigError(f"yarn attention_factor must be a positive number or None, got "
+                                  f"{self.attention_factor!r}")
+            object.__setattr__(self, "attention_factor", float(self.attention_factor))
+        if not isinstance(self.truncate, bool):
+            raise ConfigError(f"yarn truncate must be true or false, got {self.truncate!r}")
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """What cos and sin are multiplied by: ``attention_factor``, else 0.1·ln(factor) + 1 (YaRN's §3.4)."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return yarn_mscale(self.factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 · mscale · ln(factor) + 1 (1 where factor <= 1), as transformers'
+    ``yarn_get_mscale``; DeepSeek's attention factor is the ratio of two of them."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+RopeScaling = DefaultRope | LinearRope | Llama3Rope | LongRope | YarnRope
 
 
 class Problem(enum.Enum):
@@ -186,9 +250,10 @@ class QuantScheme:
 class Quantization(QuantScheme):
     """Weights stored as integers (``llm_jax.quantization``): every projection in this scheme, except
     those ``projections`` names ((name, scheme) pairs, a scheme None keeping that projection in floats: the
-    mixes of a GGUF file). ``embedding``: the embedding table's scheme (groups along d_model), None for
-    floats; ``lm_head``: an untied LM head's. ``embedding=True`` is both in int8 per row (per output
-    channel of the head), ``False`` neither."""
+    mixes of a GGUF file; a mixture's experts, and its shared expert, go by the MLP's names ``gate_proj``,
+    ``up_proj``, ``down_proj``; its router stays in floats). ``embedding``: the embedding table's scheme
+    (groups along d_model), None for floats; ``lm_head``: an untied LM head's. ``embedding=True`` is both
+    in int8 per row (per output channel of the head), ``False`` neither."""
 
     embedding: QuantScheme | None = None
     lm_head: QuantScheme | None = None
@@ -239,6 +304,8 @@ _RUNTIME_FIELDS = ("attention_impl", "matmul_impl")
 # Fields added after the first checkpoints were written: left out of a config's JSON while None, so that
 # configs without them read (and hash, in the training logs) as before.
 _LATER_FIELDS = ("rotary_dim", "sliding_rope_theta", "experts", "quantization", "classifier")
+# Switches added later, left out of a config's JSON while at these defaults, for the same reason.
+_LATER_DEFAULTS: dict[str, Any] = {"pre_norm": True, "qk_norm_scope": QKNormScope.HEAD}
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -274,10 +341,14 @@ class ModelConfig:
     # Family switches (Llama defaults).
     activation: Activation = Activation.SILU
     qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False  # Qwen3: RMSNorm over H on q and k before RoPE
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k before RoPE, over what ``qk_norm_scope`` says
+    qk_norm_scope: QKNormScope = QKNormScope.HEAD  # OLMo 2: ALL_HEADS, each token's whole q and k
     norm_weight_offset: float = 0.0  # Gemma: RMSNorm scales by (offset + w)
     embed_scale: bool = False  # Gemma: embeddings multiplied by sqrt(D)
     sandwich_norm: bool = False  # Gemma 2: extra norms after attention and after the MLP
+    # False (OLMo 2): no norms before attention and the MLP, only the sandwich's after them, so that a layer is
+    # x + norm(attn(x)), then x + norm(mlp(x)); the residual stream itself is normed only by the final norm.
+    pre_norm: bool = True
     query_pre_attn_scalar: float | None = None  # Gemma 2: scale = this ** -0.5 instead of H ** -0.5
     attn_logit_softcap: float | None = None  # Gemma 2
     final_logit_softcap: float | None = None  # Gemma 2
@@ -285,7 +356,7 @@ class ModelConfig:
     # Per layer: True where the layer uses ``sliding_window``. None means every layer does (when a
     # window is set). Gemma 2 alternates local and global layers.
     sliding_layers: tuple[bool, ...] | None = None
-    # Gemma 3: the RoPE base of the sliding-window layers, which rotate by plain RoPE (no ``rope_scaling``);
+    # Gemma 3, OLMo 3: the RoPE base of the sliding-window layers, which rotate by plain RoPE (no ``rope_scaling``);
     # None: they rotate as the global layers do (``rope_theta``, ``rope_scaling``).
     sliding_rope_theta: float | None = None
     # Mixtral / Qwen2-MoE / Qwen3-MoE: every layer's MLP is a sparse mixture of ``d_ff``-wide experts; None: dense.
@@ -299,6 +370,11 @@ class ModelConfig:
         object.__setattr__(self, "param_dtype", _dtype_name(self.param_dtype))
         object.__setattr__(self, "compute_dtype", _dtype_name(self.compute_dtype))
         object.__setattr__(self, "activation", Activation(self.activation))
+        try:
+            object.__setattr__(self, "qk_norm_scope", QKNormScope(self.qk_norm_scope))
+        except ValueError:
+            raise ConfigError(f"qk_norm_scope must be one of {[s.value for s in QKNormScope]}, got "
+                              f"{self.qk_norm_scope!r}") from None
         if self.sliding_layers is not None:
             object.__setattr__(self, "sliding_layers", tuple(bool(x) for x in self.sliding_layers))
         if self.rotary_dim is not None and self.rotary_dim == self.head_dim:
@@ -329,6 +405,14 @@ class ModelConfig:
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ConfigError(f"{name} must be float32, bfloat16 or float16, got {getattr(self, name)!r}")
+        if not isinstance(self.pre_norm, bool):
+            raise ConfigError(f"pre_norm must be true or false, got {self.pre_norm!r}")
+        if self.qk_norm_scope is not QKNormScope.HEAD and not self.qk_norm:
+            raise ConfigError(f"qk_norm_scope={self.qk_norm_scope.value!r} needs qk_norm=True (it says what the "
+                              "q/k norm normalises)")
+        if not self.pre_norm and not self.sandwich_norm:
+            raise ConfigError("pre_norm=False needs sandwich_norm=True: without either, a layer's sub-blocks are "
+                              "never normed (OLMo 2 norms their outputs only)")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be positive or None, got {self.sliding_window}")
         if self.sliding_layers is not None:
@@ -345,9 +429,6 @@ class ModelConfig:
             raise ConfigError(f"sliding_rope_theta={self.sliding_rope_theta} is set but no layer has a sliding window")
         if self.experts is not None and not isinstance(self.experts, Experts):
             raise ConfigError(f"experts must be an Experts or None, got {self.experts!r}")
-        if self.experts is not None and self.quantization is not None:
-            raise ConfigError("quantization of mixture-of-experts weights is not supported (int8 and int4 cover "
-                              "dense models only)")
         match self.rope_scaling:
             case DefaultRope():
                 pass
@@ -359,7 +440,7 @@ class ModelConfig:
             case LongRope(short_factor=short) if len(short) != self.rope_dim // 2:
                 raise ConfigError(f"longrope short_factor and long_factor have {len(short)} entries, expected one per "
                                   f"rotary frequency: rotary dimensions {self.rope_dim} / 2 = {self.rope_dim // 2}")
-            case LongRope():
+            case LongRope() | YarnRope():
                 pass
             case other:
                 raise ConfigError(f"invalid rope_scaling {other!r}")
@@ -407,7 +488,8 @@ class ModelConfig:
         attn = D * H * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * H * D
         if self.qkv_bias:
             attn += H * (self.n_heads + 2 * self.n_kv_heads)
-        norms = D * (4 if self.sandwich_norm else 2) + (2 * H if self.qk_norm else 0)
+        qk_norms = 2 * H if self.qk_norm_scope is QKNormScope.HEAD else (self.n_heads + self.n_kv_heads) * H
+        norms = D * ((4 if self.sandwich_norm else 2) - (0 if self.pre_norm else 2)) + (qk_norms if self.qk_norm else 0)
         mlp = 3 * D * F
         if self.experts is not None:  # the experts and the router; a shared expert and its gate
             shared = self.experts.shared_d_ff
@@ -434,6 +516,8 @@ class ModelConfig:
         out: dict[str, Any] = {}
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name in _LATER_DEFAULTS and value == _LATER_DEFAULTS[field.name]:
+                continue  # Llama's norms: configs read (and hash) as before these switches existed
             if isinstance(value, enum.Enum):
                 value = value.value
             elif field.name == "rope_scaling":
@@ -462,7 +546,7 @@ class ModelConfig:
         rope = data.pop("rope_scaling", None)
         if rope is not None:
             rope = dict(rope)
-            kinds = {c.__name__: c for c in (DefaultRope, LinearRope, Llama3Rope, LongRope)}
+            kinds = {c.__name__: c for c in (DefaultRope, LinearRope, Llama3Rope, LongRope, YarnRope)}
             kind = rope.pop("type", "DefaultRope")
             if kind not in kinds:
                 raise ConfigError(f"unknown rope_scaling type {kind!r}; choose one of {sorted(kinds)}")

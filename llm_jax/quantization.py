@@ -12,7 +12,8 @@ Per output channel is one group spanning all of K (``group_size == K``). The las
 
     W[k, n] = s[k // group_size, n] * q[k, n] + o[k // group_size, n]
 
-Storage (``values``, with the leaf's leading axes first, e.g. [L] for stacked layers):
+Storage (``values``, with the leaf's leading axes first, e.g. [L] for stacked layers, [L, E] for a mixture's
+experts, each expert's groups along its own inputs):
 
 - **8 bits**: int8 [*lead, K, N], ``q`` itself (-127 ... 127 when made by :func:`quantize`).
 - **4 bits**: uint8 [*lead, ceil(K / 2), N], two inputs per byte: input 2j in the low nibble, input
@@ -54,13 +55,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from llm_jax.config import ConfigError, ModelConfig, Quantization, QuantScheme
+from llm_jax.config import ModelConfig, Quantization, QuantScheme
 
 Params = dict[str, Any]
 
 BITS = (8, 4)
-# The projections of every family, by module: W [*in, *out] stacked over layers.
+# The projections of every family, by module: W [*in, *out] stacked over layers. A mixture of experts
+# (``layers/moe``) has the MLP's three as its experts' stacks [L, E, *in, *out], and a shared expert's
+# (Qwen2-MoE) as ``shared_`` ones [L, *in, *out]; the router [L, D, E] is not one (it stays in floats).
 PROJECTIONS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+SHARED = "shared_"
 
 
 def _static(**kwargs):
@@ -124,6 +128,15 @@ class QuantizedArray:
     def layer(self, index: jax.Array | int) -> QuantizedArray:
         """Entry ``index`` of the leading axis (a layer of a stack; a traced index is fine)."""
         take = functools.partial(jax.lax.dynamic_index_in_dim, index=index, axis=0, keepdims=False)
+        return dataclasses.replace(self, values=take(self.values), scales=take(self.scales),
+                                   offsets=None if self.offsets is None else take(self.offsets))
+
+    def chosen(self, index_R: jax.Array, layer: jax.Array | int | None = None) -> QuantizedArray:
+        """Entries ``index_R`` [R] of the leading axis (of entry ``layer`` of the one before it, where given): a
+        mixture's chosen experts [L, E, ...] → [R, ...], their integers and scales gathered, nothing else read."""
+        def take(a):
+            return a[index_R] if layer is None else a[layer, index_R]
+
         return dataclasses.replace(self, values=take(self.values), scales=take(self.scales),
                                    offsets=None if self.offsets is None else take(self.offsets))
 
@@ -268,25 +281,26 @@ def pack_int4(q: jax.Array) -> jax.Array:
 
 
 def quantize_params(params: Params, config: ModelConfig, quantization: Quantization) -> tuple[ModelConfig, Params]:
-    """Every projection of ``params`` (canonical; stacked over layers) quantized as ``quantization`` says,
-    and the embedding table and an untied LM head where ``quantization.embedding`` / ``lm_head`` give them
-    a scheme: ``(config recording it, params)``. Other leaves (norms, biases) are kept as they are."""
+    """Every projection of ``params`` (canonical; stacked over layers; :func:`projections`) quantized as
+    ``quantization`` says, and the embedding table and an untied LM head where ``quantization.embedding`` /
+    ``lm_head`` give them a scheme: ``(config recording it, params)``. A mixture's experts [L, E, *in, *out]
+    are quantized expert by expert (groups along each one's inputs, leading axes L, E), a shared expert's
+    projections as the MLP's of the same name. Other leaves (norms, biases, a mixture's router) are kept as
+    they are."""
     if config.quantization is not None:
         raise ValueError(f"the params are already quantized ({config.quantization})")
-    if config.experts is not None:
-        raise ConfigError(f"int{quantization.bits} quantization of mixture-of-experts weights is not supported")
     layers = dict(params["layers"])
-    for module, names in PROJECTIONS.items():
-        group = dict(layers[module])
-        for name in names:
-            ins, outs = projection_dims(name, config)
-            scheme = quantization.scheme(name)
-            if scheme is None:  # kept in floats
-                _checked(group.get(name), f"layers/{module}/{name}", (config.n_layers, *ins, *outs))
-                continue
-            group[name] = quantize(_checked(group.get(name), f"layers/{module}/{name}", (config.n_layers, *ins, *outs)),
-                                   scheme.bits, scheme.group_size, in_shape=ins, out_shape=outs, offsets=scheme.offsets)
-        layers[module] = group
+    for module, name, lead in projections(config):
+        group = layers[module] = dict(layers[module])
+        ins, outs = projection_dims(name, config)
+        w = _checked(group.get(name), f"layers/{module}/{name}", (*lead, *ins, *outs))
+        scheme = quantization.scheme(scheme_name(name))
+        if scheme is None:  # kept in floats
+            continue
+        # A mixture's experts a layer at a time: float32 temporaries of one layer's experts, not of all of them.
+        parts = [quantize(w_l, scheme.bits, scheme.group_size, in_shape=ins, out_shape=outs, offsets=scheme.offsets)
+                 for w_l in (w if len(lead) > 1 else [w])]
+        group[name] = parts[0] if len(parts) == 1 else _stacked(parts)
     out = {**params, "layers": layers}
     V, D = config.vocab_size, config.d_model
     if (table := quantization.embedding) is not None:  # rows of E [V, D]: inputs D, as the tied head reads it
@@ -297,6 +311,14 @@ def quantize_params(params: Params, config: ModelConfig, quantization: Quantizat
         out["lm_head"] = quantize(_checked(params["lm_head"], "lm_head", (D, V)), head.bits, head.group_size,
                                   offsets=head.offsets)
     return config.replace(quantization=quantization), out
+
+
+def _stacked(parts: list[QuantizedArray]) -> QuantizedArray:
+    """Leaves of the same scheme and shape as one leaf with a new leading axis."""
+    def stack(name):
+        return None if getattr(parts[0], name) is None else jnp.stack([getattr(p, name) for p in parts])
+
+    return dataclasses.replace(parts[0], values=stack("values"), scales=stack("scales"), offsets=stack("offsets"))
 
 
 # The schemes the command lines name: (bits, default group size (int8: per output channel), offsets).
@@ -313,9 +335,34 @@ def parse_quantization(name: str, group_size: int | None = None, *, embedding: b
                         embedding=embedding)
 
 
+def projections(config: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(module, name, leading axes) of every projection of ``config``'s layers: [L] for a layer's matrix,
+    [L, E] for a mixture's experts (``layers/moe``), whose shared expert's are [L] (``shared_`` names)."""
+    L = config.n_layers
+    out = [("attn", name, (L,)) for name in PROJECTIONS["attn"]]
+    if config.experts is None:
+        return out + [("mlp", name, (L,)) for name in PROJECTIONS["mlp"]]
+    out += [("moe", name, (L, config.experts.num_experts)) for name in PROJECTIONS["mlp"]]
+    if config.experts.shared_d_ff is not None:
+        out += [("moe", SHARED + name, (L,)) for name in PROJECTIONS["mlp"]]
+    return out
+
+
+def scheme_name(name: str) -> str:
+    """The name :meth:`Quantization.scheme` knows projection ``name`` by: a shared expert's projections
+    are quantized as the MLP's of the same name (``shared_gate_proj`` as ``gate_proj``), as the experts are."""
+    return name.removeprefix(SHARED)
+
+
 def projection_dims(name: str, config: ModelConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(input axes, output axes) of the projection ``name``: W [*in, *out] (per layer)."""
+    """(input axes, output axes) of the projection ``name``: W [*in, *out] (per layer; per expert for a
+    mixture's; F' wide for a shared expert's ``shared_`` ones)."""
     D, N, K, H, F = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim, config.d_ff
+    if name.startswith(SHARED):
+        F = config.experts.shared_d_ff if config.experts is not None else None
+        if F is None:
+            raise ValueError(f"{name}: the config has no shared expert")
+        name = scheme_name(name)
     return {"q_proj": ((D,), (N, H)), "k_proj": ((D,), (K, H)), "v_proj": ((D,), (K, H)), "o_proj": ((N, H), (D,)),
             "gate_proj": ((D,), (F,)), "up_proj": ((D,), (F,)), "down_proj": ((F,), (D,))}[name]
 

@@ -77,6 +77,9 @@ PARAM_DIMS: Mapping[str, str] = {
     "layers/attn/v_bias": "LKH",
     "layers/attn/q_norm/scale": "LH",
     "layers/attn/k_norm/scale": "LH",
+    # OLMo 2's q/k norms over all heads: split with the heads (XLA all-reduces the sum of squares across them).
+    "layers/attn/q_proj_norm/scale": "LNH",
+    "layers/attn/k_proj_norm/scale": "LKH",
     "layers/mlp/gate_proj": "LDF",
     "layers/mlp/up_proj": "LDF",
     "layers/mlp/down_proj": "LFD",
@@ -372,7 +375,9 @@ def paged_attention_on_shards(kernel: Callable, mesh: Mesh | None, q_TNH: jax.Ar
     return on_shards(q_TNH, k_LPZKH, v_LPZKH, layer, *tables)
 
 # Placing params.
-_KV_HEAD_PARAMS = ("layers/attn/k_proj", "layers/attn/v_proj", "layers/attn/k_bias", "layers/attn/v_bias")
+# (A norm over all K/V heads, repeated, has the same mean square: each head counts r times.)
+_KV_HEAD_PARAMS = ("layers/attn/k_proj", "layers/attn/v_proj", "layers/attn/k_bias", "layers/attn/v_bias",
+                   "layers/attn/k_proj_norm/scale")
 
 
 def kv_head_repeats(config: ModelConfig, mesh: Mesh | AbstractMesh) -> int:

@@ -31,6 +31,24 @@ def save_tiny_llama(folder: pathlib.Path, *, seed: int = 0, perturb_norms: bool 
     return model
 
 
+def save_random_model(folder: pathlib.Path, config: transformers.PretrainedConfig, *, make=None, seed: int = 0,
+                      bias_scale: float | None = None):
+    """A random causal LM of ``config`` (``make(config)``, by default the architecture's auto class) saved to
+    ``folder``; returns the torch model (eager attention). Its norms (q/k norms too) are perturbed away from
+    1, and with ``bias_scale`` its biases drawn, so a mistake in how they are applied shows in the logits."""
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = (make or transformers.AutoModelForCausalLM.from_config)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.4 * torch.randn_like(param))
+            elif bias_scale is not None and name.endswith("bias"):
+                param.copy_(bias_scale * torch.randn_like(param))
+    model.save_pretrained(folder)
+    return model
+
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 

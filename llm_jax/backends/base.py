@@ -77,8 +77,10 @@ class Backend:
                        layer: jax.Array | None = None) -> jax.Array:
         """The experts' outputs summed by routing weight [B, T, D], the (token, expert) pairs sorted by expert
         and multiplied group by group (:func:`sparse_experts`), of layer ``layer`` of the stacks [L, E, ...]
-        where given."""
-        gate_EDF, up_EDF, down_EFD = (_plain(w, self, layer) for w in (gate_EDF, up_EDF, down_EFD))
+        where given. Quantized experts are dequantized, the layer's whole stack, into ``x_BTD``'s dtype: a
+        prefill's many pairs read every expert anyway."""
+        gate_EDF, up_EDF, down_EFD = (_dequantized(_plain(w, self, layer), x_BTD.dtype)
+                                      for w in (gate_EDF, up_EDF, down_EFD))
         return sparse_experts(x_BTD, weights_BTU, chosen_BTU, gate_EDF, up_EDF, down_EFD, activation)
 
     def chosen_experts(self, x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.Array, gate_EDF: Any,
@@ -86,7 +88,8 @@ class Backend:
                        layer: jax.Array | None = None) -> jax.Array:
         """:meth:`sorted_experts`' function, each (token, expert) pair's product on its own: the chosen
         experts' matrices gathered from the weights (from the stack [L, E, ...] with ``layer``) without the
-        others. Here XLA's gather and batched products (:func:`gathered_experts`)."""
+        others. Here XLA's gather and batched products (:func:`gathered_experts`; quantized experts gathered as
+        their integers and scales, then dequantized)."""
         gate_EDF, up_EDF, down_EFD = (_plain(w, self) for w in (gate_EDF, up_EDF, down_EFD))
         return gathered_experts(x_BTD, weights_BTU, chosen_BTU, gate_EDF, up_EDF, down_EFD, activation, layer)
 
@@ -177,6 +180,11 @@ def _plain(w: Any, backend: Backend, layer: jax.Array | None = None) -> jax.Arra
         raise TypeError(f"the {backend.name} backend got a weight of type {type(w).__name__}: weights prepared "
                         "for another backend (pass model.params, or that backend with model.weights)")
     return w if layer is None else layer_of(w, layer)
+
+
+def _dequantized(w: jax.Array | QuantizedArray, dtype) -> jax.Array:
+    """``w`` as a plain array: a quantized one dequantized into ``dtype``."""
+    return w.dequantize(dtype) if isinstance(w, QuantizedArray) else w
 
 
 def layer_of(w_L: jax.Array, layer: jax.Array) -> jax.Array:
@@ -295,21 +303,26 @@ def gathered_experts(x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.A
                      layer: jax.Array | None = None) -> jax.Array:
     """:func:`sparse_experts` as R = B·T·U products of one row each: row r (token r // U and its (r % U)-th
     expert) multiplied with that expert's matrices, gathered [R, ...] (from the stack [L, E, ...] at ``layer``
-    where given: only those matrices are read; bfloat16 gathered as its bits). The same roundings: float32
-    products, the hidden activations in ``x_BTD``'s dtype, a token's U outputs weighted and summed in float32."""
+    where given: only those matrices are read; bfloat16 gathered as its bits; a quantized stack's integers and
+    scales gathered, then dequantized into ``x_BTD``'s dtype, as :func:`_einsum` does a layer's). The same
+    roundings: float32 products, the hidden activations in ``x_BTD``'s dtype, a token's U outputs weighted and
+    summed in float32."""
     B, T, D = x_BTD.shape
     U = chosen_BTU.shape[-1]
     expert_R = chosen_BTU.reshape(-1)
 
     def chosen(w):  # [R, in, out]
+        if isinstance(w, QuantizedArray):
+            return w.chosen(expert_R, layer).dequantize(x_BTD.dtype)
         bits = as_bits(w)
         return from_bits(bits[expert_R] if layer is None else bits[layer, expert_R], w.dtype)
 
-    x_RD = jnp.repeat(x_BTD.reshape(B * T, D), U, axis=0).astype(gate_EDF.dtype)
-    gate_RF, up_RF = (jnp.einsum("RD,RDF->RF", x_RD, chosen(w), preferred_element_type=jnp.float32)
-                      for w in (gate_EDF, up_EDF))
+    gate_RDF, up_RDF, down_RFD = chosen(gate_EDF), chosen(up_EDF), chosen(down_EFD)
+    x_RD = jnp.repeat(x_BTD.reshape(B * T, D), U, axis=0)
+    gate_RF, up_RF = (jnp.einsum("RD,RDF->RF", x_RD.astype(w.dtype), w, preferred_element_type=jnp.float32)
+                      for w in (gate_RDF, up_RDF))
     h_RF = gated(gate_RF, up_RF, activation).astype(x_BTD.dtype)
-    y_RD = jnp.einsum("RF,RFD->RD", h_RF.astype(down_EFD.dtype), chosen(down_EFD), preferred_element_type=jnp.float32)
+    y_RD = jnp.einsum("RF,RFD->RD", h_RF.astype(down_RFD.dtype), down_RFD, preferred_element_type=jnp.float32)
     y_RD = y_RD * weights_BTU.reshape(-1)[:, None]
     return jnp.sum(y_RD.reshape(B, T, U, D), axis=2).astype(x_BTD.dtype)
 

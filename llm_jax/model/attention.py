@@ -1,4 +1,5 @@
-"""Grouped-query self-attention's projections: q/k/v/o, optional q/k/v bias and q/k RMSNorm, RoPE.
+"""Grouped-query self-attention's projections: q/k/v/o, optional q/k/v bias and q/k RMSNorm (per head, or over
+all heads: ``ModelConfig.qk_norm_scope``), RoPE.
 
 How attention itself is computed (over fresh keys or the KV cache, with which kernel) is the backend's
 (:meth:`llm_jax.backends.Backend.attention`, :meth:`~llm_jax.backends.Backend.append_and_attend`); its
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from llm_jax.backends.base import Backend, Xla, layer_of
-from llm_jax.config import ModelConfig
+from llm_jax.config import ModelConfig, QKNormScope
 from llm_jax.lora import LoraBatch
 from llm_jax.model.layers import RMSNorm, stacked_param, weight
 from llm_jax.model.rope import apply_rope, rotary_cos_sin
@@ -37,9 +38,12 @@ class Attention(nn.Module):
             self.q_bias = stacked_param(self, "q_bias", nn.initializers.zeros, (N, H), L)
             self.k_bias = stacked_param(self, "k_bias", nn.initializers.zeros, (K, H), L)
             self.v_bias = stacked_param(self, "v_bias", nn.initializers.zeros, (K, H), L)
-        if c.qk_norm:
+        if c.qk_norm and c.qk_norm_scope is QKNormScope.HEAD:  # q_norm, k_norm: scales [H]
             self.q_norm = RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L)
             self.k_norm = RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L)
+        elif c.qk_norm:  # each token's whole projection: q_proj_norm [N, H], k_proj_norm [K, H]
+            self.q_proj_norm = RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L, axes=2)
+            self.k_proj_norm = RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L, axes=2)
 
     def project(self, x_BTD: jax.Array, positions_BT: jax.Array, layer: jax.Array | None = None,
                 lora: LoraBatch | None = None, sliding: bool = False, seq_lens_BT: jax.Array | None = None):
@@ -60,8 +64,10 @@ class Attention(nn.Module):
             q_NH, k_KH, v_KH = biases if layer is None else (layer_of(b, layer) for b in biases)
             q_BTNH, k_BTKH, v_BTKH = q_BTNH + q_NH, k_BTKH + k_KH, v_BTKH + v_KH
         q_BTNH, k_BTKH, v_BTKH = q_BTNH.astype(dtype), k_BTKH.astype(dtype), v_BTKH.astype(dtype)
-        if c.qk_norm:
+        if c.qk_norm and c.qk_norm_scope is QKNormScope.HEAD:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH, layer), self.k_norm(k_BTKH, layer)
+        elif c.qk_norm:
+            q_BTNH, k_BTKH = self.q_proj_norm(q_BTNH, layer), self.k_proj_norm(k_BTKH, layer)
         cos, sin = rotary_cos_sin(positions_BT, seq_lens_BT, c.rope_dim, *c.layer_rope(sliding))
         return apply_rope(q_BTNH, cos, sin), apply_rope(k_BTKH, cos, sin), v_BTKH
 

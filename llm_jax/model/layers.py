@@ -41,7 +41,9 @@ def weight(module: nn.Module, name: str, shape: tuple[int, ...], stack: int | No
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019) over the last axis, computed in float32.
+    """Root-mean-square norm (Zhang & Sennrich 2019) over the last ``axes`` axes, computed in float32, its scale
+    of their shape: one axis for a hidden state [..., D] or a head [..., H]; two for OLMo 2's q/k norm, over all
+    heads [..., N, H] at once (under a mesh that splits the heads, XLA sums the squares across the shards).
 
     ``weight_offset`` is 1 for Gemma, whose checkpoints store ``scale - 1``.
     """
@@ -49,14 +51,16 @@ class RMSNorm(nn.Module):
     eps: float
     weight_offset: float = 0.0
     stack: int | None = None
+    axes: int = 1
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: jax.Array | None = None) -> jax.Array:
         init = nn.initializers.zeros if self.weight_offset else nn.initializers.ones
-        scale = stacked_param(self, "scale", init, (x.shape[-1],), self.stack)
+        scale = stacked_param(self, "scale", init, tuple(x.shape[-self.axes:]), self.stack)
         scale = scale if layer is None else layer_of(scale, layer)
         x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        over = tuple(range(-self.axes, 0))
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=over, keepdims=True) + self.eps)
         return (normed * (self.weight_offset + scale.astype(jnp.float32))).astype(x.dtype)
 
 

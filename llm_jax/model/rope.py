@@ -13,7 +13,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from llm_jax.config import DefaultRope, LinearRope, Llama3Rope, LongRope, RopeScaling
+from llm_jax.config import DefaultRope, LinearRope, Llama3Rope, LongRope, RopeScaling, YarnRope
 
 
 def inverse_frequencies(rope_dim: int, theta: float, scaling: RopeScaling, *, long: bool = False) -> np.ndarray:
@@ -42,7 +42,33 @@ def inverse_frequencies(rope_dim: int, theta: float, scaling: RopeScaling, *, lo
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
             return np.where(is_medium, smoothed, scaled).astype(np.float32)
+        case YarnRope():
+            return _yarn_inverse_frequencies(rope_dim, theta, scaling)
     raise TypeError(f"unsupported rope scaling {scaling!r}")
+
+
+def _yarn_inverse_frequencies(rope_dim: int, theta: float, yarn: YarnRope) -> np.ndarray:
+    """YaRN's blend (§3.2): frequency i is kept (extrapolated) where it turns more than ``beta_fast`` times over
+    the original context, divided by ``factor`` (interpolated) where it turns fewer than ``beta_slow`` times,
+    and mixed linearly over the rotary dimensions between. In float32 as transformers computes it, the
+    correction range in float64."""
+
+    def correction_dim(turns: float) -> float:  # the dimension whose frequency turns `turns` times over orig
+        return rope_dim * math.log(yarn.original_max_position_embeddings / (turns * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolated = (np.float32(1) - ramp).astype(np.float32)  # 1: the frequency kept, 0: divided by factor
+    pos_freqs = np.float32(theta) ** (np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim))
+    kept = np.float32(1) / pos_freqs
+    interpolated = np.float32(1) / (np.float32(yarn.factor) * pos_freqs)
+    return (interpolated * (np.float32(1) - extrapolated) + kept * extrapolated).astype(np.float32)
 
 
 def rope_angles(positions_BT: jnp.ndarray, inv_freq: np.ndarray | jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -60,8 +86,13 @@ def rotary_cos_sin(positions_BT: jnp.ndarray, seq_lens_BT: jnp.ndarray | None, r
     function counts it: a whole prompt's, or a decoded token's position + 1): the long set where that exceeds
     ``original_max_position_embeddings`` (transformers' rule, ``max(position_ids) + 1`` against it; None: each
     row's last position + 1, which is that where no padding follows); both are scaled by its attention factor.
-    Other scalings do not read ``seq_lens_BT``.
+    YaRN's cos and sin are scaled by its own (``YarnRope.cos_sin_scale``). Other scalings do not read
+    ``seq_lens_BT``.
     """
+    if isinstance(scaling, YarnRope):  # transformers scales cos and sin, not the attention logits
+        cos_BTh, sin_BTh = rope_angles(positions_BT, inverse_frequencies(rope_dim, theta, scaling))
+        factor = jnp.float32(scaling.cos_sin_scale)
+        return cos_BTh * factor, sin_BTh * factor
     if not isinstance(scaling, LongRope):
         return rope_angles(positions_BT, inverse_frequencies(rope_dim, theta, scaling))
     if seq_lens_BT is None:

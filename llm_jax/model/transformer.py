@@ -50,7 +50,8 @@ def resolve_backend(backend: BackendArg) -> Backend:
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block, its MLP dense or a mixture of experts (``config.experts``); with
-    ``sandwich_norm`` (Gemma 2) each sub-block output is normed too.
+    ``sandwich_norm`` (Gemma 2) each sub-block output is normed too, and without ``pre_norm`` (OLMo 2) only
+    the outputs are: x + norm(attn(x)), then x + norm(mlp(x)).
 
     Its params are every layer's, stacked [L, ...]; a call runs layer ``layer`` (an int32 scalar), a
     sliding-window layer where ``sliding`` (static: it chooses the layer's RoPE, Gemma 3's local base).
@@ -68,8 +69,11 @@ class DecoderLayer(nn.Module):
         def norm(name: str, x_BTD: jax.Array) -> jax.Array:
             return RMSNorm(eps=c.norm_eps, weight_offset=c.norm_weight_offset, stack=L, name=name)(x_BTD, layer)
 
+        def pre_norm(name: str, x_BTD: jax.Array) -> jax.Array:
+            return norm(name, x_BTD) if c.pre_norm else x_BTD
+
         attn = Attention(c, self.backend, stack=L, name="attn")
-        q_BTNH, k_BTKH, v_BTKH = attn.project(norm("attn_norm", x_BTD), positions_BT, layer, lora, sliding,
+        q_BTNH, k_BTKH, v_BTKH = attn.project(pre_norm("attn_norm", x_BTD), positions_BT, layer, lora, sliding,
                                                 seq_lens_BT)
         o_BTNH, aux = attend(q_BTNH, k_BTKH, v_BTKH)
         y_BTD = attn.output(o_BTNH, layer, lora)
@@ -81,7 +85,7 @@ class DecoderLayer(nn.Module):
         else:
             mlp = MoeMLP(d_ff=c.d_ff, experts=c.experts, activation=c.activation, backend=self.backend, stack=L,
                          name="moe")
-        y_BTD = mlp(norm("mlp_norm", x_BTD), layer, lora)
+        y_BTD = mlp(pre_norm("mlp_norm", x_BTD), layer, lora)
         if c.sandwich_norm:
             y_BTD = norm("post_mlp_norm", y_BTD)
         return x_BTD + y_BTD, aux

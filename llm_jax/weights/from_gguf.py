@@ -10,8 +10,8 @@ scales and offsets value for value (``llm_jax.weights.gguf_blocks``; a projectio
 in the narrowest scheme that holds them all), and so the embedding table and an untied LM head; with
 ``dequantize`` (or where no projection is of those types) every tensor as float32, through the ``gguf``
 package's own dequantization (:func:`dequantize_rows`). A mixture of experts (``ffn_gate_inp`` the router,
-``ffn_{gate,up,down}_exps`` the experts stacked in one tensor per layer) has no quantized leaves: its
-block types load with ``dequantize`` only (:func:`check_experts_are_floats`).
+F32 in llama.cpp's files, read as floats; ``ffn_{gate,up,down}_exps`` the experts stacked in one tensor per
+layer) holds its experts' blocks the same way, expert by expert, in leaves [L, E, in, out].
 
 The quirks of llama.cpp's converter (``convert_hf_to_gguf.py``) undone here:
 
@@ -21,6 +21,8 @@ The quirks of llama.cpp's converter (``convert_hf_to_gguf.py``) undone here:
   the config keeps them as they are: ``norm_weight_offset=0``.
 - Llama 3.1's RoPE scaling is stored as a ``rope_freqs`` tensor of per-frequency factors, not as metadata:
   the :class:`Llama3Rope` parameters are recovered and checked against it.
+- YaRN's metadata leaves out what llama.cpp fixes (a truncated ramp, its own attention factor): files that say
+  otherwise are refused by key (:func:`_yarn_rope`).
 - Gemma 2's and Gemma 3's attention scale is not stored; llama.cpp uses ``head_dim`` except for the 27B
   (46 and 62 layers), which use ``d_model / n_heads``, and so do we.
 - Gemma 3's layer pattern and local RoPE are not read from the file: llama.cpp makes every 6th layer
@@ -43,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from llm_jax.config import (PROJECTION_NAMES, Activation, ConfigError, DefaultRope, Experts, LinearRope, Llama3Rope,
-                            ModelConfig, Quantization)
+                            ModelConfig, Quantization, YarnRope, yarn_mscale)
 from llm_jax.weights import gguf_blocks
 from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out,
                                     interleaved_to_halves, transpose)
@@ -186,8 +188,38 @@ def _rope_scaling(f: GGUFFile, rope_dim: int, theta: float):
         return LinearRope(factor=_real(factor))
     if kind == "none":
         return DefaultRope()
-    raise ConfigError(f"{f.path}: unsupported rope scaling type {kind!r}; supported: none, linear, and "
+    if kind == "yarn":
+        return _yarn_rope(f, factor)
+    raise ConfigError(f"{f.path}: unsupported rope scaling type {kind!r}; supported: none, linear, yarn, and "
                       "Llama 3's rope_freqs")
+
+
+def _yarn_rope(f: GGUFFile, factor: Any) -> YarnRope:
+    """YaRN as llama.cpp runs it, which is transformers' YaRN where these keys say no more: the ramp's ends
+    truncated, ``yarn_beta_fast`` / ``yarn_beta_slow`` 32 / 1 where absent, the original context
+    ``original_context_length`` (else ``context_length``, as llama.cpp falls back), cos and sin scaled by
+    0.1·ln(factor) + 1. Refused by key: an extrapolation mix other than 1 (``yarn_ext_factor``), DeepSeek's
+    ``yarn_log_multiplier``, and an attention factor other than YaRN's own (``yarn_attn_factor``,
+    ``attn_factor``), which llama.cpp versions have applied differently."""
+    arch = f.architecture
+
+    def key(name: str) -> str:
+        return f"{arch}.rope.scaling.{name}"
+
+    if factor is None:
+        raise ConfigError(f"{f.path}: rope.scaling.type='yarn' without {key('factor')}")
+    factor = _real(factor)
+    refused = {"yarn_ext_factor": 1.0, "yarn_log_multiplier": 0.0, "attn_factor": 1.0,
+               "yarn_attn_factor": yarn_mscale(factor)}
+    for name, agrees in refused.items():
+        value = f.get(key(name))
+        if value is not None and not math.isclose(float(value), agrees, rel_tol=1e-6):
+            raise ConfigError(f"{f.path}: {key(name)}={_real(value)} is not supported (YaRN is read where it "
+                              f"is {agrees:g}: transformers' YaRN, as llama.cpp runs it)")
+    orig = f.get(key("original_context_length")) or f.require(f"{arch}.context_length")
+    return YarnRope(factor=factor, original_max_position_embeddings=int(orig),
+                    beta_fast=_real(f.get(key("yarn_beta_fast"), 32.0)),
+                    beta_slow=_real(f.get(key("yarn_beta_slow"), 1.0)))
 
 
 def _llama3_rope(f: GGUFFile, rope_dim: int, theta: float):
@@ -387,43 +419,17 @@ def read_gguf_config(path: str | os.PathLike, *, dequantize: bool = False) -> Mo
     """The config of a GGUF file; dtypes float32, or bfloat16 when every matrix is stored in BF16.
 
     A file whose projections are all of integer block types gets the ``quantization`` that holds them
-    (:func:`block_quantization`), its blocks becoming QuantizedArray leaves; ``dequantize`` reads it as
-    floats instead. A mixture of experts has no quantized leaves: its file loads as floats, with
-    ``dequantize`` where it holds tensors of integer block types (:func:`check_experts_are_floats`). The
-    routers (F32 in llama.cpp's files of every type) do not count towards the dtype.
+    (:func:`block_quantization`; a mixture's experts too), its blocks becoming QuantizedArray leaves;
+    ``dequantize`` reads it as floats instead. The routers (F32 in llama.cpp's files of every type) do not
+    count towards the dtype. Types that map onto no leaf are refused by name when the tensors are read
+    (:func:`check_types`), experts' as any other.
     """
     f = open_gguf(path)
     config = config_from_gguf(f)
     matrices = {t.type_name for name, t in f.tensors.items() if len(t.shape) >= 2 and not name.endswith(ROUTER)}
     dtype = "bfloat16" if matrices == {"BF16"} else "float32"
-    if config.experts is not None:
-        if not dequantize:
-            check_experts_are_floats(f)
-        quantization = None
-    else:
-        quantization = None if dequantize else block_quantization(f, config)
+    quantization = None if dequantize else block_quantization(f, config)
     return config.replace(param_dtype=dtype, compute_dtype=dtype, quantization=quantization)
-
-
-def check_experts_are_floats(f: GGUFFile) -> None:
-    """Refuse a mixture-of-experts file with tensors of integer block types (Mixtral's and Qwen3-MoE's
-    ``Q4_K_M``, ``Q8_0`` ... files) unless the caller asks for floats: llm_jax holds no quantized leaves for
-    a mixture of experts, and in bfloat16 its floats take 1.9 (Q8_0) to 3.6 (Q4_K) times the file's bytes."""
-    blocks = sorted((name, t.type_name) for name, t in f.tensors.items() if t.type_name in BLOCK_TYPES)
-    if not blocks:
-        return
-    experts = [(n, t) for n, t in blocks if "_exps." in n] or blocks
-    shown = ", ".join(f"{n} ({t})" for n, t in experts[:3]) + (" ..." if len(experts) > 3 else "")
-    size = 2 * sum(math.prod(t.shape) for t in f.tensors.values())
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            break
-        size /= 1000
-    raise ConfigError(f"{f.path}: a mixture of experts stored in ggml block types {sorted({t for _, t in blocks})} "
-                      f"({shown}): llm_jax has no quantized leaves for mixture-of-experts weights, so this file "
-                      f"loads only as floats, {size:.3g} {unit} in bfloat16 (twice that in float32): pass "
-                      "dequantize=True (llm_jax.load(path, dequantize=True, dtype='bfloat16'); the convert "
-                      "CLI's --dequantize)")
 
 
 def rope_is_interleaved(architecture: str) -> bool:
@@ -615,9 +621,20 @@ def _per_block(type_name: str) -> int:
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]][0]
 
 
+def _experts_of(tensor: GGUFTensor) -> list[GGUFTensor]:
+    """A mixture's stacked experts [E, out, in] as E matrices [out, in] (views of the file's bytes); a
+    matrix as itself."""
+    if len(tensor.shape) == 2:
+        return [tensor]
+    E, *shape = tensor.shape
+    data = np.asarray(tensor.data).reshape(E, -1)
+    return [GGUFTensor(f"{tensor.name}[{e}]", tensor.type_name, tuple(shape), data[e]) for e in range(E)]
+
+
 def _quantized_leaves(f: GGUFFile, config: ModelConfig, quantization: Quantization, specs: list[TensorSpec],
                       progress, place) -> dict:
-    """The projections of ``specs`` as QuantizedArray leaves stacked over layers: {(module, name): leaf}."""
+    """The projections of ``specs`` as QuantizedArray leaves stacked over layers (a mixture's experts over
+    layers, then experts: [L, E, ...], each expert's blocks decoded apart): {(module, name): leaf}."""
     from llm_jax.quantization import QuantizedArray, projection_dims
 
     interleaved = rope_is_interleaved(f.architecture)
@@ -629,6 +646,7 @@ def _quantized_leaves(f: GGUFFile, config: ModelConfig, quantization: Quantizati
         rows = None
         if interleaved and name in ("q_proj", "k_proj"):
             rows = _halves_rows(config.n_heads if name == "q_proj" else config.n_kv_heads, config.head_dim)
+        lead = (config.n_layers, *spec.source_shape[:-2])  # [L] or [L, E]
         stacks: list[np.ndarray | None] = [None, None, None]
         for layer in range(config.n_layers):
             source = spec.source.format(layer=layer)
@@ -636,12 +654,13 @@ def _quantized_leaves(f: GGUFFile, config: ModelConfig, quantization: Quantizati
             if tensor.shape != tuple(spec.source_shape):
                 raise WeightsError(f"{f.path}: tensor {source!r} has shape {tensor.shape}, expected "
                                    f"{tuple(spec.source_shape)} from the config")
-            for i, a in enumerate(quantized_projection(tensor, scheme, rows, str(f.path))):
-                if a is None:
-                    continue
-                if stacks[i] is None:
-                    stacks[i] = np.empty((config.n_layers, *a.shape), a.dtype)
-                stacks[i][layer] = a
+            for expert, matrix in enumerate(_experts_of(tensor)):
+                for i, a in enumerate(quantized_projection(matrix, scheme, rows, str(f.path))):
+                    if a is None:
+                        continue
+                    if stacks[i] is None:
+                        stacks[i] = np.empty((*lead, *a.shape), a.dtype)
+                    stacks[i][(layer, expert)[:len(lead)]] = a
             if progress is not None:
                 progress(source)
         values, scales, offsets = stacks

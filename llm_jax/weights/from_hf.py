@@ -1,10 +1,11 @@
 """Hugging Face model folders (``config.json`` + ``*.safetensors``) → llm_jax config and params.
 
 One tensor map serves every supported family, switched by the config (q/k/v biases, q/k norms, Gemma 2's
-extra norms, tied embeddings, a mixture of experts: each expert's tensors apart, as the released checkpoints
-and transformers 5's ``save_pretrained`` store them, stacked [L, E, ...], and Qwen2-MoE's shared expert); of a
-multimodal checkpoint (Gemma 3's 4B, 12B, 27B) only the language model is read, its vision tower ignored
-(:class:`TextTensors`); Phi-3's fused qkv_proj and gate_up_proj are split into our q/k/v and gate/up params.
+extra norms, OLMo 2's norms after the sub-blocks only and q/k norms over all heads, tied embeddings, a mixture
+of experts: each expert's tensors apart, as the released checkpoints and transformers 5's ``save_pretrained``
+store them, stacked [L, E, ...], and Qwen2-MoE's shared expert); of a multimodal checkpoint (Gemma 3's 4B,
+12B, 27B) only the language model is read, its vision tower ignored (:class:`TextTensors`); Phi-3's fused
+qkv_proj and gate_up_proj are split into our q/k/v and gate/up params.
 torch ``Linear`` weights are stored [out, in] and transposed here; Hugging Face already rotates RoPE halves, as
 our model does, so q/k need no permutation.
 The config side (architectures, field names, family defaults) is ``hf_config.py``.
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from llm_jax.config import PROJECTION_NAMES, ModelConfig
+from llm_jax.config import PROJECTION_NAMES, ModelConfig, QKNormScope
 from llm_jax.weights import from_compressed
 from llm_jax.weights.hf_config import read_hf_config, read_json
 from llm_jax.weights.layout import (TensorSpec, WeightsError, assemble, heads_bias, heads_in, heads_out, rows,
@@ -98,7 +99,6 @@ def tensor_specs(config: ModelConfig, *, fused: bool = False) -> list[TensorSpec
                  TensorSpec(("layers", "attn", "v_proj"), attn + "v_proj.weight", (K * H, D), heads_in(K, H))]
     specs = [
         TensorSpec(("embedder", "embedding"), "model.embed_tokens.weight", (V, D)),
-        TensorSpec(("layers", "attn_norm", "scale"), p + "input_layernorm.weight", (D,)),
         *q_k_v,
         TensorSpec(("layers", "attn", "o_proj"), attn + "o_proj.weight", (D, N * H), heads_out(N, H)),
         TensorSpec(("final_norm", "scale"), "model.norm.weight", (D,)),
@@ -135,13 +135,16 @@ def tensor_specs(config: ModelConfig, *, fused: bool = False) -> list[TensorSpec
                 TensorSpec(("layers", "moe", "shared_expert_gate"), p + "mlp.shared_expert_gate.weight", (1, D),
                            lambda w: w[0]),
             ]
+    if config.pre_norm:
+        specs.append(TensorSpec(("layers", "attn_norm", "scale"), p + "input_layernorm.weight", (D,)))
     if config.sandwich_norm:
-        # Gemma 2 reuses the name post_attention_layernorm for the norm of the attention *output*.
+        # Gemma 2 and OLMo 2 reuse the name post_attention_layernorm for the norm of the attention *output*.
         specs += [
             TensorSpec(("layers", "post_attn_norm", "scale"), p + "post_attention_layernorm.weight", (D,)),
-            TensorSpec(("layers", "mlp_norm", "scale"), p + "pre_feedforward_layernorm.weight", (D,)),
             TensorSpec(("layers", "post_mlp_norm", "scale"), p + "post_feedforward_layernorm.weight", (D,)),
         ]
+        if config.pre_norm:
+            specs.append(TensorSpec(("layers", "mlp_norm", "scale"), p + "pre_feedforward_layernorm.weight", (D,)))
     else:
         specs.append(TensorSpec(("layers", "mlp_norm", "scale"), p + "post_attention_layernorm.weight", (D,)))
     if config.qkv_bias:
@@ -150,10 +153,15 @@ def tensor_specs(config: ModelConfig, *, fused: bool = False) -> list[TensorSpec
             TensorSpec(("layers", "attn", "k_bias"), attn + "k_proj.bias", (K * H,), heads_bias(K, H)),
             TensorSpec(("layers", "attn", "v_bias"), attn + "v_proj.bias", (K * H,), heads_bias(K, H)),
         ]
-    if config.qk_norm:
+    if config.qk_norm and config.qk_norm_scope is QKNormScope.HEAD:
         specs += [
             TensorSpec(("layers", "attn", "q_norm", "scale"), attn + "q_norm.weight", (H,)),
             TensorSpec(("layers", "attn", "k_norm", "scale"), attn + "k_norm.weight", (H,)),
+        ]
+    elif config.qk_norm:  # OLMo 2: over the whole projection, [N·H] and [K·H] → [N, H] and [K, H]
+        specs += [
+            TensorSpec(("layers", "attn", "q_proj_norm", "scale"), attn + "q_norm.weight", (N * H,), heads_bias(N, H)),
+            TensorSpec(("layers", "attn", "k_proj_norm", "scale"), attn + "k_norm.weight", (K * H,), heads_bias(K, H)),
         ]
     if config.classifier is not None:  # a sequence classifier: ``score`` [C, D], no LM head
         specs.append(TensorSpec(("score",), "score.weight", (config.classifier.num_labels, D), transpose))

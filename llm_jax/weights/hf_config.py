@@ -4,9 +4,9 @@ Every family is the same decoder with different switches; a builder only reads t
 names and defaults. It owns the config quirks: the spellings of transformers 4 and 5 (``rope_theta`` /
 ``rope_scaling`` vs ``rope_parameters``), fields that transformers fills in when a config omits them
 (the family defaults below), Gemma's legacy ``hidden_act: gelu``, Phi-3's older LongRoPE names and partial
-rotary factor, Gemma 3's two RoPEs and the ``text_config`` of its multimodal checkpoints, and the
-mixture-of-experts fields of Mixtral, Qwen2-MoE and Qwen3-MoE (their training-only router jitter and auxiliary
-loss are not read: they do not change inference).
+rotary factor, YaRN's fallbacks and DeepSeek's mscale ratio, Gemma 3's and OLMo 3's two RoPEs, the
+``text_config`` of Gemma 3's multimodal checkpoints, and the mixture-of-experts fields of Mixtral, Qwen2-MoE and
+Qwen3-MoE (their training-only router jitter and auxiliary loss are not read: they do not change inference).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pathlib
 from typing import Any, Callable
 
 from llm_jax.config import (Activation, Classifier, ConfigError, DefaultRope, Experts, LinearRope, Llama3Rope,
-                            LongRope, ModelConfig, Problem)
+                            LongRope, ModelConfig, Problem, QKNormScope, YarnRope, yarn_mscale)
 
 
 def read_json(path: pathlib.Path) -> dict[str, Any]:
@@ -51,7 +51,33 @@ def _rope(hf: dict[str, Any]) -> tuple[float, Any]:
                 original_max_position_embeddings=int(scaling["original_max_position_embeddings"]))
         case "longrope":
             return theta, _longrope(hf, scaling)
-    raise ConfigError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3, longrope")
+        case "yarn":
+            return theta, _yarn(hf, scaling)
+    raise ConfigError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3, longrope, yarn")
+
+
+def _yarn(hf: dict[str, Any], scaling: dict[str, Any]) -> YarnRope:
+    """YaRN as transformers' ``_compute_yarn_parameters`` resolves it: ``original_max_position_embeddings`` from
+    the scaling, else ``max_position_embeddings`` (one written beside the scaling is not read: transformers reads
+    it for Phi-3 only); a ``factor`` of null is ``max_position_embeddings`` / that; the attention factor
+    ``attention_factor`` if given, else DeepSeek's ratio of mscales where ``mscale`` and ``mscale_all_dim`` are
+    both set (non-zero), else YaRN's own (None); ``beta_fast`` / ``beta_slow`` 32 / 1 where absent, null or 0."""
+    if "factor" not in scaling:
+        raise ConfigError(f"rope scaling yarn {scaling} has no factor (transformers requires one; null reads "
+                          "max_position_embeddings / original_max_position_embeddings)")
+    orig = scaling.get("original_max_position_embeddings") or hf["max_position_embeddings"]
+    if isinstance(orig, float) and orig.is_integer():
+        orig = int(orig)
+    factor = scaling["factor"]
+    if factor is None:
+        factor = hf["max_position_embeddings"] / orig
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+        attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return YarnRope(factor=factor, original_max_position_embeddings=orig,
+                    beta_fast=scaling.get("beta_fast") or 32.0, beta_slow=scaling.get("beta_slow") or 1.0,
+                    attention_factor=attention_factor, truncate=scaling.get("truncate", True))
 
 
 def _longrope(hf: dict[str, Any], scaling: dict[str, Any]) -> LongRope:
@@ -264,7 +290,22 @@ def _gemma3_rope(hf: dict[str, Any]) -> dict[str, Any]:
         local = {"rope_theta": hf["rope_local_base_freq"]}
     if local.get("rope_type", local.get("type", "default")) != "default":
         raise ConfigError(f"sliding_attention RoPE {local} is not supported; Gemma 3's local layers use plain RoPE")
+    _refuse_per_layer_type_quirks(full)
     return {"rope_parameters": full, "rope_scaling": None, "sliding_rope_theta": float(local["rope_theta"])}
+
+
+def _refuse_per_layer_type_quirks(full: dict[str, Any]) -> None:
+    """Refuses global-layer RoPE settings that transformers 5 reads otherwise than they say where it keeps one RoPE
+    per layer type (Gemma 3, OLMo 3; transformers 4's ``rope_scaling`` too, merged into ``full_attention``): a
+    ``type`` without ``rope_type`` (its ``rope_type`` stays "default": plain RoPE) and YaRN's ``truncate: false``
+    (read from the top level of ``rope_parameters`` only, so truncated all the same)."""
+    if "rope_type" not in full and full.get("type", "default") != "default":
+        raise ConfigError(f"full_attention RoPE {full} names its type as 'type' only; transformers 5 then runs plain "
+                          "RoPE on these layers (its rope_type stays 'default'): write rope_type")
+    if full.get("rope_type", full.get("type")) == "yarn" and full.get("truncate", True) is not True:
+        raise ConfigError(f"full_attention RoPE {full}: truncate={full['truncate']!r} is not supported per layer "
+                          "type; transformers 5 reads truncate from the top level of rope_parameters only, and so "
+                          "truncates these layers' YaRN all the same")
 
 
 def _gemma3(hf: dict[str, Any]) -> ModelConfig:
@@ -288,6 +329,48 @@ def _gemma3(hf: dict[str, Any]) -> ModelConfig:
                     **windows)
 
 
+def _olmo2(hf: dict[str, Any]) -> ModelConfig:
+    """OLMo 2: no norms before attention and the MLP, their outputs normed instead (``pre_norm=False`` with the
+    sandwich's post norms), and q/k norms over each token's whole projection (``QKNormScope.ALL_HEADS``)."""
+    _refuse(hf, "attention_bias")  # would put a bias on o_proj too
+    return _decoder({"rms_norm_eps": 1e-5, **hf}, activation=_activation(hf.get("hidden_act", "silu"), "hidden_act"),
+                    sandwich_norm=True, pre_norm=False, qk_norm=True, qk_norm_scope=QKNormScope.ALL_HEADS)
+
+
+def _olmo3_rope(hf: dict[str, Any], sliding: bool) -> dict[str, Any]:
+    """OLMo 3's two RoPEs: the global layers' (``rope_parameters["full_attention"]``, or transformers 4's
+    ``rope_theta`` and ``rope_scaling``) for :func:`_decoder`, and ``sliding_rope_theta`` where the sliding layers
+    rotate otherwise (plain RoPE: no scaling, maybe another base); the sliding layers' own scaling is refused."""
+    params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta") or 500_000.0  # Olmo3Config's default base
+    if "full_attention" in params or "sliding_attention" in params:
+        full = {"rope_theta": theta, **(params.get("full_attention") or {})}
+        local = {"rope_theta": theta, **(params.get("sliding_attention") or {})}
+    else:  # transformers 4, or a flat rope_parameters: the global layers' (transformers applies no scaling locally)
+        full = {"rope_theta": theta, **(hf.get("rope_scaling") or {}), **params}
+        local = {"rope_theta": full["rope_theta"]}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ConfigError(f"sliding_attention RoPE {local} is not supported; only plain RoPE on the sliding layers")
+    _refuse_per_layer_type_quirks(full)
+    full_theta, full_scaling = _rope({**hf, "rope_parameters": full, "rope_scaling": None})
+    plain_alike = isinstance(full_scaling, DefaultRope) and float(local["rope_theta"]) == full_theta
+    local_theta = None if plain_alike or not sliding else float(local["rope_theta"])
+    return {"rope_parameters": full, "rope_scaling": None, "sliding_rope_theta": local_theta}
+
+
+def _olmo3(hf: dict[str, Any]) -> ModelConfig:
+    """OLMo 3: OLMo 2 with sliding-window layers (``layer_types``; by default three of every four, the fourth
+    global), each layer type with its own RoPE (:func:`_olmo3_rope`)."""
+    hf = {"sliding_window": 4096, **hf}
+    if hf.get("layer_types") is None:
+        hf["layer_types"] = ["sliding_attention" if (i + 1) % 4 else "full_attention"
+                             for i in range(hf["num_hidden_layers"])]
+    windows = _windows(hf)
+    rope = _olmo3_rope(hf, bool(windows.get("sliding_layers")))
+    return _olmo2({**hf, "rope_parameters": rope["rope_parameters"], "rope_scaling": None}).replace(
+        sliding_rope_theta=rope["sliding_rope_theta"], **windows)
+
+
 # ``architectures`` entry → builder of our config from config.json
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "LlamaForCausalLM": _llama,
@@ -303,6 +386,8 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "Gemma3ForCausalLM": _gemma3,
     # The text model of Gemma 3's multimodal checkpoints (4B, 12B, 27B); the vision tower is not read.
     "Gemma3ForConditionalGeneration": _gemma3,
+    "Olmo2ForCausalLM": _olmo2,
+    "Olmo3ForCausalLM": _olmo3,
 }
 
 

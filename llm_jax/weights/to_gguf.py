@@ -17,13 +17,14 @@ alone).
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 from typing import Any
 
 import numpy as np
 
-from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, ModelConfig
+from llm_jax.config import Activation, ConfigError, DefaultRope, LinearRope, ModelConfig, YarnRope, yarn_mscale
 from llm_jax.weights.from_gguf import (GEMMA3_LOCAL_THETA, GEMMA3_PERIOD, ROUTER, gemma3_sliding_layers,
                                        gemma_attention_scalar, rope_is_interleaved, tensor_specs)
 from llm_jax.weights.layout import WeightsError
@@ -37,8 +38,9 @@ FILE_TYPES = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_
 # a model llama.cpp's ``llama`` architecture runs.
 _LLAMA = ModelConfig(vocab_size=1, d_model=2, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2, d_ff=1,
                      max_seq_len=1)
-_NOT_LLAMA = ("activation", "qkv_bias", "qk_norm", "norm_weight_offset", "embed_scale", "sandwich_norm",
-              "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "sliding_window", "rotary_dim")
+_NOT_LLAMA = ("activation", "qkv_bias", "qk_norm", "qk_norm_scope", "norm_weight_offset", "embed_scale",
+              "sandwich_norm", "pre_norm", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+              "sliding_window", "rotary_dim")
 
 
 def encode(x: np.ndarray, type_name: str) -> tuple[np.ndarray, Any]:
@@ -108,8 +110,18 @@ def _llama_differences(config: ModelConfig, allowed: tuple[str, ...] = ()) -> li
     the ``allowed`` ones)."""
     other = [f"{name}={getattr(config, name)!r}" for name in _NOT_LLAMA
              if name not in allowed and getattr(config, name) != getattr(_LLAMA, name)]
-    if not isinstance(config.rope_scaling, DefaultRope | LinearRope):
-        other.append(f"rope_scaling={config.rope_scaling!r}")
+    match config.rope_scaling:
+        case DefaultRope() | LinearRope():
+            pass
+        case YarnRope(truncate=False):
+            other.append(f"rope_scaling={config.rope_scaling!r} (llama.cpp truncates YaRN's ramp)")
+        case YarnRope() as yarn if not math.isclose(yarn.cos_sin_scale, yarn_mscale(yarn.factor), rel_tol=1e-6):
+            other.append(f"rope_scaling={config.rope_scaling!r} (llama.cpp scales YaRN's cos and sin by "
+                         f"0.1 ln(factor) + 1 = {yarn_mscale(yarn.factor):.6g}, not {yarn.cos_sin_scale:.6g})")
+        case YarnRope():
+            pass
+        case other_rope:
+            other.append(f"rope_scaling={other_rope!r}")
     return other
 
 
@@ -161,6 +173,11 @@ def gguf_architecture(config: ModelConfig) -> str:
     if config.quantization is not None:
         raise ConfigError(f"GGUF files are written from float weights; these are quantized ({config.quantization}): "
                           "load them without quantize and choose the file's type instead")
+    olmo = [f"{name}={getattr(config, name)!r}" for name in ("pre_norm", "qk_norm_scope")
+            if getattr(config, name) != getattr(_LLAMA, name)]
+    if olmo:
+        raise ConfigError(f"OLMo 2's layers ({', '.join(olmo)}: norms after the sub-blocks only, q/k norms over all "
+                          "heads) are not written as GGUF; llama.cpp's olmo2 architecture is not supported here")
     if config.experts is not None:
         return _moe_architecture(config)
     if config.sandwich_norm or config.sliding_rope_theta is not None:
@@ -271,6 +288,12 @@ def _write(writer, architecture: str, config: ModelConfig, params: dict, type_na
     if isinstance(config.rope_scaling, LinearRope):
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(config.rope_scaling.factor)
+    if isinstance(config.rope_scaling, YarnRope):  # as convert_hf_to_gguf.py writes it; llama.cpp fixes the rest
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(config.rope_scaling.factor)
+        writer.add_rope_scaling_orig_ctx_len(config.rope_scaling.original_max_position_embeddings)
+        writer.add_rope_scaling_yarn_beta_fast(config.rope_scaling.beta_fast)
+        writer.add_rope_scaling_yarn_beta_slow(config.rope_scaling.beta_slow)
     if architecture == "gemma3":
         if config.sliding_window is not None:  # llama.cpp fixes the pattern and the local RoPE
             writer.add_sliding_window(config.sliding_window)

@@ -3,6 +3,7 @@
 
     PYTHONPATH=scripts python -m benchmarking.bench_moe                 # Mixtral-shaped, about 6 minutes
     PYTHONPATH=scripts python -m benchmarking.bench_moe --layers 2 --dtypes float32 --backends cpu
+    PYTHONPATH=scripts python -m benchmarking.bench_moe --quantize int8 int4 --backends cpu   # float vs integers
 
 A Mixtral-shaped model with random weights (D=1024, F=3584, E=8 experts, top 2, a few layers; a small
 vocabulary, so that the experts are most of what a step reads) decodes greedily at batch 1 on each backend
@@ -19,6 +20,11 @@ Both give the same greedy tokens (checked). Beside each the roofline: a step mus
 (attention, routers, norms, the LM head) and the k of E experts each token chose, k/E of the experts'
 bytes; at the streaming-read bandwidth measured beside the runs, that bounds tokens/s. The paths run in
 turns, ``--repeats`` times, and each row gives the best run (the machine may be shared) and the range.
+
+With ``--quantize`` the rows are the weights' forms instead, each by the backends as they are (the
+``gathered`` path): floats in each of ``--dtypes``, then every projection, the experts' included, quantized
+by each scheme named (``int8`` per output channel, ``int4`` in groups of 32; the router, norms and tables in
+float32), whose integers and scales a step reads in place of the floats' bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import numpy as np
 from llm_jax.backends import Backend, CpuKernels, Xla
 from llm_jax.config import Experts, ModelConfig
 from llm_jax.model import init_params
+from llm_jax.quantization import parse_quantization, quantize_params
+from llm_jax.weights.placement import leaves_by_path
 
 from benchmarking.llm_jax_engine import LlmJaxEngine, Workload
 from benchmarking.machine import cpu_name, measure_run_bandwidth
@@ -60,14 +68,24 @@ def _sorted_by_expert(self, *args):
     return self.sorted_experts(*args)
 
 
-def step_bytes(config: ModelConfig) -> tuple[int, int]:
-    """(bytes a decode step of one row must read, the experts' bytes of all E): the dense weights (the
-    embedding table only its row) and k/E of the experts'."""
-    itemsize = np.dtype(config.param_dtype).itemsize
-    experts = config.n_layers * config.experts.num_experts * 3 * config.d_model * config.d_ff
-    dense = config.num_params() - experts - config.vocab_size * config.d_model + config.d_model
-    chosen = experts * config.experts.top_k // config.experts.num_experts
-    return (dense + chosen) * itemsize, experts * itemsize
+EXPERTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def step_bytes(params, config: ModelConfig) -> tuple[int, int]:
+    """(bytes a decode step of one row must read, the experts' bytes of all E) of ``params`` as they are stored
+    (a quantized leaf's integers, scales and offsets): the dense weights (an untied embedding table only its
+    row) and k/E of the experts'."""
+    must_read, experts = 0.0, 0
+    for path, leaf in leaves_by_path(params).items():
+        n = leaf.nbytes
+        if path[:2] == ("layers", "moe") and path[2] in EXPERTS:
+            experts += n
+            must_read += n * config.experts.top_k / config.experts.num_experts
+        elif path[:2] == ("embedder", "embedding") and not config.tie_embeddings:
+            must_read += n / config.vocab_size
+        else:
+            must_read += n
+    return int(must_read), experts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,14 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", nargs="+", default=["cpu", "xla"], choices=["cpu", "xla"])
     parser.add_argument("--new-tokens", type=int, default=17, help="per run, the first (from prefill) included")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quantize", nargs="+", choices=["int8", "int4"], default=None,
+                        help="rows of float weights (--dtypes) against these integer forms, each backend as it is")
     args = parser.parse_args(argv)
 
     workload = Workload(batch=1, prompt_len=16, new_tokens=args.new_tokens, chunk_steps=8)
+    if args.quantize is not None:
+        return forms_main(args, workload)
     rows, bandwidths = [], []
     for dtype in args.dtypes:
         config = mixtral_shaped(layers=args.layers, dtype=dtype)
         params = init_params(config)
-        must_read, all_experts = step_bytes(config)
+        must_read, all_experts = step_bytes(params, config)
         for name in args.backends:
             backend = CpuKernels() if name == "cpu" else Xla()
             weights = backend.prepare(params, config)
@@ -120,6 +142,48 @@ def main(argv: list[str] | None = None) -> int:
           f"steps a run, best of {args.repeats}; bandwidth {bandwidth:.1f} GB/s (best read beside the runs)\n")
     print(format_table(["dtype", "backend", "path", "tokens/s (range)", "ms/step", "× ragged_dot",
                         "MB/step (k/E)", "MB experts (E)", "roofline tok/s", "of roofline"], cells, left=3))
+    return 0
+
+
+def forms_main(args, workload: Workload) -> int:
+    """``--quantize``: one row per form of the weights (floats in each dtype, then each scheme) and backend, the
+    backends as they are; the forms run in turns, as the paths do."""
+    forms = {}
+    for dtype in args.dtypes:
+        config = mixtral_shaped(layers=args.layers, dtype=dtype)
+        forms[dtype] = (config, init_params(config))
+    base = mixtral_shaped(layers=args.layers, dtype="float32")
+    floats = forms["float32"][1] if "float32" in forms else init_params(base)
+    for scheme in args.quantize:
+        forms[scheme] = quantize_params(floats, base, parse_quantization(scheme))
+    rows, bandwidths = [], []
+    for name in args.backends:
+        backend = CpuKernels() if name == "cpu" else Xla()
+        engines = {form: LlmJaxEngine(backend.prepare(params, config), config, workload, backend=backend)
+                   for form, (config, params) in forms.items()}
+        for engine in engines.values():
+            engine.compile()
+        rates: dict[str, list[float]] = {form: [] for form in engines}
+        for _ in range(args.repeats):
+            for form, engine in engines.items():
+                bandwidths.append(measure_run_bandwidth().sustained_gbps)
+                run = engine.run()
+                rates[form].append(run.decode_tokens / run.decode_s)
+        for form, (config, params) in forms.items():
+            rows.append((form, name, rates[form], rates[next(iter(forms))], *step_bytes(params, config)))
+        del engines
+    bandwidth = max(bandwidths)
+    cells = []
+    for form, name, rate, first, must_read, all_experts in rows:
+        roofline = bandwidth * 1e9 / must_read
+        cells.append([form, name, f"{max(rate):.2f} ({min(rate):.2f}–{max(rate):.2f})", f"{1e3 / max(rate):.1f}",
+                      f"{max(rate) / max(first):.2f}", f"{must_read / 1e6:.0f}", f"{all_experts / 1e6:.0f}",
+                      f"{roofline:.1f}", f"{max(rate) / roofline:.0%}"])
+    print(f"\n{datetime.date.today()}, {cpu_name()}, {jax.device_count()} device(s), jax {jax.__version__}; "
+          f"Mixtral-shaped, {args.layers} layers, D=1024 F=3584 E=8 k=2, batch 1, {workload.decode_steps} decode "
+          f"steps a run, best of {args.repeats}; bandwidth {bandwidth:.1f} GB/s (best read beside the runs)\n")
+    print(format_table(["weights", "backend", "tokens/s (range)", "ms/step", f"× {next(iter(forms))}",
+                        "MB/step (k/E)", "MB experts (E)", "roofline tok/s", "of roofline"], cells, left=2))
     return 0
 
 

@@ -23,18 +23,6 @@ def near_draft(stories):
     return near_copy(stories)
 
 
-@pytest.fixture(scope="module")
-def single_threaded_torch():
-    """Tiny models: torch's thread pool only adds spin-waits (10x slower on a busy 2-core machine). Modules
-    use it with ``pytestmark = pytest.mark.usefixtures("single_threaded_torch")``."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="session")
 def story_adapters(stories260k_dir, tmp_path_factory) -> dict[str, pathlib.Path]:
     """PEFT LoRA adapters of stories260K's Hugging Face copy, written by PEFT: "tales" (every projection,

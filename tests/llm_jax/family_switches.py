@@ -3,13 +3,14 @@ windows that cross blocks of 4, q/k/v bias and tied embeddings, q/k norm, Gemma'
 norms and GeGLU, Gemma 2's soft-capping, sandwich norms and local/global layers, Gemma 3's local layers
 rotating by their own RoPE base beside a scaled global one, Phi-3's LongRoPE on 6 of each head's 8 dimensions
 (its original context of 128 tokens crossed by the speculative tests' 128-token generations, not by the
-engine's: a prompt prefilled in chunks of 8 would rotate them by other factors than ``generate``'s whole one)."""
+engine's: a prompt prefilled in chunks of 8 would rotate them by other factors than ``generate``'s whole one),
+OLMo 3's norms after the sub-blocks only and q/k norms over all heads, with its local/global layers."""
 
 import jax
 import numpy as np
 
 import llm_jax
-from llm_jax.config import LinearRope, LongRope, ModelConfig
+from llm_jax.config import LinearRope, LongRope, ModelConfig, QKNormScope
 from llm_jax.model import init_params
 
 FAMILIES = {
@@ -27,6 +28,8 @@ FAMILIES = {
     "phi3": dict(sliding_window=7, rotary_dim=6,
                  rope_scaling=LongRope(short_factor=(1.3, 0.7, 2.5), long_factor=(4.0, 9.0, 30.0),
                                        original_max_position_embeddings=128, attention_factor=1.25)),
+    "olmo3": dict(sliding_window=5, sliding_layers=(True, False), pre_norm=False, sandwich_norm=True, qk_norm=True,
+                  qk_norm_scope=QKNormScope.ALL_HEADS),
 }
 
 

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", action="append", required=True, help="a llama2.c .bin path or 'tiny-gqa'")
     p.add_argument("--mesh", action="append", required=True)
+    p.add_argument("--first-model-mesh", action="append", default=[], help="a mesh for the first model only")
     p.add_argument("--pallas-mesh", action="append", default=[],
                    help="also run the first model on this mesh with Pallas attention (interpreted on CPU)")
     p.add_argument("--batch", type=int, default=8)
@@ -144,9 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         prompts = prompts_for(reference.config.vocab_size, args.batch)
         kwargs = dict(new_tokens=args.new_tokens, chunk_steps=args.new_tokens, draft=reference)
         report[name] = {"one_device": run(reference, prompts, **kwargs)}
-        for mesh in args.mesh:
+        first = name == args.model[0]
+        for mesh in args.mesh + (args.first_model_mesh if first else []):
             report[name][mesh] = run(load(name, mesh), prompts, **kwargs)
-        if name == args.model[0]:
+        if first:
             for mesh in args.pallas_mesh:
                 report[name][f"{mesh}+pallas"] = run(load(name, mesh).with_backend("pallas"), prompts, **kwargs)
     json.dump(report, sys.stdout)

@@ -26,8 +26,6 @@ from tests.llm_jax.model.test_families import COMMON, FAMILIES
 ATOL = 1e-4  # float32 max |Δlogit| against transformers
 TEXTS = [[5, 9, 17], [3], [21, *range(30, 52)], [7, 7, 7, 7, 8], [100, 2, 90, 4, 11, 13, 17]]
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
-
 
 def build_classifier(family: str, folder, *, num_labels: int = 3, seed: int = 0, **fields):
     """``family``'s tiny random classifier, saved to ``folder``: norms perturbed, biases and the head made

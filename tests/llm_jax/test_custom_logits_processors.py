@@ -17,8 +17,6 @@ from llm_jax.decoding import PAD_ID
 PROMPTS = ["Once upon a time", "The little dog ran to the park and saw a big red ball"]
 NEW_TOKENS = 24
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
-
 
 def green_list(scores_BV, tokens_BS, lengths_B):
     """A watermark's rule (Kirchenbauer et al.): +4 to the tokens the last token makes "green"."""

@@ -27,9 +27,6 @@ ATOL = 1e-4  # float32 max |Δlogit| against PEFT
 jit_forward = jax.jit(forward, static_argnames=("config", "backend"))
 
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
-
-
 def peft_logits(model, tokens: np.ndarray, adapter: bool = True) -> np.ndarray:
     with torch.no_grad():
         if adapter:

@@ -5,7 +5,8 @@
 - llama.cpp's Q8_0 and Q4_0 blocks, made and dequantized by the ``gguf`` package, held as our leaves
   dequantize to the package's floats bit for bit;
 - every family's forward with quantized leaves equals the forward of their dequantized floats, on every
-  backend, and greedy generation through the CPU backend equals XLA's;
+  backend (a mixture's experts too, for prefill- and decode-sized batches), and greedy generation through
+  the CPU backend equals XLA's;
 - perplexity and mean KL of next-token distributions on held-out text, shipped model and stories260K;
 - the converter writes quantized checkpoints that load back as the same leaves.
 """
@@ -27,6 +28,7 @@ from multi_device import PYTHON, REPO, cpu_devices_env
 import cpu_kernels
 import llm_jax
 from llm_jax import LinearRope, ModelConfig, Quantization, QuantScheme, Speculative
+from llm_jax.config import Experts
 from llm_jax.backends import Pallas
 from llm_jax.backends.cpu.quantized import QuantizedPanels
 from llm_jax.cli.convert import main as convert_main
@@ -246,6 +248,48 @@ def test_forward_on_quantized_leaves_is_the_dequantized_forward(family, scheme):
         assert isinstance(weights["layers"]["mlp"]["down_proj"], QuantizedPanels)
     got = forward(weights, qconfig, tokens, backend="cpu")
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4, rtol=0)
+
+
+MOE_FAMILIES = {"mixtral": {"experts": Experts(num_experts=4, top_k=2)},
+                # a shared expert, and experts whose width (24) takes no panels: a mix of forms on the CPU kernels
+                "qwen2_moe": {"experts": Experts(num_experts=4, top_k=2, shared_d_ff=40), "d_ff": 24, "qkv_bias": True}}
+# Per-channel int8 (the int8 panel product); int4 with offsets (quant_matmul) beside leaves that take no panels;
+# int4 experts beside float ones (a mix keeps down_proj in floats).
+MOE_CASES = [("int8", "mixtral"), ("int4 g32 offsets", "qwen2_moe"), ("mixed", "mixtral")]
+
+
+@pytest.mark.parametrize("scheme, family", MOE_CASES)
+def test_moe_forward_on_quantized_leaves_is_the_dequantized_forward(family, scheme):
+    """A mixture's experts [L, E, D, F] quantized expert by expert, the router kept in floats (a shared
+    expert's projections as the dense MLP's): a prefill (many (token, expert) pairs: ragged_dot on the layer's
+    dequantized experts) and a decode-sized batch (few: each pair's expert gathered as integers, or read in the
+    stack by the CPU kernels) give the dequantized floats' forward on every backend and form."""
+    config = ModelConfig(**{**BASE, **MOE_FAMILIES[family]})
+    params = init_params(config, seed=3)
+    qconfig, qparams = quantize_params(params, config, SCHEMES[scheme])
+    moe, L, E = qparams["layers"]["moe"], config.n_layers, config.experts.num_experts
+    floats = {name for name, s in SCHEMES[scheme].projections if s is None}
+    assert isinstance(moe["router"], jax.Array) and not is_quantized(moe["router"])
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert is_quantized(moe[name]) == (name not in floats), name
+        assert not is_quantized(moe[name]) or (moe[name].lead, moe[name].shape) == ((L, E), params["layers"]["moe"][
+            name].shape)
+        if config.experts.shared_d_ff is not None:
+            assert is_quantized(moe[f"shared_{name}"]) == (name not in floats), name
+    weights = llm_jax.CpuKernels().prepare(qparams, qconfig)
+    assert isinstance(weights["layers"]["moe"]["up_proj"], QuantizedPanels) == (config.d_ff % 16 == 0)
+    for shape in ((2, 11), (1, 2)):  # 44 pairs of 4 experts, then 4
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, shape), jnp.int32)
+        expected = forward(dequantized(qparams), config, tokens, backend="xla")
+        for backend in ("xla", "cpu"):
+            got = forward(qparams, qconfig, tokens, backend=backend)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-5, rtol=0)
+        got = forward(weights, qconfig, tokens, backend="cpu")
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4, rtol=0)
+        program = str(jax.make_jaxpr(lambda w, t: forward(w, qconfig, t, backend="cpu"))(weights, tokens))
+        assert ("ragged_dot" in program) == (shape == (2, 11))
+        if shape == (1, 2) and cpu_kernels.available():  # the chosen experts' integers read by the kernels
+            assert "llm_jax_quant_matmul" in program or "llm_jax_matmul" in program
 
 
 def test_quantizing_twice_or_wrong_params_is_an_error():

@@ -2,8 +2,8 @@
 
 The multi-device tests run ``sharded_generation.py`` once in a subprocess with 8 simulated CPU devices
 (``XLA_FLAGS`` must be set before JAX starts) and check its report: greedy tokens and logits equal to one
-device's on meshes 1×8, 2×4, 4×2 and 8×1, params and cache laid out as the table says, and no collective
-touching the cache in the compiled decode loop.
+device's on meshes 1×8, 2×4, 4×2 and 8×1 (stories260K on the first two), params and cache laid out as the
+table says, and no collective touching the cache in the compiled decode loop.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from multi_device import PYTHON, REPO, computed_once, cpu_devices_env
 
 MESHES = ("data=1,model=8", "data=2,model=4", "data=4,model=2", "data=8,model=1")
 GQA = "tiny-gqa"
+# stories260K (loaded shard by shard from its .bin, a tied head, an MLP width no axis of 8 divides) runs on
+# the meshes that lay it out differently from the tiny GQA model; both take all four on the one device.
+STORIES_MESHES = MESHES[:2]
 PALLAS_MESH = "data=2,model=4"  # the tiny GQA model with Pallas attention, its kernels run per shard
 
 
@@ -143,7 +146,9 @@ def report(stories260k_dir, tmp_path_factory, worker_id) -> dict:
     def run() -> str:
         command = [PYTHON, str(REPO / "tests/llm_jax/sharded_generation.py"),
                    "--model", GQA, "--model", str(stories260k_dir / "stories260K.bin")]
-        command += [arg for mesh in MESHES for arg in ("--mesh", mesh)] + ["--pallas-mesh", PALLAS_MESH]
+        command += [arg for mesh in STORIES_MESHES for arg in ("--mesh", mesh)]
+        command += [arg for mesh in MESHES[2:] for arg in ("--first-model-mesh", mesh)]
+        command += ["--pallas-mesh", PALLAS_MESH]
         done = subprocess.run(command, env=cpu_devices_env(8), capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-4000:]
         return done.stdout
@@ -154,8 +159,8 @@ def report(stories260k_dir, tmp_path_factory, worker_id) -> dict:
     return report
 
 
-MODELS = (GQA, "stories260K")
-RUNS = [(model, mesh) for model in MODELS for mesh in MESHES] + [(GQA, f"{PALLAS_MESH}+pallas")]
+RUNS = [(GQA, mesh) for mesh in MESHES] + [("stories260K", mesh) for mesh in STORIES_MESHES] + [
+    (GQA, f"{PALLAS_MESH}+pallas")]
 
 
 def _sizes(run_name: str) -> tuple[int, int]:
@@ -235,8 +240,7 @@ def test_param_shardings(report, model, mesh):
     assert specs == {name: _trimmed(s) for name, s in EXPECTED_PARAMS[(model, mesh)].items()}
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model, mesh", [run for run in RUNS if "+" not in run[1]])
 def test_params_are_split_over_the_model_axis(report, model, mesh):
     """Each device holds 1/model of every weight matrix and all of every norm; nothing splits over data."""
     run = report[model][mesh]

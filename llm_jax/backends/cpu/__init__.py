@@ -5,7 +5,8 @@ and in the execution form of :mod:`llm_jax.backends.cpu.forms` (panels, fused q/
 canonical layout; attention reads the cache in place and scores only the keys each query sees; a decode
 step's key and value are written by the attention kernel itself; greedy steps read the LM head through
 its screen (:mod:`llm_jax.backends.cpu.greedy_head`); a mixture of experts' few (token, expert) pairs of a
-decode step read their experts where they lie in the stack. What the kernels do not cover (other dtypes,
+decode step read their experts where they lie in the stack (float panels, or quantized ones through the
+quantized products of :mod:`llm_jax.backends.cpu.quantized`). What the kernels do not cover (other dtypes,
 gradients, a mixture of experts' many pairs) is XLA's, as in :class:`llm_jax.backends.Xla`.
 """
 
@@ -28,6 +29,7 @@ from llm_jax.backends.cpu import forms, greedy_head, quantized
 from llm_jax.backends.cpu.forms import Fused, FusedPart, Panels
 from llm_jax.bits import as_bits, from_bits
 from llm_jax.config import Activation, ModelConfig
+from llm_jax.quantization import QuantizedArray
 
 Params = dict[str, Any]
 
@@ -107,13 +109,15 @@ class CpuKernels(Backend):
     def sorted_experts(self, x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.Array, gate_EDF: Any,
                        up_EDF: Any, down_EFD: Any, activation: Activation,
                        layer: jax.Array | None = None) -> jax.Array:
-        gate_EDF, up_EDF, down_EFD = (_canonical(w, layer) for w in (gate_EDF, up_EDF, down_EFD))
+        gate_EDF, up_EDF, down_EFD = (_canonical(w, layer, x_BTD.dtype) for w in (gate_EDF, up_EDF, down_EFD))
         return super().sorted_experts(x_BTD, weights_BTU, chosen_BTU, gate_EDF, up_EDF, down_EFD, activation)
 
     def chosen_experts(self, x_BTD: jax.Array, weights_BTU: jax.Array, chosen_BTU: jax.Array, gate_EDF: Any,
                        up_EDF: Any, down_EFD: Any, activation: Activation,
                        layer: jax.Array | None = None) -> jax.Array:
         ws = (gate_EDF, up_EDF, down_EFD)
+        if any(isinstance(w, quantized.QuantizedPanels) for w in ws):
+            return _chosen_quantized_experts(x_BTD, weights_BTU, chosen_BTU, ws, activation, layer, self.instructions)
         if not all(isinstance(w, (jax.Array, Panels)) and jnp.dtype(w.dtype) == jnp.dtype(gate_EDF.dtype) for w in ws) \
                 or jnp.dtype(gate_EDF.dtype) not in _KERNEL_DTYPES:
             return super().chosen_experts(x_BTD, weights_BTU, chosen_BTU, gate_EDF, up_EDF, down_EFD, activation,
@@ -312,9 +316,12 @@ def _xla_many(equations, x, ws, out_dtype, layer) -> list[jax.Array]:
     return out
 
 
-def _canonical(w: Any, layer) -> jax.Array:
+def _canonical(w: Any, layer, dtype) -> jax.Array | QuantizedArray:
     """A mixture's stack of experts [L, E, ...] (panels or the canonical layout) as layer ``layer``'s experts
-    [E, ...] in the canonical layout (panels unpacked: a copy); [E, ...] itself without a layer."""
+    [E, ...] in the canonical layout (panels unpacked: a copy; quantized panels dequantized into ``dtype``);
+    [E, ...] itself without a layer."""
+    if isinstance(w, quantized.QuantizedPanels):
+        return quantized.dequantized(w, layer, dtype)
     if isinstance(w, Panels):
         data = w.data if layer is None else base.layer_of(w.data, layer)
         return Panels(data, w.in_shape, w.out_shape).unpacked()
@@ -353,6 +360,65 @@ def _chosen_experts(x_BTD, weights_BTU, chosen_BTU, ws, activation: Activation, 
     _, y_RD = jax.lax.scan(row, None, (x_RD, matrix_R))
     y_RD = y_RD * weights_BTU.reshape(-1)[:, None]
     return jnp.sum(y_RD.reshape(B, T, U, D), axis=2).astype(x_BTD.dtype)
+
+
+def _chosen_quantized_experts(x_BTD, weights_BTU, chosen_BTU, ws, activation: Activation, layer,
+                              instructions: dict[str, bool]) -> jax.Array:
+    """:func:`_chosen_experts` for stacks of experts of which some are quantized panels: per row, its expert's
+    integers and scales read where they lie in the stack by ``quant_matmul`` (or the int8 panel product, per
+    channel), gate and up in one call where both are panels; a stack in another form (a quantized leaf whose
+    width takes no panels, floats a mix keeps) read as its expert's slice."""
+    B, T, D = x_BTD.shape
+    E, U = ws[0].shape[-3], chosen_BTU.shape[-1]
+    flat = [_one_stack(w) for w in ws]
+    expert_R = chosen_BTU.reshape(-1)
+    matrix_R = expert_R if layer is None else layer * E + expert_R
+    x_RD = jnp.repeat(x_BTD.reshape(B * T, D), U, axis=0)
+
+    def row(_, x_matrix):
+        x_D, matrix = x_matrix
+        gate_1F, up_1F = _expert_products(x_D[None], flat[:2], matrix, instructions)
+        h_1F = base.gated(gate_1F, up_1F, activation).astype(x_BTD.dtype)
+        (y_1D,) = _expert_products(h_1F, flat[2:], matrix, instructions)
+        return None, y_1D[0]
+
+    _, y_RD = jax.lax.scan(row, None, (x_RD, matrix_R))
+    y_RD = y_RD * weights_BTU.reshape(-1)[:, None]
+    return jnp.sum(y_RD.reshape(B, T, U, D), axis=2).astype(x_BTD.dtype)
+
+
+def _one_stack(w: Any) -> Any:
+    """A stack of experts [*lead, E, ...] in any form as one stack of matrices [prod(lead)·E, ...] (a reshape)."""
+    if isinstance(w, quantized.QuantizedPanels):
+        return quantized.one_stack(w)
+    if isinstance(w, QuantizedArray):
+        def flat(a):
+            return a.reshape(-1, *a.shape[-2:])
+
+        return dataclasses.replace(w, values=flat(w.values), scales=flat(w.scales),
+                                   offsets=None if w.offsets is None else flat(w.offsets))
+    if isinstance(w, Panels):
+        return dataclasses.replace(w, data=w.data.reshape(-1, *w.data.shape[-3:]))
+    return w.reshape(-1, *w.shape[-2:])
+
+
+def _expert_products(x_1K: jax.Array, ws: list[Any], matrix: jax.Array,
+                     instructions: dict[str, bool]) -> list[jax.Array]:
+    """x [1, K] times matrix ``matrix`` of each one-stack ``ws`` (:func:`_one_stack`): [1, N_i] float32 each."""
+    if all(isinstance(w, quantized.QuantizedPanels) for w in ws):
+        return quantized.products(x_1K, ws, jnp.float32, matrix)
+    out = []
+    for w in ws:
+        if isinstance(w, quantized.QuantizedPanels):
+            (y,) = quantized.products(x_1K, [w], jnp.float32, matrix)
+        elif isinstance(w, QuantizedArray):
+            y = base._einsum("RK,KN->RN", x_1K, w.layer(matrix), jnp.float32)
+        elif isinstance(w, Panels):
+            (y,) = cpu_kernels.matmuls(x_1K.astype(w.dtype), [w.data], panels=True, layer=matrix, **instructions)
+        else:
+            (y,) = cpu_kernels.matmuls(x_1K.astype(w.dtype), [w], layer=matrix, **instructions)
+        out.append(y)
+    return out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))

@@ -13,6 +13,10 @@ of float32's bytes per step:
   The kernels read 4-bit nibbles as ``u - 8``; the 4-bit offsets the panels hold are ``o + 8 s``, the
   same function (within float32 rounding).
 
+A mixture's experts [L, E, *in, *out] are held the same way ([L, E, N / 16, ...]); decode's kernels read
+each chosen expert in place as entry l·E + e of the stack seen as one (:func:`one_stack`), and a prefill
+dequantizes its layer's (:func:`dequantized`).
+
 A quantized LM head (an untied one, or the tied embedding table, whose rows the embedding lookup then
 gathers from the panels) is held the same way. A quantized table that is not the head stays a
 :class:`QuantizedArray`, whose rows the backend gathers as XLA does. A float LM head keeps its float panels
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 
 import cpu_kernels
 from llm_jax.config import ModelConfig
-from llm_jax.quantization import PROJECTIONS, QuantizedArray
+from llm_jax.quantization import QuantizedArray, projections
 
 Params = dict[str, Any]
 
@@ -75,11 +79,10 @@ def prepare(params: Params, config: ModelConfig) -> Params:
     """``params`` with each projection the kernels read in panels in that form, and a quantized LM head
     (others unchanged)."""
     layers = {name: dict(module) if isinstance(module, dict) else module for name, module in params["layers"].items()}
-    for module, names in PROJECTIONS.items():
-        for name in names:
-            w = layers[module][name]
-            if takes_panels(w):
-                layers[module][name] = _as_panels(w)
+    for module, name, _ in projections(config):
+        w = layers[module][name]
+        if takes_panels(w):
+            layers[module][name] = _as_panels(w)
     out = {**params, "layers": layers}
     head = out.get("lm_head")
     if takes_panels(head):
@@ -115,6 +118,30 @@ def table_rows(table: QuantizedPanels, tokens_BT: jax.Array, out_dtype) -> jax.A
     if table.offsets is not None:
         x = x + jnp.repeat(lanes(table.offsets), table.group_size, axis=-1)[:, :D]
     return x.reshape(*tokens_BT.shape, D).astype(out_dtype)
+
+
+def one_stack(w: QuantizedPanels) -> QuantizedPanels:
+    """``w`` [*lead, ...] as one stack [prod(lead), ...] (a reshape, no copy): expert e of layer l of a mixture's
+    experts [L, E, ...] is entry l·E + e, which :func:`products` reads in place as its ``layer``."""
+    def flat(a):
+        return a.reshape(-1, *a.shape[-3:])
+
+    return dataclasses.replace(w, data=flat(w.data), scales=flat(w.scales),
+                               offsets=None if w.offsets is None else flat(w.offsets))
+
+
+def dequantized(w: QuantizedPanels, layer: jax.Array | None, dtype) -> jax.Array:
+    """The array [*lead, *in, *out] that ``w`` (layer ``layer`` of its stack, where given: [*lead[1:], ...])
+    stands for as the kernels read it (4 bits: ``u - 8``, plus the kernels' offsets), in ``dtype``."""
+    def at(a):
+        return a if layer is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
+
+    values, scales = cpu_kernels.from_panels(at(w.data)), cpu_kernels.from_panels(at(w.scales))
+    K = math.prod(w.in_shape)
+    x = QuantizedArray(values, scales, (K,), (values.shape[-1],), w.bits, w.group_size).dequantize(jnp.float32)
+    if w.offsets is not None:
+        x = x + jnp.repeat(cpu_kernels.from_panels(at(w.offsets)), w.group_size, axis=-2)[..., :K, :]
+    return x.reshape(*x.shape[:-2], *w.in_shape, *w.out_shape).astype(dtype)
 
 
 _panels = jax.jit(cpu_kernels.to_panels)

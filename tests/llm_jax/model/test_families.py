@@ -47,6 +47,13 @@ PHI3_ROPE = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor
 PHI3_LONGROPE = llm_jax.LongRope(short_factor=(1.1, 0.8, 1.7), long_factor=(2.5, 7.0, 19.0),
                                  original_max_position_embeddings=8,
                                  attention_factor=math.sqrt(1 + math.log(128 / 8) / math.log(8)))
+# OLMo 3's two RoPEs (as transformers 5 writes them): the global layer's linearly scaled, the local one's plain,
+# bases far apart.
+OLMO3_ROPE = dict(full_attention=dict(rope_type="linear", rope_theta=50000.0, factor=8.0),
+                  sliding_attention=dict(rope_type="default", rope_theta=100.0))
+# Qwen3's long-context YaRN (factor 4), from an original context of 1024 so that the ramp between the correction
+# dimensions lies inside the 8 rotary frequencies (YaRN is static: the sequence length does not pick it).
+QWEN3_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=1024)
 # No special tokens: greedy continuations must run the full 32 tokens on both sides.
 COMMON = dict(vocab_size=160, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=128,
               rms_norm_eps=1e-6, initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -79,6 +86,10 @@ FAMILIES = {
     "qwen3_qk_norm": Family(
         transformers.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16),
         dict(qk_norm=True, head_dim=16)),
+    "qwen3_yarn": Family(
+        transformers.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       rope_parameters=QWEN3_YARN),
+        dict(qk_norm=True, rope_scaling=llm_jax.YarnRope(factor=4.0, original_max_position_embeddings=1024))),
     "gemma_mqa": Family(
         transformers.GemmaConfig, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16),
         dict(norm_weight_offset=1.0, embed_scale=True, activation=llm_jax.Activation.GELU_TANH, head_dim=16,
@@ -103,10 +114,20 @@ FAMILIES = {
         dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=9, partial_rotary_factor=0.75,
              original_max_position_embeddings=8, rope_parameters=PHI3_ROPE),
         dict(rotary_dim=6, sliding_window=9, sliding_layers=None, rope_scaling=PHI3_LONGROPE)),
+    # Norms after attention and the MLP only; q/k norms over all heads at once.
+    "olmo2_post_norm_qk_all_heads": Family(
+        transformers.Olmo2Config, dict(num_attention_heads=4, num_key_value_heads=2),
+        dict(pre_norm=False, sandwich_norm=True, qk_norm=True, qk_norm_scope=llm_jax.QKNormScope.ALL_HEADS,
+             norm_eps=1e-6, sliding_window=None)),
+    # OLMo 2's layers, a local one (its own plain RoPE) before a global one.
+    "olmo3_local_global": Family(
+        transformers.Olmo3Config,
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=6,
+             layer_types=["sliding_attention", "full_attention"], rope_parameters=OLMO3_ROPE),
+        dict(pre_norm=False, qk_norm_scope=llm_jax.QKNormScope.ALL_HEADS, sliding_window=6,
+             sliding_layers=(True, False), rope_theta=50000.0, rope_scaling=llm_jax.LinearRope(factor=8.0),
+             sliding_rope_theta=100.0)),
 }
-
-
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
 
 
 def build(family: Family, folder, seed: int = 0):
@@ -207,9 +228,10 @@ def test_greedy_decode_matches_transformers_and_full_forward(case):
 # so their logits differ by a few bfloat16 units and greedy continuations may part where two logits are
 # that close. The reference is the float32 forward on the same bfloat16 weights: llm_jax's error against
 # it may be at most these multiples of transformers' bfloat16 error. Measured over the eight families
-# (forward and decode): mean 0.70–1.08×, max 0.45–1.24×. Roundings transformers itself makes (RoPE's
-# tables, the norm's rsqrt) stay within them; RMSNorm computed wholly in bfloat16 raises the means by
-# 15–25 % and fails one family; errors of a wrong dtype in a product or a softmax are far larger.
+# (forward and decode): mean 0.70–1.08×, max 0.45–1.24×; OLMo 2 and 3: mean 0.84–0.90×, max 0.92–1.34×.
+# Roundings transformers itself makes (RoPE's tables, the norm's rsqrt) stay within them; RMSNorm computed
+# wholly in bfloat16 raises the means by 15–25 % and fails one family; errors of a wrong dtype in a product or
+# a softmax are far larger.
 BF16_MEAN_RATIO, BF16_MAX_RATIO = 1.25, 1.5
 
 
@@ -275,6 +297,13 @@ SWITCHES_OFF = {
                                     dict(sliding_rope_theta=None),  # the local layer rotating as the global one
                                     dict(rope_scaling=llm_jax.DefaultRope()),
                                     dict(qk_norm=False), dict(query_pre_attn_scalar=None)],
+    "qwen3_yarn": [dict(rope_scaling=dataclasses.replace(FAMILIES["qwen3_yarn"].expect["rope_scaling"],
+                                                         attention_factor=1.0)),
+                   dict(rope_scaling=dataclasses.replace(FAMILIES["qwen3_yarn"].expect["rope_scaling"],
+                                                         truncate=False)),
+                   dict(rope_scaling=llm_jax.LinearRope(factor=4.0))],
+    "olmo3_local_global": [dict(sliding_window=None, sliding_layers=None, sliding_rope_theta=None),
+                           dict(sliding_rope_theta=None), dict(rope_scaling=llm_jax.DefaultRope())],
 }
 
 

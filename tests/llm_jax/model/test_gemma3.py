@@ -28,8 +28,6 @@ GEMMA3_VOCAB = COMMON["vocab_size"]
 TINY_VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
                    patch_size=14)
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
-
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):

@@ -5,7 +5,8 @@ gate scales). Tiny random models with their routers scaled up, so that each toke
 routing bug moves the logits: logits of the full forward, greedy tokens of batched prompts of different lengths
 (default backend and XLA), the logprobs of sampled tokens, the serving engine, speculative decoding, a mesh of 4
 CPU devices, the checkpoint round trip; decode's path (each (token, expert) pair's expert read alone) against
-the ragged_dot path, and that decode takes it; and what is refused. Expected values come from ``transformers``
+the ragged_dot path, and that decode takes it; quantized experts (int8, int4) loaded, converted, sharded, run
+by the CPU kernels as by XLA, and close to float; and what is refused. Expected values come from ``transformers``
 only."""
 
 from __future__ import annotations
@@ -21,19 +22,23 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from jax.sharding import AbstractMesh, PartitionSpec
 
 import llm_jax
 from llm_jax.backends import CpuKernels, Xla
 from llm_jax.backends.base import route, sparse_experts
 from llm_jax.backends.cpu.forms import Panels
-from llm_jax.config import Activation, ConfigError, Experts
+from llm_jax.cli.convert import main as convert_main
+from llm_jax.config import Activation, ConfigError, Experts, Quantization
 from llm_jax.decoding import DecodeControls, decode, start
 from llm_jax.kv_cache import init_cache
 from llm_jax.lora import LoraAdapter, merge_lora
 from llm_jax.model import forward
 from llm_jax.prefilling import pad_prompts, prefill
+from llm_jax.quantization import QuantizedArray
 from llm_jax.sampling import GREEDY
 from llm_jax.serving.engine import Engine
+from llm_jax.sharding import param_specs
 from llm_jax.weights.checkpoint import load_checkpoint
 from llm_jax.weights.convert import convert
 from llm_jax.weights.hf_config import config_from_hf
@@ -61,8 +66,6 @@ FAMILIES = {
                        qkv_bias=True)),
 }
 ROUTER_SCALE = 4.0
-
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,10 +312,70 @@ def test_sharded_generation_gives_transformers_tokens(case):
         assert ids == expected, spec
 
 
+def mean_kl(logits_p, logits_q) -> float:
+    """The mean over positions of KL(p || q) of the next-token distributions of two sets of logits [..., V]."""
+    log_p, log_q = jax.nn.log_softmax(jnp.asarray(logits_p), -1), jax.nn.log_softmax(jnp.asarray(logits_q), -1)
+    return float(jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)))
+
+
+# Mean KL(float || quantized) of the next-token distributions over 56 positions of each family's tiny random
+# model (transformers' float32 logits for reference; d_model 32, routers scaled up, so a rounding moves some
+# tokens' choice of experts): measured 2.3e-4 to 6.1e-4 (int8), 2.1e-2 to 7.3e-2 (int4, groups of 32).
+KL_BOUNDS = {"int8": 2e-3, "int4": 0.2}
+
+
+@pytest.mark.parametrize("scheme", sorted(KL_BOUNDS))
+def test_quantized_experts_load_run_and_stay_close(case, scheme):
+    """``load(..., quantize=)``: every projection an integer leaf (the experts [L, E, ...] expert by expert, the
+    shared expert's as the dense MLP's), the router in floats. Greedy tokens on the CPU kernels (the experts'
+    integers read in the stack) equal XLA's (the chosen experts' integers gathered); a decode step reads only
+    its chosen experts through the quantized kernels; the next-token distributions stay close to float's."""
+    model = llm_jax.load(case.folder, dtype="float32", quantize=scheme)
+    L, E = COMMON["num_hidden_layers"], 8
+    moe = model.params["layers"]["moe"]
+    assert isinstance(moe["router"], jax.Array)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        assert isinstance(moe[name], QuantizedArray) and moe[name].lead == (L, E), name
+        assert model.config.experts.shared_d_ff is None or isinstance(moe[f"shared_{name}"], QuantizedArray)
+    xla = model.with_backend("xla")
+    outputs = {b: [r.output_ids for r in llm_jax.generate(m, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)]
+               for b, m in (("cpu", model), ("xla", xla))}
+    assert outputs["cpu"] == outputs["xla"]
+    decoding, prefilling = _decode_and_prefill_programs(model, model.backend)
+    assert "ragged_dot" not in decoding and "ragged_dot" in prefilling
+    if cpu_kernels.available():
+        assert ("llm_jax_quant_matmul" if scheme == "int4" else "llm_jax_matmul") in decoding
+    ids = tokens(0, (2, 28))
+    run = jax.jit(forward, static_argnums=1, static_argnames="backend")
+    kl = mean_kl(torch_logits(case.torch_model, ids), run(xla.weights, xla.config, ids, backend=xla.backend))
+    print(f"{case.name} {scheme}: mean KL(float || quantized) {kl:.2e}")
+    assert kl <= KL_BOUNDS[scheme]
+
+
+def test_quantized_checkpoint_round_trip_and_sharded(case, tmp_path):
+    """The converter's ``--quantize int4`` stores the experts' integer leaves, which load back as the leaves
+    ``load(..., quantize=)`` makes; laid out on 4 CPU devices (each expert's hidden width split over the model
+    axis, its integers and scales alike), they give one device's greedy tokens."""
+    quantization = Quantization(bits=4, group_size=32)
+    assert convert_main([str(case.folder), str(tmp_path / "q"), "--dtype", "float32", "--quantize", "int4",
+                         "--quiet"]) == 0
+    config, params, _ = load_checkpoint(tmp_path / "q")
+    direct = llm_jax.load(case.folder, dtype="float32", quantize=quantization, backend="xla")
+    assert config == direct.config and config.quantization == quantization
+    ours = leaves_by_path(direct.params)
+    assert set(leaves_by_path(params)) == set(ours)
+    for path, leaf in leaves_by_path(params).items():
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(ours[path]), err_msg=str(path))
+    if case.name != "mixtral":  # one family suffices for the layout
+        return
+    gate = param_specs(params, AbstractMesh((1, 4), ("data", "model")))["layers"]["moe"]["gate_proj"]
+    assert gate.values == gate.scales == PartitionSpec(None, None, None, "model")  # [L, E, D / 2, F]: F split
+    expected = [r.output_ids for r in llm_jax.generate(direct, PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True)]
+    assert sharded_greedy(tmp_path / "q", PROMPTS, NEW_TOKENS, ["model=4"]) == {"model=4": expected}
+
+
 def test_unsupported_uses_are_refused(case, tmp_path):
     model = case.model
-    with pytest.raises(ConfigError, match="quantization of mixture-of-experts weights is not supported"):
-        llm_jax.load(case.folder, dtype="float32", quantize="int8")
     adapter = LoraAdapter(name="a", weights={"q_proj": (np.zeros((2, 32, 4), np.float32),
                                                         np.zeros((2, 4, 32), np.float32))})
     with pytest.raises(ValueError, match="LoRA adapters on mixture-of-experts models are not supported"):

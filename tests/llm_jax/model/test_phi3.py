@@ -26,6 +26,7 @@ from llm_jax.model import forward
 from llm_jax.quantization import is_quantized
 from llm_jax.serving.engine import Engine
 from llm_jax.weights.hf_config import config_from_hf
+from tests.hf_models import save_random_model
 from tests.llm_jax.model.test_families import ATOL, greedy_decode
 
 ORIG = 16  # the long checkpoint's original_max_position_embeddings
@@ -42,21 +43,10 @@ CHECKPOINTS = {
 }
 BACKENDS = ["cpu", "xla"]
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
-
 
 def build(folder, fields: dict, cls=transformers.Phi3ForCausalLM, seed: int = 0, **extra):
     """A random Phi-3 checkpoint saved to ``folder``; its norms perturbed away from 1."""
-    config = transformers.Phi3Config(**{**COMMON, **fields, **extra})
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = cls(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.4 * torch.randn_like(param))
-    model.save_pretrained(folder)
-    return model
+    return save_random_model(folder, transformers.Phi3Config(**{**COMMON, **fields, **extra}), make=cls, seed=seed)
 
 
 @pytest.fixture(scope="module")

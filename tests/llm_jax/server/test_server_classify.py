@@ -24,8 +24,6 @@ ATOL = 1e-4
 LABELS = {0: "happy", 1: "sad", 2: "neutral"}
 TEXTS = ["Once upon a time, there was a little dog.", "The cat was sad.", "Tom and Lily went to the park to play."]
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")
-
 
 @pytest.fixture(scope="module")
 def classifier(stories260k_dir, compile_cache, tmp_path_factory):

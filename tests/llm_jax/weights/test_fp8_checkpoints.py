@@ -33,7 +33,6 @@ from llm_jax.model import forward
 from llm_jax.weights.layout import WeightsError
 from tests.llm_jax.weights.compressed_checkpoints import assert_greedy_tokens_equal
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")
 
 ATOL = 1e-4
 TOKENS = np.array([[1, 5, 9, 20, 33, 2, 60, 71, 8, 44, 90]])

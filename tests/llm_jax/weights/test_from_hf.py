@@ -57,7 +57,7 @@ def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(ConfigError, match=r"unsupported architectures \['FalconForCausalLM'\]; supported: .*"
                                           r"'Gemma2ForCausalLM'.*'LlamaForCausalLM'.*'Qwen3ForCausalLM'"):
         config_from_hf(hf_config("FalconForCausalLM"))
-    assert len(ARCHITECTURES) == 12
+    assert len(ARCHITECTURES) == 14
 
 
 def test_qwen_sliding_window_fields():
@@ -133,7 +133,7 @@ def test_gemma3_refusals(fields, message):
     ("LlamaForCausalLM", dict(hidden_act="relu"), "hidden_act='relu' is not supported"),
     ("LlamaForCausalLM", dict(attention_bias=True), "attention_bias=true is not supported"),
     ("Qwen3ForCausalLM", dict(attention_bias=True), "attention_bias=true is not supported"),
-    ("LlamaForCausalLM", dict(rope_parameters=dict(rope_type="yarn", factor=4.0)), "rope scaling type 'yarn'"),
+    ("LlamaForCausalLM", dict(rope_parameters=dict(rope_type="dynamic", factor=4.0)), "rope scaling type 'dynamic'"),
     ("MistralForCausalLM", dict(num_attention_heads=None), "missing field|num_attention_heads"),
 ])
 def test_unsupported_config_values(architecture, fields, message):

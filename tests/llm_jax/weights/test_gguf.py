@@ -194,9 +194,6 @@ GGUF_FAMILIES = {
 }
 
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """``built(name)``: (name, folder, torch model) of a family's tiny model, saved in ``folder / "hf"`` once."""
@@ -582,10 +579,10 @@ def test_unsupported_tensor_type_is_named(tiny_hf, tmp_path):
 
 
 def test_unsupported_metadata_is_named(tiny_hf, tmp_path):
-    yarn = write_gguf(tmp_path / "yarn.gguf", tiny_hf, extra=lambda w: (
-        w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)))
-    with pytest.raises(ConfigError, match="unsupported rope scaling type 'yarn'"):
-        llm_jax.load(yarn)
+    longrope = write_gguf(tmp_path / "longrope.gguf", tiny_hf, extra=lambda w: (
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE), w.add_rope_scaling_factor(4.0)))
+    with pytest.raises(ConfigError, match="unsupported rope scaling type 'longrope'; supported: none, linear, yarn"):
+        llm_jax.load(longrope)
     partial = write_gguf(tmp_path / "partial.gguf", tiny_hf, rope_dims=4)
     with pytest.raises(ConfigError, match="partial rotary"):
         llm_jax.load(partial)

@@ -6,8 +6,9 @@ experts stacked, ``ffn_{gate,up}_exps`` [E, F, D] and ``ffn_down_exps`` [E, D, F
 The reference files are written here from tiny random ``transformers`` models (routers scaled up, so that
 tokens prefer a few experts and a routing bug moves the logits), following ``convert_hf_to_gguf.py``'s rules
 (our code, as ``test_gguf.py``'s writer): logits and greedy ids against ``transformers``; llm_jax's writer
-against these files, tensor for tensor; block-typed experts load only as floats, with ``dequantize``; and
-what llama.cpp would run otherwise is refused by name. Expected values come from ``transformers`` and the
+against these files, tensor for tensor; block-typed experts (Q8_0, Q4_0, and Q4_K / Q6_K as a Q4_K_M file
+holds them) load as quantized leaves holding the file's blocks, floats with ``dequantize``; and what
+llama.cpp would run otherwise is refused by name. Expected values come from ``transformers`` and the
 ``gguf`` package only.
 """
 
@@ -19,6 +20,7 @@ import pathlib
 import re
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,12 +30,15 @@ from safetensors.numpy import load_file
 
 import llm_jax
 from llm_jax.config import ConfigError, Experts
+from llm_jax.model import forward
+from llm_jax.quantization import is_quantized
+from llm_jax.weights import gguf_blocks
 from llm_jax.weights.from_gguf import load_gguf, read_gguf_config
 from llm_jax.weights.layout import WeightsError
 from llm_jax.weights.placement import leaves_by_path
 from llm_jax.weights.to_gguf import encode, save_gguf
 from tests.llm_jax.model.test_families import greedy_decode, jit_forward, tokens, torch_greedy
-from tests.llm_jax.weights.test_gguf import gguf_name, meta_interleave, torch_logits
+from tests.llm_jax.weights.test_gguf import gguf_name, meta_interleave, random_blocks, torch_logits
 
 ATOL = 1e-4  # float32 max |Δlogit| against transformers
 Q = gguf.GGMLQuantizationType
@@ -65,14 +70,14 @@ EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps
 EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
 ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
 
-pytestmark = pytest.mark.usefixtures("single_threaded_torch")  # tests/llm_jax/conftest.py
-
 
 def write_moe_gguf(path: pathlib.Path, hf_folder: pathlib.Path, qtype=Q.F32, *, extra=None,
-                   arch: str | None = None) -> pathlib.Path:
+                   arch: str | None = None, replace: dict | None = None) -> pathlib.Path:
     """A GGUF of the Hugging Face mixture of experts as ``convert_hf_to_gguf.py`` writes it: ``expert_count``,
     ``expert_used_count`` (and ``qwen3moe``'s ``expert_feed_forward_length``); each layer's experts stacked
-    along a first axis, in ``qtype``; routers, norms F32; ``llama`` q/k rows in Meta's interleaved layout."""
+    along a first axis, in ``qtype``; routers, norms F32; ``llama`` q/k rows in Meta's interleaved layout.
+    ``replace``: {stacked experts' tensor name: (raw blocks, type)} written in their place."""
+    replace = replace or {}
     hf = json.loads((hf_folder / "config.json").read_text())
     arch = arch or {"MixtralForCausalLM": "llama", "Qwen3MoeForCausalLM": "qwen3moe"}[hf["architectures"][0]]
     n_heads, n_kv, head_dim = hf["num_attention_heads"], hf["num_key_value_heads"], hf["head_dim"]
@@ -111,8 +116,9 @@ def write_moe_gguf(path: pathlib.Path, hf_folder: pathlib.Path, qtype=Q.F32, *, 
         data, raw = encode(x, qtype.name if x.ndim == 2 else "F32")
         w.add_tensor(gguf_name(name, arch), data, raw_dtype=raw)
     for (layer, stacked), by_expert in sorted(experts.items()):
-        data, raw = encode(np.stack([by_expert[i] for i in range(n_experts)]), qtype.name)
-        w.add_tensor(f"blk.{layer}.{stacked}.weight", data, raw_dtype=raw)
+        name = f"blk.{layer}.{stacked}.weight"
+        data, raw = replace.get(name) or encode(np.stack([by_expert[i] for i in range(n_experts)]), qtype.name)
+        w.add_tensor(name, data, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -216,17 +222,9 @@ def test_written_file_is_the_converters_and_reads_back(case):
         np.testing.assert_array_equal(leaves_by_path(params)[path], np.asarray(x), err_msg=str(path))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
-def test_block_typed_experts_load_only_as_floats(case, qtype):
-    """llm_jax has no quantized mixture-of-experts leaves: a Q8_0 / Q4_0 file is refused, naming the expert
-    tensors, their type and ``dequantize``; with it, every tensor is the ``gguf`` package's dequantization."""
-    path = write_moe_gguf(case.folder / f"{qtype.name}.gguf", case.folder / "hf", qtype)
-    with pytest.raises(ConfigError, match=rf"a mixture of experts stored in ggml block types \['{qtype.name}'\] "
-                                          rf"\(blk.0.ffn_down_exps.weight \({qtype.name}\), .*no quantized leaves"
-                                          r".* [0-9.]+ kB in bfloat16.*pass dequantize=True"):
-        llm_jax.load(path)
-    model = llm_jax.load(path, dequantize=True)
-    assert model.config.quantization is None and model.config.param_dtype == "float32"
+def check_experts_are_the_files(model, path) -> None:
+    """Each layer's router (float32) and each expert's quantized leaf, dequantized, equal to the ``gguf``
+    package's dequantization of the file's tensors, bit for bit."""
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
     moe = model.params["layers"]["moe"]
     for layer in range(model.config.n_layers):
@@ -235,9 +233,68 @@ def test_block_typed_experts_load_only_as_floats(case, qtype):
         for ours, name in [("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")]:
             t = tensors[f"blk.{layer}.{name}.weight"]
             theirs = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).swapaxes(1, 2)
-            np.testing.assert_array_equal(np.asarray(moe[ours][layer]), theirs, err_msg=f"{layer} {ours}")
+            leaf = moe[ours]
+            assert is_quantized(leaf) and leaf.lead == (model.config.n_layers, model.config.experts.num_experts)
+            np.testing.assert_array_equal(np.asarray(leaf.layer(layer).dequantize()), theirs, err_msg=f"{layer} {ours}")
+
+
+def logits_against_floats(model, floats, name: str) -> None:
+    """The quantized model's logits (XLA's, and the CPU kernels' on their form) against the dequantized
+    model's: float32, within 1e-4 of the logits' scale."""
+    ids = tokens(model.config.vocab_size, 0, 28)
+    run = jax.jit(forward, static_argnums=1, static_argnames="backend")
+    expected = np.asarray(run(floats.params, floats.config, jnp.asarray(ids), backend="xla"))
+    scale = float(np.abs(expected).max())
+    for backend in ("xla", "cpu"):
+        on = model.with_backend(backend)
+        delta = float(np.abs(np.asarray(run(on.weights, on.config, jnp.asarray(ids), backend=on.backend))
+                             - expected).max())
+        print(f"{name} {backend}: max |Δlogit| {delta:.2e} of logits up to {scale:.2f}")
+        assert delta <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0], ids=lambda q: q.name)
+def test_block_typed_experts_load_as_their_integers(case, qtype):
+    """A Q8_0 / Q4_0 file loads without ``dequantize``: the experts (and every other matrix) quantized leaves
+    holding the file's blocks, which dequantize to the ``gguf`` package's floats bit for bit, the router in
+    floats; the logits are the dequantized model's. ``dequantize=True`` still gives floats, bfloat16 too."""
+    path = write_moe_gguf(case.folder / f"{qtype.name}.gguf", case.folder / "hf", qtype)
+    model = llm_jax.load(path)
+    scheme = gguf_blocks.SCHEMES[qtype.name]
+    assert model.config.quantization.plain == scheme and model.config.quantization.projections == ()
+    check_experts_are_the_files(model, path)
+    floats = llm_jax.load(path, dequantize=True)
+    assert floats.config.quantization is None and floats.config.param_dtype == "float32"
+    moe = leaves_by_path(floats.params["layers"]["moe"])
+    assert all(not is_quantized(x) for x in moe.values())
+    logits_against_floats(model, floats, f"{case.name} {qtype.name}")
     bf16 = llm_jax.load(path, dequantize=True, dtype="bfloat16")
     assert bf16.config.param_dtype == "bfloat16" and bf16.params["layers"]["moe"]["up_proj"].dtype == jnp.bfloat16
+
+
+def test_k_quant_experts_load_as_their_integers(tmp_path):
+    """Experts as llama.cpp's Q4_K_M files hold them (rows of whole super-blocks: d_model and the experts'
+    width 256): gate and up Q4_K (4 bits with offsets, groups of 32), down Q6_K (8 bits, groups of 16), the
+    rest Q8_0. Each projection in its type's scheme, the blocks held exactly; the dequantized model's logits."""
+    config = transformers.MixtralConfig(**{**COMMON, "hidden_size": 256, "num_hidden_layers": 1},
+                                        num_local_experts=4, intermediate_size=256, head_dim=64)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    rng = np.random.default_rng(5)
+    replace = {}
+    for name, qtype in (("ffn_gate_exps", Q.Q4_K), ("ffn_up_exps", Q.Q4_K), ("ffn_down_exps", Q.Q6_K)):
+        # scales small enough that the weights are of the usual size (the largest codes are ~64 · 16 steps)
+        blocks = random_blocks(rng, qtype, 4 * 256, 256, scale=2e-4)
+        replace[f"blk.0.{name}.weight"] = (blocks.reshape(4, 256, -1), qtype)
+    path = write_moe_gguf(tmp_path / "q4_k_m.gguf", tmp_path / "hf", Q.Q8_0, replace=replace)
+    model = llm_jax.load(path)
+    quantization = model.config.quantization
+    assert quantization.plain == gguf_blocks.SCHEMES["Q8_0"]
+    assert dict(quantization.projections) == {"gate_proj": gguf_blocks.SCHEMES["Q4_K"],
+                                              "up_proj": gguf_blocks.SCHEMES["Q4_K"],
+                                              "down_proj": gguf_blocks.SCHEMES["Q6_K"]}
+    check_experts_are_the_files(model, path)
+    logits_against_floats(model, llm_jax.load(path, dequantize=True), "mixtral Q4_K/Q6_K")
 
 
 # --- refusals --------------------------------------------------------------------------------------------------
