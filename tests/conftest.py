@@ -74,31 +74,11 @@ def _compiled_programs_released():
         gc.collect()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _programs_shared_by_the_run(tmp_path_factory):
-    """JAX's persistent compilation cache in a folder of this run, shared by its test workers: a program
-    one test compiled (an engine's step for the same model and buckets, a decode loop of the same shapes)
-    is loaded by the next test that needs it, in this worker or the other, instead of compiled again (a
-    quarter of the serving tests' compilations). Tests never rely on a program being compiled afresh;
-    those that test the cache itself use folders of their own."""
-    import jax
-    from jax._src import compilation_cache
-
-    base = tmp_path_factory.getbasetemp()
-    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla_cache"
-    folder.mkdir(exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    compilation_cache.reset_cache()
-    yield
-
-
 @pytest.fixture(autouse=True)
 def _persistent_cache_left_as_found():
-    """A command run in this process (``generate``'s ``main``) points JAX's persistent compilation cache at
-    its own folder for the whole process; after the test it points at the run's folder again, so that later
-    tests write nothing to the user's cache folder."""
+    """A command run in this process (``generate``'s ``main``) turns JAX's persistent compilation cache on
+    for the whole process; after the test it is turned off again, so that later tests compile as they
+    would alone and write nothing to the user's cache folder."""
     jax = sys.modules.get("jax")
     before = None if jax is None else jax.config.jax_compilation_cache_dir
     yield
